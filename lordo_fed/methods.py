@@ -1,0 +1,119 @@
+"""The training methods this framework runs, and how each one is assembled from the library.
+
+Every method is the same machinery with different choices (shared/docs/ALGORITHM.md,
+"Relatives worth supporting as baselines"):
+
+| method        | sync          | inner optimizer            | states averaged (K_u, K_v) | outer    |
+|---------------|---------------|----------------------------|----------------------------|----------|
+| ddp           | grads / step  | AdamW                      | -                          | -        |
+| lowrank_ddp   | grads / step  | LoRDO (projection refit from the all-reduced gradient) | - | - |
+| diloco        | Δ / K steps   | AdamW                      | never                      | Nesterov |
+| local_adam    | Δ / K steps   | AdamW                      | every round                | average  |
+| desloc        | Δ / K steps   | AdamW                      | K_u = 3, K_v = 6 rounds    | average  |
+| lordo_global  | Δ / K steps   | LoRDO, server projections  | every round                | `outer`  |
+| lordo_local   | Δ / K steps   | LoRDO, worker projections  | never (bases differ)       | `outer`  |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lordo_fed.aggregator import Aggregator
+from lordo_fed.data import TokenShard
+from lordo_fed.model import lowrank_parameter_names
+from lordo_fed.optim.config import InnerConfig, build_inner_optimizer
+from lordo_fed.outer import OuterConfig, build_outer_optimizer
+from lordo_fed.projection import get_projection_method
+from lordo_fed.rounds import RoundConfig
+from lordo_fed.worker import Worker
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What makes a method: how workers sync and which of the shared settings it overrides."""
+
+    loop: str
+    """'ddp' (gradient all-reduce every step) or 'rounds' (K local steps, then Δ)."""
+    inner: dict = field(default_factory=dict)
+    """Overrides of InnerConfig."""
+    sync: tuple[int, int] | None = None
+    """(K_u, K_v) moment-sync periods; None keeps the RoundConfig's."""
+    diloco_outer: bool = False
+    """Use the `diloco_outer` settings (Nesterov) instead of `outer`."""
+
+
+METHODS: dict[str, MethodSpec] = {
+    "ddp": MethodSpec("ddp", {"name": "adamw"}),
+    "lowrank_ddp": MethodSpec("ddp", {"name": "lordo", "projection": "local"}),
+    "diloco": MethodSpec("rounds", {"name": "adamw"}, sync=(0, 0), diloco_outer=True),
+    "local_adam": MethodSpec("rounds", {"name": "adamw"}, sync=(1, 1)),
+    "desloc": MethodSpec("rounds", {"name": "adamw"}, sync=(3, 6)),
+    "lordo_global": MethodSpec("rounds", {"name": "lordo", "projection": "global"}),
+    "lordo_local": MethodSpec("rounds", {"name": "lordo", "projection": "local"}, sync=(0, 0)),
+}
+
+
+@dataclass
+class MethodSettings:
+    """The concrete settings of one method, after its overrides."""
+
+    name: str
+    loop: str
+    inner: InnerConfig
+    rounds: RoundConfig
+    outer: OuterConfig
+
+
+def resolve_method(name: str, inner: InnerConfig, rounds: RoundConfig, outer: OuterConfig,
+                   diloco_outer: OuterConfig | None = None) -> MethodSettings:
+    """Apply method `name`'s overrides to the shared settings and validate the result."""
+    if name not in METHODS:
+        raise ValueError(f"method {name!r}: expected one of {sorted(METHODS)}")
+    spec = METHODS[name]
+    inner = dataclasses.replace(inner, **spec.inner).validate()
+    if spec.sync is not None:
+        rounds = dataclasses.replace(rounds, sync_exp_avg_every=spec.sync[0], sync_exp_avg_sq_every=spec.sync[1])
+    rounds.validate()
+    if inner.name == "lordo" and inner.projection == "local" and spec.loop == "rounds" and (
+            rounds.sync_exp_avg_every or rounds.sync_exp_avg_sq_every):
+        raise ValueError(
+            f"method {name}: with inner.projection='local' every worker has its own basis, so averaging "
+            "low-rank moments mixes bases; set rounds.sync_exp_avg_every=0 and rounds.sync_exp_avg_sq_every=0"
+        )
+    chosen = diloco_outer if (spec.diloco_outer and diloco_outer is not None) else outer
+    return MethodSettings(name, spec.loop, inner, rounds, chosen)
+
+
+def lowrank_ranks(model: nn.Module, pattern: str, rank: int, inner_name: str) -> dict[str, int]:
+    """Low-rank parameter name -> rank, for the parameters that actually take the low-rank step."""
+    if inner_name != "lordo":
+        return {}
+    params = dict(model.named_parameters())
+    return {n: rank for n in lowrank_parameter_names(model, pattern) if rank < min(params[n].shape)}
+
+
+def make_worker(worker_id: int, model: nn.Module, settings: MethodSettings, shard: TokenShard, lowrank: list[str],
+                total_steps: int, batch_size: int, seq_len: int, seed: int) -> Worker:
+    """A worker with its own inner optimizer over (possibly shared) `model`."""
+    optimizer = build_inner_optimizer(model, settings.inner, lowrank, seed=seed,
+                                      local_steps=settings.rounds.local_steps)
+    return Worker(worker_id, model, optimizer, shard, settings.inner, settings.rounds, total_steps,
+                  batch_size, seq_len, data_seed=seed)
+
+
+def make_aggregator(model: nn.Module, settings: MethodSettings, ranks: dict[str, int], seed: int,
+                    outlier_factor: float = 0.0) -> Aggregator:
+    """The server side for `settings`: owns projections only under LoRDO-Global."""
+    inner = settings.inner
+    server_projections = inner.name == "lordo" and inner.projection == "global" and bool(ranks)
+    with torch.no_grad():
+        params = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
+    return Aggregator(
+        params, ranks, settings.rounds, build_outer_optimizer(settings.outer),
+        get_projection_method(inner.proj_method) if server_projections else None,
+        seed=seed, outlier_factor=outlier_factor, betas=tuple(inner.betas), bias_correction=inner.bias_correction,
+    )

@@ -1,0 +1,153 @@
+"""Inner-optimizer configuration, the optimizer factory and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lordo_fed.optim.lordo import EF_DTYPES, PROJECTION_SOURCES, QH_PLACEMENTS, LoRDO
+from lordo_fed.projection import PROJECTION_METHODS
+
+INNER_OPTIMIZERS = ("lordo", "adamw")
+SCHEDULES = ("wsd", "cosine", "constant")
+
+
+@dataclass
+class InnerConfig:
+    """The optimizer every worker runs for its K local steps."""
+
+    name: str = "lordo"
+    """'lordo' (low-rank LoRDO step) or 'adamw' (torch.optim.AdamW, the DDP/DiLoCo baseline)."""
+    lr: float = 8e-3
+    """Peak learning rate η."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """(β1, β2) of the Adam moments."""
+    eps: float = 1e-8
+    """ε of the Adam denominator."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay λ, applied to 2-D weights only (not to norms or biases)."""
+    omega: float = 0.95
+    """Quasi-hyperbolic weight ω in [0, 1]; 1 drops the full-rank term (GaLore/Adam)."""
+    rank: int = 8
+    """Rank r of the low-rank optimizer states (parameters matched by the model's low-rank pattern)."""
+    error_feedback: bool = True
+    """Keep the full-size buffer of what the projection dropped and feed it back next step."""
+    ef_dtype: str = "fp32"
+    """Storage dtype of the error-feedback buffer: 'fp32' or 'bf16'."""
+    qh_placement: str = "outside"
+    """Full-rank QH term 'outside' the projection (the paper) or 'inside' it."""
+    projection: str = "global"
+    """'global' (LoRDO-Global: server refits P from the averaged pseudo-gradient) or 'local'."""
+    proj_method: str = "svd"
+    """Projection fit: 'svd' (exact), 'rsvd' (randomized) or 'dct' (DCT columns, sent as indices)."""
+    proj_interval: int = 0
+    """T_proj: local steps between projection refits for projection='local'; 0 means K."""
+    rotate: bool = True
+    """Rotate the moments into a new basis on projection change (LDAdam)."""
+    bias_correction: bool = True
+    """Divide the moments by (1 − β^k)."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip ρ applied by the training loop (0 disables)."""
+    schedule: str = "wsd"
+    """Learning-rate schedule: 'wsd' (warmup-stable-decay), 'cosine' or 'constant' (after warmup)."""
+    warmup_steps: int = 20
+    """Linear warmup length in steps."""
+    decay_fraction: float = 0.2
+    """Share of the run spent decaying (wsd) at the end."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak (wsd, cosine)."""
+
+    def validate(self) -> "InnerConfig":
+        """Raise ValueError naming the field, the value and what is allowed."""
+
+        def bad(name: str, allowed: str) -> None:
+            raise ValueError(f"inner.{name}={getattr(self, name)!r}: expected {allowed}")
+
+        choices = {
+            "name": INNER_OPTIMIZERS, "ef_dtype": tuple(EF_DTYPES), "qh_placement": QH_PLACEMENTS,
+            "projection": PROJECTION_SOURCES, "proj_method": PROJECTION_METHODS, "schedule": SCHEDULES,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                bad(name, f"one of {allowed}")
+        if not self.lr > 0:
+            bad("lr", "a number > 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            bad("betas", "two numbers in [0, 1)")
+        if not 0 <= self.omega <= 1:
+            bad("omega", "a number in [0, 1]")
+        if self.rank <= 0:
+            bad("rank", "an integer > 0")
+        if self.proj_interval < 0:
+            bad("proj_interval", "an integer >= 0 (0 = K, the round length)")
+        if self.grad_clip < 0:
+            bad("grad_clip", "a number >= 0 (0 disables clipping)")
+        if self.warmup_steps < 0:
+            bad("warmup_steps", "an integer >= 0")
+        if not 0 <= self.decay_fraction <= 1:
+            bad("decay_fraction", "a number in [0, 1]")
+        if not 0 <= self.min_lr_ratio <= 1:
+            bad("min_lr_ratio", "a number in [0, 1]")
+        if self.eps <= 0 or self.weight_decay < 0:
+            bad("eps" if self.eps <= 0 else "weight_decay", "eps > 0 and weight_decay >= 0")
+        return self
+
+
+def build_inner_optimizer(model: nn.Module, cfg: InnerConfig, lowrank_names: list[str], seed: int = 0,
+                          local_steps: int = 32) -> torch.optim.Optimizer:
+    """Param groups: low-rank matrices (LoRDO only), other 2-D weights (decayed), the rest (not).
+
+    `local_steps` (K) is the projection refit interval when `cfg.proj_interval` is 0."""
+    lowrank = set(lowrank_names)
+    named = list(model.named_parameters())
+    unknown = lowrank - {n for n, _ in named}
+    if unknown:
+        raise ValueError(f"low-rank parameter names not in the model: {sorted(unknown)}")
+    lr_params = [p for n, p in named if n in lowrank]
+    decay = [p for n, p in named if n not in lowrank and p.ndim >= 2]
+    no_decay = [p for n, p in named if n not in lowrank and p.ndim < 2]
+    wd = cfg.weight_decay
+    betas = tuple(cfg.betas)
+    if cfg.name == "adamw":
+        groups = [dict(params=lr_params + decay, weight_decay=wd), dict(params=no_decay, weight_decay=0.0)]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=betas, eps=cfg.eps)
+    groups = [
+        dict(params=lr_params, rank=cfg.rank, weight_decay=wd),
+        dict(params=decay, weight_decay=wd),
+        dict(params=no_decay, weight_decay=0.0),
+    ]
+    return LoRDO(
+        [g for g in groups if g["params"]], lr=cfg.lr, betas=betas, eps=cfg.eps, omega=cfg.omega,
+        error_feedback=cfg.error_feedback, ef_dtype=cfg.ef_dtype, qh_placement=cfg.qh_placement,
+        projection_source=cfg.projection, proj_method=cfg.proj_method, proj_interval=cfg.proj_interval or local_steps,
+        rotate=cfg.rotate, bias_correction=cfg.bias_correction, seed=seed,
+    )
+
+
+def lr_at(step: int, total_steps: int, cfg: InnerConfig) -> float:
+    """Learning rate for 0-based `step` of `total_steps`: a pure function of the global step, so a
+    worker that joins late or restarts needs no scheduler state."""
+    peak = cfg.lr
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return peak * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return peak
+    floor = peak * cfg.min_lr_ratio
+    if cfg.schedule == "cosine":
+        span = max(1, total_steps - cfg.warmup_steps)
+        t = min(1.0, (step - cfg.warmup_steps) / span)
+        return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * t))
+    decay_steps = int(round(cfg.decay_fraction * total_steps))
+    decay_start = total_steps - decay_steps
+    if decay_steps == 0 or step < decay_start:
+        return peak
+    t = min(1.0, (step - decay_start + 1) / decay_steps)
+    return peak + (floor - peak) * t  # linear decay to the floor (WSD, Hu et al. 2024)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,102 @@
+"""What one round exchanges, as plain tensors (no Flower types), and when states are due.
+
+A round (shared/docs/ALGORITHM.md, "One round"): the aggregator hands every worker a
+`GlobalState` (θ, the shared projections under LoRDO-Global, the averaged optimizer states that
+are due); each worker runs K local steps and answers with a `WorkerUpdate` (Δ = θ_ref − θ_local,
+its states that are due, tokens trained, metrics). The Flower app serializes exactly these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def moment_key(kind: str, param_name: str) -> str:
+    """Flat name of a moment tensor on the wire: 'exp_avg/<param>' or 'exp_avg_sq/<param>'."""
+    return f"{kind}/{param_name}"
+
+
+def split_moment_key(key: str) -> tuple[str, str]:
+    kind, _, name = key.partition("/")
+    if kind not in MOMENT_KEYS or not name:
+        raise ValueError(f"moment key {key!r}: expected '<exp_avg|exp_avg_sq>/<parameter name>'")
+    return kind, name
+
+
+@dataclass
+class RoundConfig:
+    """How often workers synchronise what (DES-LOC periods, in rounds of K local steps)."""
+
+    local_steps: int = 32
+    """K: local optimizer steps per round."""
+    sync_exp_avg_every: int = 1
+    """K_u: rounds between first-moment averages (0 = never: the moments stay local)."""
+    sync_exp_avg_sq_every: int = 1
+    """K_v: rounds between second-moment averages (0 = never)."""
+
+    def validate(self) -> "RoundConfig":
+        if self.local_steps <= 0:
+            raise ValueError(f"rounds.local_steps={self.local_steps!r}: expected an integer > 0")
+        for name in ("sync_exp_avg_every", "sync_exp_avg_sq_every"):
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"rounds.{name}={value!r}: expected an integer >= 0 (0 = never)")
+        return self
+
+    def due(self, round_idx: int) -> tuple[str, ...]:
+        """Moments averaged at the end of 1-based round `round_idx`."""
+        periods = {"exp_avg": self.sync_exp_avg_every, "exp_avg_sq": self.sync_exp_avg_sq_every}
+        return tuple(k for k in MOMENT_KEYS if periods[k] and round_idx % periods[k] == 0)
+
+
+@dataclass
+class GlobalState:
+    """What the aggregator sends every worker at the start of a round."""
+
+    round: int
+    """The 1-based round about to be trained."""
+    params: dict[str, Tensor]
+    """Global θ, every trainable parameter by name (fp32)."""
+    projections: dict[str, Tensor] = field(default_factory=dict)
+    """LoRDO-Global: stored-form projection per low-rank parameter (basis, or DCT indices)."""
+    moments: dict[str, Tensor] = field(default_factory=dict)
+    """Averaged moments due this round, keyed by `moment_key`, already in `projections`' basis."""
+    opt_step: int = 0
+    """Inner-optimizer steps taken so far (bias correction of loaded moments)."""
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Everything that crosses the wire downstream, one flat dict (for byte counts)."""
+        out = {f"param/{k}": v for k, v in self.params.items()}
+        out.update({f"proj/{k}": v for k, v in self.projections.items()})
+        out.update(self.moments)
+        return out
+
+
+@dataclass
+class WorkerUpdate:
+    """What a worker returns after its K local steps."""
+
+    worker_id: int
+    """Which worker (partition id) produced this."""
+    round: int
+    """The round it trained."""
+    delta: dict[str, Tensor]
+    """Pseudo-gradient Δ = θ_ref − θ_local per parameter (fp32)."""
+    moments: dict[str, Tensor]
+    """Its moments that are due this round, keyed by `moment_key`."""
+    tokens: int
+    """Tokens trained on this round (the averaging weight)."""
+    opt_step: int
+    """Its inner-optimizer step count after the round."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Train loss and the like."""
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Everything that crosses the wire upstream, one flat dict (for byte counts)."""
+        out = {f"delta/{k}": v for k, v in self.delta.items()}
+        out.update(self.moments)
+        return out

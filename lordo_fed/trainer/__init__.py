@@ -1,0 +1,1 @@
+"""The reference trainer: every method on one process, M workers run in turn (no Flower)."""

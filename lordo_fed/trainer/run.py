@@ -1,0 +1,179 @@
+"""Run one method end to end on one process: M workers in turn, or DDP's per-step all-reduce.
+
+Both loops use the library's Worker (the same local-step code the Flower client runs); the
+round-based methods also use the Aggregator, so what this trainer measures is what the
+federated app computes. Bytes on the wire are counted from the tensors actually exchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from lordo_fed.aggregator import fit_projections, initial_projections
+from lordo_fed.data import Dataset
+from lordo_fed.evaluation import evaluate
+from lordo_fed.methods import MethodSettings, lowrank_ranks, make_aggregator, make_worker
+from lordo_fed.metrics import optimizer_state_bytes, tensor_bytes
+from lordo_fed.model import build_model, lowrank_parameter_names
+from lordo_fed.optim import LoRDO
+from lordo_fed.projection import get_projection_method
+from lordo_fed.trainer.config import TrainConfig
+from lordo_fed.worker import Worker
+
+Record = dict
+RecordFn = Callable[[Record], None]
+
+
+@dataclass
+class RunContext:
+    """What every loop needs besides the method's settings."""
+
+    cfg: TrainConfig
+    dataset: Dataset
+    device: torch.device
+    val_batches: list
+    emit: RecordFn
+
+
+def build_components(ctx: RunContext, settings: MethodSettings) -> tuple[nn.Module, list[str], dict[str, int]]:
+    """The model (seeded: every method starts from the same θ0) and its low-rank parameters."""
+    torch.manual_seed(ctx.cfg.seed)
+    model = build_model(ctx.cfg.model, ctx.dataset.vocab_size).to(ctx.device)
+    if settings.inner.name != "lordo":
+        return model, [], {}
+    names = lowrank_parameter_names(model, ctx.cfg.model.lowrank_pattern)
+    return model, names, lowrank_ranks(model, ctx.cfg.model.lowrank_pattern, settings.inner.rank, settings.inner.name)
+
+
+def _progress(ctx: RunContext, total: int, desc: str) -> tqdm:
+    return tqdm(total=total, desc=desc, unit="step", disable=not ctx.cfg.progress, leave=False, dynamic_ncols=True)
+
+
+def run_rounds(ctx: RunContext, settings: MethodSettings) -> None:
+    """Round-based methods: every round, each worker trains K steps, the aggregator combines."""
+    cfg, data = ctx.cfg, ctx.cfg.data
+    model, lowrank, ranks = build_components(ctx, settings)
+    K = settings.rounds.local_steps
+    workers = [
+        make_worker(m, model, settings, ctx.dataset.train_shards[m], lowrank, cfg.total_steps,
+                    data.batch_size, data.seq_len, seed=data.seed)
+        for m in range(cfg.workers)
+    ]
+    aggregator = make_aggregator(model, settings, ranks, seed=cfg.seed)
+    num_rounds = cfg.total_steps // K
+    sent_total = received_total = 0
+    tokens = 0
+    ctx.emit(_eval_record(ctx, model, settings, 0, 0, 0))
+    bar = _progress(ctx, num_rounds * K * cfg.workers, settings.name)
+    for _ in range(num_rounds):
+        state = aggregator.global_state()
+        received = tensor_bytes(state.tensors())
+        started = time.perf_counter()
+        updates = [w.train_round(state, progress=lambda i, loss: bar.update(1)) for w in workers]
+        sent = max(tensor_bytes(u.tensors()) for u in updates)
+        result = aggregator.aggregate(updates)
+        elapsed = time.perf_counter() - started
+        tokens += sum(u.tokens for u in updates)
+        sent_total += sent
+        received_total += received
+        bar.set_postfix(loss=f"{result.metrics.get('train_loss', float('nan')):.3f}")
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(aggregator.params[n])
+        r = state.round
+        record = {
+            "round": r, "step": r * K, "tokens": tokens, "train_loss": result.metrics.get("train_loss"),
+            "delta_norm": result.metrics.get("delta_norm"),
+            "bytes_sent_per_worker": sent, "bytes_received_per_worker": received,
+            "bytes_sent_per_worker_per_step": sent / K, "bytes_received_per_worker_per_step": received / K,
+            "cum_bytes_sent_per_worker": sent_total, "cum_bytes_received_per_worker": received_total,
+            "opt_state_bytes": optimizer_state_bytes(workers[0].optimizer),
+            "round_seconds": elapsed,
+        }
+        if r % cfg.eval_every == 0 or r == num_rounds:
+            record.update(_eval_record(ctx, model, settings, r, r * K, tokens))
+        ctx.emit({"method": settings.name, **record})
+    bar.close()
+
+
+def run_ddp(ctx: RunContext, settings: MethodSettings) -> None:
+    """DDP / low-rank DDP: each step, every worker's gradient is averaged (an all-reduce), one step.
+
+    With LoRDO and projection='global' the projection is refit every K steps from the update
+    accumulated since the last refit: what LoRDO-Global does with the pseudo-gradient, so that
+    M = 1, K = 1 LoRDO-Global must equal this loop. projection='local' is GaLore-style: refit
+    from the all-reduced (error-fed) gradient every proj_interval steps.
+    """
+    cfg, data = ctx.cfg, ctx.cfg.data
+    model, lowrank, ranks = build_components(ctx, settings)
+    K = settings.rounds.local_steps
+    first = make_worker(0, model, settings, ctx.dataset.train_shards[0], lowrank, cfg.total_steps,
+                        data.batch_size, data.seq_len, seed=data.seed)
+    optimizer = first.optimizer
+    workers = [first] + [
+        Worker(m, model, optimizer, ctx.dataset.train_shards[m], settings.inner, settings.rounds, cfg.total_steps,
+               data.batch_size, data.seq_len, data_seed=data.seed)
+        for m in range(1, cfg.workers)
+    ]
+    params = dict(model.named_parameters())
+    server_proj = isinstance(optimizer, LoRDO) and settings.inner.projection == "global" and bool(ranks)
+    if server_proj:
+        method = get_projection_method(settings.inner.proj_method)
+        shapes = {n: tuple(params[n].shape) for n in ranks}
+        for n, stored in initial_projections(shapes, ranks, method, cfg.seed).items():
+            optimizer.set_projection(params[n], stored)
+        anchor = {n: params[n].detach().float().clone() for n in ranks}
+    ctx.emit(_eval_record(ctx, model, settings, 0, 0, 0))
+    bar = _progress(ctx, cfg.total_steps * cfg.workers, settings.name)
+    tokens = cum_bytes = 0  # per worker, per direction
+    losses: list[float] = []
+    started = time.perf_counter()
+    for step in range(cfg.total_steps):
+        # The all-reduce: the mean of the M workers' gradients (each loss scaled by 1/M).
+        for w in workers:
+            losses.append(w.forward_backward(w.cursor, scale=1.0 / cfg.workers))
+            w.cursor += 1
+            bar.update(1)
+        grad_bytes = tensor_bytes([p.grad for p in params.values() if p.grad is not None])
+        first.clip_and_step(step)
+        tokens += cfg.workers * data.batch_size * data.seq_len
+        cum_bytes += grad_bytes  # each worker sends its gradient and receives the mean: same size
+        if (step + 1) % K:
+            continue
+        r = (step + 1) // K
+        if server_proj:
+            delta = {n: anchor[n] - params[n].detach().float() for n in ranks}
+            for n, stored in fit_projections(delta, ranks, method, cfg.seed + 7919 * r).items():
+                optimizer.set_projection(params[n], stored)
+            anchor = {n: params[n].detach().float().clone() for n in ranks}
+        record = {
+            "method": settings.name, "round": r, "step": step + 1, "tokens": tokens,
+            "train_loss": sum(losses) / len(losses),
+            "bytes_sent_per_worker": grad_bytes * K, "bytes_received_per_worker": grad_bytes * K,
+            "bytes_sent_per_worker_per_step": grad_bytes, "bytes_received_per_worker_per_step": grad_bytes,
+            "cum_bytes_sent_per_worker": cum_bytes, "cum_bytes_received_per_worker": cum_bytes,
+            "opt_state_bytes": optimizer_state_bytes(optimizer),
+            "round_seconds": time.perf_counter() - started,
+        }
+        losses, started = [], time.perf_counter()
+        bar.set_postfix(loss=f"{record['train_loss']:.3f}")
+        if r % cfg.eval_every == 0 or step + 1 == cfg.total_steps:
+            record.update(_eval_record(ctx, model, settings, r, step + 1, tokens))
+        ctx.emit(record)
+    bar.close()
+
+
+def _eval_record(ctx: RunContext, model: nn.Module, settings: MethodSettings, r: int, step: int, tokens: int) -> Record:
+    return {"method": settings.name, "round": r, "step": step, "tokens": tokens, **evaluate(model, ctx.val_batches)}
+
+
+def run_method(ctx: RunContext, settings: MethodSettings) -> None:
+    """Dispatch on the method's loop."""
+    (run_ddp if settings.loop == "ddp" else run_rounds)(ctx, settings)
+

@@ -1,0 +1,150 @@
+"""A worker: K ordinary local training steps between two synchronisations.
+
+In the torchft spirit the round is a thin wrapper around a plain training loop: load the global
+state, step the inner optimizer K times on this worker's data, report Δ = θ_ref − θ_local and the
+optimizer states that are due. Everything in and out is plain tensors (`lordo_fed.rounds`), so the
+same object runs inside the reference trainer and inside a Flower ClientApp.
+
+Several workers may share one `nn.Module` when they run in turn (the reference trainer): θ is
+loaded at the start of every round, and only the optimizer state is each worker's own.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from lordo_fed.data import TokenShard
+from lordo_fed.device import autocast
+from lordo_fed.model import lm_loss
+from lordo_fed.optim import LoRDO
+from lordo_fed.optim.config import InnerConfig, lr_at, set_lr
+from lordo_fed.rounds import GlobalState, RoundConfig, WorkerUpdate, moment_key, split_moment_key
+
+ProgressFn = Callable[[int, float], None]
+
+
+class Worker:
+    """One data-parallel worker (a Flower client, or one of M workers run in turn)."""
+
+    def __init__(
+        self,
+        worker_id: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        shard: TokenShard,
+        inner: InnerConfig,
+        rounds: RoundConfig,
+        total_steps: int,
+        batch_size: int,
+        seq_len: int,
+        data_seed: int = 0,
+    ):
+        self.worker_id = worker_id
+        self.model = model
+        self.optimizer = optimizer
+        self.shard = shard
+        self.inner = inner
+        self.rounds = rounds
+        self.total_steps = total_steps
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.data_seed = data_seed
+        self.cursor = 0  # index of the next batch of this shard: the whole data-loader state
+        self.params = dict(model.named_parameters())
+        self.device = next(model.parameters()).device
+
+    # ----------------------------------------------------------------------------- one round
+    def train_round(self, state: GlobalState, progress: ProgressFn | None = None) -> WorkerUpdate:
+        """Load `state`, run K local steps, return the update (Δ, due moments, tokens, metrics)."""
+        self.load_global_state(state)
+        theta_ref = {n: p.detach().float().clone() for n, p in self.params.items()}
+        first_step = (state.round - 1) * self.rounds.local_steps
+        losses = self.local_steps(first_step, self.rounds.local_steps, progress)
+        # The update is what crosses the wire: plain fp32 CPU tensors.
+        delta = {n: (theta_ref[n] - p.detach().float()).cpu() for n, p in self.params.items()}
+        return WorkerUpdate(
+            worker_id=self.worker_id,
+            round=state.round,
+            delta=delta,
+            moments=self.due_moments(self.rounds.due(state.round)),
+            tokens=len(losses) * self.batch_size * self.seq_len,
+            opt_step=self.opt_step(),
+            metrics={"train_loss": sum(losses) / len(losses), "train_loss_last": losses[-1],
+                     "lr": self.optimizer.param_groups[0]["lr"]},
+        )
+
+    def local_steps(self, first_step: int, num_steps: int, progress: ProgressFn | None = None) -> list[float]:
+        """The ordinary training loop: `num_steps` steps from global step `first_step`."""
+        self.model.train()
+        losses = []
+        for i in range(num_steps):
+            loss = self.forward_backward(self.cursor)
+            self.cursor += 1
+            self.clip_and_step(first_step + i)
+            losses.append(loss)
+            if progress is not None:
+                progress(i, loss)
+        return losses
+
+    def forward_backward(self, batch_index: int, scale: float = 1.0) -> float:
+        """Loss and gradient (accumulated, times `scale`) of this shard's batch `batch_index`."""
+        x, y = self.shard.batch(batch_index, self.batch_size, self.seq_len, seed=self.data_seed)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        with autocast(self.device):
+            loss = lm_loss(self.model, x, y)
+        (loss * scale).backward()
+        return loss.item()
+
+    def clip_and_step(self, global_step: int) -> None:
+        """Clip the global gradient norm, set the scheduled lr, step, clear the gradients."""
+        if self.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner.grad_clip)
+        set_lr(self.optimizer, lr_at(global_step, self.total_steps, self.inner))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ----------------------------------------------------------------------------- state in
+    @torch.no_grad()
+    def load_global_state(self, state: GlobalState) -> None:
+        """θ ← global θ; new projections (rotating local moments); then the averaged moments."""
+        missing = set(self.params) - set(state.params)
+        if missing:
+            raise ValueError(f"global state lacks parameters {sorted(missing)}")
+        for name, p in self.params.items():
+            p.copy_(state.params[name])
+        if state.projections:
+            if not isinstance(self.optimizer, LoRDO):
+                raise ValueError("global state carries projections but the inner optimizer is not LoRDO")
+            for name, stored in state.projections.items():
+                self.optimizer.set_projection(self.params[name], stored)
+        for key, value in state.moments.items():
+            kind, name = split_moment_key(key)
+            st = self.optimizer.state[self.params[name]]
+            if kind not in st:  # joining late: adopt the shared step count for bias correction
+                st["step"] = torch.tensor(float(state.opt_step))
+            st[kind] = value.to(device=self.device, dtype=torch.float32).clone()
+
+    # ----------------------------------------------------------------------------- state out
+    def due_moments(self, kinds: tuple[str, ...]) -> dict[str, Tensor]:
+        out = {}
+        for name, p in self.params.items():
+            st = self.optimizer.state.get(p, {})
+            for kind in kinds:
+                if kind in st:
+                    out[moment_key(kind, name)] = st[kind].detach().float().cpu().clone()
+        return out
+
+    def opt_step(self) -> int:
+        steps = [int(st["step"]) for st in self.optimizer.state.values() if "step" in st]
+        return max(steps, default=0)
+
+    def state_dict(self) -> dict:
+        """What stays on the worker between rounds: optimizer (EF buffer, moments not due) and data cursor."""
+        return {"optimizer": self.optimizer.state_dict(), "cursor": torch.tensor(self.cursor)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.cursor = int(sd["cursor"])
