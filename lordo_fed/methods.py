@@ -78,12 +78,6 @@ def resolve_method(name: str, inner: InnerConfig, rounds: RoundConfig, outer: Ou
     if spec.sync is not None:
         rounds = dataclasses.replace(rounds, sync_exp_avg_every=spec.sync[0], sync_exp_avg_sq_every=spec.sync[1])
     rounds.validate()
-    if inner.name == "lordo" and inner.projection == "local" and spec.loop == "rounds" and (
-            rounds.sync_exp_avg_every or rounds.sync_exp_avg_sq_every):
-        raise ValueError(
-            f"method {name}: with inner.projection='local' every worker has its own basis, so averaging "
-            "low-rank moments mixes bases; set rounds.sync_exp_avg_every=0 and rounds.sync_exp_avg_sq_every=0"
-        )
     chosen = diloco_outer if (spec.diloco_outer and diloco_outer is not None) else outer
     return MethodSettings(name, spec.loop, inner, rounds, chosen)
 

@@ -134,7 +134,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     defaults = ["hydra/help=lordo", "hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=none",
                 "hydra/hydra_logging=none"]
-    sys.argv[1:1] = [d for d in defaults if d.split("=")[0] not in " ".join(sys.argv[1:])]
+    sys.argv += [d for d in defaults if d.split("=")[0] not in " ".join(sys.argv[1:])]
     _hydra_main()
 
 

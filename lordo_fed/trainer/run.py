@@ -55,7 +55,7 @@ def _progress(ctx: RunContext, total: int, desc: str) -> tqdm:
     return tqdm(total=total, desc=desc, unit="step", disable=not ctx.cfg.progress, leave=False, dynamic_ncols=True)
 
 
-def run_rounds(ctx: RunContext, settings: MethodSettings) -> None:
+def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     """Round-based methods: every round, each worker trains K steps, the aggregator combines."""
     cfg, data = ctx.cfg, ctx.cfg.data
     model, lowrank, ranks = build_components(ctx, settings)
@@ -100,9 +100,10 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> None:
             record.update(_eval_record(ctx, model, settings, r, r * K, tokens))
         ctx.emit({"method": settings.name, **record})
     bar.close()
+    return model
 
 
-def run_ddp(ctx: RunContext, settings: MethodSettings) -> None:
+def run_ddp(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     """DDP / low-rank DDP: each step, every worker's gradient is averaged (an all-reduce), one step.
 
     With LoRDO and projection='global' the projection is refit every K steps from the update
@@ -167,13 +168,14 @@ def run_ddp(ctx: RunContext, settings: MethodSettings) -> None:
             record.update(_eval_record(ctx, model, settings, r, step + 1, tokens))
         ctx.emit(record)
     bar.close()
+    return model
 
 
 def _eval_record(ctx: RunContext, model: nn.Module, settings: MethodSettings, r: int, step: int, tokens: int) -> Record:
     return {"method": settings.name, "round": r, "step": step, "tokens": tokens, **evaluate(model, ctx.val_batches)}
 
 
-def run_method(ctx: RunContext, settings: MethodSettings) -> None:
-    """Dispatch on the method's loop."""
-    (run_ddp if settings.loop == "ddp" else run_rounds)(ctx, settings)
+def run_method(ctx: RunContext, settings: MethodSettings) -> nn.Module:
+    """Dispatch on the method's loop; returns the final global model."""
+    return (run_ddp if settings.loop == "ddp" else run_rounds)(ctx, settings)
 

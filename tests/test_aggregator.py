@@ -1,0 +1,620 @@
+"""The aggregator with mocked replies (Flower-strategy style).
+
+Every reply is a hand-built `WorkerUpdate` with tiny tensors; the expected global state after a
+round is worked out by hand and written below as literal numbers.
+
+Shared set-up of the hand-computed rounds: θ0 = {w: [[1, 2], [3, 4]], b: [0.5, -0.5]} and
+three round-1 replies with tokens 100 / 300 / 600, i.e. weights 0.1 / 0.3 / 0.6:
+
+    Δ1 = w [[1, 0], [0, 1]]  b [ 1, 0]
+    Δ2 = w [[2, 2], [0, 0]]  b [ 0, 1]
+    Δ3 = w [[0, 1], [1, 3]]  b [-1, 2]
+    Δ̄  = w [[0.1·1 + 0.3·2, 0.3·2 + 0.6·1], [0.6·1, 0.1·1 + 0.6·3]] = [[0.7, 1.2], [0.6, 1.9]]
+         b [0.1 − 0.6, 0.3 + 0.6·2] = [-0.5, 1.5]
+
+Round 2 (when there is one) has two replies of 200 tokens each whose mean is
+Δ̄2 = w [[2, 1], [0, 1]], b [1, -1].
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lordo_fed.aggregator import Aggregator, RoundResult, low_rank_shape
+from lordo_fed.outer import QHM, Average, Nesterov, OuterConfig
+from lordo_fed.projection import SVDProjection, projection_side
+from lordo_fed.rounds import GlobalState, RoundConfig, WorkerUpdate
+
+AGG_LOGGER = "lordo_fed.aggregator"
+
+
+def t(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def theta0() -> dict[str, torch.Tensor]:
+    return {"w": t([[1.0, 2.0], [3.0, 4.0]]), "b": t([0.5, -0.5])}
+
+
+def upd(worker_id: int, tokens: int, w, b, round_: int = 1, moments: dict | None = None,
+        opt_step: int = 4, metrics: dict | None = None) -> WorkerUpdate:
+    return WorkerUpdate(worker_id=worker_id, round=round_, delta={"w": t(w), "b": t(b)},
+                        moments=dict(moments or {}), tokens=tokens, opt_step=opt_step,
+                        metrics=dict(metrics or {}))
+
+
+def round1_replies() -> list[WorkerUpdate]:
+    return [
+        upd(1, 100, [[1.0, 0.0], [0.0, 1.0]], [1.0, 0.0], metrics={"train_loss": 2.0}),
+        upd(2, 300, [[2.0, 2.0], [0.0, 0.0]], [0.0, 1.0], metrics={"train_loss": 3.0}),
+        upd(3, 600, [[0.0, 1.0], [1.0, 3.0]], [-1.0, 2.0], metrics={"train_loss": 4.0}),
+    ]
+
+
+def round2_replies() -> list[WorkerUpdate]:
+    return [
+        upd(1, 200, [[1.0, 1.0], [1.0, 1.0]], [0.0, 0.0], round_=2),
+        upd(2, 200, [[3.0, 1.0], [-1.0, 1.0]], [2.0, -2.0], round_=2),
+    ]
+
+
+def make_agg(outer=None, rounds: RoundConfig | None = None, **kw) -> Aggregator:
+    return Aggregator(theta0(), {}, rounds or RoundConfig(local_steps=4, sync_exp_avg_every=0,
+                                                         sync_exp_avg_sq_every=0),
+                      outer or Average(lr=1.0), None, **kw)
+
+
+def assert_params(actual: dict[str, torch.Tensor], expected: dict[str, list]) -> None:
+    assert set(actual) == set(expected)
+    for name, values in expected.items():
+        torch.testing.assert_close(actual[name], t(values), rtol=0, atol=1e-6, msg=f"param {name}")
+
+
+# ----------------------------------------------------------------------------- token weighting
+
+
+def test_average_weights_replies_by_tokens():
+    agg = make_agg()
+    result = agg.aggregate(round1_replies())
+    assert isinstance(result, RoundResult)
+    assert result.accepted == [1, 2, 3] and result.rejected == {}
+    # θ0 − Δ̄ = [[1 − 0.7, 2 − 1.2], [3 − 0.6, 4 − 1.9]], [0.5 + 0.5, −0.5 − 1.5]
+    assert_params(agg.params, {"w": [[0.3, 0.8], [2.4, 2.1]], "b": [1.0, -2.0]})
+    assert_params(result.state.params, {"w": [[0.3, 0.8], [2.4, 2.1]], "b": [1.0, -2.0]})
+    assert agg.round == 2 and result.state.round == 2
+    # metrics: token-weighted train loss 0.1·2 + 0.3·3 + 0.6·4 = 3.5; ||Δ̄|| = sqrt(0.49+1.44+0.36+3.61+0.25+2.25)
+    assert result.metrics["train_loss"] == pytest.approx(3.5)
+    assert result.metrics["tokens"] == 1000.0
+    assert result.metrics["delta_norm"] == pytest.approx(8.4 ** 0.5, rel=1e-6)
+    assert result.metrics["clients_ok"] == 3.0 and result.metrics["clients_dropped"] == 0.0
+
+
+def test_average_is_not_the_unweighted_mean():
+    """Same Δs with equal tokens give the plain mean: the weights really come from `tokens`."""
+    agg = make_agg()
+    replies = round1_replies()
+    for r in replies:
+        r.tokens = 50
+    agg.aggregate(replies)
+    # plain mean Δ: w [[1, 1], [1/3, 4/3]], b [0, 1]
+    assert_params(agg.params, {"w": [[0.0, 1.0], [3.0 - 1.0 / 3.0, 4.0 - 4.0 / 3.0]], "b": [0.5, -1.5]})
+
+
+def test_average_lr_scales_the_step():
+    agg = make_agg(outer=Average(lr=0.5))
+    agg.aggregate(round1_replies())
+    # θ0 − 0.5 Δ̄
+    assert_params(agg.params, {"w": [[0.65, 1.4], [2.7, 3.05]], "b": [0.75, -1.25]})
+
+
+def test_qhm_two_rounds_by_hand():
+    agg = make_agg(outer=QHM(lr=1.0, beta=0.5, nu=0.5))
+    agg.aggregate(round1_replies())
+    # m1 = 0.5 Δ̄1 ; θ1 = θ0 − (0.5 Δ̄1 + 0.5 m1) = θ0 − 0.75 Δ̄1
+    assert_params(agg.params, {"w": [[0.475, 1.1], [2.55, 2.575]], "b": [0.875, -1.625]})
+    agg.aggregate(round2_replies())
+    # m2 = 0.5 m1 + 0.5 Δ̄2 = w [[1.175, 0.8], [0.15, 0.975]], b [0.375, -0.125]
+    # θ2 = θ1 − 0.5 Δ̄2 − 0.5 m2
+    assert_params(agg.params, {"w": [[-1.1125, 0.2], [2.475, 1.5875]], "b": [0.1875, -1.0625]})
+    assert agg.round == 3
+
+
+def test_nesterov_two_rounds_by_hand():
+    agg = make_agg(outer=Nesterov(lr=0.7, momentum=0.9))
+    agg.aggregate(round1_replies())
+    # b1 = Δ̄1 ; θ1 = θ0 − 0.7 (Δ̄1 + 0.9 b1) = θ0 − 1.33 Δ̄1
+    assert_params(agg.params, {"w": [[0.069, 0.404], [2.202, 1.473]], "b": [1.165, -2.495]})
+    agg.aggregate(round2_replies())
+    # b2 = 0.9 Δ̄1 + Δ̄2 = w [[2.63, 2.08], [0.54, 2.71]], b [0.55, 0.35]
+    # θ2 = θ1 − 0.7 (Δ̄2 + 0.9 b2)
+    assert_params(agg.params, {"w": [[-2.9879, -1.6064], [1.8618, -0.9343]], "b": [0.1185, -2.0155]})
+
+
+def test_global_state_is_what_workers_get():
+    agg = make_agg()
+    state = agg.global_state()
+    assert isinstance(state, GlobalState)
+    assert state.round == 1 and state.opt_step == 0
+    assert state.projections == {} and state.moments == {}
+    assert_params(state.params, {"w": [[1.0, 2.0], [3.0, 4.0]], "b": [0.5, -0.5]})
+    agg.aggregate(round1_replies())
+    assert agg.global_state().opt_step == 4  # min over the replies' opt_step
+
+
+def test_opt_step_is_the_minimum_over_accepted_replies():
+    agg = make_agg()
+    replies = round1_replies()
+    for r, s in zip(replies, (7, 5, 9)):
+        r.opt_step = s
+    agg.aggregate(replies)
+    assert agg.opt_step == 5 and agg.global_state().opt_step == 5
+
+
+def test_params_are_copied_and_kept_fp32():
+    start = {"w": torch.ones(2, 2, dtype=torch.float64), "b": torch.zeros(2, dtype=torch.bfloat16)}
+    agg = Aggregator(start, {}, RoundConfig(), Average(), None)
+    assert all(p.dtype == torch.float32 for p in agg.params.values())
+    start["w"].fill_(5.0)
+    assert torch.equal(agg.params["w"], torch.ones(2, 2))
+
+
+# ----------------------------------------------------------------------------- moments and periods
+
+
+def test_due_every_round_and_every_second_round():
+    rc = RoundConfig(sync_exp_avg_every=1, sync_exp_avg_sq_every=2)
+    assert rc.due(1) == ("exp_avg",)
+    assert rc.due(2) == ("exp_avg", "exp_avg_sq")
+    assert rc.due(3) == ("exp_avg",)
+
+
+def test_due_desloc_periods_over_twelve_rounds():
+    rc = RoundConfig(sync_exp_avg_every=3, sync_exp_avg_sq_every=6)
+    got = {r: rc.due(r) for r in range(1, 13)}
+    assert got == {
+        1: (), 2: (), 3: ("exp_avg",), 4: (), 5: (), 6: ("exp_avg", "exp_avg_sq"),
+        7: (), 8: (), 9: ("exp_avg",), 10: (), 11: (), 12: ("exp_avg", "exp_avg_sq"),
+    }
+
+
+def test_due_zero_means_never():
+    assert all(RoundConfig(sync_exp_avg_every=0, sync_exp_avg_sq_every=0).due(r) == () for r in range(1, 25))
+    only_v = RoundConfig(sync_exp_avg_every=0, sync_exp_avg_sq_every=2)
+    assert [only_v.due(r) for r in range(1, 5)] == [(), ("exp_avg_sq",), (), ("exp_avg_sq",)]
+
+
+def test_round_config_validate():
+    with pytest.raises(ValueError, match="local_steps"):
+        RoundConfig(local_steps=0).validate()
+    with pytest.raises(ValueError, match="sync_exp_avg_sq_every"):
+        RoundConfig(sync_exp_avg_sq_every=-1).validate()
+
+
+def moment_agg() -> Aggregator:
+    return make_agg(rounds=RoundConfig(local_steps=4, sync_exp_avg_every=1, sync_exp_avg_sq_every=2))
+
+
+def test_round1_averages_only_the_first_moment_and_rejects_a_second(caplog):
+    caplog.set_level(logging.WARNING, logger=AGG_LOGGER)
+    agg = moment_agg()
+    a, b, c = round1_replies()
+    a.moments = {"exp_avg/w": t([[1.0, 2.0], [3.0, 4.0]]), "exp_avg/b": t([1.0, 1.0])}
+    b.moments = {"exp_avg/w": t([[5.0, 6.0], [7.0, 8.0]]), "exp_avg/b": t([-3.0, 5.0])}
+    c.moments = {"exp_avg/w": t([[0.0, 0.0], [0.0, 0.0]]), "exp_avg_sq/w": t([[1.0, 1.0], [1.0, 1.0]])}
+    c.tokens = 600
+    result = agg.aggregate([a, b, c])
+    assert result.accepted == [1, 2]
+    assert set(result.rejected) == {3}
+    assert "unexpected moment 'exp_avg_sq/w'" in result.rejected[3]
+    assert "exp_avg" in result.rejected[3] and "due this round" in result.rejected[3]
+    assert "worker 3" in caplog.text
+    # weights 100/400 and 300/400: w 0.25·[[1,2],[3,4]] + 0.75·[[5,6],[7,8]]; b 0.25·[1,1] + 0.75·[-3,5]
+    assert set(result.state.moments) == {"exp_avg/w", "exp_avg/b"}
+    torch.testing.assert_close(result.state.moments["exp_avg/w"], t([[4.0, 5.0], [6.0, 7.0]]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(result.state.moments["exp_avg/b"], t([-2.0, 4.0]), rtol=0, atol=1e-6)
+    # θ from a and b only: Δ̄ = 0.25 Δ1 + 0.75 Δ2 = w [[1.75, 1.5], [0, 0.25]], b [0.25, 0.75]
+    assert_params(agg.params, {"w": [[-0.75, 0.5], [3.0, 3.75]], "b": [0.25, -1.25]})
+
+
+def test_round2_averages_both_moments_over_the_replies_that_carry_them():
+    agg = moment_agg()
+    agg.aggregate(round1_replies())  # no moments at all in round 1: accepted, nothing averaged
+    assert agg.moments == {}
+    a, b = round2_replies()
+    a.tokens, b.tokens = 100, 300
+    c = upd(3, 600, [[0.0, 0.0], [0.0, 0.0]], [0.0, 0.0], round_=2)
+    a.moments = {"exp_avg/w": t([[1.0, 0.0], [0.0, 0.0]]), "exp_avg_sq/w": t([[1.0, 1.0], [1.0, 1.0]])}
+    b.moments = {"exp_avg/w": t([[0.0, 1.0], [0.0, 0.0]]), "exp_avg_sq/w": t([[2.0, 2.0], [2.0, 6.0]])}
+    c.moments = {"exp_avg/w": t([[0.0, 0.0], [1.0, 1.0]])}  # the second moment missing: still accepted
+    result = agg.aggregate([a, b, c])
+    assert result.accepted == [1, 2, 3] and result.rejected == {}
+    assert set(result.state.moments) == {"exp_avg/w", "exp_avg_sq/w"}
+    # exp_avg over all three (0.1, 0.3, 0.6); exp_avg_sq over a and b only (0.25, 0.75)
+    torch.testing.assert_close(result.state.moments["exp_avg/w"], t([[0.1, 0.3], [0.6, 0.6]]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(result.state.moments["exp_avg_sq/w"], t([[1.75, 1.75], [1.75, 4.75]]),
+                               rtol=0, atol=1e-6)
+    # round 3 (exp_avg only due): the previous round's moments are replaced, not kept
+    d = upd(1, 10, [[0.0, 0.0], [0.0, 0.0]], [0.0, 0.0], round_=3, moments={"exp_avg/b": t([2.0, 3.0])})
+    result = agg.aggregate([d])
+    assert set(result.state.moments) == {"exp_avg/b"}
+    assert torch.equal(result.state.moments["exp_avg/b"], t([2.0, 3.0]))
+
+
+def test_no_moments_are_accepted_when_none_are_due():
+    agg = make_agg()  # periods (0, 0)
+    a, b, c = round1_replies()
+    a.moments = {"exp_avg/w": t([[1.0, 2.0], [3.0, 4.0]])}
+    result = agg.aggregate([a, b, c])
+    assert result.accepted == [2, 3]
+    assert "unexpected moment 'exp_avg/w'" in result.rejected[1] and "[]" in result.rejected[1]
+
+
+# ----------------------------------------------------------------------------- rejections
+
+
+def _bad(kind: str) -> tuple[WorkerUpdate, list[str]]:
+    """A reply from worker 7 with one problem, and substrings its rejection reason must contain."""
+    good_w, good_b = [[1.0, 1.0], [1.0, 1.0]], [1.0, 1.0]
+    u = upd(7, 500, good_w, good_b)
+    if kind == "wrong_round":
+        u.round = 2
+        return u, ["round 2", "round 1"]
+    if kind == "wrong_round_stale":
+        u.round = 0
+        return u, ["round 0", "round 1"]
+    if kind == "nan":
+        u.delta["w"][0, 1] = float("nan")
+        return u, ["delta/w", "NaN or Inf"]
+    if kind == "inf":
+        u.delta["b"][1] = float("-inf")
+        return u, ["delta/b", "NaN or Inf"]
+    if kind == "wrong_shape":
+        u.delta["w"] = torch.ones(3, 2)
+        return u, ["delta/w", "shape (3, 2)", "(2, 2)"]
+    if kind == "int_dtype":
+        u.delta["b"] = torch.tensor([1, 1], dtype=torch.int64)
+        return u, ["delta/b", "torch.int64", "floating-point"]
+    if kind == "not_a_tensor":
+        u.delta["b"] = [1.0, 1.0]
+        return u, ["delta/b", "expected a tensor"]
+    if kind == "missing_tensor":
+        del u.delta["b"]
+        return u, ["missing ['b']"]
+    if kind == "extra_tensor":
+        u.delta["c"] = t([1.0])
+        return u, ["unexpected ['c']"]
+    if kind == "bad_moment_kind":
+        u.moments = {"exp_avgg/w": t([[1.0, 1.0], [1.0, 1.0]])}
+        return u, ["'exp_avgg/w'", "exp_avg|exp_avg_sq"]
+    if kind == "bad_moment_no_param":
+        u.moments = {"exp_avg": t([[1.0, 1.0], [1.0, 1.0]])}
+        return u, ["'exp_avg'"]
+    if kind == "bad_moment_unknown_param":
+        u.moments = {"exp_avg/nope": t([1.0])}
+        return u, ["unexpected moment 'exp_avg/nope'"]
+    if kind == "moment_nan":
+        u.moments = {"exp_avg/w": t([[1.0, float("nan")], [1.0, 1.0]])}
+        return u, ["exp_avg/w", "NaN or Inf"]
+    if kind == "moment_shape":
+        u.moments = {"exp_avg/b": t([1.0, 1.0, 1.0])}
+        return u, ["exp_avg/b", "shape (3,)", "(2,)"]
+    if kind == "tokens_zero":
+        u.tokens = 0
+        return u, ["tokens=0", "positive"]
+    if kind == "tokens_negative":
+        u.tokens = -5
+        return u, ["tokens=-5", "positive"]
+    if kind == "tokens_float":
+        u.tokens = 500.0
+        return u, ["tokens=500.0"]
+    raise AssertionError(kind)
+
+
+BAD_KINDS = ["wrong_round", "wrong_round_stale", "nan", "inf", "wrong_shape", "int_dtype", "not_a_tensor",
+             "missing_tensor", "extra_tensor", "bad_moment_kind", "bad_moment_no_param",
+             "bad_moment_unknown_param", "moment_nan", "moment_shape", "tokens_zero", "tokens_negative",
+             "tokens_float"]
+
+
+def _moment_every_round_agg() -> Aggregator:
+    # moments due every round, so that only the malformed moment replies are at fault
+    return make_agg(rounds=RoundConfig(local_steps=4, sync_exp_avg_every=1, sync_exp_avg_sq_every=1))
+
+
+@pytest.mark.parametrize("kind", BAD_KINDS)
+def test_a_bad_only_reply_changes_nothing(kind, caplog):
+    caplog.set_level(logging.WARNING, logger=AGG_LOGGER)
+    agg = _moment_every_round_agg()
+    bad, needles = _bad(kind)
+    result = agg.aggregate([bad])
+    assert result.accepted == []
+    assert list(result.rejected) == [7]
+    for needle in needles:
+        assert needle in result.rejected[7], (needle, result.rejected[7])
+    assert_params(agg.params, {"w": [[1.0, 2.0], [3.0, 4.0]], "b": [0.5, -0.5]})
+    assert agg.round == 1 and result.state.round == 1
+    assert agg.moments == {} and agg.opt_step == 0
+    assert result.metrics == {}
+    assert "worker 7" in caplog.text
+    assert any(r.levelno == logging.WARNING and "worker 7" in r.getMessage() for r in caplog.records)
+    assert "no usable reply" in caplog.text
+
+
+@pytest.mark.parametrize("kind", BAD_KINDS)
+def test_a_bad_reply_is_dropped_and_the_others_applied(kind, caplog):
+    caplog.set_level(logging.WARNING, logger=AGG_LOGGER)
+    agg = _moment_every_round_agg()
+    a, b, _ = round1_replies()  # tokens 100 and 300
+    a.moments = {"exp_avg/b": t([4.0, 0.0])}
+    b.moments = {"exp_avg/b": t([0.0, 4.0])}
+    bad, needles = _bad(kind)
+    result = agg.aggregate([a, bad, b])
+    assert result.accepted == [1, 2]
+    assert list(result.rejected) == [7]
+    for needle in needles:
+        assert needle in result.rejected[7]
+    # Δ̄ = 0.25 Δ1 + 0.75 Δ2 = w [[1.75, 1.5], [0, 0.25]], b [0.25, 0.75]: worker 7's 500 tokens not counted
+    assert_params(agg.params, {"w": [[-0.75, 0.5], [3.0, 3.75]], "b": [0.25, -1.25]})
+    assert set(agg.moments) == {"exp_avg/b"}
+    torch.testing.assert_close(agg.moments["exp_avg/b"], t([1.0, 3.0]), rtol=0, atol=1e-6)
+    assert agg.round == 2
+    assert result.metrics["clients_ok"] == 2.0 and result.metrics["clients_dropped"] == 1.0
+    assert result.metrics["tokens"] == 400.0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "worker 7" in warnings[0]
+
+
+def test_each_bad_reply_gets_its_own_reason():
+    agg = _moment_every_round_agg()
+    nan, _ = _bad("nan")
+    nan.worker_id = 11
+    neg, _ = _bad("tokens_negative")
+    neg.worker_id = 12
+    result = agg.aggregate([nan, neg, round1_replies()[0]])
+    assert result.accepted == [1]
+    assert "NaN" in result.rejected[11] and "tokens=-5" in result.rejected[12]
+
+
+def test_rejects_a_full_size_moment_of_a_low_rank_parameter():
+    w = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    agg = Aggregator({"w": w}, {"w": 2}, RoundConfig(1, 1, 1), Average(), SVDProjection())
+    assert agg.expected_moment_shape("w") == (6, 2)
+    u = WorkerUpdate(0, 1, {"w": torch.ones(6, 4)}, {"exp_avg/w": torch.zeros(6, 4)}, tokens=10, opt_step=1)
+    result = agg.aggregate([u])
+    assert "exp_avg/w: shape (6, 4), expected (6, 2)" in result.rejected[0]
+
+
+# ----------------------------------------------------------------------------- outliers
+
+
+def outlier_replies() -> list[WorkerUpdate]:
+    replies = [upd(i, 100, [[1.0, 0.0], [0.0, 1.0]], [0.0, 0.0]) for i in range(3)]
+    replies[1].delta["w"] = t([[0.0, 1.0], [1.0, 0.0]])  # all three have norm sqrt(2)
+    replies.append(upd(3, 100, [[100.0, 0.0], [0.0, 100.0]], [0.0, 0.0]))  # 100x: norm 100 sqrt(2)
+    return replies
+
+
+def test_outlier_is_rejected_with_the_median_in_the_reason(caplog):
+    caplog.set_level(logging.WARNING, logger=AGG_LOGGER)
+    agg = make_agg(outlier_factor=3)
+    result = agg.aggregate(outlier_replies())
+    assert result.accepted == [0, 1, 2]
+    assert list(result.rejected) == [3]
+    reason = result.rejected[3]
+    assert "median" in reason and "141.4" in reason and "1.414" in reason
+    assert "worker 3" in caplog.text
+    # mean of the three kept: w [[2/3, 1/3], [1/3, 2/3]], b [0, 0]
+    assert_params(agg.params, {"w": [[1.0 / 3.0, 5.0 / 3.0], [8.0 / 3.0, 10.0 / 3.0]], "b": [0.5, -0.5]})
+
+
+def test_outlier_rule_off_with_factor_zero():
+    agg = make_agg(outlier_factor=0)
+    result = agg.aggregate(outlier_replies())
+    assert result.accepted == [0, 1, 2, 3] and result.rejected == {}
+    # mean: w [[102/4, 1/4], [1/4, 102/4]], b [0, 0]
+    assert_params(agg.params, {"w": [[-24.5, 1.75], [2.75, -21.5]], "b": [0.5, -0.5]})
+
+
+def test_outlier_rule_keeps_replies_within_the_factor():
+    agg = make_agg(outlier_factor=3)
+    replies = outlier_replies()
+    replies[3].delta["w"] = t([[2.0, 0.0], [0.0, 2.0]])  # 2 sqrt(2) <= 3 sqrt(2): kept
+    assert agg.aggregate(replies).rejected == {}
+
+
+# ----------------------------------------------------------------------------- LoRDO-Global projections
+
+
+W_SHAPE = (6, 4)
+
+
+def lowrank_params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(*W_SHAPE, generator=g), "b": torch.randn(4, generator=g)}
+
+
+def lowrank_agg(seed: int = 5, rounds: RoundConfig | None = None) -> Aggregator:
+    return Aggregator(lowrank_params(), {"w": 2}, rounds or RoundConfig(4, 1, 1), Average(), SVDProjection(),
+                      seed=seed, betas=(0.9, 0.99))
+
+
+def lowrank_replies(round_: int = 1, opt_steps=(10, 12)) -> list[WorkerUpdate]:
+    g = torch.Generator().manual_seed(100 + round_)
+    out = []
+    for i, (tokens, step) in enumerate(zip((100, 300), opt_steps)):
+        out.append(WorkerUpdate(
+            worker_id=i, round=round_,
+            delta={"w": torch.randn(*W_SHAPE, generator=g), "b": torch.randn(4, generator=g)},
+            moments={"exp_avg/w": torch.randn(6, 2, generator=g) * 0.1,
+                     "exp_avg_sq/w": torch.rand(6, 2, generator=g) * 0.1 + 0.01,
+                     "exp_avg/b": torch.randn(4, generator=g),
+                     "exp_avg_sq/b": torch.rand(4, generator=g)},
+            tokens=tokens, opt_step=step))
+    return out
+
+
+def test_low_rank_shape_follows_galore_side():
+    assert projection_side(W_SHAPE) == "right" and low_rank_shape(W_SHAPE, 2) == (6, 2)
+    assert projection_side((4, 6)) == "left" and low_rank_shape((4, 6), 2) == (2, 6)
+
+
+def test_round1_projection_is_the_seeded_initial_one():
+    agg = lowrank_agg(seed=5)
+    expected = SVDProjection().initial(W_SHAPE, 2, "right", seed=5)
+    assert set(agg.projections) == {"w"}
+    assert torch.equal(agg.projections["w"], expected)
+    assert torch.equal(agg.global_state().projections["w"], expected)
+    p = agg.projections["w"]
+    assert p.shape == (2, 4)
+    torch.testing.assert_close(p @ p.T, torch.eye(2), rtol=0, atol=1e-5)
+    assert torch.equal(lowrank_agg(seed=5).projections["w"], expected)  # deterministic
+    assert not torch.allclose(lowrank_agg(seed=6).projections["w"], expected)  # seed matters
+
+
+def test_projection_refresh_is_the_top_subspace_of_the_averaged_delta():
+    agg = lowrank_agg()
+    replies = lowrank_replies()
+    delta_bar = 0.25 * replies[0].delta["w"] + 0.75 * replies[1].delta["w"]
+    agg.aggregate(replies)
+    p_new = agg.projections["w"]
+    assert p_new.shape == (2, 4)
+    _, _, vh = torch.linalg.svd(delta_bar)
+    v2 = vh[:2].T  # 4×2, top-2 right singular vectors
+    torch.testing.assert_close(p_new.T @ p_new, v2 @ v2.T, rtol=0, atol=1e-5)
+    torch.testing.assert_close(p_new @ p_new.T, torch.eye(2), rtol=0, atol=1e-5)
+    assert agg.global_state().projections["w"] is p_new
+
+
+def test_averaged_low_rank_moments_are_rotated_into_the_new_basis():
+    agg = lowrank_agg()
+    p_old = agg.projections["w"].clone()
+    replies = lowrank_replies(opt_steps=(10, 12))
+    w0, w1 = 0.25, 0.75
+    u_avg = w0 * replies[0].moments["exp_avg/w"] + w1 * replies[1].moments["exp_avg/w"]
+    v_avg = w0 * replies[0].moments["exp_avg_sq/w"] + w1 * replies[1].moments["exp_avg_sq/w"]
+    result = agg.aggregate(replies)
+    p_new = agg.projections["w"]
+    c = p_old @ p_new.T  # right projection: C = P_old P_newᵀ
+    assert result.state.moments["exp_avg/w"].shape == (6, 2)
+    torch.testing.assert_close(result.state.moments["exp_avg/w"], u_avg @ c, rtol=1e-5, atol=1e-6)
+    # LDAdam's second-moment rule with k = opt_step = min(10, 12) = 10, betas (0.9, 0.99)
+    bc1, bc2 = 1 - 0.9 ** 10, 1 - 0.99 ** 10
+    m_hat, v_hat = u_avg / bc1, v_avg / bc2
+    v_new = ((v_hat - m_hat ** 2) @ (c * c) + (m_hat @ c) ** 2).abs() * bc2
+    torch.testing.assert_close(result.state.moments["exp_avg_sq/w"], v_new, rtol=1e-5, atol=1e-7)
+    # full-rank parameters' moments are averaged, not rotated
+    torch.testing.assert_close(result.state.moments["exp_avg/b"],
+                               w0 * replies[0].moments["exp_avg/b"] + w1 * replies[1].moments["exp_avg/b"])
+    torch.testing.assert_close(result.state.moments["exp_avg_sq/b"],
+                               w0 * replies[0].moments["exp_avg_sq/b"] + w1 * replies[1].moments["exp_avg_sq/b"])
+    assert agg.opt_step == 10
+
+
+def test_projection_refreshes_even_when_no_moment_is_due():
+    agg = lowrank_agg(rounds=RoundConfig(4, 0, 0))
+    p_old = agg.projections["w"].clone()
+    replies = lowrank_replies()
+    for r in replies:
+        r.moments = {}
+    agg.aggregate(replies)
+    assert agg.moments == {}
+    assert not torch.allclose(agg.projections["w"], p_old)
+
+
+def test_make_aggregator_owns_projections_only_under_lordo_global():
+    from lordo_fed.methods import make_aggregator, resolve_method
+    from lordo_fed.optim.config import InnerConfig
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=True))  # weight 6×4 named "0.weight"
+    g = resolve_method("lordo_global", InnerConfig(), RoundConfig(), OuterConfig())
+    agg = make_aggregator(model, g, {"0.weight": 2}, seed=3)
+    assert torch.equal(agg.projections["0.weight"], SVDProjection().initial((6, 4), 2, "right", seed=3))
+    assert torch.equal(agg.params["0.weight"], model[0].weight.detach())
+    agg.params["0.weight"].add_(1.0)  # a copy: the server's θ is not the model's tensor
+    assert not torch.equal(agg.params["0.weight"], model[0].weight.detach())
+    local = resolve_method("lordo_local", InnerConfig(), RoundConfig(), OuterConfig())
+    assert make_aggregator(model, local, {"0.weight": 2}, seed=3).projections == {}
+    diloco = resolve_method("diloco", InnerConfig(), RoundConfig(), OuterConfig(),
+                            diloco_outer=OuterConfig(name="nesterov", lr=0.7, momentum=0.9))
+    agg = make_aggregator(model, diloco, {}, seed=3)
+    assert isinstance(agg.outer, Nesterov) and agg.projections == {}
+    assert agg.rounds.due(1) == () and agg.rounds.due(6) == ()
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def full_agg() -> Aggregator:
+    return Aggregator(lowrank_params(), {"w": 2}, RoundConfig(4, 1, 1), Nesterov(lr=0.7, momentum=0.9),
+                      SVDProjection(), seed=5, betas=(0.9, 0.99))
+
+
+def assert_same_state(a: Aggregator, b: Aggregator) -> None:
+    for name in ("params", "projections", "moments"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert set(x) == set(y), name
+        for k in x:
+            assert torch.equal(x[k], y[k]), (name, k)
+    sx, sy = a.outer.state_dict(), b.outer.state_dict()
+    assert set(sx) == set(sy) and all(torch.equal(sx[k], sy[k]) for k in sx)
+    assert (a.round, a.opt_step) == (b.round, b.opt_step)
+
+
+def test_state_dict_round_trip_mid_run(tmp_path):
+    a = full_agg()
+    a.aggregate(lowrank_replies(1))
+    sd = a.state_dict()
+    assert {"param/w", "param/b", "outer/momentum_buffer.w", "outer/momentum_buffer.b", "proj/w",
+            "moment/exp_avg/w", "moment/exp_avg_sq/w", "moment/exp_avg/b", "moment/exp_avg_sq/b",
+            "counter/round", "counter/opt_step"} == set(sd)
+    assert all(isinstance(v, torch.Tensor) for v in sd.values())
+    save_file(sd, str(tmp_path / "agg.safetensors"))
+    b = full_agg()
+    b.load_state_dict(load_file(str(tmp_path / "agg.safetensors")))
+    assert_same_state(a, b)
+    assert b.round == 2 and b.opt_step == 10
+    for r in (2, 3):
+        ra, rb = a.aggregate(lowrank_replies(r)), b.aggregate(lowrank_replies(r))
+        assert ra.accepted == rb.accepted == [0, 1]
+        assert_same_state(a, b)
+    assert a.round == 4
+
+
+def test_continuing_without_the_outer_momentum_differs():
+    """Without the momentum in the checkpoint, continuing would differ: the round trip is not vacuous."""
+    a = full_agg()
+    a.aggregate(lowrank_replies(1))
+    sd = {k: v for k, v in a.state_dict().items() if not k.startswith("outer/")}
+    b = full_agg()
+    b.load_state_dict(sd)
+    a.aggregate(lowrank_replies(2))
+    b.aggregate(lowrank_replies(2))
+    assert not torch.allclose(a.params["w"], b.params["w"])
+
+
+def test_load_state_dict_rejects_a_missing_parameter():
+    sd = full_agg().state_dict()
+    del sd["param/b"]
+    with pytest.raises(ValueError, match=r"missing \['b'\]"):
+        full_agg().load_state_dict(sd)
+
+
+def test_load_state_dict_rejects_an_unexpected_parameter():
+    sd = full_agg().state_dict()
+    sd["param/extra"] = torch.zeros(1)
+    with pytest.raises(ValueError, match="extra"):
+        full_agg().load_state_dict(sd)
+
+
+def test_load_state_dict_rejects_a_mis_shaped_parameter():
+    sd = full_agg().state_dict()
+    sd["param/w"] = torch.zeros(5, 4)
+    agg = full_agg()
+    before = agg.params["w"].clone()
+    with pytest.raises(ValueError, match=r"parameter w has shape \(5, 4\), model has \(6, 4\)"):
+        agg.load_state_dict(sd)
+    assert torch.equal(agg.params["w"], before)
