@@ -121,19 +121,19 @@ class RandomizedSVDProjection(ProjectionMethod):
         return _canonical(rows, side)
 
 
-@functools.lru_cache(maxsize=32)
-def _dct_matrix_cpu(n: int) -> Tensor:
-    """Orthonormal DCT-II basis, columns are the basis vectors (n×n)."""
+@functools.lru_cache(maxsize=64)
+def _dct_matrix(n: int, device: str) -> Tensor:
     k = torch.arange(n, dtype=torch.float64)
     i = torch.arange(n, dtype=torch.float64)
     d = torch.cos(math.pi * (i[:, None] + 0.5) * k[None, :] / n) * math.sqrt(2.0 / n)
     d[:, 0] /= math.sqrt(2.0)
-    return d.float()
+    return d.float().to(device)
 
 
 def dct_matrix(n: int, device: torch.device | str = "cpu") -> Tensor:
-    """Orthonormal n×n DCT-II matrix (columns = basis vectors), cached per size."""
-    return _dct_matrix_cpu(n).to(device)
+    """Orthonormal n×n DCT-II matrix (columns = basis vectors), cached per size and device so the
+    local step never rebuilds or re-uploads it."""
+    return _dct_matrix(n, str(torch.device(device)))
 
 
 class DCTProjection(ProjectionMethod):

@@ -21,7 +21,7 @@ from lordo_fed.device import autocast
 from lordo_fed.model import lm_loss
 from lordo_fed.optim import LoRDO
 from lordo_fed.optim.config import InnerConfig, lr_at, set_lr
-from lordo_fed.rounds import GlobalState, RoundConfig, WorkerUpdate, moment_key, split_moment_key
+from lordo_fed.rounds import MOMENT_KEYS, GlobalState, RoundConfig, WorkerUpdate, moment_key, split_moment_key
 
 ProgressFn = Callable[[int, float], None]
 
@@ -123,8 +123,12 @@ class Worker:
         for key, value in state.moments.items():
             kind, name = split_moment_key(key)
             st = self.optimizer.state[self.params[name]]
-            if kind not in st:  # joining late: adopt the shared step count for bias correction
+            if kind not in st:
+                # Joining late: adopt the shared step count (bias correction), and start a moment
+                # that is not due this round at zero, as a fresh optimizer would.
                 st["step"] = torch.tensor(float(state.opt_step))
+                for other in MOMENT_KEYS:
+                    st.setdefault(other, torch.zeros_like(value, dtype=torch.float32, device=self.device))
             st[kind] = value.to(device=self.device, dtype=torch.float32).clone()
 
     # ----------------------------------------------------------------------------- state out

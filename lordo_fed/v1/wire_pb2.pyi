@@ -1,0 +1,93 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_UNSPECIFIED: _ClassVar[Codec]
+    RAW: _ClassVar[Codec]
+    BF16_BITS: _ClassVar[Codec]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+BFLOAT16: DType
+INT64: DType
+INT32: DType
+CODEC_UNSPECIFIED: Codec
+RAW: Codec
+BF16_BITS: Codec
+
+class Tensor(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "codec", "nbytes", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    codec: Codec
+    nbytes: int
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., nbytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class GlobalState(_message.Message):
+    __slots__ = ("schema", "model_id", "round", "opt_step", "params", "projections", "moments")
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    OPT_STEP_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PROJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    MOMENTS_FIELD_NUMBER: _ClassVar[int]
+    schema: str
+    model_id: str
+    round: int
+    opt_step: int
+    params: _containers.RepeatedCompositeFieldContainer[Tensor]
+    projections: _containers.RepeatedCompositeFieldContainer[Tensor]
+    moments: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, schema: _Optional[str] = ..., model_id: _Optional[str] = ..., round: _Optional[int] = ..., opt_step: _Optional[int] = ..., params: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., projections: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., moments: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+
+class WorkerUpdate(_message.Message):
+    __slots__ = ("schema", "model_id", "round", "worker_id", "tokens", "opt_step", "delta", "moments", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OPT_STEP_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    MOMENTS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    schema: str
+    model_id: str
+    round: int
+    worker_id: int
+    tokens: int
+    opt_step: int
+    delta: _containers.RepeatedCompositeFieldContainer[Tensor]
+    moments: _containers.RepeatedCompositeFieldContainer[Tensor]
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, schema: _Optional[str] = ..., model_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[int] = ..., tokens: _Optional[int] = ..., opt_step: _Optional[int] = ..., delta: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., moments: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
