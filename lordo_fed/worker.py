@@ -152,3 +152,17 @@ class Worker:
     def load_state_dict(self, sd: dict) -> None:
         self.optimizer.load_state_dict(sd["optimizer"])
         self.cursor = int(sd["cursor"])
+
+    def flat_state(self) -> tuple[dict[str, Tensor], dict]:
+        """`state_dict()` as flat named tensors plus JSON-able metadata (safetensors, Flower records)."""
+        sd = self.optimizer.state_dict()
+        tensors = {f"opt/{pid}/{key}": value for pid, st in sd["state"].items() for key, value in st.items()}
+        return tensors, {"param_groups": sd["param_groups"], "cursor": self.cursor}
+
+    def load_flat_state(self, tensors: dict[str, Tensor], meta: dict) -> None:
+        state: dict[int, dict[str, Tensor]] = {}
+        for key, value in tensors.items():
+            _, pid, name = key.split("/", 2)
+            state.setdefault(int(pid), {})[name] = value
+        self.load_state_dict({"optimizer": {"state": state, "param_groups": meta["param_groups"]},
+                              "cursor": meta["cursor"]})

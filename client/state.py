@@ -1,0 +1,65 @@
+"""Where a client keeps its worker state between rounds (error-feedback buffer, moments not due
+for sync, data cursor), so that it survives the client process being recreated every round.
+
+Two stores, chosen by the `client-state` run-config key (benchmarks/client_state.py measures
+both): node-local files keyed by partition (default: atomic safetensors checkpoints, written once
+per round, read only when the process lost its in-memory copy) and Flower's `Context.state`
+(held in memory by the SuperNode and copied into the client process with every message).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from flwr.app import Context
+from torch import Tensor
+
+from lordo_fed.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+from lordo_fed.flower import records_to_tensors, tensors_to_records
+
+State = tuple[dict[str, Tensor], dict]
+
+
+class StateStore(Protocol):
+    def load(self) -> State | None: ...
+    def save(self, round_idx: int, tensors: dict[str, Tensor], meta: dict) -> None: ...
+
+
+class DiskStore:
+    """`<directory>/partition_<p>/round_<r>.safetensors` + JSON, newest only, written atomically."""
+
+    def __init__(self, directory: str | Path, partition_id: int):
+        self.directory = Path(directory) / f"partition_{partition_id}"
+
+    def load(self) -> State | None:
+        if not self.directory.is_dir() or not list_checkpoints(self.directory):
+            return None
+        try:
+            return load_checkpoint(self.directory)
+        except CheckpointError:
+            return None  # a state cut off mid-write: start this worker's state afresh
+
+    def save(self, round_idx: int, tensors: dict[str, Tensor], meta: dict) -> None:
+        save_checkpoint(self.directory, round_idx, tensors, {**meta, "round": round_idx}, keep=1)
+
+
+class ContextStore:
+    """Flower's per-node `Context.state` (in memory on the SuperNode, gone when it restarts)."""
+
+    KEY = "lordo_fed.worker"
+
+    def __init__(self, context: Context):
+        self.context = context
+
+    def load(self) -> State | None:
+        if f"{self.KEY}.tensors" not in self.context.state:
+            return None
+        sub = {k.removeprefix(self.KEY + "."): v for k, v in self.context.state.items() if k.startswith(self.KEY + ".")}
+        from flwr.app import RecordDict
+
+        return records_to_tensors(RecordDict(sub))
+
+    def save(self, round_idx: int, tensors: dict[str, Tensor], meta: dict) -> None:
+        for k, v in tensors_to_records(tensors, {**meta, "round": round_idx}).items():
+            self.context.state[f"{self.KEY}.{k}"] = v

@@ -1,0 +1,185 @@
+"""Settings of a Flower run: flat run-config keys, Hydra presets, one validation before round 1.
+
+Precedence, lowest first: the defaults of `AppConfig`; the Hydra preset named by the `preset`
+run-config key (a YAML file in examples/flower/, composed with Hydra's Compose API because
+`@hydra.main` cannot wrap Flower code); then every flat run-config key whose value differs from
+its default in pyproject.toml (which equals `AppConfig`'s, a test checks it). So
+`flwr run . --run-config "preset='paper-16m' rank=32"` takes the 16M preset with rank 32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from lordo_fed.codec import PAYLOAD_DTYPES
+from lordo_fed.config import CommonConfig
+from lordo_fed.methods import METHODS
+
+PRESET_DIR = Path(__file__).resolve().parents[1] / "examples" / "flower"
+CLIENT_STATE_STORES = ("disk", "context")
+
+
+@dataclass
+class AppConfig(CommonConfig):
+    """One Flower run of one method."""
+
+    out_dir: str = "outputs/flower"
+    """Where metrics, plots, checkpoints and client state go (give an absolute path: Flower runs the
+    app from an installed copy, in its own working directory)."""
+    variant: str = "lordo_global"
+    """Method: lordo_global, lordo_local, diloco, local_adam or desloc."""
+    num_rounds: int = 4
+    """Federated rounds (K local steps each)."""
+    min_clients: int = 2
+    """Replies needed to apply a round; fewer, and the round is skipped (θ unchanged)."""
+    round_timeout: float = 600.0
+    """Seconds to wait for the replies of a round; later replies are excluded from it."""
+    payload_dtype: str = "fp32"
+    """Precision of floating tensors on the wire: 'fp32' or 'bf16' (bit-viewed)."""
+    resume: str = ""
+    """Checkpoint to resume from: a round JSON or a checkpoint directory ('' = start fresh)."""
+    checkpoint_keep: int = 2
+    """Newest checkpoints kept in out_dir/checkpoints."""
+    outlier_factor: float = 0.0
+    """Drop a reply whose ||Δ|| exceeds this multiple of the round's median (0 = off)."""
+    client_state: str = "disk"
+    """Where a client keeps its state between rounds: 'disk' (node-local files) or 'context'."""
+    client_state_dir: str = ""
+    """Directory for client state files ('' = <out_dir>/client_state)."""
+    progress: bool = False
+    """Show a progress bar of the local steps on each client."""
+
+    def validate(self) -> "AppConfig":
+        if self.variant not in METHODS or METHODS[self.variant].loop != "rounds":
+            allowed = sorted(n for n, s in METHODS.items() if s.loop == "rounds")
+            raise ValueError(f"variant={self.variant!r}: expected one of {allowed}")
+        for name in ("num_rounds", "min_clients", "checkpoint_keep"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected an integer > 0")
+        if not self.round_timeout > 0:
+            raise ValueError(f"round_timeout={self.round_timeout!r}: expected seconds > 0")
+        if self.payload_dtype not in PAYLOAD_DTYPES:
+            raise ValueError(f"payload_dtype={self.payload_dtype!r}: expected one of {PAYLOAD_DTYPES}")
+        if self.outlier_factor < 0:
+            raise ValueError(f"outlier_factor={self.outlier_factor!r}: expected a number >= 0 (0 = off)")
+        if self.client_state not in CLIENT_STATE_STORES:
+            raise ValueError(f"client_state={self.client_state!r}: expected one of {CLIENT_STATE_STORES}")
+        super().validate()
+        return self
+
+    @property
+    def total_steps(self) -> int:
+        """Local steps of the whole run (the learning-rate schedule's horizon)."""
+        return self.num_rounds * self.rounds.local_steps
+
+
+# Flat run-config key -> dotted field of AppConfig. These are the keys of
+# [tool.flwr.app.config] in pyproject.toml, plus `preset`.
+FLAT_KEYS: dict[str, str] = {
+    "num-server-rounds": "num_rounds",
+    "variant": "variant",
+    "local-steps": "rounds.local_steps",
+    "rank": "inner.rank",
+    "omega": "inner.omega",
+    "lr": "inner.lr",
+    "warmup-steps": "inner.warmup_steps",
+    "proj-method": "inner.proj_method",
+    "error-feedback": "inner.error_feedback",
+    "model-preset": "model.preset",
+    "outer": "outer.name",
+    "outer-lr": "outer.lr",
+    "payload-dtype": "payload_dtype",
+    "data-path": "data.path",
+    "batch-size": "data.batch_size",
+    "seq-len": "data.seq_len",
+    "output-dir": "out_dir",
+    "seed": "seed",
+    "device": "device",
+    "threads": "threads",
+    "eval-every": "eval_every",
+    "eval-batches": "eval_batches",
+    "min-clients": "min_clients",
+    "round-timeout": "round_timeout",
+    "resume": "resume",
+    "tensorboard": "tensorboard",
+    "client-state": "client_state",
+}
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def flat_defaults() -> dict[str, Any]:
+    """The default of every flat key (what pyproject.toml's [tool.flwr.app.config] must hold)."""
+    base = AppConfig()
+    return {"preset": "", **{k: _get(base, v) for k, v in FLAT_KEYS.items()}}
+
+
+def load_app_config(run_config: Mapping[str, Any], preset_dir: Path = PRESET_DIR) -> AppConfig:
+    """Compose and validate the run's settings; any bad key or value raises ValueError naming it."""
+    unknown = sorted(set(run_config) - set(FLAT_KEYS) - {"preset"})
+    if unknown:
+        raise ValueError(f"unknown run-config key(s) {unknown}: expected any of {sorted(FLAT_KEYS) + ['preset']}")
+    defaults = flat_defaults()
+    overrides = {}
+    for key, value in run_config.items():
+        if key == "preset":
+            continue
+        default = defaults[key]
+        if value == default:
+            continue
+        if isinstance(default, bool) != isinstance(value, bool) or (
+                isinstance(default, (int, float)) and not isinstance(value, (int, float))) or (
+                isinstance(default, str) and not isinstance(value, str)):
+            kind = {bool: "true or false", int: "a number", float: "a number", str: "a string"}[type(default)]
+            raise ValueError(f"run-config key {key!r}={value!r}: expected {kind} like the default {default!r}")
+        overrides[FLAT_KEYS[key]] = value
+    cfg = compose_app_config(str(run_config.get("preset", "")), overrides, preset_dir)
+    try:
+        return cfg.validate()
+    except ValueError as err:
+        raise ValueError(_name_flat_key(str(err))) from err
+
+
+def compose_app_config(preset: str, overrides: Mapping[str, Any], preset_dir: Path = PRESET_DIR) -> AppConfig:
+    """AppConfig defaults < preset YAML < overrides (dotted keys), through Hydra's Compose API."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    if preset and not (preset_dir / f"{preset}.yaml").is_file():
+        available = sorted(p.stem for p in preset_dir.glob("*.yaml"))
+        raise ValueError(f"run-config key 'preset'={preset!r}: no {preset}.yaml in {preset_dir}; expected one of {available}")
+    ConfigStore.instance().store(name="app", node=AppConfig)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(preset_dir), version_base=None):
+        raw = compose(config_name=preset or "app", overrides=[f"{k}={_hydra_value(v)}" for k, v in overrides.items()])
+    return OmegaConf.to_object(raw)
+
+
+def _hydra_value(value: Any) -> str:
+    if isinstance(value, str):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+def _name_flat_key(message: str) -> str:
+    """Prefix a validation message with the run-config key it is about, when one matches: the
+    full dotted field first (inner.lr), then its last part (DataConfig.seq_len -> seq_len)."""
+    for pattern in (lambda d: re.escape(d), lambda d: re.escape(d.split(".")[-1])):
+        for flat, dotted in FLAT_KEYS.items():
+            if re.search(rf"(^|[.\s]){pattern(dotted)}=", message):
+                return f"run-config key {flat!r}: {message}"
+    return message
+
+
+def as_dict(cfg: AppConfig) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,30 @@
+"""ServerApp: read the run's settings (stopping before round 1 on any bad value), run the strategy."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from lordo_fed.appconfig import load_app_config
+from server.strategy import LoRDOStrategy
+
+PRESETS = Path(__file__).resolve().parents[1] / "examples" / "flower"  # travels in the FAB
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request otherwise
+    cfg = load_app_config(context.run_config, PRESETS)
+    if cfg.threads:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
+    strategy = LoRDOStrategy(cfg)
+    strategy.start(grid)
+    print(f"lordo-fed: metrics {strategy.out_dir / 'server.jsonl'}, plots {strategy.out_dir / 'val_loss.png'} and "
+          f"{strategy.out_dir / 'bytes.png'}, checkpoints {strategy.checkpoint_dir}", flush=True)

@@ -1,0 +1,277 @@
+"""The LoRDO strategy: Flower's message-API Strategy around the library's Aggregator.
+
+Each round (shared/docs/ALGORITHM.md, "One round"): send every connected client the global state
+it needs (θ, the shared projections, the averaged states that are due) as one `lordo_fed.v1`
+payload; collect replies until the round deadline, polling fast; decode and validate each reply
+(schema, model identity, names, shapes, dtypes, finiteness) and drop bad ones with a log line
+naming the client and the reason; aggregate through `lordo_fed.aggregator.Aggregator` (token
+weights, outer update, Global projection refit and moment rotation); evaluate on the held-out
+split every N rounds; write JSONL/TensorBoard metrics and an atomic checkpoint.
+
+`start()` is our own: the stock loop has a separate evaluate phase per round (a second round trip)
+and polls every 3 s; one phase per round and fast polling cut the per-round overhead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy.result import Result
+
+from lordo_fed.appconfig import AppConfig, as_dict
+from lordo_fed.checkpoint import check_compatible, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from lordo_fed.codec import PayloadError, decode_update, encode_global_state, model_id
+from lordo_fed.data import load_dataset
+from lordo_fed.device import pick_device
+from lordo_fed.evaluation import evaluate
+from lordo_fed.flower import payload_bytes, payload_record
+from lordo_fed.methods import lowrank_ranks, make_aggregator, resolve_method
+from lordo_fed.metrics import MetricsWriter, plot_curves
+from lordo_fed.model import build_model
+from lordo_fed.rounds import WorkerUpdate
+
+log = logging.getLogger("lordo_fed.server")
+
+
+@dataclass
+class RoundLog:
+    """What one round saw on the wire (measured from the serialized payloads)."""
+
+    sent_bytes: int = 0
+    received: dict[int, int] = field(default_factory=dict)
+    client_seconds: dict[int, float] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    dropped: dict[str, str] = field(default_factory=dict)
+
+
+class LoRDOStrategy(Strategy):
+    """Server side of a LoRDO (or DiLoCo / Local Adam / DES-LOC) run over Flower."""
+
+    def __init__(self, cfg: AppConfig):
+        self.cfg = cfg
+        self.settings = resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
+        self.out_dir = Path(cfg.out_dir).expanduser().resolve()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.device = pick_device(cfg.device)
+        dataset = load_dataset(cfg.data, 1)  # the validation split is the same for any partitioning
+        self.val_batches = dataset.val_batches(cfg.eval_batches)
+        torch.manual_seed(cfg.seed)  # θ0: the same seeded init as the reference trainer
+        self.model = build_model(cfg.model, dataset.vocab_size).to(self.device)
+        ranks = lowrank_ranks(self.model, cfg.model.lowrank_pattern, self.settings.inner.rank, self.settings.inner.name)
+        self.aggregator = make_aggregator(self.model, self.settings, ranks, seed=cfg.seed,
+                                          outlier_factor=cfg.outlier_factor)
+        self.model_id = model_id(dict(self.model.named_parameters()))
+        self.checkpoint_dir = self.out_dir / "checkpoints"
+        self.history: list[dict] = []
+        self.tokens = 0
+        self.cum_bytes = 0
+        self._round_log = RoundLog()
+        if cfg.resume:
+            self.resume(cfg.resume)
+
+    # ----------------------------------------------------------------------------- Strategy API
+    def summary(self) -> None:
+        c = self.cfg
+        log.info("\t├── LoRDO strategy: variant %s, %d rounds of K=%d local steps", c.variant, c.num_rounds,
+                 c.rounds.local_steps)
+        log.info("\t├── Model %s (id %s), inner %s rank %d ω=%.3g lr=%.3g, outer %s", c.model.preset, self.model_id,
+                 self.settings.inner.name, c.inner.rank, c.inner.omega, c.inner.lr, self.settings.outer.name)
+        log.info("\t├── Sync periods (K_u, K_v) = (%d, %d); projections: %s", self.settings.rounds.sync_exp_avg_every,
+                 self.settings.rounds.sync_exp_avg_sq_every,
+                 self.settings.inner.projection if self.settings.inner.name == "lordo" else "none")
+        log.info("\t├── Payload %s; min clients %d; round timeout %.0fs; eval every %d rounds", c.payload_dtype,
+                 c.min_clients, c.round_timeout, c.eval_every)
+        log.info("\t└── Outputs: %s", self.out_dir)
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """One message per connected node, all carrying the same encoded global state."""
+        state = self.aggregator.global_state()
+        if state.round != server_round:
+            raise RuntimeError(f"aggregator is at round {state.round}, asked to configure {server_round}")
+        data = encode_global_state(state, self.model_id, self.cfg.payload_dtype)
+        self._round_log = RoundLog(sent_bytes=len(data))
+        record = payload_record(data)
+        round_config = ConfigRecord({"round": server_round})
+        return [
+            Message(content=RecordDict({"state": record, "config": round_config}), dst_node_id=node_id,
+                    message_type=MessageType.TRAIN)
+            for node_id in grid.get_node_ids()
+        ]
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Decode and check every reply, drop bad ones with a reason, aggregate the rest."""
+        updates: list[WorkerUpdate] = []
+        rl = self._round_log
+        for msg in replies:
+            who = f"node {msg.metadata.src_node_id}"
+            if msg.has_error():
+                rl.dropped[who] = f"error reply: {msg.error.reason}"
+                log.warning("round %d: %s failed: %s", server_round, who, msg.error.reason)
+                continue
+            try:
+                data = payload_bytes(msg.content["update"])
+                update = decode_update(data, expected_model_id=self.model_id)
+            except (PayloadError, ValueError, KeyError) as err:
+                rl.dropped[who] = str(err)
+                log.warning("round %d: dropped reply of %s: %s", server_round, who, err)
+                continue
+            metrics = msg.content.get("metrics", MetricRecord())
+            rl.received[update.worker_id] = len(data)
+            rl.client_seconds[update.worker_id] = float(metrics.get("client-seconds", 0.0))
+            updates.append(update)
+        # Replies arrive in any order; aggregate in partition order so sums are reproducible.
+        updates.sort(key=lambda u: u.worker_id)
+        if len(updates) < self.cfg.min_clients:
+            log.warning("round %d: %d usable replies < min_clients=%d; round skipped, global state unchanged",
+                        server_round, len(updates), self.cfg.min_clients)
+            self.aggregator.round += 1  # the next round is a new attempt with the same θ
+            return None, MetricRecord({"clients-ok": len(updates)})
+        result = self.aggregator.aggregate(updates)
+        for wid, reason in result.rejected.items():
+            rl.dropped[f"partition {wid}"] = reason
+        self.tokens += sum(u.tokens for u in updates if u.worker_id in result.accepted)
+        return None, MetricRecord({k: float(v) for k, v in result.metrics.items()})
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return []  # evaluation runs on the server; client metrics travel in the train reply
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return None
+
+    # ----------------------------------------------------------------------------- the loop
+    def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
+              timeout: float | None = None, train_config: ConfigRecord | None = None,
+              evaluate_config: ConfigRecord | None = None, evaluate_fn=None) -> Result:
+        """Rounds from the aggregator's current round (1, or the resumed one) to `num_rounds`."""
+        num_rounds = num_rounds or self.cfg.num_rounds
+        timeout = timeout or self.cfg.round_timeout
+        log.info("Starting LoRDO strategy:")
+        self.summary()
+        result = Result()
+        if self.aggregator.round == 1:
+            self._record({"round": 0, "step": 0, "tokens": 0, **self._evaluate()})
+        writer = MetricsWriter(self.out_dir, "server", tensorboard=self.cfg.tensorboard)
+        for rec in self.history:
+            writer.write(rec)
+        self._writer = writer
+        while self.aggregator.round <= num_rounds:
+            r = self.aggregator.round
+            started = time.perf_counter()
+            self._wait_for_nodes(grid, timeout)
+            messages = list(self.configure_train(r, ArrayRecord(), ConfigRecord(), grid))
+            replies = self._send_and_receive(grid, messages, timeout)
+            agg_started = time.perf_counter()
+            _, metrics = self.aggregate_train(r, replies)
+            aggregation_seconds = time.perf_counter() - agg_started
+            if metrics is not None:
+                result.train_metrics_clientapp[r] = metrics
+            self._finish_round(r, metrics, time.perf_counter() - started, aggregation_seconds, num_rounds)
+        writer.close()
+        self._plot()
+        result.arrays = ArrayRecord({n: _array(p) for n, p in self.aggregator.params.items()})
+        log.info("Finished: metrics %s, plots %s, checkpoints %s", self.out_dir / "server.jsonl",
+                 self.out_dir / "val_loss.png", self.checkpoint_dir)
+        return result
+
+    def _finish_round(self, r: int, metrics: MetricRecord | None, seconds: float, aggregation_seconds: float,
+                      num_rounds: int) -> None:
+        rl = self._round_log
+        received = list(rl.received.values())
+        self.cum_bytes += rl.sent_bytes + (max(received) if received else 0)
+        K = self.cfg.rounds.local_steps
+        record = {
+            "round": r, "step": r * K, "tokens": self.tokens,
+            "train_loss": (metrics or {}).get("train_loss"),
+            "clients_ok": len(received), "clients_dropped": len(rl.dropped), "clients_missing": len(rl.missing),
+            "bytes_sent_per_client": rl.sent_bytes,
+            "bytes_received_per_client": (sum(received) / len(received)) if received else 0,
+            "cum_bytes_per_client": self.cum_bytes,
+            "round_seconds": seconds, "aggregation_seconds": aggregation_seconds,
+            "client_seconds": max(rl.client_seconds.values(), default=0.0),
+        }
+        record["overhead_seconds"] = seconds - record["client_seconds"]
+        if r % self.cfg.eval_every == 0 or r == num_rounds:
+            record.update(self._evaluate())
+        if rl.missing or rl.dropped:
+            record["missing"] = ", ".join(rl.missing)
+            record["dropped"] = "; ".join(f"{k}: {v}" for k, v in rl.dropped.items())
+        self._record(record)
+        self._checkpoint(r)
+        log.info("round %d: %s", r, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()})
+
+    # ----------------------------------------------------------------------------- helpers
+    def _wait_for_nodes(self, grid: Grid, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while len(list(grid.get_node_ids())) < self.cfg.min_clients:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"fewer than min_clients={self.cfg.min_clients} nodes connected after {timeout:.0f}s")
+            time.sleep(0.2)
+
+    def _send_and_receive(self, grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
+        """Push, then poll for replies (20 ms, backing off to 0.5 s) until all came or the deadline."""
+        ids = {mid: msg.metadata.dst_node_id for mid, msg in zip(grid.push_messages(messages), messages) if mid}
+        pending = set(ids)
+        replies: list[Message] = []
+        deadline = time.monotonic() + timeout
+        pause = 0.02
+        while pending and time.monotonic() < deadline:
+            got = list(grid.pull_messages(pending))
+            replies.extend(got)
+            pending -= {m.metadata.reply_to_message_id for m in got}
+            if pending:
+                time.sleep(pause)
+                pause = min(0.5, pause * 1.5)
+        self._round_log.missing = [f"node {ids[mid]}" for mid in sorted(pending)]
+        for who in self._round_log.missing:
+            log.warning("no reply from %s within the round deadline (%.0fs); excluded from this round", who, timeout)
+        return replies
+
+    def _evaluate(self) -> dict:
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                p.copy_(self.aggregator.params[n])
+        return evaluate(self.model, self.val_batches)
+
+    def _record(self, record: dict) -> None:
+        record = {"variant": self.cfg.variant, **record}
+        self.history.append(record)
+        if getattr(self, "_writer", None) is not None:
+            self._writer.write(record)
+
+    def _checkpoint(self, r: int) -> None:
+        tensors = {**self.aggregator.state_dict(), **rng_state()}
+        meta = {"model_id": self.model_id, "variant": self.cfg.variant, "round": r, "tokens": self.tokens,
+                "cum_bytes": self.cum_bytes, "config": as_dict(self.cfg), "history": self.history}
+        save_checkpoint(self.checkpoint_dir, r, tensors, meta, keep=self.cfg.checkpoint_keep)
+
+    def resume(self, path: str) -> None:
+        """Continue from a checkpoint: θ, outer state, projections, synced states, counters, RNG."""
+        tensors, meta = load_checkpoint(path)
+        check_compatible(meta, {"model_id": self.model_id, "variant": self.cfg.variant}, path)
+        self.aggregator.load_state_dict({k: v for k, v in tensors.items() if not k.startswith("rng/")})
+        set_rng_state(tensors)
+        self.tokens, self.cum_bytes, self.history = meta["tokens"], meta["cum_bytes"], list(meta["history"])
+        log.info("resumed from %s at round %d", path, self.aggregator.round)
+
+    def _plot(self) -> None:
+        runs = {self.cfg.variant: self.history}
+        plot_curves(runs, "tokens", "val_loss", self.out_dir / "val_loss.png", title="Validation loss against tokens")
+        plot_curves(runs, "tokens", "cum_bytes_per_client", self.out_dir / "bytes.png",
+                    title="Cumulative bytes per client against tokens")
+
+
+def _array(t: torch.Tensor):
+    from flwr.app import Array
+
+    return Array(t.detach().cpu().numpy())
