@@ -76,12 +76,13 @@ class Aggregator:
         outlier_factor: reject a reply whose ||Δ|| exceeds this multiple of the round's median
             (0 disables; needs at least 3 replies to have a meaningful median).
         betas, bias_correction: the inner optimizer's, needed to rotate the second moment.
+        rotate: rotate the averaged moments into each new basis (the inner optimizer's `rotate`).
     """
 
     def __init__(self, params: dict[str, Tensor], ranks: dict[str, int], rounds: RoundConfig,
                  outer: OuterOptimizer, projection: ProjectionMethod | None, seed: int = 0,
                  outlier_factor: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
-                 bias_correction: bool = True):
+                 bias_correction: bool = True, rotate: bool = True):
         self.params = {n: p.detach().float().clone() for n, p in params.items()}
         self.ranks = dict(ranks)
         self.rounds = rounds
@@ -91,6 +92,7 @@ class Aggregator:
         self.outlier_factor = outlier_factor
         self.betas = tuple(betas)
         self.bias_correction = bias_correction
+        self.rotate = rotate
         self.round = 1
         self.opt_step = 0
         shapes = {n: tuple(p.shape) for n, p in self.params.items()}
@@ -163,7 +165,8 @@ class Aggregator:
         self.opt_step = min(u.opt_step for u in good)
         if self.projection is not None:
             new = fit_projections(delta, self.ranks, self.projection, self.seed + 7919 * self.round)
-            moments = self._rotate(moments, self.projections, new)
+            if self.rotate:
+                moments = self._rotate(moments, self.projections, new)
             self.projections = new
         self.moments = moments
 
