@@ -13,7 +13,9 @@ def readme_commands() -> list[str]:
 
 def test_readme_starts_with_install_run_and_install_test():
     run, test = readme_commands()
-    assert "pip install -e ." in run and "lordo-train" in run
+    assert "pip install -e ." in run and "scripts/simulate.sh" in run
+    script = (ROOT / "scripts" / "simulate.sh").read_text() + (ROOT / "scripts" / "submit_run.sh").read_text()
+    assert "num-supernodes=$clients" in script and "--stream" in script
     assert 'pip install -e ".[test]"' in test and "pytest" in test
 
 
