@@ -57,8 +57,11 @@ def server_records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "server.jsonl").read_text().splitlines()]
 
 
-def test_simulation_matches_the_reference_trainer(tmp_path):
-    run_config = tiny_run_config(tmp_path)
+@pytest.mark.parametrize("variant", ["lordo_global", "diloco", "desloc"])
+def test_simulation_matches_the_reference_trainer(tmp_path, variant):
+    """Baselines run through the same app by config: DiLoCo (AdamW, Nesterov outer, no state
+    sync) and DES-LOC (AdamW, states averaged at their own periods)."""
+    run_config = tiny_run_config(tmp_path, variant=variant)
     env = flower_env(tmp_path)
     proc = run_simulation(APP, env, num_supernodes=2, run_config=run_config, timeout=240, check=True,
                           log_path=tmp_path / "sim.log")
