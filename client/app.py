@@ -90,8 +90,8 @@ def runtime_for(context: Context) -> Runtime:
 def state_store(cfg: AppConfig, context: Context, partition_id: int) -> StateStore:
     if cfg.client_state == "context":
         return ContextStore(context)
-    root = cfg.client_state_dir or str(Path(cfg.out_dir) / "client_state")
-    return DiskStore(Path(root) / f"run_{context.run_id}", partition_id)
+    # Keyed by partition, not by run: a resumed run (a new Flower run id) finds its clients' state.
+    return DiskStore(cfg.client_state_dir or Path(cfg.out_dir) / "client_state", partition_id)
 
 
 @app.train()
@@ -107,7 +107,7 @@ def train(msg: Message, context: Context) -> Message:
     setup_seconds = time.perf_counter() - started
 
     store = state_store(rt.cfg, context, pid)
-    worker = _worker_for_round(rt, store, pid, shard, state.round)
+    worker, state_source = _worker_for_round(rt, store, pid, shard, state.round)
     bar = None
     if rt.cfg.progress:
         from tqdm import tqdm
@@ -118,7 +118,7 @@ def train(msg: Message, context: Context) -> Message:
         bar.close()
     train_seconds = time.perf_counter() - started - setup_seconds
     tensors, meta = worker.flat_state()
-    store.save(state.round, tensors, meta)
+    store.save(state.round, tensors, {**meta, "model_id": rt.model_id, "variant": rt.cfg.variant})
     rt.last_round[pid] = state.round
 
     sent = encode_update(update, rt.model_id, rt.cfg.payload_dtype)
@@ -126,28 +126,32 @@ def train(msg: Message, context: Context) -> Message:
         **update.metrics, "partition-id": pid, "tokens": update.tokens, "bytes-received": len(received),
         "bytes-sent": len(sent), "setup-seconds": setup_seconds, "train-seconds": train_seconds,
         "client-seconds": time.perf_counter() - started,
+        "fresh-state": int(state_source == "fresh" and state.round > 1),
     }
     content = RecordDict({"update": payload_record(sent), "metrics": MetricRecord(metrics)})
     return Message(content=content, reply_to=msg)
 
 
-def _worker_for_round(rt: Runtime, store: StateStore, pid: int, shard: TokenShard, round_idx: int) -> Worker:
-    """This partition's worker with its state as of the end of round `round_idx - 1`.
-
-    In memory if this process trained the previous round of the partition; else from the store;
-    else (first round, or state lost) a fresh worker positioned at the round's data cursor.
+def _worker_for_round(rt: Runtime, store: StateStore, pid: int, shard: TokenShard,
+                      round_idx: int) -> tuple[Worker, str]:
+    """This partition's worker with its state as of the end of round `round_idx - 1`, and where
+    that state came from: 'memory' if this process trained the previous round of the partition,
+    else 'store', else 'fresh' (first round, or state lost: positioned at the round's data cursor).
     """
     if rt.last_round.get(pid) == round_idx - 1 and pid in rt.workers:
-        return rt.workers[pid]
+        return rt.workers[pid], "memory"
     worker = rt.new_worker(pid, shard)
     saved = store.load()
-    if saved is not None and saved[1].get("round") == round_idx - 1:
+    if saved is not None and saved[1].get("round") == round_idx - 1 and saved[1].get("model_id") == rt.model_id \
+            and saved[1].get("variant") == rt.cfg.variant:
         worker.load_flat_state(*saved)
+        source = "store"
     else:
+        source = "fresh"
         if round_idx > 1:
             have = None if saved is None else saved[1].get("round")
             log.warning("partition %d: no worker state for round %d (store has %s); starting it afresh",
                         pid, round_idx - 1, have)
         worker.cursor = (round_idx - 1) * rt.settings.rounds.local_steps
     rt.workers[pid] = worker
-    return worker
+    return worker, source

@@ -49,6 +49,7 @@ class RoundLog:
     sent_bytes: int = 0
     received: dict[int, int] = field(default_factory=dict)
     client_seconds: dict[int, float] = field(default_factory=dict)
+    fresh_state: list[int] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     dropped: dict[str, str] = field(default_factory=dict)
 
@@ -128,6 +129,8 @@ class LoRDOStrategy(Strategy):
             metrics = msg.content.get("metrics", MetricRecord())
             rl.received[update.worker_id] = len(data)
             rl.client_seconds[update.worker_id] = float(metrics.get("client-seconds", 0.0))
+            if metrics.get("fresh-state", 0):
+                rl.fresh_state.append(update.worker_id)
             updates.append(update)
         # Replies arrive in any order; aggregate in partition order so sums are reproducible.
         updates.sort(key=lambda u: u.worker_id)
@@ -161,6 +164,8 @@ class LoRDOStrategy(Strategy):
         result = Result()
         if self.aggregator.round == 1:
             self._record({"round": 0, "step": 0, "tokens": 0, **self._evaluate()})
+        # The checkpoint's history is the truth: records a crashed run wrote after it are dropped.
+        (self.out_dir / "server.jsonl").unlink(missing_ok=True)
         writer = MetricsWriter(self.out_dir, "server", tensorboard=self.cfg.tensorboard)
         for rec in self.history:
             writer.write(rec)
@@ -194,6 +199,7 @@ class LoRDOStrategy(Strategy):
             "round": r, "step": r * K, "tokens": self.tokens,
             "train_loss": (metrics or {}).get("train_loss"),
             "clients_ok": len(received), "clients_dropped": len(rl.dropped), "clients_missing": len(rl.missing),
+            "clients_fresh_state": len(rl.fresh_state),
             "bytes_sent_per_client": rl.sent_bytes,
             "bytes_received_per_client": (sum(received) / len(received)) if received else 0,
             "cum_bytes_per_client": self.cum_bytes,

@@ -84,6 +84,24 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant):
     assert records[-1]["tokens"] == 2 * 2 * 3 * 4 * 32
 
 
+def test_resume_continues_from_the_checkpoint(tmp_path):
+    """A second run with `resume` picks up θ, counters and history at round 2 and the clients'
+    own state (their disk store, keyed by partition), then trains round 3."""
+    env = flower_env(tmp_path)
+    out = tmp_path / "out"
+    run_simulation(APP, env, 2, tiny_run_config(tmp_path), timeout=240, check=True)
+    first = server_records(out)
+    proc = run_simulation(APP, env, 2, tiny_run_config(tmp_path, **{"num-server-rounds": 3, "resume": str(out / "checkpoints")}),
+                          timeout=240, check=True)
+    records = server_records(out)
+    assert [r["round"] for r in records] == [0, 1, 2, 3]
+    assert records[:3] == first
+    assert records[3]["tokens"] == 3 * 2 * 3 * 4 * 32
+    assert "resumed from" in proc.stdout
+    assert records[3]["clients_fresh_state"] == 0  # both clients found their round-2 state
+    assert load_checkpoint(out / "checkpoints")[1]["round"] == 3
+
+
 def test_deployment_two_rounds_and_a_bad_config(tmp_path):
     with Deployment(tmp_path, num_nodes=2) as dep:
         bad = dep.run(APP, tiny_run_config(tmp_path, omega=1.5, **{"output-dir": str(tmp_path / "bad")}), timeout=120)
