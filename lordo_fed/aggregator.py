@@ -77,12 +77,14 @@ class Aggregator:
             (0 disables; needs at least 3 replies to have a meaningful median).
         betas, bias_correction: the inner optimizer's, needed to rotate the second moment.
         rotate: rotate the averaged moments into each new basis (the inner optimizer's `rotate`).
+        init_projection: 'random' (seeded basis for round 1) or 'gradient' (round 1 waits for
+            `init_projections` with the workers' gradients at θ0).
     """
 
     def __init__(self, params: dict[str, Tensor], ranks: dict[str, int], rounds: RoundConfig,
                  outer: OuterOptimizer, projection: ProjectionMethod | None, seed: int = 0,
                  outlier_factor: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
-                 bias_correction: bool = True, rotate: bool = True):
+                 bias_correction: bool = True, rotate: bool = True, init_projection: str = "random"):
         self.params = {n: p.detach().float().clone() for n, p in params.items()}
         self.ranks = dict(ranks)
         self.rounds = rounds
@@ -97,7 +99,8 @@ class Aggregator:
         self.opt_step = 0
         shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         self.projections: dict[str, Tensor] = (
-            initial_projections(shapes, self.ranks, projection, seed) if projection is not None else {}
+            initial_projections(shapes, self.ranks, projection, seed)
+            if projection is not None and init_projection == "random" else {}
         )
         self.moments: dict[str, Tensor] = {}
 
@@ -106,6 +109,42 @@ class Aggregator:
         """What every worker is sent for the current round."""
         return GlobalState(round=self.round, params=self.params, projections=self.projections,
                            moments=self.moments, opt_step=self.opt_step)
+
+    @property
+    def needs_gradient_init(self) -> bool:
+        """LoRDO-Global with init_projection='gradient', before round 1's projections exist."""
+        return self.projection is not None and bool(self.ranks) and not self.projections
+
+    def gradient_request(self) -> GlobalState:
+        """What workers get to compute the gradient the round-1 projections are fitted to."""
+        return GlobalState(round=0, params=self.params)
+
+    @torch.no_grad()
+    def init_projections(self, gradients: Sequence[WorkerUpdate]) -> RoundResult:
+        """Round-1 projections: top-r subspaces of the token-weighted mean gradient at θ0 (the
+        full-batch gradient GaLore starts from). Each reply carries `delta` = its gradient of the
+        low-rank parameters, round 0."""
+        rejected: dict[int, str] = {}
+        good = []
+        for g in gradients:
+            reason = None
+            if g.round != 0 or set(g.delta) != set(self.ranks) or g.tokens <= 0:
+                reason = f"not a gradient reply for round 0 over the low-rank parameters (round {g.round})"
+            else:
+                for name, t in g.delta.items():
+                    reason = reason or _tensor_problem(f"grad/{name}", t, tuple(self.params[name].shape))
+            if reason:
+                rejected[g.worker_id] = reason
+                log.warning("initial projections: dropped gradient of worker %s: %s", g.worker_id, reason)
+            else:
+                good.append(g)
+        if not good:
+            raise RuntimeError(f"initial projections: no usable gradient ({rejected})")
+        total = sum(g.tokens for g in good)
+        weights = [g.tokens / total for g in good]
+        mean = {n: _weighted_sum([g.delta[n] for g in good], weights) for n in self.ranks}
+        self.projections = fit_projections(mean, self.ranks, self.projection, self.seed)
+        return RoundResult(self.global_state(), [g.worker_id for g in good], rejected, {})
 
     def expected_moment_shape(self, name: str) -> tuple[int, ...]:
         shape = tuple(self.params[name].shape)

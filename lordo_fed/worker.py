@@ -89,6 +89,20 @@ class Worker:
                 progress(i, loss)
         return losses
 
+    def gradient(self, state: GlobalState, names: list[str]) -> WorkerUpdate:
+        """The gradient at the given θ of this worker's next batch (the cursor does not move: the
+        batch is trained on in round 1), for `names`: what LoRDO-Global's round-1 projections are
+        fitted to (Aggregator.init_projections)."""
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(state.params[name])
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.forward_backward(self.cursor)
+        grads = {n: self.params[n].grad.detach().float().cpu().clone() for n in names}
+        self.optimizer.zero_grad(set_to_none=True)
+        return WorkerUpdate(worker_id=self.worker_id, round=0, delta=grads, moments={},
+                            tokens=self.batch_size * self.seq_len, opt_step=0, metrics={"loss": loss})
+
     def forward_backward(self, batch_index: int, scale: float = 1.0) -> float:
         """Loss and gradient (accumulated, times `scale`) of this shard's batch `batch_index`."""
         x, y = self.shard.batch(batch_index, self.batch_size, self.seq_len, seed=self.data_seed)

@@ -618,3 +618,34 @@ def test_load_state_dict_rejects_a_mis_shaped_parameter():
     with pytest.raises(ValueError, match=r"parameter w has shape \(5, 4\), model has \(6, 4\)"):
         agg.load_state_dict(sd)
     assert torch.equal(agg.params["w"], before)
+
+
+# ----------------------------------------------------------------------------- round-1 projections from gradients
+
+
+def test_initial_projections_are_fitted_to_the_token_weighted_mean_gradient(caplog):
+    shape = (6, 4)
+    params = {"w": torch.zeros(shape), "b": torch.zeros(4)}
+    agg = Aggregator(params, {"w": 2}, RoundConfig(local_steps=1), Average(), SVDProjection(), seed=3,
+                     init_projection="gradient")
+    assert agg.needs_gradient_init and agg.global_state().projections == {}
+    g = torch.Generator().manual_seed(0)
+    g1, g2 = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    replies = [
+        WorkerUpdate(worker_id=0, round=0, delta={"w": g1}, moments={}, tokens=100, opt_step=0),
+        WorkerUpdate(worker_id=1, round=0, delta={"w": g2}, moments={}, tokens=300, opt_step=0),
+        WorkerUpdate(worker_id=2, round=0, delta={"w": torch.full(shape, float("nan"))}, moments={}, tokens=100, opt_step=0),
+    ]
+    with caplog.at_level(logging.WARNING):
+        result = agg.init_projections(replies)
+    assert result.accepted == [0, 1] and "NaN" in result.rejected[2] and "worker 2" in caplog.text
+    mean = 0.25 * g1 + 0.75 * g2
+    _, _, vh = torch.linalg.svd(mean, full_matrices=False)
+    p = agg.projections["w"]
+    torch.testing.assert_close(p.T @ p, vh[:2].T @ vh[:2], atol=1e-5, rtol=0)
+    assert not agg.needs_gradient_init and agg.global_state().round == 1
+
+
+def test_random_initial_projections_need_no_gradients():
+    agg = Aggregator({"w": torch.zeros(6, 4)}, {"w": 2}, RoundConfig(), Average(), SVDProjection(), seed=3)
+    assert not agg.needs_gradient_init and agg.projections["w"].shape == (2, 4)

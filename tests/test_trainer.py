@@ -38,10 +38,12 @@ def context(cfg: TrainConfig, records: list) -> RunContext:
     return RunContext(cfg, dataset, pick_device("cpu"), dataset.val_batches(cfg.eval_batches), records.append)
 
 
-def test_lordo_global_with_one_worker_and_k1_equals_low_rank_ddp(tmp_path):
+@pytest.mark.parametrize("init_projection", ["gradient", "random"])
+def test_lordo_global_with_one_worker_and_k1_equals_low_rank_ddp(tmp_path, init_projection):
     """M = 1, K = 1: the round machinery (Δ, outer average, state sync, server projections and
     rotation) adds nothing and drops nothing relative to a plain loop with the same optimizer."""
     cfg = tiny_config(tmp_path)
+    cfg.inner.init_projection = init_projection
     records: list = []
     ctx = context(cfg, records)
     lordo = resolve_method("lordo_global", cfg.inner, cfg.rounds, cfg.outer)

@@ -12,6 +12,7 @@ from lordo_fed.optim.lordo import EF_DTYPES, PROJECTION_SOURCES, QH_PLACEMENTS, 
 from lordo_fed.projection import PROJECTION_METHODS
 
 INNER_OPTIMIZERS = ("lordo", "adamw")
+INIT_PROJECTIONS = ("gradient", "random")
 SCHEDULES = ("wsd", "cosine", "constant")
 
 
@@ -41,6 +42,9 @@ class InnerConfig:
     """Full-rank QH term 'outside' the projection (the paper) or 'inside' it."""
     projection: str = "global"
     """'global' (LoRDO-Global: server refits P from the averaged pseudo-gradient) or 'local'."""
+    init_projection: str = "random"
+    """Round-1 basis of LoRDO-Global: 'gradient' (fitted to the workers' averaged gradient at θ0,
+    one extra exchange before round 1) or 'random' (seeded random orthonormal basis)."""
     proj_method: str = "svd"
     """Projection fit: 'svd' (exact), 'rsvd' (randomized) or 'dct' (DCT columns, sent as indices)."""
     proj_interval: int = 0
@@ -69,6 +73,7 @@ class InnerConfig:
         choices = {
             "name": INNER_OPTIMIZERS, "ef_dtype": tuple(EF_DTYPES), "qh_placement": QH_PLACEMENTS,
             "projection": PROJECTION_SOURCES, "proj_method": PROJECTION_METHODS, "schedule": SCHEDULES,
+            "init_projection": INIT_PROJECTIONS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

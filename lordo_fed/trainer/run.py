@@ -68,6 +68,12 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     aggregator = make_aggregator(model, settings, ranks, seed=cfg.seed)
     num_rounds = cfg.total_steps // K
     sent_total = received_total = 0
+    if aggregator.needs_gradient_init:
+        request = aggregator.gradient_request()
+        gradients = [w.gradient(request, sorted(ranks)) for w in workers]
+        aggregator.init_projections(gradients)
+        received_total += tensor_bytes(request.tensors())
+        sent_total += max(tensor_bytes(g.tensors()) for g in gradients)
     tokens = 0
     ctx.emit(_eval_record(ctx, model, settings, 0, 0, 0))
     bar = _progress(ctx, num_rounds * K * cfg.workers, settings.name)
@@ -126,8 +132,16 @@ def run_ddp(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     server_proj = isinstance(optimizer, LoRDO) and settings.inner.projection == "global" and bool(ranks)
     if server_proj:
         method = get_projection_method(settings.inner.proj_method)
-        shapes = {n: tuple(params[n].shape) for n in ranks}
-        for n, stored in initial_projections(shapes, ranks, method, cfg.seed).items():
+        if settings.inner.init_projection == "gradient":
+            # The all-reduced gradient at θ0 of every worker's next batch (not consumed).
+            for w in workers:
+                w.forward_backward(w.cursor, scale=1.0 / cfg.workers)
+            grads = {n: params[n].grad.detach().float().clone() for n in ranks}
+            optimizer.zero_grad(set_to_none=True)
+            initial = fit_projections(grads, ranks, method, cfg.seed)
+        else:
+            initial = initial_projections({n: tuple(params[n].shape) for n in ranks}, ranks, method, cfg.seed)
+        for n, stored in initial.items():
             optimizer.set_projection(params[n], stored)
         anchor = {n: params[n].detach().float().clone() for n in ranks}
     ctx.emit(_eval_record(ctx, model, settings, 0, 0, 0))
