@@ -1,0 +1,108 @@
+"""Helpers shared by the benchmark scripts: machine description, argparse, JSON output, figures.
+
+    from benchmarks.common import RESULTS, make_parser, machine_info, write_json, new_figure
+
+Every benchmark takes `--quick` (a small configuration that finishes in seconds: what the test
+suite runs) and `--out PATH` (the JSON file; a figure, when there is one, goes next to it with the
+same stem and `.png`). Results default to `benchmarks/results/<name>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+GPT2_VOCAB = 50257
+"""The GPT-2 BPE vocabulary the paper's parameter counts assume."""
+BYTE_VOCAB = 256
+"""Our default tokenizer (UTF-8 bytes)."""
+
+
+def machine_info() -> dict[str, Any]:
+    """Where a result was measured: versions, CPU count, platform."""
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    try:
+        import numpy
+
+        info["numpy"] = numpy.__version__
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+    try:
+        import google.protobuf
+
+        info["protobuf"] = google.protobuf.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    info["mem_total_bytes"] = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    return info
+
+
+def make_parser(name: str, doc: str | None, quick_help: str) -> argparse.ArgumentParser:
+    """An ArgumentParser with `--quick` and `--out` (default benchmarks/results/<name>.json)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--out", default=str(RESULTS / f"{name}.json"),
+                        help="JSON result file; the figure is written next to it as <stem>.png "
+                             "(default: %(default)s)")
+    return parser
+
+
+def png_path(out: str | Path) -> Path:
+    """The figure that goes with JSON result `out`."""
+    return Path(out).with_suffix(".png")
+
+
+def write_json(result: dict[str, Any], out: str | Path) -> Path:
+    """Write `result` (plain JSON: no NaN) to `out`, creating its folder. Returns the path."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    return out
+
+
+def result_header(benchmark: str, quick: bool, config: dict[str, Any]) -> dict[str, Any]:
+    """The common top of every result file."""
+    return {"benchmark": benchmark, "quick": quick, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "machine": machine_info(), "config": config}
+
+
+def new_figure(width: float, height: float):
+    """A matplotlib Figure with an Agg canvas (no pyplot, no global backend switch)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=110)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def human_bytes(n: float) -> str:
+    """1234567 -> '1.23 MB' (decimal units, as bandwidth is quoted)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"  # pragma: no cover
