@@ -11,8 +11,12 @@ every round, so a recreated process picks it up (client/state.py).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
+import os
+import pickle
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +32,7 @@ from lordo_fed.codec import decode_global_state, encode_update, model_id
 from lordo_fed.data import TokenShard, load_dataset
 from lordo_fed.device import pick_device
 from lordo_fed.flower import payload_bytes, payload_record
-from lordo_fed.methods import MethodSettings, make_worker, resolve_method
+from lordo_fed.methods import MethodSettings, lowrank_ranks, make_worker, resolve_method
 from lordo_fed.model import build_model, lowrank_parameter_names
 from lordo_fed.tokenizer import load_tokenizer
 from lordo_fed.worker import Worker
@@ -68,13 +72,77 @@ class Runtime:
 
 
 _RUNTIMES: dict[str, Runtime] = {}
+CONFIG_CACHE = Path("~/.cache/lordo_fed/appconfig")
+
+
+def app_config(run_config: dict) -> AppConfig:
+    """`load_app_config(run_config, PRESETS)`, cached on local disk across client processes.
+
+    In a deployment every message starts a new ClientApp process, and composing the config costs
+    ~0.2 s (Hydra's import and Compose API). The cache key covers everything the result depends
+    on: the run config, the presets' contents and the lordo_fed sources (path, size, mtime). A bad
+    config raises as before (and is not cached); an unreadable cache entry is recomposed.
+    """
+    import lordo_fed
+
+    h = hashlib.sha256(json.dumps(dict(run_config), sort_keys=True, default=str).encode())
+    for path in sorted(PRESETS.glob("*.yaml")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted(Path(lordo_fed.__file__).parent.rglob("*.py")):
+        st = path.stat()
+        h.update(f"{path}:{st.st_size}:{st.st_mtime_ns}\0".encode())
+    cache = CONFIG_CACHE.expanduser() / f"{h.hexdigest()[:32]}.pickle"
+    try:
+        cfg = pickle.loads(cache.read_bytes())
+        if isinstance(cfg, AppConfig):
+            return cfg
+    except Exception:  # noqa: BLE001 (missing, partial or stale entry: compose afresh)
+        pass
+    cfg = load_app_config(run_config, PRESETS)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(pickle.dumps(cfg))
+        os.replace(tmp, cache)
+    except OSError:
+        pass  # a read-only home only costs the recomposition
+    return cfg
+
+
+def skip_lazy_dynamo_import() -> bool:
+    """Spare a fresh client process the ~1 s import of `torch._dynamo` (returns whether it did).
+
+    `torch.optim.Optimizer.add_param_group`, `zero_grad`, `state_dict` and `load_state_dict` are
+    wrapped by `torch._disable_dynamo`, which imports `torch._dynamo` on the first call only to keep
+    those methods out of `torch.compile` tracing, then calls the plain method through the
+    disabling wrapper it caches in the method's `__dynamo_disable` attribute. Nothing in this client
+    is compiled, and in a deployment every message gets a new ClientApp process, so every round
+    would pay that import for the LoRDO optimizer's constructor. We pre-fill the cache with the
+    plain method: outside compilation the disabling wrapper does nothing but call it. Done only
+    while `torch._dynamo` is not imported yet, and only on wrappers that look like torch's.
+    (AdamW-based variants still import it: `AdamW.step` imports it directly.)
+    """
+    if "torch._dynamo" in sys.modules:
+        return False
+    done = False
+    for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):
+        wrapper = getattr(torch.optim.Optimizer, name, None)
+        plain = getattr(wrapper, "__wrapped__", None)
+        code = getattr(wrapper, "__code__", None)
+        if plain is None or code is None or not code.co_filename.endswith("_compile.py") or code.co_name != "inner":
+            continue  # not torch._disable_dynamo's wrapper (another torch version): leave it alone
+        if getattr(plain, "__dynamo_disable", None) is None:
+            setattr(plain, "__dynamo_disable", plain)
+            done = True
+    return done
 
 
 def runtime_for(context: Context) -> Runtime:
     """The process's Runtime for this run (built on the first message)."""
     key = json.dumps({"run": context.run_id, "config": dict(context.run_config)}, sort_keys=True, default=str)
     if key not in _RUNTIMES:
-        cfg = load_app_config(context.run_config, PRESETS)
+        skip_lazy_dynamo_import()
+        cfg = app_config(context.run_config)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         device = pick_device(cfg.device)
@@ -96,7 +164,12 @@ def state_store(cfg: AppConfig, context: Context, partition_id: int) -> StateSto
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """One round: decode the global state, K local steps, reply with the update."""
+    """One round: decode the global state, K local steps, reply with the update.
+
+    Reply metrics: `setup-seconds` (runtime, data, decoding, worker state: mostly first-message
+    cost in a fresh process), `train-seconds` (the K local steps alone), `client-seconds` (the
+    whole handler, what the server reports as client time).
+    """
     started = time.perf_counter()
     rt = runtime_for(context)
     node = context.node_config
@@ -104,19 +177,20 @@ def train(msg: Message, context: Context) -> Message:
     shard = rt.shard(pid, nparts, str(node.get("data-path", "")))
     received = payload_bytes(msg.content["state"])
     state = decode_global_state(received, expected_model_id=rt.model_id)
-    setup_seconds = time.perf_counter() - started
-
     store = state_store(rt.cfg, context, pid)
     worker, state_source = _worker_for_round(rt, store, pid, shard, state.round)
+    setup_seconds = time.perf_counter() - started
+
     bar = None
     if rt.cfg.progress:
         from tqdm import tqdm
 
         bar = tqdm(total=rt.settings.rounds.local_steps, desc=f"client {pid} round {state.round}", leave=False)
+    train_started = time.perf_counter()
     update = worker.train_round(state, progress=(lambda i, loss: bar.update(1)) if bar else None)
+    train_seconds = time.perf_counter() - train_started
     if bar:
         bar.close()
-    train_seconds = time.perf_counter() - started - setup_seconds
     tensors, meta = worker.flat_state()
     store.save(state.round, tensors, {**meta, "model_id": rt.model_id, "variant": rt.cfg.variant})
     rt.last_round[pid] = state.round
@@ -130,6 +204,21 @@ def train(msg: Message, context: Context) -> Message:
     }
     content = RecordDict({"update": payload_record(sent), "metrics": MetricRecord(metrics)})
     return Message(content=content, reply_to=msg)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """LoRDO-Global's round-0 exchange: this partition's gradient at θ0 for the low-rank weights."""
+    rt = runtime_for(context)
+    node = context.node_config
+    pid, nparts = int(node.get("partition-id", 0)), int(node.get("num-partitions", 1))
+    shard = rt.shard(pid, nparts, str(node.get("data-path", "")))
+    state = decode_global_state(payload_bytes(msg.content["state"]), expected_model_id=rt.model_id)
+    worker, _ = _worker_for_round(rt, state_store(rt.cfg, context, pid), pid, shard, 1)
+    names = sorted(lowrank_ranks(rt.model, rt.cfg.model.lowrank_pattern, rt.settings.inner.rank, rt.settings.inner.name))
+    gradient = worker.gradient(state, names)
+    sent = encode_update(gradient, rt.model_id, rt.cfg.payload_dtype)
+    return Message(content=RecordDict({"update": payload_record(sent)}), reply_to=msg)
 
 
 def _worker_for_round(rt: Runtime, store: StateStore, pid: int, shard: TokenShard,

@@ -4,6 +4,9 @@ export FLWR_TELEMETRY_ENABLED="${FLWR_TELEMETRY_ENABLED:-0}"          # no telem
 export FLWR_DISABLE_UPDATE_CHECK="${FLWR_DISABLE_UPDATE_CHECK:-1}"    # no PyPI version check
 # Otherwise every run `uv sync`s the app's dependencies: fails offline, pulls CUDA torch.
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="${FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION:-1}"
+# How often each flower-superexec (one per SuperNode, one per SuperLink) looks for a ClientApp /
+# ServerApp to launch; Flower's default of 1 s adds ~0.5 s per message and per run start.
+export FLWR_SUPEREXEC_TASK_POLL_INTERVAL="${FLWR_SUPEREXEC_TASK_POLL_INTERVAL:-0.1}"
 export PYTHONUNBUFFERED="${PYTHONUNBUFFERED:-1}"                      # logs appear as they happen
 export RAY_USAGE_STATS_ENABLED="${RAY_USAGE_STATS_ENABLED:-0}"        # simulation only
 # State directory for PID files and logs (override with --dir or FLOWER_RUN_DIR).

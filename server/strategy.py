@@ -33,7 +33,7 @@ from lordo_fed.codec import PayloadError, decode_update, encode_global_state, mo
 from lordo_fed.data import load_dataset
 from lordo_fed.device import pick_device
 from lordo_fed.evaluation import evaluate
-from lordo_fed.flower import payload_bytes, payload_record
+from lordo_fed.flower import payload_bytes, payload_record, shorten_pull_backoff
 from lordo_fed.methods import lowrank_ranks, make_aggregator, resolve_method
 from lordo_fed.metrics import MetricsWriter, plot_curves
 from lordo_fed.model import build_model
@@ -49,6 +49,7 @@ class RoundLog:
     sent_bytes: int = 0
     received: dict[int, int] = field(default_factory=dict)
     client_seconds: dict[int, float] = field(default_factory=dict)
+    client_train_seconds: dict[int, float] = field(default_factory=dict)
     fresh_state: list[int] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     dropped: dict[str, str] = field(default_factory=dict)
@@ -129,6 +130,7 @@ class LoRDOStrategy(Strategy):
             metrics = msg.content.get("metrics", MetricRecord())
             rl.received[update.worker_id] = len(data)
             rl.client_seconds[update.worker_id] = float(metrics.get("client-seconds", 0.0))
+            rl.client_train_seconds[update.worker_id] = float(metrics.get("train-seconds", 0.0))
             if metrics.get("fresh-state", 0):
                 rl.fresh_state.append(update.worker_id)
             updates.append(update)
@@ -162,14 +164,18 @@ class LoRDOStrategy(Strategy):
         log.info("Starting LoRDO strategy:")
         self.summary()
         result = Result()
+        self._started = time.perf_counter()
         if self.aggregator.round == 1:
-            self._record({"round": 0, "step": 0, "tokens": 0, **self._evaluate()})
+            self._record({"round": 0, "step": 0, "tokens": 0, **self._evaluate(),
+                          "elapsed_seconds": time.perf_counter() - self._started})
         # The checkpoint's history is the truth: records a crashed run wrote after it are dropped.
         (self.out_dir / "server.jsonl").unlink(missing_ok=True)
         writer = MetricsWriter(self.out_dir, "server", tensorboard=self.cfg.tensorboard)
         for rec in self.history:
             writer.write(rec)
         self._writer = writer
+        if self.aggregator.needs_gradient_init:
+            self._init_projections(grid, timeout)
         while self.aggregator.round <= num_rounds:
             r = self.aggregator.round
             started = time.perf_counter()
@@ -205,8 +211,12 @@ class LoRDOStrategy(Strategy):
             "cum_bytes_per_client": self.cum_bytes,
             "round_seconds": seconds, "aggregation_seconds": aggregation_seconds,
             "client_seconds": max(rl.client_seconds.values(), default=0.0),
+            "client_train_seconds": max(rl.client_train_seconds.values(), default=0.0),
         }
         record["overhead_seconds"] = seconds - record["client_seconds"]
+        # seconds since this process entered start(), at the end of this round's aggregation:
+        # consecutive differences are the full round cycle (with evaluation and checkpoint)
+        record["elapsed_seconds"] = time.perf_counter() - self._started
         if r % self.cfg.eval_every == 0 or r == num_rounds:
             record.update(self._evaluate())
         if rl.missing or rl.dropped:
@@ -215,6 +225,31 @@ class LoRDOStrategy(Strategy):
         self._record(record)
         self._checkpoint(r)
         log.info("round %d: %s", r, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()})
+
+    def _init_projections(self, grid: Grid, timeout: float) -> None:
+        """LoRDO-Global, init_projection='gradient': one query phase before round 1 in which every
+        client returns its gradient at θ0, the round-1 projections are fitted to their mean."""
+        self._wait_for_nodes(grid, timeout)
+        data = encode_global_state(self.aggregator.gradient_request(), self.model_id, self.cfg.payload_dtype)
+        record = payload_record(data)
+        messages = [Message(content=RecordDict({"state": record}), dst_node_id=node_id, message_type=MessageType.QUERY)
+                    for node_id in grid.get_node_ids()]
+        gradients, sizes = [], []
+        for msg in self._send_and_receive(grid, messages, timeout):
+            who = f"node {msg.metadata.src_node_id}"
+            if msg.has_error():
+                log.warning("initial projections: %s failed: %s", who, msg.error.reason)
+                continue
+            try:
+                reply = payload_bytes(msg.content["update"])
+                gradients.append(decode_update(reply, expected_model_id=self.model_id))
+                sizes.append(len(reply))
+            except (PayloadError, ValueError, KeyError) as err:
+                log.warning("initial projections: dropped reply of %s: %s", who, err)
+        gradients.sort(key=lambda g: g.worker_id)
+        result = self.aggregator.init_projections(gradients)
+        self.cum_bytes += len(data) + max(sizes, default=0)
+        log.info("round-1 projections fitted to the mean gradient of %d clients", len(result.accepted))
 
     # ----------------------------------------------------------------------------- helpers
     def _wait_for_nodes(self, grid: Grid, timeout: float) -> None:
@@ -225,19 +260,26 @@ class LoRDOStrategy(Strategy):
             time.sleep(0.2)
 
     def _send_and_receive(self, grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
-        """Push, then poll for replies (20 ms, backing off to 0.5 s) until all came or the deadline."""
+        """Push, then poll for replies (every 20 ms for a second, then every 0.1 s) until all came
+        or the deadline.
+
+        (Flower's `grid.send_and_receive` polls every 3 s. In simulation replies come within
+        ~0.1 s; in deployment not before the SuperNodes' own 3 s polling allows, and a pull costs
+        the SuperLink one cheap request: a reply waits at most 0.1 s. Reply chunks still being
+        uploaded are retried after 50 ms, not Flower's 1 s: lordo_fed.flower.shorten_pull_backoff.)
+        """
+        shorten_pull_backoff()
         ids = {mid: msg.metadata.dst_node_id for mid, msg in zip(grid.push_messages(messages), messages) if mid}
         pending = set(ids)
         replies: list[Message] = []
-        deadline = time.monotonic() + timeout
-        pause = 0.02
+        start = time.monotonic()
+        deadline = start + timeout
         while pending and time.monotonic() < deadline:
             got = list(grid.pull_messages(pending))
             replies.extend(got)
             pending -= {m.metadata.reply_to_message_id for m in got}
             if pending:
-                time.sleep(pause)
-                pause = min(0.5, pause * 1.5)
+                time.sleep(0.02 if time.monotonic() - start < 1.0 else 0.1)
         self._round_log.missing = [f"node {ids[mid]}" for mid in sorted(pending)]
         for who in self._round_log.missing:
             log.warning("no reply from %s within the round deadline (%.0fs); excluded from this round", who, timeout)

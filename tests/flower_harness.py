@@ -17,7 +17,13 @@ Facts about flwr 1.41 this relies on (read from the installed package, checked o
 - Process trees: `flower-superlink` spawns `flower-superexec` in a NEW session (so killing the
   SuperLink's process group misses it; it exits ~0.2 s after its parent dies) which spawns
   `flwr-serverapp` / `flwr-simulation` (+ Ray). `flower-supernode` spawns `flower-superexec` in its
-  own process group, which spawns one `flwr-clientapp` per message.
+  own process group, which spawns one `flwr-clientapp` per message. Each `flower-superexec` asks
+  for work every FLWR_SUPEREXEC_TASK_POLL_INTERVAL seconds (default 1; `flower_env` sets 0.1).
+  A SuperNode sleeps a hard-coded 3 s after every empty pull of the SuperLink and checks for its
+  ClientApp's reply every 0.5 s (flwr/supernode/start_client_internal.py; no flag or variable).
+- `flower-supernode --isolation process` does not spawn the SuperExec: something else must serve
+  its Runtime API (`Deployment(isolation="process")` starts a `flower-superexec` next to it). A
+  `flwr-clientapp` process still handles exactly one message (one task token) and exits.
 - `flwr run <app> local` reads `$FLWR_HOME/config.toml`; `address = ":local:"` makes the CLI start
   (if `GET 127.0.0.1:$FLWR_LOCAL_SUPERLINK_HTTP_API_PORT/health` fails; default port 39091) a
   detached `flower-superlink --simulation` that keeps running after the run. It reuses ANY
@@ -46,7 +52,7 @@ import urllib.error
 import urllib.request
 import uuid
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +81,10 @@ FLOWER_ENV_DEFAULTS = {
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
     "PYTHONUNBUFFERED": "1",
     "RAY_USAGE_STATS_ENABLED": "0",
+    # How often each `flower-superexec` (one per SuperNode, one for the SuperLink) asks its
+    # Runtime API for a task to launch (a ClientApp per message, a ServerApp per run). Flower's
+    # default is 1 s: on average 0.5 s more per message and per run start.
+    "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1",
 }
 #: Inherited variables that would change what Flower/Ray connect to.
 _STRIP_VARS = (
@@ -329,7 +339,8 @@ def flower_env(
       `deployment_host:deployment_port`;
     - RAY_TMPDIR (a short directory: Ray's unix socket paths must stay < 108 bytes);
     - FLWR_TELEMETRY_ENABLED=0, FLWR_DISABLE_UPDATE_CHECK=1,
-      FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1, PYTHONUNBUFFERED=1, RAY_USAGE_STATS_ENABLED=0;
+      FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1, PYTHONUNBUFFERED=1, RAY_USAGE_STATS_ENABLED=0,
+      FLWR_SUPEREXEC_TASK_POLL_INTERVAL=0.1 (Flower's default: 1 s);
     - FLWR_LOCAL_SUPERLINK_HTTP_API_PORT / FLWR_LOCAL_CONTROL_API_PORT: free ports (unless given),
       so the simulation SuperLink of this environment never collides with (or silently reuses)
       another one on the default 39091;
@@ -733,6 +744,15 @@ class Deployment:
     own FLWR_HOME (the FAB is installed there, as on a separate machine). The `flwr` CLI uses
     `self.env`, whose config.toml has an insecure connection `connection` to the SuperLink.
     `timings` holds measured startup seconds.
+
+    `isolation="process"` starts each SuperNode with `--isolation process` and, next to it, the
+    process that launches its ClientApps (`self.executors[i]`, own session, log
+    executor-<i>.<start#>.log, stopped with its node): by default a `flower-superexec
+    --runtime-api-address <node's Runtime API> --parent-pid <node>`, which is what the SuperNode
+    spawns itself in the default `subprocess` mode; it still starts one `flwr-clientapp` process
+    per message (flwr 1.41: `flwr-clientapp` takes one task token and exits). `executor_command(i,
+    runtime_api_address, supernode_pid)` replaces that command. `supernode_command` replaces the
+    `flower-supernode` executable (a list: program and leading arguments).
     """
 
     def __init__(
@@ -745,6 +765,9 @@ class Deployment:
         node_configs: Sequence[Mapping[str, Any]] | None = None,
         superlink_args: Sequence[str] = (),
         supernode_args: Sequence[str] = (),
+        isolation: str = "subprocess",
+        executor_command: Callable[[int, str, int], list[str]] | None = None,
+        supernode_command: Sequence[str] | None = None,
         database: bool = True,
         startup_timeout: float = 60.0,
         stop_timeout: float = 10.0,
@@ -769,11 +792,19 @@ class Deployment:
             raise ValueError("node_configs needs one mapping per node")
         self.superlink_args = list(superlink_args)
         self.supernode_args = list(supernode_args)
+        if isolation not in ("subprocess", "process"):
+            raise ValueError(f"isolation={isolation!r}: expected 'subprocess' or 'process'")
+        if executor_command is not None and isolation != "process":
+            raise ValueError("executor_command needs isolation='process'")
+        self.isolation = isolation
+        self.executor_command = executor_command
+        self.supernode_command = list(supernode_command) if supernode_command else None
         self.database = self.root / "superlink.db" if database else None
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self.superlink: _Started | None = None
         self.nodes: list[_Started | None] = [None] * num_nodes
+        self.executors: list[_Started | None] = [None] * num_nodes
         self._starts = [0] * num_nodes
         self._history: list[_Started] = []
         self._seen_pids: set[int] = set()
@@ -864,8 +895,11 @@ class Deployment:
 
     def node_command(self, i: int) -> list[str]:
         node_config = {"partition-id": i, "num-partitions": self.num_nodes, **self.node_configs[i]}
+        program = self.supernode_command or [flwr_executable(self.env, "flower-supernode")]
+        isolation = ["--isolation", "process"] if self.isolation == "process" else []
         return [
-            flwr_executable(self.env, "flower-supernode"),
+            *program,
+            *isolation,
             "--insecure",
             "--superlink", self.address,
             "--node-config", format_run_config(node_config),
@@ -883,8 +917,27 @@ class Deployment:
         self.nodes[i] = self._spawn(
             f"supernode-{i}", self.node_command(i), self.root / f"node{i}_home", log_path
         )
+        if self.isolation == "process":
+            self.executors[i] = self._spawn(
+                f"executor-{i}",
+                self.executor_cmd(i, self.nodes[i].pid),
+                self.root / f"node{i}_home",
+                self.log_dir / f"executor-{i}.{self._starts[i]}.log",
+            )
         if wait:
             self.wait_node(i)
+
+    def executor_cmd(self, i: int, supernode_pid: int) -> list[str]:
+        """The command that launches node i's ClientApps (isolation='process' only)."""
+        address = f"127.0.0.1:{self.node_ports[i]}"
+        if self.executor_command is not None:
+            return list(self.executor_command(i, address, supernode_pid))
+        return [
+            flwr_executable(self.env, "flower-superexec"),
+            "--insecure",
+            "--runtime-api-address", address,
+            "--parent-pid", str(supernode_pid),
+        ]
 
     def node_id(self, i: int) -> int | None:
         """The SuperNode ID node i logged once registered (None before)."""
@@ -916,11 +969,10 @@ class Deployment:
         return node is not None and node.alive()
 
     def node_pids(self, i: int) -> set[int]:
-        """SuperNode i, its SuperExec and running ClientApp processes."""
-        node = self.nodes[i]
-        if node is None or not node.alive():
-            return set()
-        return {node.pid} | descendants([node.pid])
+        """SuperNode i, its SuperExec and running ClientApp processes (with isolation='process':
+        its executor and the executor's children)."""
+        roots = {s.pid for s in (self.nodes[i], self.executors[i]) if s is not None and s.alive()}
+        return roots | descendants(roots) if roots else set()
 
     def kill_node(self, i: int, sig: int = signal.SIGKILL, timeout: float = 10.0) -> None:
         """Stop node i with its whole process group and descendants.
@@ -928,12 +980,15 @@ class Deployment:
         SIGKILL (default) is a crash: the SuperLink keeps listing the node as 'online' (and
         `grid.get_node_ids()` keeps returning it) for ~60 s, until its heartbeats are missed;
         messages sent to it meanwhile come back as errors only then. SIGTERM is a graceful leave:
-        the node is 'unregistered' at once."""
+        the node is 'unregistered' at once. With isolation='process' its executor goes too."""
         node = self.nodes[i]
         if node is None:
             return
-        survivors = terminate([node.pid], [node.pid], sig=sig, timeout=timeout)
-        node.close()
+        started = [s for s in (node, self.executors[i]) if s is not None]
+        pids = [s.pid for s in started]
+        survivors = terminate(pids, pids, sig=sig, timeout=timeout)
+        for s in started:
+            s.close()
         if survivors:
             raise RuntimeError(f"{node.name}: processes survived SIGKILL: {sorted(survivors)}")
 

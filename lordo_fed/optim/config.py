@@ -42,7 +42,7 @@ class InnerConfig:
     """Full-rank QH term 'outside' the projection (the paper) or 'inside' it."""
     projection: str = "global"
     """'global' (LoRDO-Global: server refits P from the averaged pseudo-gradient) or 'local'."""
-    init_projection: str = "random"
+    init_projection: str = "gradient"
     """Round-1 basis of LoRDO-Global: 'gradient' (fitted to the workers' averaged gradient at θ0,
     one extra exchange before round 1) or 'random' (seeded random orthonormal basis)."""
     proj_method: str = "svd"
