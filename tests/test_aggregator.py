@@ -530,9 +530,11 @@ def test_make_aggregator_owns_projections_only_under_lordo_global():
     from lordo_fed.optim.config import InnerConfig
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=True))  # weight 6×4 named "0.weight"
-    g = resolve_method("lordo_global", InnerConfig(), RoundConfig(), OuterConfig())
+    g = resolve_method("lordo_global", InnerConfig(init_projection="random"), RoundConfig(), OuterConfig())
     agg = make_aggregator(model, g, {"0.weight": 2}, seed=3)
     assert torch.equal(agg.projections["0.weight"], SVDProjection().initial((6, 4), 2, "right", seed=3))
+    by_gradient = resolve_method("lordo_global", InnerConfig(init_projection="gradient"), RoundConfig(), OuterConfig())
+    assert make_aggregator(model, by_gradient, {"0.weight": 2}, seed=3).needs_gradient_init
     assert torch.equal(agg.params["0.weight"], model[0].weight.detach())
     agg.params["0.weight"].add_(1.0)  # a copy: the server's θ is not the model's tensor
     assert not torch.equal(agg.params["0.weight"], model[0].weight.detach())

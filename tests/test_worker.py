@@ -64,7 +64,12 @@ def setup(method: str = "lordo_global", sync: tuple[int, int] = (1, 2), model_se
     lowrank = lowrank_parameter_names(model) if s.inner.name == "lordo" else []
     ranks = lowrank_ranks(model, DEFAULT_LOWRANK_PATTERN, RANK, s.inner.name)
     worker = make_worker(0, model, s, shard(), lowrank, TOTAL_STEPS, BATCH, SEQ, seed=0)
-    return worker, make_aggregator(model, s, ranks, seed=0)
+    aggregator = make_aggregator(model, s, ranks, seed=0)
+    if aggregator.needs_gradient_init:  # LoRDO-Global's round-0 exchange, as the trainer does it
+        cursor = worker.cursor
+        aggregator.init_projections([worker.gradient(aggregator.gradient_request(), sorted(ranks))])
+        assert worker.cursor == cursor and not aggregator.needs_gradient_init
+    return worker, aggregator
 
 
 def fresh_worker(method: str = "lordo_global", sync: tuple[int, int] = (1, 2), model_seed: int = 1, worker_id=0):
