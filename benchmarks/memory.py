@@ -217,7 +217,9 @@ def _settings(config: str, rank: int, local_steps: int):
     from lordo_fed.outer import OuterConfig
     from lordo_fed.rounds import RoundConfig
 
-    inner = InnerConfig(rank=rank, **{k: v for k, v in CONFIGS[config].items() if k != "name"})
+    # A seeded round-1 basis: the client process gets a complete GlobalState without the round-0
+    # gradient exchange (which does not change what a round holds in memory).
+    inner = InnerConfig(rank=rank, init_projection="random", **{k: v for k, v in CONFIGS[config].items() if k != "name"})
     return resolve_method(PEAK_METHOD[config], inner, RoundConfig(local_steps=local_steps), OuterConfig())
 
 
