@@ -167,16 +167,19 @@ def train(msg: Message, context: Context) -> Message:
     """One round: decode the global state, K local steps, reply with the update.
 
     Reply metrics: `setup-seconds` (runtime, data, decoding, worker state: mostly first-message
-    cost in a fresh process), `train-seconds` (the K local steps alone), `client-seconds` (the
-    whole handler, what the server reports as client time).
+    cost in a fresh process), `train-seconds` (the K local steps alone), `codec-seconds` (decoding
+    the global state plus encoding the reply), `client-seconds` (the whole handler, what the server
+    reports as client time).
     """
     started = time.perf_counter()
     rt = runtime_for(context)
     node = context.node_config
     pid, nparts = int(node.get("partition-id", 0)), int(node.get("num-partitions", 1))
     shard = rt.shard(pid, nparts, str(node.get("data-path", "")))
+    decode_started = time.perf_counter()
     received = payload_bytes(msg.content["state"])
     state = decode_global_state(received, expected_model_id=rt.model_id)
+    decode_seconds = time.perf_counter() - decode_started
     store = state_store(rt.cfg, context, pid)
     worker, state_source = _worker_for_round(rt, store, pid, shard, state.round)
     setup_seconds = time.perf_counter() - started
@@ -195,10 +198,13 @@ def train(msg: Message, context: Context) -> Message:
     store.save(state.round, tensors, {**meta, "model_id": rt.model_id, "variant": rt.cfg.variant})
     rt.last_round[pid] = state.round
 
+    encode_started = time.perf_counter()
     sent = encode_update(update, rt.model_id, rt.cfg.payload_dtype)
+    encode_seconds = time.perf_counter() - encode_started
     metrics = {
         **update.metrics, "partition-id": pid, "tokens": update.tokens, "bytes-received": len(received),
         "bytes-sent": len(sent), "setup-seconds": setup_seconds, "train-seconds": train_seconds,
+        "codec-seconds": decode_seconds + encode_seconds,
         "client-seconds": time.perf_counter() - started,
         "fresh-state": int(state_source == "fresh" and state.round > 1),
     }
@@ -230,7 +236,7 @@ def _worker_for_round(rt: Runtime, store: StateStore, pid: int, shard: TokenShar
     if rt.last_round.get(pid) == round_idx - 1 and pid in rt.workers:
         return rt.workers[pid], "memory"
     worker = rt.new_worker(pid, shard)
-    saved = store.load()
+    saved = store.load(round_idx - 1)  # not the newest: after a server crash it may be round_idx's
     if saved is not None and saved[1].get("round") == round_idx - 1 and saved[1].get("model_id") == rt.model_id \
             and saved[1].get("variant") == rt.cfg.variant:
         worker.load_flat_state(*saved)

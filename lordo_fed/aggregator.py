@@ -20,9 +20,10 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from lordo_fed.metrics import stable_rank
 from lordo_fed.optim.rotation import rotate_moments
 from lordo_fed.outer import OuterOptimizer
-from lordo_fed.projection import ProjectionMethod, projection_side
+from lordo_fed.projection import ProjectionMethod, project, projection_side
 from lordo_fed.rounds import MOMENT_KEYS, GlobalState, RoundConfig, WorkerUpdate, moment_key, split_moment_key
 
 log = logging.getLogger(__name__)
@@ -79,12 +80,16 @@ class Aggregator:
         rotate: rotate the averaged moments into each new basis (the inner optimizer's `rotate`).
         init_projection: 'random' (seeded basis for round 1) or 'gradient' (round 1 waits for
             `init_projections` with the workers' gradients at θ0).
+        diagnostics: also report, per round, the mean stable rank of Δ̄ over the low-rank
+            matrices and the share of ||Δ̄||² inside the round's shared subspace (an SVD per
+            matrix: the paper's stagnation diagnostic, off by default).
     """
 
     def __init__(self, params: dict[str, Tensor], ranks: dict[str, int], rounds: RoundConfig,
                  outer: OuterOptimizer, projection: ProjectionMethod | None, seed: int = 0,
                  outlier_factor: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
-                 bias_correction: bool = True, rotate: bool = True, init_projection: str = "random"):
+                 bias_correction: bool = True, rotate: bool = True, init_projection: str = "random",
+                 diagnostics: bool = False):
         self.params = {n: p.detach().float().clone() for n, p in params.items()}
         self.ranks = dict(ranks)
         self.rounds = rounds
@@ -95,6 +100,7 @@ class Aggregator:
         self.betas = tuple(betas)
         self.bias_correction = bias_correction
         self.rotate = rotate
+        self.diagnostics = diagnostics
         self.round = 1
         self.opt_step = 0
         shapes = {n: tuple(p.shape) for n, p in self.params.items()}
@@ -178,19 +184,30 @@ class Aggregator:
         return None
 
     # ----------------------------------------------------------------------------- the round
+    def screen(self, updates: Sequence[WorkerUpdate]) -> list[str | None]:
+        """Why each update must not be applied (None: usable), in the order given: `check()`,
+        then, among the well-formed ones, the norm outliers (`outlier_factor`). Logs nothing and
+        changes nothing, so a caller can report the reasons under its own client names."""
+        reasons: list[str | None] = [self.check(u) for u in updates]
+        ok = [i for i, r in enumerate(reasons) if r is None]
+        for k, reason in self._outliers([updates[i] for i in ok]).items():
+            reasons[ok[k]] = reason
+        return reasons
+
     @torch.no_grad()
-    def aggregate(self, updates: Sequence[WorkerUpdate]) -> RoundResult:
-        """Apply one round of replies; bad replies are logged and dropped, never applied."""
+    def aggregate(self, updates: Sequence[WorkerUpdate], screened: bool = False) -> RoundResult:
+        """Apply one round of replies; bad replies are logged and dropped, never applied.
+
+        `screened=True`: the caller already dropped what `screen()` refuses (the checks are not
+        run a second time)."""
         rejected: dict[int, str] = {}
         good: list[WorkerUpdate] = []
-        for u in updates:
-            reason = self.check(u)
+        for u, reason in zip(updates, [None] * len(updates) if screened else self.screen(updates)):
             if reason is None:
                 good.append(u)
             else:
                 rejected[u.worker_id] = reason
                 log.warning("round %d: dropped reply of worker %s: %s", self.round, u.worker_id, reason)
-        good = self._drop_outliers(good, rejected)
         if not good:
             log.warning("round %d: no usable reply; global state unchanged", self.round)
             return RoundResult(self.global_state(), [], rejected, {})
@@ -200,6 +217,7 @@ class Aggregator:
         delta = {n: _weighted_sum([u.delta[n] for u in good], weights) for n in self.params}
         self.outer.step(self.params, delta)
 
+        diagnostics = self._diagnostics(delta) if self.diagnostics else {}
         moments = self._average_moments(good, weights)
         self.opt_step = min(u.opt_step for u in good)
         if self.projection is not None:
@@ -215,24 +233,41 @@ class Aggregator:
             "delta_norm": math.sqrt(sum(float(d.float().square().sum()) for d in delta.values())),
             "clients_ok": float(len(good)),
             "clients_dropped": float(len(rejected)),
+            **diagnostics,
         }
         self.round += 1
         return RoundResult(self.global_state(), [u.worker_id for u in good], rejected, metrics)
 
-    def _drop_outliers(self, good: list[WorkerUpdate], rejected: dict[int, str]) -> list[WorkerUpdate]:
+    def _diagnostics(self, delta: dict[str, Tensor]) -> dict[str, float]:
+        """Mean stable rank of Δ̄ over the low-rank matrices and, when the server owns the
+        projections, the share of ||Δ̄||² that lies in this round's shared subspace.
+
+        Without the QH term (ω = 1) every low-rank update is P·(something), so the share tends to
+        1 and the refit P' = top-r(Δ̄) spans the same subspace: LoRDO's stagnation pathology.
+        """
+        if not self.ranks:
+            return {}
+        out = {"delta_stable_rank": sum(stable_rank(delta[n]) for n in self.ranks) / len(self.ranks)}
+        if self.projection is not None and self.projections:
+            inside = total = 0.0
+            for n in self.ranks:
+                shape = tuple(self.params[n].shape)
+                side = projection_side(shape)
+                basis = self.projection.basis(self.projections[n], shape, side).float()
+                d = delta[n].float()
+                inside += float(project(d, basis, side).square().sum())
+                total += float(d.square().sum())
+            out["delta_in_subspace"] = inside / total if total > 0 else 0.0
+        return out
+
+    def _outliers(self, good: Sequence[WorkerUpdate]) -> dict[int, str]:
+        """Index in `good` -> reason, for replies whose ||Δ|| exceeds outlier_factor x the median."""
         if self.outlier_factor <= 0 or len(good) < 3:
-            return good
+            return {}
         norms = [math.sqrt(sum(float(d.square().sum()) for d in u.delta.values())) for u in good]
         median = sorted(norms)[len(norms) // 2]
-        kept = []
-        for u, n in zip(good, norms):
-            if median > 0 and n > self.outlier_factor * median:
-                reason = f"pseudo-gradient norm {n:.4g} > {self.outlier_factor} x round median {median:.4g}"
-                rejected[u.worker_id] = reason
-                log.warning("round %d: dropped reply of worker %s: %s", self.round, u.worker_id, reason)
-            else:
-                kept.append(u)
-        return kept
+        return {i: f"pseudo-gradient norm {n:.4g} > outlier_factor {self.outlier_factor:g} x round median {median:.4g}"
+                for i, n in enumerate(norms) if median > 0 and n > self.outlier_factor * median}
 
     def _average_moments(self, good: list[WorkerUpdate], weights: list[float]) -> dict[str, Tensor]:
         """Token-weighted mean of each due moment over the replies that carry it."""

@@ -10,6 +10,7 @@ its default in pyproject.toml (which equals `AppConfig`'s, a test checks it). So
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,8 +65,9 @@ class AppConfig(CommonConfig):
             raise ValueError(f"round_timeout={self.round_timeout!r}: expected seconds > 0")
         if self.payload_dtype not in PAYLOAD_DTYPES:
             raise ValueError(f"payload_dtype={self.payload_dtype!r}: expected one of {PAYLOAD_DTYPES}")
-        if self.outlier_factor < 0:
-            raise ValueError(f"outlier_factor={self.outlier_factor!r}: expected a number >= 0 (0 = off)")
+        if not (self.outlier_factor == 0 or (math.isfinite(self.outlier_factor) and self.outlier_factor >= 1)):
+            raise ValueError(f"outlier_factor={self.outlier_factor!r}: expected 0 (off) or a finite number >= 1 "
+                             f"(a multiple of the round's median pseudo-gradient norm)")
         if self.client_state not in CLIENT_STATE_STORES:
             raise ValueError(f"client_state={self.client_state!r}: expected one of {CLIENT_STATE_STORES}")
         super().validate()
@@ -107,6 +109,7 @@ FLAT_KEYS: dict[str, str] = {
     "resume": "resume",
     "tensorboard": "tensorboard",
     "client-state": "client_state",
+    "outlier-factor": "outlier_factor",
 }
 
 
@@ -133,13 +136,14 @@ def load_app_config(run_config: Mapping[str, Any], preset_dir: Path = PRESET_DIR
         if key == "preset":
             continue
         default = defaults[key]
+        if isinstance(default, bool) != isinstance(value, bool) or (
+                isinstance(default, int) and not isinstance(value, int)) or (
+                isinstance(default, float) and not isinstance(value, (int, float))) or (
+                isinstance(default, str) and not isinstance(value, str)):
+            kind = {bool: "true or false", int: "a number (an integer)", float: "a number", str: "a string"}[type(default)]
+            raise ValueError(f"run-config key {key!r}={value!r}: expected {kind} like the default {default!r}")
         if value == default:
             continue
-        if isinstance(default, bool) != isinstance(value, bool) or (
-                isinstance(default, (int, float)) and not isinstance(value, (int, float))) or (
-                isinstance(default, str) and not isinstance(value, str)):
-            kind = {bool: "true or false", int: "a number", float: "a number", str: "a string"}[type(default)]
-            raise ValueError(f"run-config key {key!r}={value!r}: expected {kind} like the default {default!r}")
         overrides[FLAT_KEYS[key]] = value
     cfg = compose_app_config(str(run_config.get("preset", "")), overrides, preset_dir)
     try:
@@ -158,11 +162,23 @@ def compose_app_config(preset: str, overrides: Mapping[str, Any], preset_dir: Pa
     if preset and not (preset_dir / f"{preset}.yaml").is_file():
         available = sorted(p.stem for p in preset_dir.glob("*.yaml"))
         raise ValueError(f"run-config key 'preset'={preset!r}: no {preset}.yaml in {preset_dir}; expected one of {available}")
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     ConfigStore.instance().store(name="app", node=AppConfig)
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(preset_dir), version_base=None):
-        raw = compose(config_name=preset or "app", overrides=[f"{k}={_hydra_value(v)}" for k, v in overrides.items()])
-    return OmegaConf.to_object(raw)
+    try:
+        with initialize_config_dir(config_dir=str(preset_dir), version_base=None):
+            raw = compose(config_name=preset or "app",
+                          overrides=[f"{k}={_hydra_value(v)}" for k, v in overrides.items()])
+        return OmegaConf.to_object(raw)
+    except (HydraException, OmegaConfBaseException) as err:
+        # A wrong type or an unknown key in a preset YAML: name the dotted key, keep the reason.
+        cause = err if isinstance(err, OmegaConfBaseException) else (err.__cause__ or err.__context__)
+        if isinstance(cause, OmegaConfBaseException) and cause.full_key and cause.msg:
+            where = f" (preset {preset!r})" if preset else ""
+            raise ValueError(f"{cause.full_key}: {str(cause.msg).splitlines()[0]}{where}") from err
+        raise ValueError(f"preset {preset!r}: {err}") from err
 
 
 def _hydra_value(value: Any) -> str:
@@ -173,11 +189,14 @@ def _hydra_value(value: Any) -> str:
 
 def _name_flat_key(message: str) -> str:
     """Prefix a validation message with the run-config key it is about, when one matches: the
-    full dotted field first (inner.lr), then its last part (DataConfig.seq_len -> seq_len)."""
-    for pattern in (lambda d: re.escape(d), lambda d: re.escape(d.split(".")[-1])):
-        for flat, dotted in FLAT_KEYS.items():
-            if re.search(rf"(^|[.\s]){pattern(dotted)}=", message):
-                return f"run-config key {flat!r}: {message}"
+    dotted field (inner.lr=, num_rounds=) or its class-qualified form (data.seq_len ->
+    DataConfig.seq_len=, model.preset -> ModelConfig.preset=). Fields no flat key sets
+    (diloco_outer.lr, DataConfig.seed) keep their own name only."""
+    for flat, dotted in FLAT_KEYS.items():
+        section, _, field_name = dotted.rpartition(".")
+        names = [dotted] + ([f"{section[:1].upper()}{section[1:]}Config.{field_name}"] if section else [])
+        if any(re.search(rf"(^|\s){re.escape(name)}=", message) for name in names):
+            return f"run-config key {flat!r}: {message}"
     return message
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from lordo_fed.data import DataConfig
+from lordo_fed.device import DEVICE_CHOICES
 from lordo_fed.model import ModelConfig, resolve_model_config
 from lordo_fed.optim.config import InnerConfig
 from lordo_fed.outer import OuterConfig, build_outer_optimizer
@@ -50,10 +52,17 @@ class CommonConfig:
         for name in ("eval_batches", "threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected an integer >= 0")
+        if not isinstance(self.device, str) or not (
+                self.device in DEVICE_CHOICES or re.fullmatch(r"cuda:\d+", self.device)):
+            raise ValueError(f"device={self.device!r}: expected one of {DEVICE_CHOICES} or 'cuda:N'")
         self.data.validate()
         self.inner.validate()
         self.rounds.validate()
-        resolve_model_config(self.model)
+        model = resolve_model_config(self.model)
+        if model.hf_config_path is None and self.data.seq_len > model.max_seq_len:
+            raise ValueError(f"DataConfig.seq_len={self.data.seq_len!r}: expected an int <= the model's max_seq_len="
+                             f"{model.max_seq_len} (model preset {model.preset!r}; raise ModelConfig.max_seq_len "
+                             f"or lower seq_len)")
         for name in ("outer", "diloco_outer"):
             try:
                 build_outer_optimizer(getattr(self, name))

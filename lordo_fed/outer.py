@@ -284,7 +284,7 @@ def build_outer_optimizer(cfg: OuterConfig) -> OuterOptimizer:
     config fails loudly rather than surfacing when someone switches optimizers.
     """
     if cfg.name not in OUTER_NAMES:
-        raise ValueError(f"outer optimizer name={cfg.name!r}: expected one of {list(OUTER_NAMES)}")
+        raise ValueError(f"name={cfg.name!r}: expected one of {list(OUTER_NAMES)} (the outer optimizer)")
     _check_lr(cfg.lr)
     _check_unit("beta", cfg.beta)
     _check_unit("nu", cfg.nu)

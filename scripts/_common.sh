@@ -31,16 +31,72 @@ pid_cmd_matches() {
   [[ -r "/proc/$1/cmdline" ]] && tr '\0' ' ' <"/proc/$1/cmdline" | grep -q -- "$2"
 }
 
-# http_ok URL: GET answers 2xx.
+# http_ok URL [CAFILE]: GET answers 2xx. With CAFILE, an https URL must present a certificate
+# signed by that CA for the host in URL; without, https is not verified (readiness probe only).
 http_ok() {
   if command -v curl >/dev/null 2>&1; then
-    curl -skf -o /dev/null --max-time 1 "$1"  # -k: readiness probe only
+    if [[ -n "${2:-}" ]]; then
+      curl -sf --cacert "$2" -o /dev/null --max-time 1 "$1"
+    else
+      curl -skf -o /dev/null --max-time 1 "$1"
+    fi
   else
-    python3 - "$1" <<'PY' >/dev/null 2>&1
-import sys, urllib.request
-sys.exit(0 if urllib.request.urlopen(sys.argv[1], timeout=1).status < 300 else 1)
+    python3 - "$1" "${2:-}" <<'PY' >/dev/null 2>&1
+import ssl, sys, urllib.request
+url, cafile = sys.argv[1], sys.argv[2]
+if cafile:
+    ctx = ssl.create_default_context(cafile=cafile)
+else:
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+sys.exit(0 if urllib.request.urlopen(url, timeout=1, context=ctx).status < 300 else 1)
 PY
   fi
+}
+
+# abs_file PATH: PATH as an absolute path; dies when it is not a readable file.
+abs_file() {
+  [[ -f "$1" && -r "$1" ]] || die "not a readable file: $1"
+  echo "$(cd "$(dirname "$1")" && pwd)/$(basename "$1")"
+}
+
+# write_connection PYTHON CONFIG_TOML NAME HOST:PORT [ROOT_CERTIFICATES]: add or replace the
+# SuperLink connection [superlink.NAME] in Flower's config.toml, keeping the other connections:
+# `root-certificates = "<CA>"` (TLS) when a CA file is given, `insecure = true` otherwise.
+write_connection() {
+  "$1" - "$2" "$3" "$4" "${5:-}" <<'PY'
+import sys
+from pathlib import Path
+try:
+    import tomllib
+except ImportError:
+    import tomli as tomllib
+path, name, address, certs = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+doc = tomllib.loads(path.read_text()) if path.exists() else {}
+links = doc.get("superlink", {})
+links.setdefault("local", {"address": ":local:"})
+links[name] = {"address": address, **({"root-certificates": certs} if certs else {"insecure": True})}
+links.setdefault("default", "local")
+def val(v):
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+def table(prefix, d, out):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            table(f"{prefix}{k}.", v, out)
+        else:
+            out.append(f"{prefix}{k} = {val(v)}")
+lines = ["[superlink]", f"default = {val(links.pop('default'))}"]
+for conn, body in links.items():
+    lines += ["", f"[superlink.{conn}]"]
+    table("", body, lines)
+path.parent.mkdir(parents=True, exist_ok=True)
+path.write_text("\n".join(lines) + "\n")
+print(f"connection '{name}' -> {address} ({'TLS, CA ' + certs if certs else 'insecure'}) written to {path}")
+PY
 }
 
 # start_detached PIDFILE LOGFILE CMD...: run CMD in a new session (PGID = PID), stdin closed,

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Start N Flower SuperNodes in the background on this machine, one per data partition, and wait
 # until each registered with the SuperLink (its log shows "SuperNode ID: ...").
+# Secure mode: --root-certificates CA (TLS) and --auth-keys DIR (SuperNode authentication: the
+# node for partition P signs with DIR/node-P, whose .pub must be registered at the SuperLink).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 . "$HERE/_common.sh"
@@ -9,7 +11,8 @@ usage() {
   cat >&2 <<USAGE
 usage: $(basename "$0") N SUPERLINK_HOST:PORT [--first-partition K] [--num-partitions M]
                         [--port-base P] [--host HOST] [--node-config 'k=v ...'] [--dir DIR]
-                        [--wait SECONDS] [--no-insecure] [-- EXTRA flower-supernode ARGS]
+                        [--wait SECONDS] [--root-certificates CA [--auth-keys DIR]]
+                        [--no-insecure] [-- EXTRA flower-supernode ARGS]
 
   N                     number of SuperNodes to start here
   SUPERLINK_HOST:PORT   the SuperLink's HTTP port (start_superlink.sh --port, default 8000)
@@ -20,7 +23,12 @@ usage: $(basename "$0") N SUPERLINK_HOST:PORT [--first-partition K] [--num-parti
   --node-config STR     extra node config appended to "partition-id=.. num-partitions=.."
   --dir DIR             PID file and log directory (default \$FLOWER_RUN_DIR or ./run/flower)
   --wait SECONDS        how long to wait for all nodes to register (default 60; 0: do not wait)
-  --no-insecure         do not pass --insecure (give --root-certificates etc. after --)
+  --root-certificates CA  TLS: verify the SuperLink's certificate with this CA certificate
+                        (ca.crt from scripts/generate_certs.py) instead of --insecure
+  --auth-keys DIR       SuperNode authentication: the node for partition P uses the private key
+                        DIR/node-P (--auth-supernode-private-key); DIR/node-P.pub must have been
+                        registered (scripts/register_supernodes.sh). Needs --root-certificates
+  --no-insecure         do not pass --insecure (give your own TLS flags after --)
 Writes DIR/supernode-<partition>.pid and .log; each node's FLWR_HOME is DIR/supernode-<p>.home
 (where the app is installed). Stop with scripts/stop_all.sh --dir DIR.
 USAGE
@@ -32,7 +40,7 @@ n="$1"; superlink="$2"; shift 2
 is_uint "$n" && (( n >= 1 )) || { echo "N must be a positive integer: $n" >&2; usage; }
 [[ "$superlink" =~ ^[^[:space:]]+:[0-9]+$ ]] || { echo "expected HOST:PORT, got: $superlink" >&2; usage; }
 first=0; total=""; port_base=9094; host=127.0.0.1; node_extra=""; wait_s=60
-insecure=(--insecure); extra=()
+insecure=(--insecure); extra=(); root_certs=""; key_dir=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --first-partition) [[ $# -ge 2 ]] && is_uint "$2" || usage; first="$2"; shift 2 ;;
@@ -42,6 +50,9 @@ while [[ $# -gt 0 ]]; do
     --node-config) [[ $# -ge 2 ]] || usage; node_extra="$2"; shift 2 ;;
     --dir) [[ $# -ge 2 ]] || usage; FLOWER_RUN_DIR="$2"; shift 2 ;;
     --wait) [[ $# -ge 2 ]] && is_uint "$2" || usage; wait_s="$2"; shift 2 ;;
+    --root-certificates) [[ $# -ge 2 ]] || usage; root_certs="$(abs_file "$2")"; shift 2 ;;
+    --auth-keys) [[ $# -ge 2 && -d "$2" ]] || { echo "--auth-keys needs a directory" >&2; usage; }
+      key_dir="$(cd "$2" && pwd)"; shift 2 ;;
     --no-insecure) insecure=(); shift ;;
     --) shift; extra=("$@"); break ;;
     -h|--help) usage ;;
@@ -50,6 +61,14 @@ while [[ $# -gt 0 ]]; do
 done
 [[ -n "$total" ]] || total=$((first + n))
 (( first + n <= total )) || die "partitions $first..$((first + n - 1)) do not fit --num-partitions $total"
+[[ -z "$root_certs" ]] || insecure=(--root-certificates "$root_certs")
+[[ -z "$key_dir" || -n "$root_certs" ]] || die "--auth-keys needs --root-certificates (SuperNode authentication needs TLS)"
+if [[ -n "$key_dir" ]]; then
+  for ((i = 0; i < n; i++)); do
+    key="$key_dir/node-$((first + i))"
+    [[ -f "$key" && -r "$key" ]] || die "no private key $key for partition $((first + i)) (scripts/generate_certs.py)"
+  done
+fi
 need_cmd flower-supernode
 mkdir -p "$FLOWER_RUN_DIR"
 dir="$(cd "$FLOWER_RUN_DIR" && pwd)"
@@ -63,8 +82,9 @@ for ((i = 0; i < n; i++)); do
   fi
   : >"$logfile"
   node_config="partition-id=$p num-partitions=$total${node_extra:+ $node_extra}"
+  auth=(); [[ -z "$key_dir" ]] || auth=(--auth-supernode-private-key "$key_dir/node-$p")
   pid="$(FLWR_HOME="$dir/supernode-$p.home" start_detached "$pidfile" "$logfile" \
-    flower-supernode "${insecure[@]}" --superlink "$superlink" \
+    flower-supernode "${insecure[@]}" "${auth[@]}" --superlink "$superlink" \
     --node-config "$node_config" --host "$host" --port $((port_base + i)) "${extra[@]}")"
   pids+=("$pid"); logs+=("$logfile"); parts+=("$p")
   echo "SuperNode partition $p: pid $pid, runtime port $((port_base + i)), log $logfile"
@@ -75,7 +95,7 @@ deadline=$((SECONDS + wait_s))
 for idx in "${!pids[@]}"; do
   until grep -q "SuperNode ID:" "${logs[$idx]}"; do
     if ! pid_alive "${pids[$idx]}"; then
-      echo "SuperNode partition ${parts[$idx]} exited; log ${logs[$idx]}:" >&2
+      echo "SuperNode partition ${parts[$idx]} exited${key_dir:+ (refused? node-${parts[$idx]}.pub must be registered: scripts/register_supernodes.sh)}; log ${logs[$idx]}:" >&2
       log_tail "${logs[$idx]}"; exit 1
     fi
     if (( SECONDS >= deadline )); then

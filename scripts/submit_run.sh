@@ -21,7 +21,8 @@ usage: $(basename "$0") [--superlink HOST:PORT] [--connection NAME] [--app DIR]
                           (repeatable; or a path to a .toml file)
   --federation-config STR simulation settings (local connection only):
                           'num-supernodes=4 client-resources-num-cpus=1'
-  --root-certificates CA  CA certificate (absolute path) for a TLS SuperLink
+  --root-certificates CA  CA certificate of a TLS SuperLink (with --superlink; stored as an
+                          absolute path in the connection; see docs/deployment.md "Secure")
   --timeout SECONDS       stop waiting after this long; the run is then stopped (flwr stop)
   --dir DIR               where run logs go (default \$FLOWER_RUN_DIR or ./run/flower)
 \$FLWR_HOME defaults to ~/.flwr (Flower's default).
@@ -38,7 +39,7 @@ while [[ $# -gt 0 ]]; do
     --app) [[ $# -ge 2 ]] || usage; app="$2"; shift 2 ;;
     --run-config|-c) [[ $# -ge 2 ]] || usage; run_configs+=(--run-config "$2"); shift 2 ;;
     --federation-config) [[ $# -ge 2 ]] || usage; fed_configs+=(--federation-config "$2"); shift 2 ;;
-    --root-certificates) [[ $# -ge 2 && "$2" == /* ]] || { echo "--root-certificates needs an absolute path" >&2; usage; }; root_certs="$2"; shift 2 ;;
+    --root-certificates) [[ $# -ge 2 ]] || usage; root_certs="$(abs_file "$2")"; shift 2 ;;
     --timeout) [[ $# -ge 2 ]] && is_uint "$2" || usage; timeout_s="$2"; shift 2 ;;
     --dir) [[ $# -ge 2 ]] || usage; FLOWER_RUN_DIR="$2"; shift 2 ;;
     --) shift; extra=("$@"); break ;;
@@ -54,39 +55,7 @@ flwr_home="${FLWR_HOME:-$HOME/.flwr}"
 
 if [[ -n "$superlink" ]]; then
   # Add/replace [superlink.<connection>] in config.toml, keeping the other connections.
-  "$py" - "$flwr_home/config.toml" "$connection" "$superlink" "$root_certs" <<'PY'
-import re, sys
-from pathlib import Path
-try:
-    import tomllib
-except ImportError:
-    import tomli as tomllib
-path, name, address, certs = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-doc = tomllib.loads(path.read_text()) if path.exists() else {}
-links = doc.get("superlink", {})
-links.setdefault("local", {"address": ":local:"})
-links[name] = {"address": address, **({"root-certificates": certs} if certs else {"insecure": True})}
-links.setdefault("default", "local")
-def val(v):
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
-def table(prefix, d, out):
-    for k, v in d.items():
-        if isinstance(v, dict):
-            table(f"{prefix}{k}.", v, out)
-        else:
-            out.append(f"{prefix}{k} = {val(v)}")
-lines = ["[superlink]", f"default = {val(links.pop('default'))}"]
-for conn, body in links.items():
-    lines += ["", f"[superlink.{conn}]"]
-    table("", body, lines)
-path.parent.mkdir(parents=True, exist_ok=True)
-path.write_text("\n".join(lines) + "\n")
-print(f"connection '{name}' -> {address} written to {path}")
-PY
+  write_connection "$py" "$flwr_home/config.toml" "$connection" "$superlink" "$root_certs"
 fi
 
 mkdir -p "$FLOWER_RUN_DIR"

@@ -28,7 +28,8 @@ from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
 
 from lordo_fed.appconfig import AppConfig, as_dict
-from lordo_fed.checkpoint import check_compatible, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from lordo_fed.checkpoint import (check_compatible, checkpoint_stem, load_checkpoint, rng_state, save_checkpoint,
+                                  set_rng_state)
 from lordo_fed.codec import PayloadError, decode_update, encode_global_state, model_id
 from lordo_fed.data import load_dataset
 from lordo_fed.device import pick_device
@@ -50,6 +51,11 @@ class RoundLog:
     received: dict[int, int] = field(default_factory=dict)
     client_seconds: dict[int, float] = field(default_factory=dict)
     client_train_seconds: dict[int, float] = field(default_factory=dict)
+    client_codec_seconds: dict[int, float] = field(default_factory=dict)
+    encode_seconds: float = 0.0
+    """Server: encoding the global state once for all clients."""
+    decode_seconds: float = 0.0
+    """Server: unwrapping and decoding every reply."""
     fresh_state: list[int] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     dropped: dict[str, str] = field(default_factory=dict)
@@ -100,8 +106,9 @@ class LoRDOStrategy(Strategy):
         state = self.aggregator.global_state()
         if state.round != server_round:
             raise RuntimeError(f"aggregator is at round {state.round}, asked to configure {server_round}")
+        encode_started = time.perf_counter()
         data = encode_global_state(state, self.model_id, self.cfg.payload_dtype)
-        self._round_log = RoundLog(sent_bytes=len(data))
+        self._round_log = RoundLog(sent_bytes=len(data), encode_seconds=time.perf_counter() - encode_started)
         record = payload_record(data)
         round_config = ConfigRecord({"round": server_round})
         return [
@@ -111,41 +118,60 @@ class LoRDOStrategy(Strategy):
         ]
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Decode and check every reply, drop bad ones with a reason, aggregate the rest."""
-        updates: list[WorkerUpdate] = []
+        """Decode and check every reply, drop bad ones with a reason, aggregate the rest.
+
+        A reply is dropped, and logged as `round <r>: dropped reply of node <node id>[ (partition
+        <p>)]: <reason>`, when it is an error reply, does not decode (PayloadError: schema, model
+        identity, dtype/codec, declared sizes), fails `Aggregator.check` (round, tokens, names,
+        shapes, dtypes, NaN/Inf) or is a norm outlier (`outlier-factor`). Nothing of a dropped
+        reply reaches the global state. Fewer usable replies than min_clients: the round is
+        skipped (θ, outer state, projections, moments unchanged; the round counter moves on).
+        """
         rl = self._round_log
+        decoded: list[tuple[str, WorkerUpdate, int, MetricRecord]] = []
         for msg in replies:
             who = f"node {msg.metadata.src_node_id}"
             if msg.has_error():
                 rl.dropped[who] = f"error reply: {msg.error.reason}"
                 log.warning("round %d: %s failed: %s", server_round, who, msg.error.reason)
                 continue
+            decode_started = time.perf_counter()
             try:
                 data = payload_bytes(msg.content["update"])
                 update = decode_update(data, expected_model_id=self.model_id)
             except (PayloadError, ValueError, KeyError) as err:
+                rl.decode_seconds += time.perf_counter() - decode_started
                 rl.dropped[who] = str(err)
                 log.warning("round %d: dropped reply of %s: %s", server_round, who, err)
                 continue
-            metrics = msg.content.get("metrics", MetricRecord())
-            rl.received[update.worker_id] = len(data)
+            rl.decode_seconds += time.perf_counter() - decode_started
+            decoded.append((f"{who} (partition {update.worker_id})", update, len(data),
+                            msg.content.get("metrics", MetricRecord())))
+        # Replies arrive in any order; aggregate in partition order so sums are reproducible.
+        decoded.sort(key=lambda d: d[1].worker_id)
+        updates: list[WorkerUpdate] = []
+        for (who, update, size, metrics), reason in zip(decoded, self.aggregator.screen([d[1] for d in decoded])):
+            if reason is not None:
+                rl.dropped[who] = reason
+                log.warning("round %d: dropped reply of %s: %s", server_round, who, reason)
+                continue
+            rl.received[update.worker_id] = size
             rl.client_seconds[update.worker_id] = float(metrics.get("client-seconds", 0.0))
             rl.client_train_seconds[update.worker_id] = float(metrics.get("train-seconds", 0.0))
+            rl.client_codec_seconds[update.worker_id] = float(metrics.get("codec-seconds", 0.0))
             if metrics.get("fresh-state", 0):
                 rl.fresh_state.append(update.worker_id)
             updates.append(update)
-        # Replies arrive in any order; aggregate in partition order so sums are reproducible.
-        updates.sort(key=lambda u: u.worker_id)
         if len(updates) < self.cfg.min_clients:
             log.warning("round %d: %d usable replies < min_clients=%d; round skipped, global state unchanged",
                         server_round, len(updates), self.cfg.min_clients)
             self.aggregator.round += 1  # the next round is a new attempt with the same θ
             return None, MetricRecord({"clients-ok": len(updates)})
-        result = self.aggregator.aggregate(updates)
-        for wid, reason in result.rejected.items():
-            rl.dropped[f"partition {wid}"] = reason
-        self.tokens += sum(u.tokens for u in updates if u.worker_id in result.accepted)
-        return None, MetricRecord({k: float(v) for k, v in result.metrics.items()})
+        result = self.aggregator.aggregate(updates, screened=True)
+        self.tokens += sum(u.tokens for u in updates)
+        metrics = {k: float(v) for k, v in result.metrics.items()}
+        metrics["clients_dropped"] = float(len(rl.dropped))
+        return None, MetricRecord(metrics)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
@@ -212,6 +238,8 @@ class LoRDOStrategy(Strategy):
             "round_seconds": seconds, "aggregation_seconds": aggregation_seconds,
             "client_seconds": max(rl.client_seconds.values(), default=0.0),
             "client_train_seconds": max(rl.client_train_seconds.values(), default=0.0),
+            "client_codec_seconds": max(rl.client_codec_seconds.values(), default=0.0),
+            "server_encode_seconds": rl.encode_seconds, "server_decode_seconds": rl.decode_seconds,
         }
         record["overhead_seconds"] = seconds - record["client_seconds"]
         # seconds since this process entered start(), at the end of this round's aggregation:
@@ -272,17 +300,29 @@ class LoRDOStrategy(Strategy):
         ids = {mid: msg.metadata.dst_node_id for mid, msg in zip(grid.push_messages(messages), messages) if mid}
         pending = set(ids)
         replies: list[Message] = []
+        unavailable: dict[str, str] = {}
         start = time.monotonic()
         deadline = start + timeout
         while pending and time.monotonic() < deadline:
             got = list(grid.pull_messages(pending))
-            replies.extend(got)
+            for m in got:
+                node = ids.get(m.metadata.reply_to_message_id)
+                if m.has_error() and node is not None and m.metadata.src_node_id != node:
+                    # An error reply the SuperLink wrote itself (the node missed its heartbeats, e.g.
+                    # it was killed; or the message expired): its src_node_id is the SuperLink's (1),
+                    # not the node's. The node sent nothing: count it as missing, by its own id.
+                    unavailable[m.metadata.reply_to_message_id] = m.error.reason
+                else:
+                    replies.append(m)
             pending -= {m.metadata.reply_to_message_id for m in got}
             if pending:
                 time.sleep(0.02 if time.monotonic() - start < 1.0 else 0.1)
         self._round_log.missing = [f"node {ids[mid]}" for mid in sorted(pending)]
         for who in self._round_log.missing:
             log.warning("no reply from %s within the round deadline (%.0fs); excluded from this round", who, timeout)
+        for mid, reason in sorted(unavailable.items()):
+            self._round_log.missing.append(f"node {ids[mid]}")
+            log.warning("no reply from node %s: %s; excluded from this round", ids[mid], reason.rstrip(". "))
         return replies
 
     def _evaluate(self) -> dict:
@@ -304,13 +344,31 @@ class LoRDOStrategy(Strategy):
         save_checkpoint(self.checkpoint_dir, r, tensors, meta, keep=self.cfg.checkpoint_keep)
 
     def resume(self, path: str) -> None:
-        """Continue from a checkpoint: θ, outer state, projections, synced states, counters, RNG."""
+        """Continue from a checkpoint: θ, outer state, projections, synced states, counters, RNG.
+
+        `path` is a round JSON or a checkpoint directory (then its newest complete checkpoint:
+        lordo_fed.checkpoint skips, with a warning, one cut off mid-write). Errors and the log
+        name the round file actually loaded, not just the directory: with fallbacks, an operator
+        must be able to tell which one it was. A checkpoint of another run is refused (model id,
+        model preset, method: the preset makes a model mismatch readable), before anything is
+        written, so a wrong `resume` never costs the checkpoints already in out_dir.
+        """
         tensors, meta = load_checkpoint(path)
-        check_compatible(meta, {"model_id": self.model_id, "variant": self.cfg.variant}, path)
+        source = Path(path)
+        if (source.is_dir() or source.name == "latest.json") and isinstance(meta.get("round"), int):
+            source = (source if source.is_dir() else source.parent) / f"{checkpoint_stem(meta['round'])}.json"
+        check_compatible(meta, {"model_id": self.model_id, "config.model.preset": self.cfg.model.preset,
+                                "variant": self.cfg.variant}, source)
         self.aggregator.load_state_dict({k: v for k, v in tensors.items() if not k.startswith("rng/")})
         set_rng_state(tensors)
         self.tokens, self.cum_bytes, self.history = meta["tokens"], meta["cum_bytes"], list(meta["history"])
-        log.info("resumed from %s at round %d", path, self.aggregator.round)
+        log.info("resumed from %s at round %d", source, self.aggregator.round)
+        saved_rounds = meta.get("config", {}).get("num_rounds")
+        if saved_rounds != self.cfg.num_rounds:
+            # The learning-rate schedule's horizon is num_rounds x K: a resumed run with another
+            # num-server-rounds continues fine but no longer matches an uninterrupted run.
+            log.warning("the checkpoint's run had num-server-rounds=%s, this run has %d: the learning-rate "
+                        "schedule differs from the original run's", saved_rounds, self.cfg.num_rounds)
 
     def _plot(self) -> None:
         runs = {self.cfg.variant: self.history}

@@ -43,6 +43,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -133,10 +134,12 @@ def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.3) -> bool:
         return False
 
 
-def http_ok(url: str, timeout: float = 0.5) -> bool:
-    """Whether GET url answers 2xx."""
+def http_ok(url: str, timeout: float = 0.5, cafile: str | os.PathLike | None = None) -> bool:
+    """Whether GET url answers 2xx (an https URL is verified against `cafile`, a CA certificate,
+    or else the system's trust store)."""
+    context = ssl.create_default_context(cafile=os.fspath(cafile)) if cafile else None
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (localhost)
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as response:  # noqa: S310
             return 200 <= response.status < 300
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -248,15 +251,17 @@ def _toml_dump_connections(doc: Mapping[str, Any]) -> str:
 
 def write_flower_config(
     flwr_home: str | os.PathLike,
-    connections: Mapping[str, str | None] | None = None,
+    connections: Mapping[str, str | Mapping[str, Any] | None] | None = None,
     *,
     default: str = "local",
 ) -> Path:
     """Write (or update) `$FLWR_HOME/config.toml`.
 
     `connections` maps a connection name to a SuperLink address `host:port` (an insecure
-    deployment connection), to ":local:" (simulation), or to None (remove it). A `local`
-    simulation connection is always present. Existing other connections are kept.
+    deployment connection), to ":local:" (simulation), to a mapping (the connection's table as
+    given, e.g. {"address": "127.0.0.1:8000", "root-certificates": "/abs/ca.crt"} for TLS), or to
+    None (remove it). A `local` simulation connection is always present. Existing other
+    connections are kept.
 
     Resulting format::
 
@@ -284,6 +289,8 @@ def write_flower_config(
             raise ValueError(f"connection names must be [A-Za-z0-9_-]: {name!r}")
         if address is None:
             superlink.pop(name, None)
+        elif isinstance(address, Mapping):
+            superlink[name] = dict(address)
         elif address.startswith(":local"):
             superlink[name] = {"address": address}
         else:
@@ -753,6 +760,17 @@ class Deployment:
     per message (flwr 1.41: `flwr-clientapp` takes one task token and exits). `executor_command(i,
     runtime_api_address, supernode_pid)` replaces that command. `supernode_command` replaces the
     `flower-supernode` executable (a list: program and leading arguments).
+
+    Secure mode (flwr 1.41): `tls_dir` holds `ca.crt`, `server.pem`, `server.key`
+    (scripts/generate_certs.py): the SuperLink serves HTTPS with them (`--ssl-ca-certfile
+    --ssl-certfile --ssl-keyfile` instead of `--insecure`), nodes verify it with
+    `--root-certificates ca.crt`, and the CLI connection gets `root-certificates` instead of
+    `insecure = true`. `supernode_auth=True` adds `--enable-supernode-auth` (needs `tls_dir`):
+    only SuperNodes whose public key was registered (`flwr supernode register`) may connect.
+    `node_keys[i]` is node i's private key (OpenSSH format; its public key is `<key>.pub`),
+    passed as `--auth-supernode-private-key`; `start()` registers each node's `.pub` after the
+    SuperLink is up (node ids in `registered_node_ids`). `start_extra_supernode` starts a
+    SuperNode outside the federation (e.g. one with an unregistered key).
     """
 
     def __init__(
@@ -772,6 +790,9 @@ class Deployment:
         startup_timeout: float = 60.0,
         stop_timeout: float = 10.0,
         name: str = "deployment",
+        tls_dir: str | os.PathLike | None = None,
+        supernode_auth: bool = False,
+        node_keys: Sequence[str | os.PathLike | None] | None = None,
     ) -> None:
         self.root = Path(tmp_path) / name
         self.log_dir = self.root / "logs"
@@ -786,6 +807,22 @@ class Deployment:
         else:
             self.env = dict(env)
             write_flower_config(self.env["FLWR_HOME"], {connection: self.address})
+        self.tls_dir = Path(tls_dir).resolve() if tls_dir is not None else None
+        if supernode_auth and self.tls_dir is None:
+            raise ValueError("supernode_auth needs tls_dir (flower-superlink refuses it without TLS)")
+        self.supernode_auth = supernode_auth
+        self.node_keys = [Path(k).resolve() if k else None for k in (node_keys or [None] * num_nodes)]
+        if len(self.node_keys) != num_nodes:
+            raise ValueError("node_keys needs one entry (a key path or None) per node")
+        self.registered_node_ids: list[int | None] = [None] * num_nodes
+        if self.tls_dir is not None:
+            for file in ("ca.crt", "server.pem", "server.key"):
+                if not (self.tls_dir / file).is_file():
+                    raise FileNotFoundError(f"{self.tls_dir / file} (see scripts/generate_certs.py)")
+            write_flower_config(
+                self.env["FLWR_HOME"],
+                {connection: {"address": self.address, "root-certificates": str(self.ca_cert)}},
+            )
         self.owner = f"dep-{uuid.uuid4().hex}"
         self.node_configs = [dict(c) for c in (node_configs or [{}] * num_nodes)]
         if len(self.node_configs) != num_nodes:
@@ -855,6 +892,10 @@ class Deployment:
         t0 = time.monotonic()
         self.start_superlink()
         self.timings["superlink_start_s"] = time.monotonic() - t0
+        if self.supernode_auth:
+            for i, key in enumerate(self.node_keys):
+                if key is not None:
+                    self.registered_node_ids[i] = self.register_key(key.with_name(key.name + ".pub"))
         t1 = time.monotonic()
         for i in range(self.num_nodes):
             self.start_node(i, wait=False)
@@ -867,7 +908,7 @@ class Deployment:
     def start_superlink(self) -> None:
         cmd = [
             flwr_executable(self.env, "flower-superlink"),
-            "--insecure",
+            *self._superlink_security_args(),
             "--host", "127.0.0.1",
             "--port", str(self.superlink_port),
             "--disable-runtime-dependency-installation",
@@ -878,7 +919,7 @@ class Deployment:
         self.superlink = self._spawn(
             "superlink", cmd, self.root / "superlink_home", self.log_dir / "superlink.log"
         )
-        url = f"http://{self.address}/health"
+        url = f"{'https' if self.tls_dir else 'http'}://{self.address}/health"
 
         def ready() -> bool:
             if not self.superlink.alive():
@@ -886,7 +927,7 @@ class Deployment:
                     f"flower-superlink exited with {self.superlink.popen.returncode}:\n"
                     + tail(self.superlink.log_path)
                 )
-            return http_ok(url)
+            return http_ok(url, cafile=self.ca_cert)
 
         try:
             wait_for(ready, self.startup_timeout, what=f"SuperLink {url}")
@@ -897,16 +938,75 @@ class Deployment:
         node_config = {"partition-id": i, "num-partitions": self.num_nodes, **self.node_configs[i]}
         program = self.supernode_command or [flwr_executable(self.env, "flower-supernode")]
         isolation = ["--isolation", "process"] if self.isolation == "process" else []
+        key = self.node_keys[i]
         return [
             *program,
             *isolation,
-            "--insecure",
+            *self._supernode_security_args(),
+            *(["--auth-supernode-private-key", str(key)] if key is not None else []),
             "--superlink", self.address,
             "--node-config", format_run_config(node_config),
             "--host", "127.0.0.1",
             "--port", str(self.node_ports[i]),
             *self.supernode_args,
         ]
+
+    # -- TLS and SuperNode authentication ---------------------------------------------------
+
+    @property
+    def ca_cert(self) -> Path | None:
+        """The CA certificate that signed the SuperLink's (None without TLS)."""
+        return self.tls_dir / "ca.crt" if self.tls_dir is not None else None
+
+    def _superlink_security_args(self) -> list[str]:
+        if self.tls_dir is None:
+            return ["--insecure"]
+        args = [
+            "--ssl-ca-certfile", str(self.tls_dir / "ca.crt"),
+            "--ssl-certfile", str(self.tls_dir / "server.pem"),
+            "--ssl-keyfile", str(self.tls_dir / "server.key"),
+        ]
+        return args + (["--enable-supernode-auth"] if self.supernode_auth else [])
+
+    def _supernode_security_args(self) -> list[str]:
+        return ["--insecure"] if self.tls_dir is None else ["--root-certificates", str(self.ca_cert)]
+
+    def register_key(self, public_key: str | os.PathLike, timeout: float = 60.0) -> int:
+        """`flwr supernode register <public_key> <connection> --format json` (an OpenSSH EC
+        public key): the node id the SuperLink assigned; RuntimeError when refused."""
+        res = self.flwr(
+            "supernode", "register", str(public_key), self.connection, "--format", "json",
+            timeout=timeout,
+        )
+        match = re.search(r'"node-id":\s*"?(\d+)', res.stdout)
+        if res.returncode != 0 or not match:
+            raise RuntimeError(f"flwr supernode register failed ({res.returncode}):\n{res.stdout}")
+        return int(match.group(1))
+
+    def start_extra_supernode(
+        self,
+        name: str,
+        *,
+        key: str | os.PathLike | None = None,
+        insecure: bool = False,
+        extra_args: Sequence[str] = (),
+    ) -> _Started:
+        """Start a SuperNode that is not one of the federation's nodes (stopped with the
+        deployment): TLS like the others unless `insecure`, with private key `key` if given,
+        node config "partition-id=0 num-partitions=<N>", its own free port, FLWR_HOME and log
+        `<name>.log`. Returns at once; see `.alive()`, `.popen.returncode`, `.log_path`."""
+        security = ["--insecure"] if insecure else self._supernode_security_args()
+        cmd = [
+            flwr_executable(self.env, "flower-supernode"),
+            *security,
+            *(["--auth-supernode-private-key", str(Path(key).resolve())] if key else []),
+            "--superlink", self.address,
+            "--node-config", format_run_config({"partition-id": 0, "num-partitions": self.num_nodes}),
+            "--host", "127.0.0.1",
+            "--port", str(free_port()),
+            *extra_args,
+        ]
+        return self._spawn(name, cmd, self.root / f"{name}_home", self.log_dir / f"{name}.log")
 
     def start_node(self, i: int, wait: bool = True) -> None:
         """Start SuperNode i (must not be running); `wait` until it registered."""

@@ -25,3 +25,55 @@ def test_client_state_quick(tmp_path):
     (row,) = result["rows"]
     assert row["state_bytes"] > 0 and row["disk_per_round_s"] > 0 and row["context_per_round_s"] > 0
     assert result["machine"]["torch"]
+
+
+def test_quality_quick(tmp_path):
+    result = run_quick("quality.py", tmp_path)
+    runs = result["runs"]
+    assert {r["group"] for r in runs.values()} == {"baseline", "rank", "K", "MxB", "projection"}
+    assert len({r["tokens"] for r in runs.values()}) == 1, "every run must see the same tokens"
+    g, ref = runs["rank8_lordo_global"], runs["rank8_lowrank_ddp"]
+    assert g["gap_to_lowrank_ddp"] == pytest.approx(g["val_ppl"] / ref["val_ppl"] - 1)
+    assert runs["K2_lordo_global"]["K"] == 2 and runs["M2xB8_lordo_local"]["M"] == 2
+    assert runs["proj_dct_lordo_global"]["proj_method"] == "dct"
+    # The stagnation diagnostic: without the QH term every low-rank update lies in the shared
+    # subspace, so all of ||Δ̄||² is inside it; with ω < 1 the full-rank term leaves part outside.
+    with_qh, without = g["diagnostics"], runs["rank8_lordo_global_omega1"]["diagnostics"]
+    assert len(with_qh["delta_stable_rank"]) == len(with_qh["round"]) == 2
+    assert min(without["delta_in_subspace"]) > 0.999
+    assert max(with_qh["delta_in_subspace"]) < 0.99
+    assert Path(tmp_path / "quality.png").stat().st_size > 10_000
+
+
+def test_step_cost_quick(tmp_path):
+    result = run_quick("step_cost.py", tmp_path)
+    step = result["inner_step"]
+    for name in ("adamw", "lordo"):
+        med = step["median_seconds"][name]
+        assert med["fwd_bwd"] > 0 and med["step"] > 0
+        assert len(step["samples"][name]["step"]) == step["timed_steps"]
+    assert step["step_ratio_lordo_to_adamw"] == pytest.approx(
+        step["median_seconds"]["lordo"]["step"] / step["median_seconds"]["adamw"]["step"])
+    methods = {(r["method"], tuple(r["shape"])) for r in result["refresh"]}
+    assert {m for m, _ in methods} == {"svd", "rsvd", "dct"}
+    assert all(r["median_seconds"] > 0 for r in result["refresh"])
+    # every low-rank shape of the preset was timed, and the whole-model figure sums them
+    matrices = result["whole_model_refresh"]["matrices"]
+    assert all(("svd", tuple(int(x) for x in s.split("x"))) in methods for s in matrices)
+    assert set(result["whole_model_refresh"]["seconds"]) == {"svd", "rsvd", "dct"}
+    assert Path(tmp_path / "step_cost.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_framework_overhead_quick(tmp_path):
+    result = run_quick("framework_overhead.py", tmp_path, timeout=600)
+    ref = result["modes"]["reference"]["median_rounds_2_to_n"]
+    sim = result["modes"]["simulation"]["median_rounds_2_to_n"]
+    assert 0 < ref["aggregation"] < ref["round_seconds"]
+    assert ref["ideal_parallel_round_seconds"] < ref["round_seconds"]
+    # every part was measured, and the measured parts fit inside the round
+    for part in ("client compute", "client other", "serialization", "aggregation", "transport + Flower"):
+        assert sim[part] > 0, part
+    assert sim["bytes_down"] > 0 and sim["bytes_up"] > 0
+    assert sim["ratio_to_ideal_parallel_round"] > 0
+    assert Path(tmp_path / "framework_overhead.png").stat().st_size > 10_000

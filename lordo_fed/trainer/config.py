@@ -21,6 +21,8 @@ class TrainConfig(CommonConfig):
     """Optimizer steps per worker; every method trains on the same M × batch_size × seq_len × total_steps tokens."""
     progress: bool = True
     """Show a progress bar."""
+    diagnostics: bool = False
+    """Log the stable rank of each round's averaged pseudo-gradient and its share in the shared subspace."""
 
     def validate(self) -> "TrainConfig":
         """Raise ValueError naming the key, the value and what is allowed."""

@@ -66,6 +66,7 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         for m in range(cfg.workers)
     ]
     aggregator = make_aggregator(model, settings, ranks, seed=cfg.seed)
+    aggregator.diagnostics = cfg.diagnostics
     num_rounds = cfg.total_steps // K
     sent_total = received_total = 0
     if aggregator.needs_gradient_init:
@@ -83,8 +84,10 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         started = time.perf_counter()
         updates = [w.train_round(state, progress=lambda i, loss: bar.update(1)) for w in workers]
         sent = max(tensor_bytes(u.tensors()) for u in updates)
+        aggregation_started = time.perf_counter()
         result = aggregator.aggregate(updates)
         elapsed = time.perf_counter() - started
+        aggregation_seconds = time.perf_counter() - aggregation_started
         tokens += sum(u.tokens for u in updates)
         sent_total += sent
         received_total += received
@@ -96,11 +99,12 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         record = {
             "round": r, "step": r * K, "tokens": tokens, "train_loss": result.metrics.get("train_loss"),
             "delta_norm": result.metrics.get("delta_norm"),
+            **{k: result.metrics[k] for k in ("delta_stable_rank", "delta_in_subspace") if k in result.metrics},
             "bytes_sent_per_worker": sent, "bytes_received_per_worker": received,
             "bytes_sent_per_worker_per_step": sent / K, "bytes_received_per_worker_per_step": received / K,
             "cum_bytes_sent_per_worker": sent_total, "cum_bytes_received_per_worker": received_total,
             "opt_state_bytes": optimizer_state_bytes(workers[0].optimizer),
-            "round_seconds": elapsed,
+            "round_seconds": elapsed, "aggregation_seconds": aggregation_seconds,
         }
         if r % cfg.eval_every == 0 or r == num_rounds:
             record.update(_eval_record(ctx, model, settings, r, r * K, tokens))
