@@ -20,7 +20,7 @@ Per Flower round, from server.jsonl (the app measures each part; medians of roun
 | transport + Flower | push, scheduling, ClientApp start, pull | `round_seconds - server_encode - client_seconds - aggregation_seconds` |
 | eval + checkpoint | the server's validation and checkpoint between rounds | `cycle - round_seconds` |
 
-    python benchmarks/framework_overhead.py           # 5 rounds each of reference, simulation, deployment (~6 min)
+    python benchmarks/framework_overhead.py           # 5 rounds each of reference, simulation, deployment (~2.5 min)
     python benchmarks/framework_overhead.py --quick   # tiny preset, 2 rounds, reference + simulation (~1 min)
 Writes benchmarks/results/framework_overhead.json and .png.
 """

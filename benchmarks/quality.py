@@ -17,7 +17,7 @@ Reported: validation perplexity, the gap to low-rank DDP at the same rank (the p
 loss-against-tokens curves. Runs are cached under --work (one folder per run, the trainer's own
 JSONL and summary), so an interrupted benchmark continues where it stopped; --fresh reruns.
 
-    python benchmarks/quality.py            # the grid above (~1.5 h on 2 cores)
+    python benchmarks/quality.py            # the grid above (~45 min on 2 idle cores)
     python benchmarks/quality.py --quick    # tiny preset, a few steps, one run of each kind
     python benchmarks/quality.py --only rank16_lordo_global,rank16_lowrank_ddp
 Writes benchmarks/results/quality.json and quality.png.
@@ -159,6 +159,7 @@ def plot(results: dict[str, dict], path: Path, base_rank: int, base_k: int) -> N
                                                                                       "local_adam": "tab:brown"}[m])
     ax_rank.set(xscale="log", xlabel="rank r", ylabel="validation perplexity", title="Perplexity against rank")
     ax_rank.set_xticks(list(RANKS), [str(r) for r in RANKS])
+    ax_rank.set_xticks([], minor=True)
     ax_rank.legend(fontsize=8)
     for label, style in ((f"rank{base_rank}_lordo_global", "-"), (f"rank{base_rank}_lordo_global_omega1", "--")):
         if label in results:
@@ -190,6 +191,10 @@ def plot(results: dict[str, dict], path: Path, base_rank: int, base_k: int) -> N
         if mb:
             ax_mb.plot(*zip(*mb), marker="s", ls=":", color=color, label=f"{m}: M (B = 64 / M)")
     ax_mb.set(xscale="log", xlabel="M workers")
+    for ax, ticks in ((ax_sweep, sorted({r["K"] for r in results.values()})),
+                      (ax_mb, sorted({r["M"] for r in results.values()}))):
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.set_xticks([], minor=True)
     ax_sweep.legend(fontsize=8, loc="upper left")
     ax_mb.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
@@ -245,7 +250,9 @@ def main() -> None:
         "tokens_per_run": config.workers * config.data.batch_size * config.data.seq_len * config.total_steps,
         "runs": [{"label": r.label, "method": r.method, "overrides": list(r.overrides)} for r in runs],
     })
-    out = write_json({**header, "seconds": time.perf_counter() - started, "runs": results}, args.out)
+    # runs cached by an earlier invocation keep the wall time they took then
+    out = write_json({**header, "seconds": time.perf_counter() - started,
+                      "runs_wall_seconds": sum(r["wall_seconds"] for r in results.values()), "runs": results}, args.out)
     plot(results, png_path(out), base_rank, config.rounds.local_steps)
     print(table(results))
     print(f"wrote {out} and {png_path(out)}")

@@ -15,7 +15,7 @@
    (runs proj_rsvd_lordo_global / proj_dct_lordo_global against rank16_lordo_global); this script
    copies those figures from results/quality.json when it exists.
 
-    python benchmarks/step_cost.py           # 16m model, batch 8 x 128; 720m-shaped refreshes (~6 min on 2 cores)
+    python benchmarks/step_cost.py           # 16m model, batch 8 x 128; 720m-shaped refreshes (~1 min on 2 cores)
     python benchmarks/step_cost.py --quick   # tiny model, small matrices (seconds)
     python benchmarks/step_cost.py --device cuda
 Writes benchmarks/results/step_cost.json and step_cost.png.
