@@ -25,6 +25,8 @@ GPT2_VOCAB = 50257
 """The GPT-2 BPE vocabulary the paper's parameter counts assume."""
 BYTE_VOCAB = 256
 """Our default tokenizer (UTF-8 bytes)."""
+RANKS = {"tiny": 8, "small": 16, "16m": 32, "125m": 96, "360m": 128, "720m": 256}
+"""Rank r per preset: dim / 8 (the paper's 720M setting, r = 256 at d = 2048)."""
 
 
 def machine_info() -> dict[str, Any]:

@@ -49,14 +49,12 @@ from lordo_fed.projection import projection_side
 from lordo_fed.rounds import GlobalState, RoundConfig, WorkerUpdate, moment_key
 
 try:
-    from benchmarks.common import BYTE_VOCAB, GPT2_VOCAB, human_bytes, make_parser, new_figure, png_path, \
+    from benchmarks.common import BYTE_VOCAB, GPT2_VOCAB, RANKS, human_bytes, make_parser, new_figure, png_path, \
         result_header, write_json
 except ImportError:  # run as `python benchmarks/communication.py` without the repo root on sys.path
-    from common import BYTE_VOCAB, GPT2_VOCAB, human_bytes, make_parser, new_figure, png_path, \
+    from common import BYTE_VOCAB, GPT2_VOCAB, RANKS, human_bytes, make_parser, new_figure, png_path, \
         result_header, write_json
 
-RANKS = {"tiny": 8, "small": 16, "16m": 32, "125m": 96, "360m": 128, "720m": 256}
-"""Rank r per preset: dim / 8 (the paper's 720M setting, r = 256 at d = 2048)."""
 
 
 @dataclass(frozen=True)

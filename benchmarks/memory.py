@@ -51,14 +51,12 @@ from lordo_fed.optim.config import InnerConfig, build_inner_optimizer
 from lordo_fed.projection import get_projection_method, projection_side
 
 try:
-    from benchmarks.common import BYTE_VOCAB, GPT2_VOCAB, human_bytes, make_parser, new_figure, png_path, \
+    from benchmarks.common import BYTE_VOCAB, GPT2_VOCAB, RANKS, human_bytes, make_parser, new_figure, png_path, \
         result_header, write_json
 except ImportError:  # run as `python benchmarks/memory.py` without the repo root on sys.path
-    from common import BYTE_VOCAB, GPT2_VOCAB, human_bytes, make_parser, new_figure, png_path, \
+    from common import BYTE_VOCAB, GPT2_VOCAB, RANKS, human_bytes, make_parser, new_figure, png_path, \
         result_header, write_json
 
-RANKS = {"tiny": 8, "small": 16, "16m": 32, "125m": 96, "360m": 128, "720m": 256}
-"""Rank r per preset: dim / 8 (the paper's 720M setting, r = 256 at d = 2048)."""
 
 CONFIGS: dict[str, dict] = {
     "adamw": dict(name="adamw"),
