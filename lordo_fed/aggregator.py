@@ -132,6 +132,7 @@ class Aggregator:
         low-rank parameters, round 0."""
         rejected: dict[int, str] = {}
         good = []
+        reasons: list[str | None] = []
         for g in gradients:
             reason = None
             if g.round != 0 or set(g.delta) != set(self.ranks) or g.tokens <= 0:
@@ -139,6 +140,9 @@ class Aggregator:
             else:
                 for name, t in g.delta.items():
                     reason = reason or _tensor_problem(f"grad/{name}", t, tuple(self.params[name].shape))
+            reasons.append(reason)
+        _refuse_repeated_workers(gradients, reasons)
+        for g, reason in zip(gradients, reasons):
             if reason:
                 rejected[g.worker_id] = reason
                 log.warning("initial projections: dropped gradient of worker %s: %s", g.worker_id, reason)
@@ -186,9 +190,11 @@ class Aggregator:
     # ----------------------------------------------------------------------------- the round
     def screen(self, updates: Sequence[WorkerUpdate]) -> list[str | None]:
         """Why each update must not be applied (None: usable), in the order given: `check()`,
-        then, among the well-formed ones, the norm outliers (`outlier_factor`). Logs nothing and
-        changes nothing, so a caller can report the reasons under its own client names."""
+        then a second well-formed reply for a worker already answered, then, among the rest, the
+        norm outliers (`outlier_factor`). Logs nothing and changes nothing, so a caller can report
+        the reasons under its own client names."""
         reasons: list[str | None] = [self.check(u) for u in updates]
+        _refuse_repeated_workers(updates, reasons)
         ok = [i for i, r in enumerate(reasons) if r is None]
         for k, reason in self._outliers([updates[i] for i in ok]).items():
             reasons[ok[k]] = reason
@@ -332,6 +338,22 @@ def _weighted_sum(tensors: list[Tensor], weights: list[float]) -> Tensor:
     for t, w in zip(tensors, weights):
         acc.add_(t.float(), alpha=w)
     return acc
+
+
+def _refuse_repeated_workers(updates: Sequence[WorkerUpdate], reasons: list[str | None]) -> None:
+    """Give a reason to every usable reply after the first from the same worker (partition).
+
+    Each partition's shard counts once per round; a second reply for it (two nodes started with
+    the same partition-id, or a replayed message) would weight that shard twice. The first one
+    given is kept, so a caller that orders replies reproducibly keeps the same one every time."""
+    seen: set[int] = set()
+    for i, u in enumerate(updates):
+        if reasons[i] is not None:
+            continue
+        if u.worker_id in seen:
+            reasons[i] = (f"worker (partition) {u.worker_id} already answered this round; a second reply for "
+                          "it is refused (two nodes with the same partition-id?)")
+        seen.add(u.worker_id)
 
 
 def _tensor_problem(label: str, t: Tensor, shape: tuple[int, ...]) -> str | None:

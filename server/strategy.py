@@ -123,7 +123,8 @@ class LoRDOStrategy(Strategy):
         A reply is dropped, and logged as `round <r>: dropped reply of node <node id>[ (partition
         <p>)]: <reason>`, when it is an error reply, does not decode (PayloadError: schema, model
         identity, dtype/codec, declared sizes), fails `Aggregator.check` (round, tokens, names,
-        shapes, dtypes, NaN/Inf) or is a norm outlier (`outlier-factor`). Nothing of a dropped
+        shapes, dtypes, NaN/Inf), repeats a partition that already answered (two nodes with one
+        partition-id: the first reply is kept) or is a norm outlier (`outlier-factor`). Nothing of a dropped
         reply reaches the global state. Fewer usable replies than min_clients: the round is
         skipped (θ, outer state, projections, moments unchanged; the round counter moves on).
         """

@@ -93,6 +93,20 @@ def test_average_weights_replies_by_tokens():
     assert result.metrics["clients_ok"] == 3.0 and result.metrics["clients_dropped"] == 0.0
 
 
+def test_a_second_reply_for_the_same_worker_is_refused(caplog):
+    """Worker 2 answers twice (two nodes with one partition-id): its shard counts once, the first
+    reply is kept, and the round equals the three-reply round above."""
+    caplog.set_level(logging.WARNING, logger=AGG_LOGGER)
+    agg = make_agg()
+    replies = round1_replies()
+    replies.insert(2, upd(2, 900, [[50.0, 0.0], [0.0, 50.0]], [9.0, 9.0]))
+    result = agg.aggregate(replies)
+    assert result.accepted == [1, 2, 3] and "partition) 2 already answered" in result.rejected[2]
+    assert "worker 2" in caplog.text
+    assert_params(agg.params, {"w": [[0.3, 0.8], [2.4, 2.1]], "b": [1.0, -2.0]})
+    assert result.metrics["tokens"] == 1000.0 and result.metrics["clients_dropped"] == 1.0
+
+
 def test_average_is_not_the_unweighted_mean():
     """Same Δs with equal tokens give the plain mean: the weights really come from `tokens`."""
     agg = make_agg()
@@ -646,6 +660,21 @@ def test_initial_projections_are_fitted_to_the_token_weighted_mean_gradient(capl
     p = agg.projections["w"]
     torch.testing.assert_close(p.T @ p, vh[:2].T @ vh[:2], atol=1e-5, rtol=0)
     assert not agg.needs_gradient_init and agg.global_state().round == 1
+
+
+def test_initial_projections_count_each_worker_once():
+    shape = (6, 4)
+    agg = Aggregator({"w": torch.zeros(shape)}, {"w": 2}, RoundConfig(local_steps=1), Average(), SVDProjection(),
+                     seed=3, init_projection="gradient")
+    g = torch.Generator().manual_seed(0)
+    g1, g2 = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    replies = [WorkerUpdate(worker_id=0, round=0, delta={"w": g1}, moments={}, tokens=100, opt_step=0),
+               WorkerUpdate(worker_id=0, round=0, delta={"w": g2}, moments={}, tokens=100, opt_step=0)]
+    result = agg.init_projections(replies)
+    assert result.accepted == [0] and "already answered" in result.rejected[0]
+    _, _, vh = torch.linalg.svd(g1, full_matrices=False)  # fitted to the first reply alone
+    p = agg.projections["w"]
+    torch.testing.assert_close(p.T @ p, vh[:2].T @ vh[:2], atol=1e-5, rtol=0)
 
 
 def test_random_initial_projections_need_no_gradients():

@@ -15,6 +15,9 @@ round. For every case we check that
   to before; the round is skipped (the round counter moves on by exactly one, as for any round
   with fewer than min_clients usable replies).
 
+A second reply for a partition that already answered (two nodes with the same partition-id) is
+dropped the same way.
+
 Plus one Flower simulation in which a node sends NaN-poisoned updates (tests/hostile_clientapp.py):
 the run completes with the other node and the server log names the rejected node every round.
 """
@@ -332,6 +335,26 @@ def test_payload_larger_than_its_declared_size_is_dropped(tmp_path, caplog, good
         return tamper(encode(s, make_update(s, HOSTILE_PARTITION, r)), grow)
 
     check_dropped(tmp_path, caplog, good_only, hostile, "payload larger than its declared size")
+
+
+def test_a_second_reply_for_a_partition_is_dropped(tmp_path, caplog, good_only):
+    """A node started with another node's partition-id sends a well-formed update for partition 0
+    after node 101 did: the shard would count twice, so the second reply is dropped and the round
+    is the twin's (good replies only); when it is the only reply for partition 0, it counts."""
+    s = new_strategy(tmp_path / "out")
+    payloads = {**good_payloads(s, ROUND), HOSTILE_NODE: encode(s, make_update(s, 0, ROUND, scale=2.0))}
+    with caplog.at_level(logging.WARNING, logger="lordo_fed.server"):
+        _, metrics = s.aggregate_train(ROUND, replies(s, ROUND, payloads))
+    lines = dropped_lines(caplog, HOSTILE_NODE)
+    assert len(lines) == 1 and lines[0].startswith(f"round {ROUND}: dropped reply of node {HOSTILE_NODE} (partition 0)")
+    assert "partition) 0 already answered this round" in lines[0], lines[0]
+    assert not dropped_lines(caplog, 101) and metrics["clients_ok"] == 2.0 and metrics["clients_dropped"] == 1.0
+    assert_same_state(snapshot(s), good_only["after"])
+
+    alone = new_strategy(tmp_path / "alone")  # the same reply without node 101's: nothing repeats
+    payloads = {102: good_payloads(alone, ROUND)[102], HOSTILE_NODE: encode(alone, make_update(alone, 0, ROUND, 2.0))}
+    _, metrics = alone.aggregate_train(ROUND, replies(alone, ROUND, payloads))
+    assert metrics["clients_ok"] == 2.0 and metrics["clients_dropped"] == 0.0
 
 
 def test_outlier_norm_is_dropped_by_the_configured_multiple_of_the_median(tmp_path, caplog):
