@@ -13,11 +13,11 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
-
-import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -31,6 +31,8 @@ RANKS = {"tiny": 8, "small": 16, "16m": 32, "125m": 96, "360m": 128, "720m": 256
 
 def machine_info() -> dict[str, Any]:
     """Where a result was measured: versions, CPU count, platform."""
+    import torch  # here, not at the top: scripts that only need the other helpers start fast
+
     info: dict[str, Any] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -108,3 +110,21 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1000
     return f"{n:.2f} TB"  # pragma: no cover
+
+
+def median_rounds_2_to_n(rows: list[dict[str, Any]], skip: Iterable[str] = ("round",)) -> dict[str, float]:
+    """Per numeric field of per-round `rows` (each with a "round"; fields in `skip` left out), the
+    median over rounds 2..N: round 1 includes warm-up (all rows when there is no round 2). A field
+    that some rows lack (or hold as None) takes the median of the rows that have it."""
+    later = [r for r in rows if r["round"] >= 2] or rows
+    skipped = set(skip)
+    keys = sorted({k for r in later for k, v in r.items() if k not in skipped and isinstance(v, (int, float))})
+    return {k: statistics.median(r[k] for r in later if isinstance(r.get(k), (int, float))) for k in keys}
+
+
+def print_rows(head: str, lines: Iterable[str]) -> None:
+    """Print a text table: the header `head`, a dashed rule as wide, then one line per row."""
+    print(head)
+    print("-" * len(head))
+    for line in lines:
+        print(line)

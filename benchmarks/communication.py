@@ -13,7 +13,9 @@ For every method the real round messages are built with the model's true paramet
   one 6-round cycle).
 - lordo_global: Δ + the low-rank moments (and the full-size moments of the parameters that are
   not low-rank: embedding, norms) up; θ + projections + averaged moments down, every round.
-  Projections as fp32 SVD bases (`svd`) or as r int64 DCT column indices (`dct`).
+  Projections as fp32 SVD bases (`svd`) or as r int64 DCT column indices (`dct`). Also with the
+  full-size moments averaged every F rounds only (`rounds.dense_sync_factor`, F = 4) or never
+  (F = 0): `lordo_global[svd,F=4]`, `lordo_global[svd,F=0]`.
 
 Steady state is measured (a round whose predecessor averaged moments, i.e. round > the longest
 sync period), so the first round's smaller broadcast is not counted. The periods, the moment
@@ -50,10 +52,10 @@ from lordo_fed.rounds import GlobalState, RoundConfig, WorkerUpdate, moment_key
 
 try:
     from benchmarks.common import BYTE_VOCAB, GPT2_VOCAB, RANKS, human_bytes, make_parser, new_figure, png_path, \
-        result_header, write_json
+        print_rows, result_header, write_json
 except ImportError:  # run as `python benchmarks/communication.py` without the repo root on sys.path
     from common import BYTE_VOCAB, GPT2_VOCAB, RANKS, human_bytes, make_parser, new_figure, png_path, \
-        result_header, write_json
+        print_rows, result_header, write_json
 
 
 
@@ -63,14 +65,20 @@ class Variant:
 
     method: str
     proj_method: str = "svd"
+    dense_sync_factor: int = 1
+    """`rounds.dense_sync_factor`: F x the moment periods for parameters that are not low-rank."""
 
     @property
     def label(self) -> str:
-        return f"{self.method}[{self.proj_method}]" if self.method == "lordo_global" else self.method
+        if self.method != "lordo_global":
+            return self.method
+        factor = f",F={self.dense_sync_factor}" if self.dense_sync_factor != 1 else ""
+        return f"{self.method}[{self.proj_method}{factor}]"
 
 
 VARIANTS = (Variant("ddp"), Variant("diloco"), Variant("local_adam"), Variant("desloc"),
-            Variant("lordo_global", "svd"), Variant("lordo_global", "dct"), Variant("lordo_local"))
+            Variant("lordo_global", "svd"), Variant("lordo_global", "dct"),
+            Variant("lordo_global", "svd", 4), Variant("lordo_global", "svd", 0), Variant("lordo_local"))
 
 # Header values of the encoded messages. They are varints and change the size by a byte or two
 # at most with K; every message is encoded once, with these values (B = 16 sequences of 256).
@@ -112,12 +120,13 @@ class ModelShapes:
             return low_rank_shape(self.shapes[name], self.ranks[name])
         return self.shapes[name]
 
-    def moments(self, kinds: tuple[str, ...], low_rank: bool) -> dict[str, torch.Tensor]:
-        """What `Worker.due_moments(kinds)` returns: every parameter's moments of those kinds
-        (low-rank shape for LoRDO's low-rank matrices, full size for everything else)."""
+    def moments(self, rounds: RoundConfig, round_idx: int, lordo: bool) -> dict[str, torch.Tensor]:
+        """What `Worker.due_moments(round_idx)` returns: each parameter's moments due that round
+        (`RoundConfig.due`; low-rank shape for LoRDO's low-rank matrices, full size otherwise)."""
         out = {}
-        for i, kind in enumerate(kinds):
-            for j, name in enumerate(self.shapes):
+        for j, name in enumerate(self.shapes):
+            low_rank = lordo and name in self.ranks
+            for i, kind in enumerate(rounds.due(round_idx, low_rank)):
                 out[moment_key(kind, name)] = self.view(self.moment_shape(name, low_rank), 7919 * (i + 1) + 104_729 * j)
         return out
 
@@ -136,12 +145,13 @@ class ModelShapes:
         return out
 
 
-def _moment_numel(ms: ModelShapes, low_rank: bool) -> int:
-    return sum(math.prod(ms.moment_shape(n, low_rank)) for n in ms.shapes)
+def _moment_numel(ms: ModelShapes, lordo: bool, low_rank: bool) -> int:
+    """Floats in one moment of every parameter that is (`low_rank`) or is not LoRDO's low-rank."""
+    return sum(math.prod(ms.moment_shape(n, low_rank)) for n in ms.shapes if (lordo and n in ms.ranks) == low_rank)
 
 
 def _sync_period(rounds: RoundConfig) -> int:
-    periods = [p for p in (rounds.sync_exp_avg_every, rounds.sync_exp_avg_sq_every) if p]
+    periods = [p for low_rank in (True, False) for p in rounds.periods(low_rank).values() if p]
     return math.lcm(*periods) if periods else 1
 
 
@@ -191,7 +201,8 @@ def measure_variant(enc: Encoder, variant: Variant, k: int) -> dict:
     """Bytes up/down per round of one method at K = k (steady state, averaged over a sync cycle)."""
     ms, dtype = enc.ms, enc.payload_dtype
     inner = InnerConfig(rank=ms.rank, proj_method=variant.proj_method)
-    settings = resolve_method(variant.method, inner, RoundConfig(local_steps=k), OuterConfig())
+    rounds = RoundConfig(local_steps=k, dense_sync_factor=variant.dense_sync_factor)
+    settings = resolve_method(variant.method, inner, rounds, OuterConfig())
     lordo = settings.inner.name == "lordo"
     server_projections = lordo and settings.inner.projection == "global" and bool(ms.ranks)
     params = ms.params()
@@ -212,11 +223,11 @@ def measure_variant(enc: Encoder, variant: Variant, k: int) -> dict:
         projections = ms.projections(variant.proj_method) if server_projections else {}
         for t in range(cycle + 1, 2 * cycle + 1):  # steady state: round t-1 had its syncs
             state = GlobalState(round=t, params=params, projections=projections,
-                                moments=ms.moments(rounds.due(t - 1), lordo), opt_step=(t - 1) * _HEADER_K)
+                                moments=ms.moments(rounds, t - 1, lordo), opt_step=(t - 1) * _HEADER_K)
             n, tensor_n = enc.size("down", state)
             down += n
             tensors_down += tensor_n
-            update = WorkerUpdate(worker_id=0, round=t, delta=params, moments=ms.moments(rounds.due(t), lordo),
+            update = WorkerUpdate(worker_id=0, round=t, delta=params, moments=ms.moments(rounds, t, lordo),
                                   tokens=_TOKENS_PER_STEP * _HEADER_K, opt_step=t * _HEADER_K, metrics=metrics)
             n, tensor_n = enc.size("up", update)
             up += n
@@ -227,7 +238,8 @@ def measure_variant(enc: Encoder, variant: Variant, k: int) -> dict:
     return {
         "method": variant.method, "variant": variant.label, "proj_method": variant.proj_method if server_projections else None,
         "loop": settings.loop, "sync_exp_avg_every": settings.rounds.sync_exp_avg_every,
-        "sync_exp_avg_sq_every": settings.rounds.sync_exp_avg_sq_every, "cycle_rounds": cycle,
+        "sync_exp_avg_sq_every": settings.rounds.sync_exp_avg_sq_every,
+        "dense_sync_factor": settings.rounds.dense_sync_factor, "cycle_rounds": cycle,
         "up_bytes_per_round": up, "down_bytes_per_round": down,
         "up_bytes_per_step": up / k, "down_bytes_per_step": down / k,
         "total_bytes_per_step": (up + down) / k,
@@ -245,10 +257,10 @@ def formula_bytes(ms: ModelShapes, variant: Variant, settings, k: int, dtype: st
     if settings.loop == "ddp":
         return float(k * n * f), float(k * n * f)
     lordo = settings.inner.name == "lordo"
-    moment = _moment_numel(ms, lordo)  # one moment of every parameter (low-rank where LoRDO has it)
-    rounds = settings.rounds
-    per_round = sum(1.0 / p for p in (rounds.sync_exp_avg_every, rounds.sync_exp_avg_sq_every) if p)
-    up = (n + per_round * moment) * f
+    # moments averaged per round: each moment's floats / its period, low-rank and other parameters apart
+    moments = sum(_moment_numel(ms, lordo, low_rank) * sum(1.0 / p for p in settings.rounds.periods(low_rank).values() if p)
+                  for low_rank in (True, False))
+    up = (n + moments) * f
     down = up
     if lordo and settings.inner.projection == "global":
         for name, r in ms.ranks.items():
@@ -311,14 +323,12 @@ def check(rows: list[dict]) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'preset':6} {'vocab':>6} {'dtype':5} {'K':>4} {'method':20} {'up/round':>11} {'down/round':>11} "
-            f"{'total/step':>11} {'vs DDP':>8} {'x less':>7}")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(f"{r['preset']:6} {r['vocab_size']:>6} {r['payload_dtype']:5} {r['K']:>4} {r['variant']:20} "
-              f"{human_bytes(r['up_bytes_per_round']):>11} {human_bytes(r['down_bytes_per_round']):>11} "
-              f"{human_bytes(r['total_bytes_per_step']):>11} {r['ratio_to_ddp']:8.4f} {r['reduction_vs_ddp']:7.1f}")
+    print_rows(f"{'preset':6} {'vocab':>6} {'dtype':5} {'K':>4} {'method':20} {'up/round':>11} {'down/round':>11} "
+               f"{'total/step':>11} {'vs DDP':>8} {'x less':>7}",
+               (f"{r['preset']:6} {r['vocab_size']:>6} {r['payload_dtype']:5} {r['K']:>4} {r['variant']:20} "
+                f"{human_bytes(r['up_bytes_per_round']):>11} {human_bytes(r['down_bytes_per_round']):>11} "
+                f"{human_bytes(r['total_bytes_per_step']):>11} {r['ratio_to_ddp']:8.4f} {r['reduction_vs_ddp']:7.1f}"
+                for r in rows))
 
 
 def plot(rows: list[dict], out_png) -> None:

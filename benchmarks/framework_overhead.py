@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -41,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import make_parser, new_figure, png_path, result_header, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    make_parser, median_rounds_2_to_n, new_figure, png_path, result_header, write_json)
 
 PARTS = ("client compute", "client other", "serialization", "aggregation", "transport + Flower", "eval + checkpoint")
 
@@ -80,7 +80,7 @@ def run_reference(cfg: dict[str, Any], tmp: Path) -> dict[str, Any]:
         per_worker = (rec["round_seconds"] - agg) / 2
         rows.append({"round": rec["round"], "round_seconds": rec["round_seconds"], "client compute": per_worker,
                      "aggregation": agg, "ideal_parallel_round_seconds": per_worker + agg})
-    return {"rounds": rows, "median_rounds_2_to_n": _medians(rows)}
+    return {"rounds": rows, "median_rounds_2_to_n": median_rounds_2_to_n(rows)}
 
 
 def split_flower(out_dir: Path) -> dict[str, Any]:
@@ -105,13 +105,7 @@ def split_flower(out_dir: Path) -> dict[str, Any]:
             row["eval + checkpoint"] = row["cycle_seconds"] - rec["round_seconds"]
         prev = rec["elapsed_seconds"]
         rows.append(row)
-    return {"rounds": rows, "median_rounds_2_to_n": _medians(rows)}
-
-
-def _medians(rows: list[dict]) -> dict[str, float]:
-    later = [r for r in rows if r["round"] >= 2] or rows
-    keys = sorted({k for r in later for k in r if k != "round"})
-    return {k: statistics.median(r[k] for r in later if k in r) for k in keys}
+    return {"rounds": rows, "median_rounds_2_to_n": median_rounds_2_to_n(rows)}
 
 
 def run_simulation_mode(cfg: dict[str, Any], tmp: Path) -> dict[str, Any]:

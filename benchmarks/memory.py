@@ -45,17 +45,17 @@ from pathlib import Path
 
 import torch
 
-from lordo_fed.metrics import optimizer_state_bytes, tensor_bytes
+from lordo_fed.metrics import optimizer_state_bytes, peak_rss_bytes, tensor_bytes
 from lordo_fed.model import ModelConfig, build_model, count_parameters, lm_loss, lowrank_parameter_names
 from lordo_fed.optim.config import InnerConfig, build_inner_optimizer
 from lordo_fed.projection import get_projection_method, projection_side
 
 try:
     from benchmarks.common import BYTE_VOCAB, GPT2_VOCAB, RANKS, human_bytes, make_parser, new_figure, png_path, \
-        result_header, write_json
+        print_rows, result_header, write_json
 except ImportError:  # run as `python benchmarks/memory.py` without the repo root on sys.path
     from common import BYTE_VOCAB, GPT2_VOCAB, RANKS, human_bytes, make_parser, new_figure, png_path, \
-        result_header, write_json
+        print_rows, result_header, write_json
 
 
 CONFIGS: dict[str, dict] = {
@@ -181,33 +181,24 @@ def _maxrss_bytes() -> int:
     """getrusage(RUSAGE_SELF).ru_maxrss in bytes (Linux reports kB, macOS bytes).
 
     Caveat: Linux carries the high-water mark across fork/execve, so a child's ru_maxrss starts
-    at its parent's RSS; `_hwm_bytes` (VmHWM, the peak of this process's own address space) is
-    the figure to trust where it exists."""
+    at its parent's RSS; `peak_rss_bytes` (VmHWM, the peak of this process's own address space)
+    is the figure to trust. Reported next to it to show the difference."""
     scale = 1 if sys.platform == "darwin" else 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
-def _proc_status(key: str) -> int | None:
-    """A `/proc/self/status` memory field (VmRSS, VmHWM) in bytes, or None without /proc."""
+def _rss_bytes() -> int | None:
+    """Current resident set (VmRSS from /proc/self/status) in bytes, or None without /proc."""
     try:
         with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _hwm_bytes() -> int:
-    """Peak resident set of this process (VmHWM); ru_maxrss where /proc is missing."""
-    hwm = _proc_status("VmHWM")
-    return hwm if hwm is not None else _maxrss_bytes()
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
 
 
 def _stage() -> dict[str, int | None]:
     """Peak so far, current RSS and raw ru_maxrss, in bytes."""
-    return {"peak": _hwm_bytes(), "rss": _proc_status("VmRSS"), "ru_maxrss": _maxrss_bytes()}
+    return {"peak": peak_rss_bytes(), "rss": _rss_bytes(), "ru_maxrss": _maxrss_bytes()}
 
 
 def _settings(config: str, rank: int, local_steps: int):
@@ -249,7 +240,7 @@ def client_child(spec: dict) -> dict:
     stages["after_round"] = _stage()
     up = codec.encode_update(update, model_id, "fp32")
     stages["after_encode"] = _stage()
-    return {"stages": stages, "peak_rss_bytes": _hwm_bytes(), "ru_maxrss_bytes": _maxrss_bytes(),
+    return {"stages": stages, "peak_rss_bytes": peak_rss_bytes(), "ru_maxrss_bytes": _maxrss_bytes(),
             "optimizer_state_bytes": optimizer_state_bytes(worker.optimizer),
             "update_bytes": len(up), "round_seconds": seconds, "train_loss": update.metrics["train_loss"]}
 
@@ -295,25 +286,20 @@ def peak_memory(preset: str, config: str, tmp: Path, local_steps: int, batch_siz
 
 
 def print_tables(state_rows: list[dict], peak_rows: list[dict]) -> None:
-    head = (f"{'preset':6} {'vocab':>6} {'params':>8} {'config':14} {'dev':4} {'state':>10} {'formula':>10} "
-            f"{'= ?':>4} {'x params':>8}")
-    print(head)
-    print("-" * len(head))
-    for r in state_rows:
-        print(f"{r['preset']:6} {r['vocab_size']:>6} {r['num_params'] / 1e6:7.1f}M {r['config']:14} {r['device']:4} "
-              f"{human_bytes(r['state_bytes']):>10} {human_bytes(r['formula_bytes']):>10} "
-              f"{'yes' if r['matches_formula'] else 'NO':>4} {r['state_over_params']:8.3f}")
+    print_rows(f"{'preset':6} {'vocab':>6} {'params':>8} {'config':14} {'dev':4} {'state':>10} {'formula':>10} "
+               f"{'= ?':>4} {'x params':>8}",
+               (f"{r['preset']:6} {r['vocab_size']:>6} {r['num_params'] / 1e6:7.1f}M {r['config']:14} {r['device']:4} "
+                f"{human_bytes(r['state_bytes']):>10} {human_bytes(r['formula_bytes']):>10} "
+                f"{'yes' if r['matches_formula'] else 'NO':>4} {r['state_over_params']:8.3f}" for r in state_rows))
     if peak_rows:
         print()
-        head = (f"{'preset':6} {'config':14} {'method':13} {'import':>10} {'model':>10} {'peak':>10} "
-                f"{'peak-import':>11} {'opt state':>10}")
-        print(head)
-        print("-" * len(head))
-        for r in peak_rows:
-            s = r["stages"]
-            print(f"{r['preset']:6} {r['config']:14} {r['method']:13} {human_bytes(s['after_import']['peak']):>10} "
-                  f"{human_bytes(s['after_model']['peak']):>10} {human_bytes(r['peak_rss_bytes']):>10} "
-                  f"{human_bytes(r['peak_over_baseline_bytes']):>11} {human_bytes(r['optimizer_state_bytes']):>10}")
+        print_rows(f"{'preset':6} {'config':14} {'method':13} {'import':>10} {'model':>10} {'peak':>10} "
+                   f"{'peak-import':>11} {'opt state':>10}",
+                   (f"{r['preset']:6} {r['config']:14} {r['method']:13} "
+                    f"{human_bytes(r['stages']['after_import']['peak']):>10} "
+                    f"{human_bytes(r['stages']['after_model']['peak']):>10} {human_bytes(r['peak_rss_bytes']):>10} "
+                    f"{human_bytes(r['peak_over_baseline_bytes']):>11} {human_bytes(r['optimizer_state_bytes']):>10}"
+                    for r in peak_rows))
 
 
 def plot(state_rows: list[dict], peak_rows: list[dict], out_png) -> None:

@@ -46,36 +46,17 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.round_overhead import machine_info  # noqa: E402
-from tests.flower_harness import Deployment, flower_env  # noqa: E402
+from tests.flower_harness import Deployment, flower_app_pyproject, flower_env  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 TINY_MB = 0.001
 
-_PYPROJECT = """\
-[project]
-name = "lordofed-payloadbench"
-version = "0.1.0"
-description = "Payload throughput app for benchmarks/payload_throughput.py"
-license = "Apache-2.0"
-dependencies = []
-
-[tool.flwr.app]
-publisher = "lordofed"
-
-[tool.flwr.app.components]
-serverapp = "payloadbench.server_app:app"
-clientapp = "payloadbench.client_app:app"
-
-[tool.flwr.app.config]
-sizes-mb = "1"
-result-path = ""
-"""
+_CONFIG = {"sizes-mb": "1", "result-path": ""}
 
 _SERVER = '''\
 """ServerApp: per size, encode a random fp32 GlobalState, push it, poll every 20 ms, decode the reply."""
 
 import json
-import resource
 import time
 
 import numpy as np
@@ -85,19 +66,8 @@ from flwr.serverapp import Grid, ServerApp
 
 from lordo_fed.codec import decode_update, encode_global_state
 from lordo_fed.flower import payload_bytes, payload_record, shorten_pull_backoff
+from lordo_fed.metrics import peak_rss_bytes
 from lordo_fed.rounds import GlobalState
-
-
-def _peak_rss_mb() -> float:
-    """This process's peak resident set (VmHWM; ru_maxrss would carry the parent's across exec)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 app = ServerApp()
@@ -155,7 +125,7 @@ def main(grid: Grid, context: Context) -> None:
             "client_encode_s": float(m["encode-s"]), "client_record_s": float(m["record-s"]),
             "up_s": t5 - float(m["t-end"]), "pull_s": t5 - tp,
             "server_unwrap_s": t6 - t5, "server_decode_s": t7 - t6,
-            "server_peak_rss_mb": _peak_rss_mb(),
+            "server_peak_rss_mb": peak_rss_bytes() / 1024**2,
             "client_peak_rss_mb": float(m["peak-rss-mb"]),
         }
         del reply, got, back, update
@@ -166,7 +136,6 @@ def main(grid: Grid, context: Context) -> None:
 _CLIENT = '''\
 """ClientApp: decode the GlobalState, reply with a random fp32 WorkerUpdate of the same size."""
 
-import resource
 import time
 
 import numpy as np
@@ -176,19 +145,8 @@ from flwr.clientapp import ClientApp
 
 from lordo_fed.codec import decode_global_state, encode_update
 from lordo_fed.flower import payload_bytes, payload_record
+from lordo_fed.metrics import peak_rss_bytes
 from lordo_fed.rounds import WorkerUpdate
-
-
-def _peak_rss_mb() -> float:
-    """This process's peak resident set (VmHWM; ru_maxrss would carry the parent's across exec)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 app = ClientApp()
@@ -216,7 +174,7 @@ def train(msg: Message, context: Context) -> Message:
     del out
     t5 = time.time()
     metrics = MetricRecord({"t-start": t0, "unwrap-s": t1 - t0, "decode-s": t2 - t1, "encode-s": t4 - t3,
-                            "record-s": t5 - t4, "peak-rss-mb": _peak_rss_mb(),
+                            "record-s": t5 - t4, "peak-rss-mb": peak_rss_bytes() / 1024**2,
                             "t-end": time.time()})
     return Message(RecordDict({"update": record, "metrics": metrics}), reply_to=msg)
 '''
@@ -225,7 +183,9 @@ def train(msg: Message, context: Context) -> Message:
 def write_app(app_dir: Path) -> Path:
     pkg = app_dir / "payloadbench"
     pkg.mkdir(parents=True, exist_ok=True)
-    (app_dir / "pyproject.toml").write_text(_PYPROJECT)
+    (app_dir / "pyproject.toml").write_text(flower_app_pyproject(
+        "lordofed-payloadbench", "payloadbench", "Payload throughput app for benchmarks/payload_throughput.py",
+        _CONFIG))
     (pkg / "__init__.py").write_text("")
     (pkg / "server_app.py").write_text(_SERVER)
     (pkg / "client_app.py").write_text(_CLIENT)

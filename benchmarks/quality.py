@@ -12,6 +12,8 @@ K = 32, the same tokens for every method. The grid (`GRID`):
 - K in {8, 16, 32, 64, 128} and M x B in {2 x 32, 4 x 16, 8 x 8} (global batch 64) for Global and
   Local at rank 16;
 - the projection refresh method (svd, rsvd, dct) for Global at rank 16 (see step_cost.py).
+- how often Global averages the moments of parameters that are not low-rank (embedding, norms):
+  every F rounds for F in {1, 2, 4} and never (`rounds.dense_sync_factor`; F = 1 is the paper).
 
 Reported: validation perplexity, the gap to low-rank DDP at the same rank (the paper: under 1%),
 loss-against-tokens curves. Runs are cached under --work (one folder per run, the trainer's own
@@ -45,6 +47,7 @@ FULL_METHODS = ("ddp", "diloco", "local_adam")
 K_SWEEP = (8, 128, 16, 64)  # K = 32 is the rank-16 run; 16 and 64 run last
 MB_SWEEP = ((2, 32), (8, 8))  # (M, B) with M x B = 64; 4 x 16 is the rank-16 run
 PROJ_METHODS = ("rsvd", "dct")  # svd is the rank-16 run
+DENSE_SYNC_FACTORS = (2, 4, 0)  # F = 1 is the rank-16 run; 0 = the dense moments never leave a worker
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,9 @@ def grid(quick: bool) -> list[Run]:
     for pm in (("dct",) if quick else PROJ_METHODS):
         runs.append(Run(f"proj_{pm}_lordo_global", "projection", "lordo_global",
                         (f"inner.rank={base}", f"inner.proj_method={pm}")))
+    for f in (() if quick else DENSE_SYNC_FACTORS):
+        runs.append(Run(f"dense{f}_lordo_global", "dense sync", "lordo_global",
+                        (f"inner.rank={base}", f"rounds.dense_sync_factor={f}")))
     return runs + k_runs[4:]
 
 

@@ -55,7 +55,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.flower_harness import Deployment, flower_env, run_simulation  # noqa: E402
+from benchmarks.common import median_rounds_2_to_n  # noqa: E402
+from tests.flower_harness import Deployment, flower_app_pyproject, flower_env, run_simulation  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 POLL_VAR = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
@@ -64,25 +65,7 @@ POLL_VAR = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
 # the stock baseline app
 # ------------------------------------------------------------------------------------------------
 
-_STOCK_PYPROJECT = """\
-[project]
-name = "lordofed-stockbench"
-version = "0.1.0"
-description = "Stock Flower app (FedAvg.start, train + evaluate phases) for benchmarks/round_overhead.py"
-license = "Apache-2.0"
-dependencies = []
-
-[tool.flwr.app]
-publisher = "lordofed"
-
-[tool.flwr.app.components]
-serverapp = "stockbench.server_app:app"
-clientapp = "stockbench.client_app:app"
-
-[tool.flwr.app.config]
-num-server-rounds = 3
-result-path = ""
-"""
+_STOCK_CONFIG = {"num-server-rounds": 3, "result-path": ""}
 
 _STOCK_SERVER = '''\
 """Stock ServerApp: FedAvg.start() (train phase + evaluate phase per round, grid.send_and_receive
@@ -219,7 +202,9 @@ def evaluate(msg: Message, context: Context) -> Message:
 def write_stock_app(app_dir: Path) -> Path:
     pkg = app_dir / "stockbench"
     pkg.mkdir(parents=True, exist_ok=True)
-    (app_dir / "pyproject.toml").write_text(_STOCK_PYPROJECT)
+    (app_dir / "pyproject.toml").write_text(flower_app_pyproject(
+        "lordofed-stockbench", "stockbench",
+        "Stock Flower app (FedAvg.start, train + evaluate phases) for benchmarks/round_overhead.py", _STOCK_CONFIG))
     (pkg / "__init__.py").write_text("")
     (pkg / "model.py").write_text(_STOCK_MODEL)
     (pkg / "server_app.py").write_text(_STOCK_SERVER)
@@ -293,11 +278,6 @@ def app_run_config(out_dir: Path, rounds: int) -> dict[str, Any]:
             "seq-len": 32, "eval-batches": 2, "threads": 1, "min-clients": 2, "output-dir": str(out_dir)}
 
 
-def _median(rows: list[dict], key: str) -> float | None:
-    values = [r[key] for r in rows if r.get(key) is not None]
-    return round(statistics.median(values), 3) if values else None
-
-
 def summarize_app(out_dir: Path) -> dict[str, Any]:
     records = [json.loads(line) for line in (out_dir / "server.jsonl").read_text().splitlines()]
     rows = []
@@ -335,10 +315,9 @@ def summarize_stock(result_path: Path) -> dict[str, Any]:
     return {"rounds": rows, "median_rounds_2_to_n": _summary(rows)}
 
 
-def _summary(rows: list[dict]) -> dict[str, Any]:
-    later = [r for r in rows if r["round"] >= 2] or rows
-    keys = sorted({k for r in later for k in r if k not in ("round", "clients_ok") and isinstance(r[k], (int, float))})
-    return {k: _median(later, k) for k in keys}
+def _summary(rows: list[dict]) -> dict[str, float]:
+    """Medians of rounds 2..N, to the millisecond."""
+    return {k: round(v, 3) for k, v in median_rounds_2_to_n(rows, skip=("round", "clients_ok")).items()}
 
 
 def run_app_deployment(dep: Deployment, app_dir: Path, tmp: Path, name: str, rounds: int) -> dict[str, Any]:

@@ -174,14 +174,14 @@ class Aggregator:
             problem = _tensor_problem(f"delta/{name}", d, tuple(self.params[name].shape))
             if problem:
                 return problem
-        due = self.rounds.due(self.round)
         for key, value in update.moments.items():
             try:
                 kind, name = split_moment_key(key)
             except ValueError as err:
                 return str(err)
+            due = self.rounds.due(self.round, name in self.ranks)
             if kind not in due or name not in self.params:
-                return f"unexpected moment {key!r} (due this round: {list(due)})"
+                return f"unexpected moment {key!r} (due this round for {name!r}: {list(due)})"
             problem = _tensor_problem(key, value, self.expected_moment_shape(name))
             if problem:
                 return problem

@@ -85,6 +85,7 @@ FLAT_KEYS: dict[str, str] = {
     "num-server-rounds": "num_rounds",
     "variant": "variant",
     "local-steps": "rounds.local_steps",
+    "dense-sync-factor": "rounds.dense_sync_factor",
     "rank": "inner.rank",
     "omega": "inner.omega",
     "lr": "inner.lr",

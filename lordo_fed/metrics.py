@@ -7,6 +7,7 @@ stable rank.
 - `tensor_bytes` / `optimizer_state_bytes` measure what crosses the wire and what the optimizer
   keeps in memory (the two costs LoRDO reduces).
 - `stable_rank` = ||A||_F² / ||A||_2², a smooth proxy for the rank of an update or a state.
+- `peak_rss_bytes`: this process's peak resident set (what a client or server really held).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
@@ -267,3 +269,24 @@ def stable_rank(matrix: Tensor) -> float:
     if top == 0:
         return 0.0
     return float((s.square().sum() / top.square()).item())
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process, in bytes: VmHWM from /proc/self/status (Linux).
+
+    VmHWM is the high-water mark of this process's own address space. `getrusage(RUSAGE_SELF)
+    .ru_maxrss` is only the fallback where /proc is missing: on Linux it carries the parent's
+    high-water mark across fork/exec, so a fresh child (a ClientApp process, a benchmark's client)
+    would read as large as the process that started it.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    import resource  # Unix only; imported here so this module imports everywhere
+
+    scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale

@@ -37,19 +37,29 @@ class RoundConfig:
     """K_u: rounds between first-moment averages (0 = never: the moments stay local)."""
     sync_exp_avg_sq_every: int = 1
     """K_v: rounds between second-moment averages (0 = never)."""
+    dense_sync_factor: int = 1
+    """F: moments of parameters that are not low-rank (embeddings, norms; every AdamW parameter) are
+    averaged every F·K_u and F·K_v rounds (1 = with the rest, the paper; 0 = never)."""
 
     def validate(self) -> "RoundConfig":
         if self.local_steps <= 0:
             raise ValueError(f"rounds.local_steps={self.local_steps!r}: expected an integer > 0")
-        for name in ("sync_exp_avg_every", "sync_exp_avg_sq_every"):
+        for name in ("sync_exp_avg_every", "sync_exp_avg_sq_every", "dense_sync_factor"):
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"rounds.{name}={value!r}: expected an integer >= 0 (0 = never)")
         return self
 
-    def due(self, round_idx: int) -> tuple[str, ...]:
-        """Moments averaged at the end of 1-based round `round_idx`."""
-        periods = {"exp_avg": self.sync_exp_avg_every, "exp_avg_sq": self.sync_exp_avg_sq_every}
+    def periods(self, low_rank: bool = True) -> dict[str, int]:
+        """Rounds between averages of each moment kind (0 = never) for a low-rank parameter, or
+        for one that is not (DES-LOC's periods times `dense_sync_factor`)."""
+        factor = 1 if low_rank else self.dense_sync_factor
+        return {"exp_avg": self.sync_exp_avg_every * factor, "exp_avg_sq": self.sync_exp_avg_sq_every * factor}
+
+    def due(self, round_idx: int, low_rank: bool = True) -> tuple[str, ...]:
+        """Moments averaged at the end of 1-based round `round_idx`, for a low-rank parameter or
+        for one that is not."""
+        periods = self.periods(low_rank)
         return tuple(k for k in MOMENT_KEYS if periods[k] and round_idx % periods[k] == 0)
 
 

@@ -69,7 +69,7 @@ class Worker:
             worker_id=self.worker_id,
             round=state.round,
             delta=delta,
-            moments=self.due_moments(self.rounds.due(state.round)),
+            moments=self.due_moments(state.round),
             tokens=len(losses) * self.batch_size * self.seq_len,
             opt_step=self.opt_step(),
             metrics={"train_loss": sum(losses) / len(losses), "train_loss_last": losses[-1],
@@ -146,11 +146,15 @@ class Worker:
             st[kind] = value.to(device=self.device, dtype=torch.float32).clone()
 
     # ----------------------------------------------------------------------------- state out
-    def due_moments(self, kinds: tuple[str, ...]) -> dict[str, Tensor]:
+    def due_moments(self, round_idx: int) -> dict[str, Tensor]:
+        """The moments this worker sends after round `round_idx` (`RoundConfig.due`: low-rank and
+        other parameters may have different periods)."""
+        low_rank = ({id(p) for p, _ in self.optimizer.low_rank_params()} if isinstance(self.optimizer, LoRDO)
+                    else set())
         out = {}
         for name, p in self.params.items():
             st = self.optimizer.state.get(p, {})
-            for kind in kinds:
+            for kind in self.rounds.due(round_idx, id(p) in low_rank):
                 if kind in st:
                     out[moment_key(kind, name)] = st[kind].detach().float().cpu().clone()
         return out

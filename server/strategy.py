@@ -93,8 +93,9 @@ class LoRDOStrategy(Strategy):
                  c.rounds.local_steps)
         log.info("\t├── Model %s (id %s), inner %s rank %d ω=%.3g lr=%.3g, outer %s", c.model.preset, self.model_id,
                  self.settings.inner.name, c.inner.rank, c.inner.omega, c.inner.lr, self.settings.outer.name)
-        log.info("\t├── Sync periods (K_u, K_v) = (%d, %d); projections: %s", self.settings.rounds.sync_exp_avg_every,
-                 self.settings.rounds.sync_exp_avg_sq_every,
+        log.info("\t├── Sync periods (K_u, K_v) = (%d, %d), x %d for parameters that are not low-rank; projections: %s",
+                 self.settings.rounds.sync_exp_avg_every, self.settings.rounds.sync_exp_avg_sq_every,
+                 self.settings.rounds.dense_sync_factor,
                  self.settings.inner.projection if self.settings.inner.name == "lordo" else "none")
         log.info("\t├── Payload %s; min clients %d; round timeout %.0fs; eval every %d rounds", c.payload_dtype,
                  c.min_clients, c.round_timeout, c.eval_every)

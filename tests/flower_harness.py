@@ -1192,11 +1192,11 @@ class Deployment:
 # a minimal app for harness tests
 # --------------------------------------------------------------------------------------------
 
-_ECHO_PYPROJECT = """\
+_APP_PYPROJECT = """\
 [project]
-name = "{name}"
+name = {name}
 version = "0.1.0"
-description = "Throwaway Flower app for lordo-fed harness tests"
+description = {description}
 license = "Apache-2.0"
 dependencies = []
 
@@ -1208,13 +1208,19 @@ serverapp = "{module}.server_app:app"
 clientapp = "{module}.client_app:app"
 
 [tool.flwr.app.config]
-num-server-rounds = 2
-result-path = ""
-min-nodes = 1
-node-wait-timeout = 60.0
-round-timeout = 120.0
-fail-on-round = 0
 """
+
+
+def flower_app_pyproject(name: str, module: str, description: str, config: Mapping[str, Any]) -> str:
+    """The pyproject.toml of a throwaway Flower app: project `name`, its ServerApp and ClientApp
+    at `<module>.server_app:app` / `<module>.client_app:app`, run-config defaults `config` (TOML
+    values as in `format_run_config`: strings quoted, numbers as they are)."""
+    head = _APP_PYPROJECT.format(name=_toml_value(name), description=_toml_value(description), module=module)
+    return head + "".join(f"{k} = {_toml_value(v)}\n" for k, v in _flatten(config).items())
+
+
+_ECHO_CONFIG = {"num-server-rounds": 2, "result-path": "", "min-nodes": 1, "node-wait-timeout": 60.0,
+                "round-timeout": 120.0, "fail-on-round": 0}
 
 _ECHO_SERVER = '''\
 """ServerApp: wait for min-nodes, then each round send one train message per connected node
@@ -1299,7 +1305,8 @@ def write_echo_app(app_dir: str | os.PathLike, name: str = "lordofed-echo") -> P
     app_dir = Path(app_dir)
     module = name.replace("-", "_")
     (app_dir / module).mkdir(parents=True, exist_ok=True)
-    (app_dir / "pyproject.toml").write_text(_ECHO_PYPROJECT.format(name=name, module=module))
+    (app_dir / "pyproject.toml").write_text(flower_app_pyproject(
+        name, module, "Throwaway Flower app for lordo-fed harness tests", _ECHO_CONFIG))
     (app_dir / module / "__init__.py").write_text("")
     (app_dir / module / "server_app.py").write_text(_ECHO_SERVER)
     (app_dir / module / "client_app.py").write_text(_ECHO_CLIENT)

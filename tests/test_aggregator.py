@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from lordo_fed.aggregator import Aggregator, RoundResult, low_rank_shape
 from lordo_fed.outer import QHM, Average, Nesterov, OuterConfig
 from lordo_fed.projection import SVDProjection, projection_side
-from lordo_fed.rounds import GlobalState, RoundConfig, WorkerUpdate
+from lordo_fed.rounds import MOMENT_KEYS, GlobalState, RoundConfig, WorkerUpdate
 
 AGG_LOGGER = "lordo_fed.aggregator"
 
@@ -193,6 +193,33 @@ def test_due_desloc_periods_over_twelve_rounds():
         1: (), 2: (), 3: ("exp_avg",), 4: (), 5: (), 6: ("exp_avg", "exp_avg_sq"),
         7: (), 8: (), 9: ("exp_avg",), 10: (), 11: (), 12: ("exp_avg", "exp_avg_sq"),
     }
+
+
+def test_dense_sync_factor_stretches_the_periods_of_parameters_that_are_not_low_rank():
+    rc = RoundConfig(sync_exp_avg_every=1, sync_exp_avg_sq_every=2, dense_sync_factor=3)
+    assert [rc.due(r) for r in range(1, 7)] == [("exp_avg",), ("exp_avg", "exp_avg_sq")] * 3
+    assert [rc.due(r, low_rank=False) for r in range(1, 7)] == [(), (), ("exp_avg",), (), (), ("exp_avg", "exp_avg_sq")]
+    assert rc.periods(low_rank=False) == {"exp_avg": 3, "exp_avg_sq": 6}
+    never = RoundConfig(dense_sync_factor=0)
+    assert all(never.due(r, low_rank=False) == () and never.due(r) == MOMENT_KEYS for r in range(1, 9))
+    with pytest.raises(ValueError, match=r"rounds.dense_sync_factor=-1: expected an integer >= 0"):
+        RoundConfig(dense_sync_factor=-1).validate()
+
+
+def test_a_dense_moment_is_accepted_only_in_its_own_rounds():
+    """w is low-rank (rank 1), b is not; F = 2: b's first moment is due in even rounds only."""
+    agg = Aggregator(theta0(), {"w": 1}, RoundConfig(local_steps=4, sync_exp_avg_sq_every=0, dense_sync_factor=2),
+                     Average(), SVDProjection(), init_projection="random")
+    low_u = torch.zeros(agg.expected_moment_shape("w"))  # rank-1 moment of the 2x2 w
+    assert low_u.numel() == 2
+    early = upd(1, 100, [[0.0, 0.0], [0.0, 0.0]], [0.0, 0.0], moments={"exp_avg/w": low_u, "exp_avg/b": t([0.1, 0.1])})
+    assert "unexpected moment 'exp_avg/b'" in agg.check(early) and "due this round for 'b': []" in agg.check(early)
+    early.moments.pop("exp_avg/b")
+    assert agg.check(early) is None
+    agg.aggregate([early])
+    late = upd(1, 100, [[0.0, 0.0], [0.0, 0.0]], [0.0, 0.0], round_=2,
+               moments={"exp_avg/w": low_u, "exp_avg/b": t([0.1, 0.1])})
+    assert agg.check(late) is None
 
 
 def test_due_zero_means_never():

@@ -11,20 +11,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_quick(script: str, tmp_path: Path, timeout: float = 300) -> dict:
+def run_quick(script: str, tmp_path: Path, timeout: float = 300, **extra_env: str) -> dict:
+    """Run `benchmarks/<script> --quick --out <tmp_path>/<stem>.json` (environment plus `extra_env`);
+    returns the result, checked to be a quick one that names its torch."""
     out = tmp_path / f"{Path(script).stem}.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", **extra_env)
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    assert result["quick"] is True and result["machine"]["torch"]
+    return result
 
 
 def test_client_state_quick(tmp_path):
     result = run_quick("client_state.py", tmp_path)
     (row,) = result["rows"]
     assert row["state_bytes"] > 0 and row["disk_per_round_s"] > 0 and row["context_per_round_s"] > 0
-    assert result["machine"]["torch"]
 
 
 def test_quality_quick(tmp_path):

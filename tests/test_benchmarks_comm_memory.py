@@ -1,37 +1,27 @@
 """The communication and memory benchmarks in --quick mode: they run, and their numbers mean what
 they claim (shared/docs/ALGORITHM.md's communication and memory tables)."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.test_benchmarks import run_quick
 
 
-def run_quick(script: str, tmp_path: Path) -> dict:
-    out = tmp_path / "x.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert out.with_suffix(".png").stat().st_size > 10_000  # the figure was drawn
-    result = json.loads(out.read_text())
-    assert result["quick"] is True and result["machine"]["torch"]
+def run_with_figure(script: str, tmp_path: Path) -> dict:
+    result = run_quick(script, tmp_path, timeout=240, OMP_NUM_THREADS="1")
+    assert (tmp_path / script).with_suffix(".png").stat().st_size > 10_000  # the figure was drawn
     return result
 
 
 @pytest.fixture(scope="module")
 def communication(tmp_path_factory):
-    return run_quick("communication.py", tmp_path_factory.mktemp("communication"))
+    return run_with_figure("communication.py", tmp_path_factory.mktemp("communication"))
 
 
 @pytest.fixture(scope="module")
 def memory(tmp_path_factory):
-    return run_quick("memory.py", tmp_path_factory.mktemp("memory"))
+    return run_with_figure("memory.py", tmp_path_factory.mktemp("memory"))
 
 
 def _row(rows, **match):
@@ -43,7 +33,8 @@ def test_communication_quick_configuration(communication):
     rows = communication["rows"]
     assert {(r["preset"], r["vocab_size"], r["K"], r["payload_dtype"]) for r in rows} == {("16m", 256, 32, "fp32")}
     assert {r["variant"] for r in rows} == {"ddp", "diloco", "local_adam", "desloc", "lordo_global[svd]",
-                                            "lordo_global[dct]", "lordo_local"}
+                                            "lordo_global[dct]", "lordo_global[svd,F=4]", "lordo_global[svd,F=0]",
+                                            "lordo_local"}
     assert all(r["rank"] == 32 for r in rows)
 
 
@@ -61,6 +52,21 @@ def test_lordo_global_sends_8x_less_than_ddp_at_k32(communication):
     # DCT projections are r int64 indices: a smaller broadcast than fp32 SVD bases
     assert _row(rows, variant="lordo_global[dct]")["down_bytes_per_round"] \
         < _row(rows, variant="lordo_global[svd]")["down_bytes_per_round"]
+
+
+def test_dense_sync_factor_sends_the_full_size_moments_every_f_rounds(communication):
+    """LoRDO-Global's uplink is Δ + the low-rank moments + the full-size moments of the other
+    parameters (embedding, norms); F = 4 sends the last a quarter as often, F = 0 never."""
+    rows = communication["rows"]
+    every, f4, never = (_row(rows, variant=v) for v in ("lordo_global[svd]", "lordo_global[svd,F=4]",
+                                                       "lordo_global[svd,F=0]"))
+    assert f4["cycle_rounds"] == 4 and never["cycle_rounds"] == 1 and f4["dense_sync_factor"] == 4
+    dense = every["up_tensor_bytes_per_round"] - never["up_tensor_bytes_per_round"]  # both dense moments, fp32
+    # 16m with the byte vocabulary: embedding 256 x 256, 9 RMSNorm weights of 256 (2 x 4 layers + final)
+    assert dense == 2 * 4 * (256 * 256 + 9 * 256)
+    assert f4["up_tensor_bytes_per_round"] == pytest.approx(never["up_tensor_bytes_per_round"] + dense / 4)
+    diloco = _row(rows, variant="diloco")["up_tensor_bytes_per_round"]
+    assert diloco < never["up_tensor_bytes_per_round"] < f4["up_tensor_bytes_per_round"] < every["up_tensor_bytes_per_round"]
 
 
 def test_diloco_uplink_is_the_pseudo_gradient(communication):

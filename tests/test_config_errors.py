@@ -31,6 +31,7 @@ RUN_CONFIG_CASES = [
     ("num-server-rounds", 2.5, "run-config key 'num-server-rounds'=2.5: expected a number (an integer) like the default 4"),
     ("variant", "fedavg", f"run-config key 'variant': variant='fedavg': expected one of {VARIANTS}"),
     ("local-steps", 0, "run-config key 'local-steps': rounds.local_steps=0: expected an integer > 0"),
+    ("dense-sync-factor", -1, "run-config key 'dense-sync-factor': rounds.dense_sync_factor=-1: expected an integer >= 0 (0 = never)"),
     ("rank", -1, "run-config key 'rank': inner.rank=-1: expected an integer > 0"),
     ("rank", 8.5, "run-config key 'rank'=8.5: expected a number (an integer) like the default 8"),
     ("omega", -0.1, "run-config key 'omega': inner.omega=-0.1: expected a number in [0, 1]"),

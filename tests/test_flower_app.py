@@ -57,11 +57,13 @@ def server_records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "server.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("variant", ["lordo_global", "diloco", "desloc"])
-def test_simulation_matches_the_reference_trainer(tmp_path, variant):
+@pytest.mark.parametrize("variant,extra", [("lordo_global", {}), ("lordo_global", {"dense-sync-factor": 2}),
+                                           ("diloco", {}), ("desloc", {})])
+def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     """Baselines run through the same app by config: DiLoCo (AdamW, Nesterov outer, no state
-    sync) and DES-LOC (AdamW, states averaged at their own periods)."""
-    run_config = tiny_run_config(tmp_path, variant=variant)
+    sync) and DES-LOC (AdamW, states averaged at their own periods); LoRDO-Global also with the
+    embedding's and norms' moments averaged every second round only (dense-sync-factor=2)."""
+    run_config = tiny_run_config(tmp_path, variant=variant, **extra)
     env = flower_env(tmp_path)
     proc = run_simulation(APP, env, num_supernodes=2, run_config=run_config, timeout=240, check=True,
                           log_path=tmp_path / "sim.log")
@@ -82,6 +84,8 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant):
     assert worst <= 1e-5, f"max |θ_flower − θ_reference| = {worst}"
     print(f"parity: max |θ_flower − θ_reference| = {worst:.3g}")
     assert records[-1]["tokens"] == 2 * 2 * 3 * 4 * 32
+    if extra:  # round 1 sends the low-rank moments only, round 2 the full-size ones too
+        assert records[1]["bytes_received_per_client"] < records[2]["bytes_received_per_client"]
 
 
 def test_resume_continues_from_the_checkpoint(tmp_path):

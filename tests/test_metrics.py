@@ -16,6 +16,7 @@ import torch
 from lordo_fed.metrics import (
     MetricsWriter,
     optimizer_state_bytes,
+    peak_rss_bytes,
     plot_curves,
     read_jsonl,
     stable_rank,
@@ -234,3 +235,21 @@ def test_stable_rank_within_bounds():
     a = torch.randn(20, 8, generator=torch.Generator().manual_seed(0))
     r = stable_rank(a)
     assert 1.0 <= r <= 8.0 and not math.isnan(r)
+
+
+def test_peak_rss_bytes():
+    peak = peak_rss_bytes()
+    assert isinstance(peak, int) and peak > 10 * 2**20  # at least the interpreter and torch
+    # A fresh interpreter (this one's peak may already be far above anything new): touching a
+    # 50 MB buffer raises its own peak by about that much.
+    script = textwrap.dedent("""
+        import numpy as np
+        from lordo_fed.metrics import peak_rss_bytes
+        before = peak_rss_bytes()
+        buf = np.ones(50 * 2**20 // 8)  # written, so resident
+        print(before, peak_rss_bytes())
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    before, after = map(int, proc.stdout.split())
+    assert 45 * 2**20 < after - before < 80 * 2**20

@@ -6,6 +6,8 @@ Model: `ModelConfig(preset="tiny")` (dim 64, 2 layers), vocabulary 256; batches 
 
 from __future__ import annotations
 
+import dataclasses
+
 import io
 
 import numpy as np
@@ -169,6 +171,27 @@ def test_due_moments_follow_the_periods_and_have_low_rank_shapes():
     assert torch.equal(u2.moments[f"exp_avg/{WQ}"], st["exp_avg"])
     u2.moments[f"exp_avg/{WQ}"].add_(1.0)
     assert not torch.equal(u2.moments[f"exp_avg/{WQ}"], st["exp_avg"])
+
+
+def test_moments_of_parameters_that_are_not_low_rank_follow_the_dense_factor():
+    """rounds.dense_sync_factor=2 with (K_u, K_v) = (1, 1): the low-rank matrices' moments go every
+    round, the embedding's and the norms' every second round; the aggregator takes both."""
+    s = settings("lordo_global", sync=(1, 1))
+    s.rounds = dataclasses.replace(s.rounds, dense_sync_factor=2)
+    model = tiny_model(0)
+    ranks = lowrank_ranks(model, DEFAULT_LOWRANK_PATTERN, RANK, s.inner.name)
+    worker = make_worker(0, model, s, shard(), lowrank_parameter_names(model), TOTAL_STEPS, BATCH, SEQ, seed=0)
+    agg = make_aggregator(model, s, ranks, seed=0)
+    agg.init_projections([worker.gradient(agg.gradient_request(), sorted(ranks))])
+    dense = sorted(set(worker.params) - set(ranks))
+    assert EMB in dense and NORM in dense and len(ranks) == 14
+    for r in (1, 2, 3, 4):
+        u = worker.train_round(agg.global_state())
+        names = {k.split("/", 1)[1] for k in u.moments}
+        assert names == (set(worker.params) if r % 2 == 0 else set(ranks)), r
+        assert agg.check(u) is None
+        agg.aggregate([u])
+        assert {k.split("/", 1)[1] for k in agg.global_state().moments} == names
 
 
 def test_no_moments_when_never_due():
