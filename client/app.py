@@ -31,7 +31,7 @@ from lordo_fed.appconfig import AppConfig, load_app_config
 from lordo_fed.codec import decode_global_state, encode_update, model_id
 from lordo_fed.data import TokenShard, load_dataset
 from lordo_fed.device import pick_device
-from lordo_fed.flower import payload_bytes, payload_record
+from lordo_fed.flower import explicit_keys, payload_bytes, payload_record
 from lordo_fed.methods import MethodSettings, lowrank_ranks, make_worker, resolve_method
 from lordo_fed.model import build_model, lowrank_parameter_names
 from lordo_fed.tokenizer import load_tokenizer
@@ -75,17 +75,17 @@ _RUNTIMES: dict[str, Runtime] = {}
 CONFIG_CACHE = Path("~/.cache/lordo_fed/appconfig")
 
 
-def app_config(run_config: dict) -> AppConfig:
-    """`load_app_config(run_config, PRESETS)`, cached on local disk across client processes.
+def app_config(run_config: dict, explicit: tuple[str, ...] = ()) -> AppConfig:
+    """`load_app_config(run_config, PRESETS, explicit)`, cached on local disk across client processes.
 
     In a deployment every message starts a new ClientApp process, and composing the config costs
     ~0.2 s (Hydra's import and Compose API). The cache key covers everything the result depends
-    on: the run config, the presets' contents and the lordo_fed sources (path, size, mtime). A bad
+    on: the run config and its explicit keys, the presets' contents and the lordo_fed sources (path, size, mtime). A bad
     config raises as before (and is not cached); an unreadable cache entry is recomposed.
     """
     import lordo_fed
 
-    h = hashlib.sha256(json.dumps(dict(run_config), sort_keys=True, default=str).encode())
+    h = hashlib.sha256(json.dumps([dict(run_config), sorted(explicit)], sort_keys=True, default=str).encode())
     for path in sorted(PRESETS.glob("*.yaml")):
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     for path in sorted(Path(lordo_fed.__file__).parent.rglob("*.py")):
@@ -98,7 +98,7 @@ def app_config(run_config: dict) -> AppConfig:
             return cfg
     except Exception:  # noqa: BLE001 (missing, partial or stale entry: compose afresh)
         pass
-    cfg = load_app_config(run_config, PRESETS)
+    cfg = load_app_config(run_config, PRESETS, explicit)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(f".{os.getpid()}.tmp")
@@ -137,12 +137,14 @@ def skip_lazy_dynamo_import() -> bool:
     return done
 
 
-def runtime_for(context: Context) -> Runtime:
-    """The process's Runtime for this run (built on the first message)."""
-    key = json.dumps({"run": context.run_id, "config": dict(context.run_config)}, sort_keys=True, default=str)
+def runtime_for(context: Context, explicit: tuple[str, ...] = ()) -> Runtime:
+    """The process's Runtime for this run (built on the first message); `explicit`: the run-config
+    keys the user set, as the server's message names them."""
+    key = json.dumps({"run": context.run_id, "config": dict(context.run_config), "explicit": sorted(explicit)},
+                     sort_keys=True, default=str)
     if key not in _RUNTIMES:
         skip_lazy_dynamo_import()
-        cfg = app_config(context.run_config)
+        cfg = app_config(context.run_config, explicit)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         device = pick_device(cfg.device)
@@ -172,7 +174,7 @@ def train(msg: Message, context: Context) -> Message:
     reports as client time).
     """
     started = time.perf_counter()
-    rt = runtime_for(context)
+    rt = runtime_for(context, explicit_keys(msg))
     node = context.node_config
     pid, nparts = int(node.get("partition-id", 0)), int(node.get("num-partitions", 1))
     shard = rt.shard(pid, nparts, str(node.get("data-path", "")))
@@ -215,7 +217,7 @@ def train(msg: Message, context: Context) -> Message:
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """LoRDO-Global's round-0 exchange: this partition's gradient at θ0 for the low-rank weights."""
-    rt = runtime_for(context)
+    rt = runtime_for(context, explicit_keys(msg))
     node = context.node_config
     pid, nparts = int(node.get("partition-id", 0)), int(node.get("num-partitions", 1))
     shard = rt.shard(pid, nparts, str(node.get("data-path", "")))

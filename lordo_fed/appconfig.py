@@ -14,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from lordo_fed.codec import PAYLOAD_DTYPES
 from lordo_fed.config import CommonConfig
@@ -126,8 +126,16 @@ def flat_defaults() -> dict[str, Any]:
     return {"preset": "", **{k: _get(base, v) for k, v in FLAT_KEYS.items()}}
 
 
-def load_app_config(run_config: Mapping[str, Any], preset_dir: Path = PRESET_DIR) -> AppConfig:
-    """Compose and validate the run's settings; any bad key or value raises ValueError naming it."""
+def load_app_config(run_config: Mapping[str, Any], preset_dir: Path = PRESET_DIR,
+                    explicit: Iterable[str] = ()) -> AppConfig:
+    """Compose and validate the run's settings; any bad key or value raises ValueError naming it.
+
+    Flower hands the app the run config already merged with pyproject.toml's defaults, so a key
+    holding its default value looks unset and leaves the preset's value in place. `explicit` names
+    the keys the user did set (`flwr run --run-config`, Flower's `Run.override_config`): those win
+    over the preset even when they equal the default (`preset='quickstart' local-steps=32`).
+    """
+    explicit = set(explicit)
     unknown = sorted(set(run_config) - set(FLAT_KEYS) - {"preset"})
     if unknown:
         raise ValueError(f"unknown run-config key(s) {unknown}: expected any of {sorted(FLAT_KEYS) + ['preset']}")
@@ -143,7 +151,7 @@ def load_app_config(run_config: Mapping[str, Any], preset_dir: Path = PRESET_DIR
                 isinstance(default, str) and not isinstance(value, str)):
             kind = {bool: "true or false", int: "a number (an integer)", float: "a number", str: "a string"}[type(default)]
             raise ValueError(f"run-config key {key!r}={value!r}: expected {kind} like the default {default!r}")
-        if value == default:
+        if value == default and key not in explicit:
             continue
         overrides[FLAT_KEYS[key]] = value
     cfg = compose_app_config(str(run_config.get("preset", "")), overrides, preset_dir)

@@ -12,9 +12,11 @@ import json
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
 PAYLOAD = "payload"
+EXPLICIT_KEYS = "explicit-keys"
+"""ConfigRecord key of every server message: the run-config keys the user set, comma-separated."""
 _NUMPY_STYPE = Array(np.zeros(0, dtype=np.uint8)).stype  # how flwr tags np.save-serialized arrays
 
 
@@ -71,6 +73,15 @@ def records_to_tensors(records: RecordDict) -> tuple[dict[str, torch.Tensor], di
         t = torch.from_numpy(arr.numpy().copy())
         tensors[k] = t.view(torch.bfloat16) if info["dtypes"][k] == "bfloat16" else t
     return tensors, info["meta"]
+
+
+def explicit_keys(msg: Message) -> tuple[str, ...]:
+    """The run-config keys the server says the user set (`EXPLICIT_KEYS` in the message's
+    "config" record; none when absent): the client composes its settings with them as the server
+    did (lordo_fed.appconfig.load_app_config)."""
+    config = msg.content.config_records.get("config")
+    value = config.get(EXPLICIT_KEYS, "") if config is not None else ""
+    return tuple(k for k in str(value).split(",") if k)
 
 
 def shorten_pull_backoff(initial: float = 0.05) -> None:

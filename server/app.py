@@ -15,16 +15,26 @@ PRESETS = Path(__file__).resolve().parents[1] / "examples" / "flower"  # travels
 app = ServerApp()
 
 
+def explicit_run_config_keys(grid: Grid) -> tuple[str, ...]:
+    """The run-config keys the user set for this run (`--run-config`: Flower's
+    `Run.override_config`), which must win over a preset even when they equal pyproject's default."""
+    try:
+        return tuple(sorted(grid.run.override_config))
+    except (AttributeError, TypeError):  # a Grid without its Run (not one Flower starts an app with)
+        return ()
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request otherwise
-    cfg = load_app_config(context.run_config, PRESETS)
+    explicit = explicit_run_config_keys(grid)
+    cfg = load_app_config(context.run_config, PRESETS, explicit)
     if cfg.threads:
         import torch
 
         torch.set_num_threads(cfg.threads)
-    strategy = LoRDOStrategy(cfg)
+    strategy = LoRDOStrategy(cfg, explicit)
     strategy.start(grid)
     print(f"lordo-fed: metrics {strategy.out_dir / 'server.jsonl'}, plots {strategy.out_dir / 'val_loss.png'} and "
           f"{strategy.out_dir / 'bytes.png'}, checkpoints {strategy.checkpoint_dir}", flush=True)

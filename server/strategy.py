@@ -34,7 +34,7 @@ from lordo_fed.codec import PayloadError, decode_update, encode_global_state, mo
 from lordo_fed.data import load_dataset
 from lordo_fed.device import pick_device
 from lordo_fed.evaluation import evaluate
-from lordo_fed.flower import payload_bytes, payload_record, shorten_pull_backoff
+from lordo_fed.flower import EXPLICIT_KEYS, payload_bytes, payload_record, shorten_pull_backoff
 from lordo_fed.methods import lowrank_ranks, make_aggregator, resolve_method
 from lordo_fed.metrics import MetricsWriter, plot_curves
 from lordo_fed.model import build_model
@@ -64,8 +64,11 @@ class RoundLog:
 class LoRDOStrategy(Strategy):
     """Server side of a LoRDO (or DiLoCo / Local Adam / DES-LOC) run over Flower."""
 
-    def __init__(self, cfg: AppConfig):
+    def __init__(self, cfg: AppConfig, explicit_keys: Iterable[str] = ()):
         self.cfg = cfg
+        # The run-config keys the user set: every message names them, so that clients compose the
+        # same settings from the same merged run config (lordo_fed.appconfig.load_app_config).
+        self.explicit_keys = ",".join(sorted(explicit_keys))
         self.settings = resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
         self.out_dir = Path(cfg.out_dir).expanduser().resolve()
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -111,7 +114,7 @@ class LoRDOStrategy(Strategy):
         data = encode_global_state(state, self.model_id, self.cfg.payload_dtype)
         self._round_log = RoundLog(sent_bytes=len(data), encode_seconds=time.perf_counter() - encode_started)
         record = payload_record(data)
-        round_config = ConfigRecord({"round": server_round})
+        round_config = ConfigRecord({"round": server_round, EXPLICIT_KEYS: self.explicit_keys})
         return [
             Message(content=RecordDict({"state": record, "config": round_config}), dst_node_id=node_id,
                     message_type=MessageType.TRAIN)
@@ -262,7 +265,8 @@ class LoRDOStrategy(Strategy):
         self._wait_for_nodes(grid, timeout)
         data = encode_global_state(self.aggregator.gradient_request(), self.model_id, self.cfg.payload_dtype)
         record = payload_record(data)
-        messages = [Message(content=RecordDict({"state": record}), dst_node_id=node_id, message_type=MessageType.QUERY)
+        messages = [Message(content=RecordDict({"state": record, "config": ConfigRecord({EXPLICIT_KEYS: self.explicit_keys})}),
+                            dst_node_id=node_id, message_type=MessageType.QUERY)
                     for node_id in grid.get_node_ids()]
         gradients, sizes = [], []
         for msg in self._send_and_receive(grid, messages, timeout):

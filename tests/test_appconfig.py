@@ -38,6 +38,17 @@ def test_precedence_defaults_then_preset_then_run_config():
     assert load_app_config({**base, "preset": "diloco"}).variant == "diloco"
 
 
+def test_a_key_the_user_set_wins_over_the_preset_even_at_its_default():
+    """Flower merges pyproject's defaults into the run config: local-steps=32 (the default) looks
+    unset, and quickstart's 16 stays, unless the key is named as set (Run.override_config)."""
+    run_config = {**pyproject_config(), "preset": "quickstart", "local-steps": 32, "model-preset": "small"}
+    merged = load_app_config(run_config)
+    assert (merged.rounds.local_steps, merged.model.preset) == (16, "tiny")
+    chosen = load_app_config(run_config, explicit=("local-steps", "model-preset", "preset"))
+    assert (chosen.rounds.local_steps, chosen.model.preset) == (32, "small")
+    assert chosen.inner.rank == merged.inner.rank == 8 and chosen.data.seq_len == 64  # the rest: quickstart's
+
+
 @pytest.mark.parametrize(
     "key,value,message",
     [

@@ -88,6 +88,16 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
         assert records[1]["bytes_received_per_client"] < records[2]["bytes_received_per_client"]
 
 
+def test_a_run_config_key_at_its_default_wins_over_the_preset(tmp_path):
+    """`--run-config "preset='quickstart' local-steps=32"`: 32 is pyproject's default and quickstart
+    says 16. The server reads the keys the user set from Flower's Run and names them in every
+    message, so the server (step counter) and both clients (tokens trained) run K = 32."""
+    run_config = tiny_run_config(tmp_path, **{"local-steps": 32, "num-server-rounds": 1})
+    run_simulation(APP, flower_env(tmp_path), 2, run_config, timeout=240, check=True)
+    (_, first) = server_records(tmp_path / "out")
+    assert first["step"] == 32 and first["tokens"] == 2 * 32 * 4 * 32
+
+
 def test_resume_continues_from_the_checkpoint(tmp_path):
     """A second run with `resume` picks up θ, counters and history at round 2 and the clients'
     own state (their disk store, keyed by partition), then trains round 3."""
