@@ -125,13 +125,10 @@ class Aggregator:
         """What workers get to compute the gradient the round-1 projections are fitted to."""
         return GlobalState(round=0, params=self.params)
 
-    @torch.no_grad()
-    def init_projections(self, gradients: Sequence[WorkerUpdate]) -> RoundResult:
-        """Round-1 projections: top-r subspaces of the token-weighted mean gradient at θ0 (the
-        full-batch gradient GaLore starts from). Each reply carries `delta` = its gradient of the
-        low-rank parameters, round 0."""
-        rejected: dict[int, str] = {}
-        good = []
+    def screen_gradients(self, gradients: Sequence[WorkerUpdate]) -> list[str | None]:
+        """Why each round-0 gradient reply must not be used (None: usable), in the order given:
+        round 0, the low-rank parameters' names, shapes, dtypes and finite values, tokens, one
+        reply per worker. Logs nothing and changes nothing (as `screen()` for round replies)."""
         reasons: list[str | None] = []
         for g in gradients:
             reason = None
@@ -142,6 +139,17 @@ class Aggregator:
                     reason = reason or _tensor_problem(f"grad/{name}", t, tuple(self.params[name].shape))
             reasons.append(reason)
         _refuse_repeated_workers(gradients, reasons)
+        return reasons
+
+    @torch.no_grad()
+    def init_projections(self, gradients: Sequence[WorkerUpdate], screened: bool = False) -> RoundResult:
+        """Round-1 projections: top-r subspaces of the token-weighted mean gradient at θ0 (the
+        full-batch gradient GaLore starts from). Each reply carries `delta` = its gradient of the
+        low-rank parameters, round 0. `screened=True`: the caller already dropped what
+        `screen_gradients()` refuses."""
+        rejected: dict[int, str] = {}
+        good = []
+        reasons = [None] * len(gradients) if screened else self.screen_gradients(gradients)
         for g, reason in zip(gradients, reasons):
             if reason:
                 rejected[g.worker_id] = reason

@@ -268,21 +268,36 @@ class LoRDOStrategy(Strategy):
         messages = [Message(content=RecordDict({"state": record, "config": ConfigRecord({EXPLICIT_KEYS: self.explicit_keys})}),
                             dst_node_id=node_id, message_type=MessageType.QUERY)
                     for node_id in grid.get_node_ids()]
-        gradients, sizes = [], []
-        for msg in self._send_and_receive(grid, messages, timeout):
+        self.fit_initial_projections(self._send_and_receive(grid, messages, timeout), len(data))
+
+    def fit_initial_projections(self, replies: Iterable[Message], sent_bytes: int) -> None:
+        """Decode and check the round-0 gradient replies (dropping bad ones with `initial
+        projections: dropped reply of node <id>[ (partition <p>)]: <reason>`), fit the round-1
+        projections to the good ones."""
+        decoded: list[tuple[str, WorkerUpdate]] = []
+        sizes = []
+        for msg in replies:
             who = f"node {msg.metadata.src_node_id}"
             if msg.has_error():
                 log.warning("initial projections: %s failed: %s", who, msg.error.reason)
                 continue
             try:
                 reply = payload_bytes(msg.content["update"])
-                gradients.append(decode_update(reply, expected_model_id=self.model_id))
-                sizes.append(len(reply))
+                gradient = decode_update(reply, expected_model_id=self.model_id)
             except (PayloadError, ValueError, KeyError) as err:
                 log.warning("initial projections: dropped reply of %s: %s", who, err)
-        gradients.sort(key=lambda g: g.worker_id)
-        result = self.aggregator.init_projections(gradients)
-        self.cum_bytes += len(data) + max(sizes, default=0)
+                continue
+            decoded.append((f"{who} (partition {gradient.worker_id})", gradient))
+            sizes.append(len(reply))
+        decoded.sort(key=lambda d: d[1].worker_id)  # reproducible sums, as in aggregate_train
+        good = []
+        for (who, gradient), reason in zip(decoded, self.aggregator.screen_gradients([d[1] for d in decoded])):
+            if reason is not None:
+                log.warning("initial projections: dropped reply of %s: %s", who, reason)
+            else:
+                good.append(gradient)
+        result = self.aggregator.init_projections(good, screened=True)
+        self.cum_bytes += sent_bytes + max(sizes, default=0)
         log.info("round-1 projections fitted to the mean gradient of %d clients", len(result.accepted))
 
     # ----------------------------------------------------------------------------- helpers

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
@@ -355,6 +355,44 @@ def test_a_second_reply_for_a_partition_is_dropped(tmp_path, caplog, good_only):
     payloads = {102: good_payloads(alone, ROUND)[102], HOSTILE_NODE: encode(alone, make_update(alone, 0, ROUND, 2.0))}
     _, metrics = alone.aggregate_train(ROUND, replies(alone, ROUND, payloads))
     assert metrics["clients_ok"] == 2.0 and metrics["clients_dropped"] == 0.0
+
+
+def test_round0_gradient_replies_are_screened_and_named(tmp_path, caplog):
+    """LoRDO-Global's round-0 exchange goes through the same gate: a NaN gradient and a second
+    gradient for partition 0 are dropped with a line naming node, partition and reason, and the
+    round-1 projections equal those fitted to the two good gradients alone."""
+    s = LoRDOStrategy(load_app_config({**RUN_CONFIG, "output-dir": str(tmp_path / "out")}))
+    agg = s.aggregator
+    assert agg.needs_gradient_init
+    g = torch.Generator().manual_seed(7)
+
+    def gradient(partition: int) -> WorkerUpdate:
+        delta = {n: torch.randn(agg.params[n].shape, generator=g) for n in sorted(agg.ranks)}
+        return WorkerUpdate(worker_id=partition, round=0, delta=delta, moments={}, tokens=64, opt_step=0)
+
+    good = {101: gradient(0), 102: gradient(1)}
+    poisoned = gradient(2)
+    first = sorted(poisoned.delta)[0]
+    poisoned.delta[first][0, 0] = math.nan
+    gradients = {**good, HOSTILE_NODE: poisoned, 104: gradient(0)}
+    state = payload_record(b"round-0 request")
+    replies = []
+    for node, update in gradients.items():
+        request = Message(RecordDict({"state": state}), dst_node_id=node, message_type=MessageType.QUERY)
+        replies.append(Message(RecordDict({"update": payload_record(encode(s, update))}), reply_to=request))
+    with caplog.at_level(logging.WARNING, logger="lordo_fed.server"):
+        s.fit_initial_projections(replies, sent_bytes=0)
+    lines = [r.getMessage() for r in caplog.records if r.name == "lordo_fed.server"]
+    assert lines == [
+        f"initial projections: dropped reply of node 104 (partition 0): worker (partition) 0 already answered this "
+        "round; a second reply for it is refused (two nodes with the same partition-id?)",
+        f"initial projections: dropped reply of node {HOSTILE_NODE} (partition 2): grad/{first}: contains NaN or Inf",
+    ], lines
+    twin = LoRDOStrategy(load_app_config({**RUN_CONFIG, "output-dir": str(tmp_path / "twin")})).aggregator
+    twin.init_projections(list(good.values()))
+    assert not agg.needs_gradient_init and set(agg.projections) == set(twin.projections)
+    for name, p in twin.projections.items():
+        assert torch.equal(agg.projections[name], p), name
 
 
 def test_outlier_norm_is_dropped_by_the_configured_multiple_of_the_median(tmp_path, caplog):
