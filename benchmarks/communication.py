@@ -201,8 +201,8 @@ def measure_variant(enc: Encoder, variant: Variant, k: int) -> dict:
     """Bytes up/down per round of one method at K = k (steady state, averaged over a sync cycle)."""
     ms, dtype = enc.ms, enc.payload_dtype
     inner = InnerConfig(rank=ms.rank, proj_method=variant.proj_method)
-    rounds = RoundConfig(local_steps=k, dense_sync_factor=variant.dense_sync_factor)
-    settings = resolve_method(variant.method, inner, rounds, OuterConfig())
+    settings = resolve_method(variant.method, inner, RoundConfig(local_steps=k, dense_sync_factor=variant.dense_sync_factor),
+                              OuterConfig())
     lordo = settings.inner.name == "lordo"
     server_projections = lordo and settings.inner.projection == "global" and bool(ms.ranks)
     params = ms.params()

@@ -85,6 +85,32 @@ def _san_entries(names: Iterable[str]) -> list[x509.GeneralName]:
     return entries
 
 
+def _key_usage(cert_sign: bool) -> x509.KeyUsage:
+    """Digital signature (ECDHE handshakes), plus certificate and CRL signing for a CA."""
+    return x509.KeyUsage(
+        digital_signature=True, content_commitment=False, key_encipherment=False,
+        data_encipherment=False, key_agreement=False, key_cert_sign=cert_sign, crl_sign=cert_sign,
+        encipher_only=False, decipher_only=False,
+    )
+
+
+def _builder(subject: x509.Name, issuer: x509.Name, key: ec.EllipticCurvePrivateKey, days: int,
+             ca: bool) -> x509.CertificateBuilder:
+    """What both certificates share: subject, issuer, public key, a random serial, validity from
+    one hour ago (clock skew) for `days` days, basic constraints and key usage."""
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(_now() - datetime.timedelta(hours=1))
+        .not_valid_after(_now() + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True)
+        .add_extension(_key_usage(cert_sign=ca), critical=True)
+    )
+
+
 def make_ca(
     common_name: str = "lordo-fed CA", days: int = 365
 ) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
@@ -93,22 +119,7 @@ def make_ca(
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(_now() - datetime.timedelta(hours=1))
-        .not_valid_after(_now() + datetime.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                encipher_only=False, decipher_only=False,
-            ),
-            critical=True,
-        )
+        _builder(name, name, key, days, ca=True)
         .add_extension(ski, critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), critical=False)
         .sign(key, hashes.SHA256())
@@ -128,23 +139,8 @@ def make_server_cert(
     names = [*sans, *DEFAULT_SANS]
     ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(_now() - datetime.timedelta(hours=1))
-        .not_valid_after(_now() + datetime.timedelta(days=days))
+        _builder(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]), ca_cert.subject, key, days, ca=False)
         .add_extension(x509.SubjectAlternativeName(_san_entries(names)), critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False, key_cert_sign=False, crl_sign=False,
-                encipher_only=False, decipher_only=False,
-            ),
-            critical=True,
-        )
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)

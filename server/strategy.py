@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -133,33 +133,8 @@ class LoRDOStrategy(Strategy):
         skipped (θ, outer state, projections, moments unchanged; the round counter moves on).
         """
         rl = self._round_log
-        decoded: list[tuple[str, WorkerUpdate, int, MetricRecord]] = []
-        for msg in replies:
-            who = f"node {msg.metadata.src_node_id}"
-            if msg.has_error():
-                rl.dropped[who] = f"error reply: {msg.error.reason}"
-                log.warning("round %d: %s failed: %s", server_round, who, msg.error.reason)
-                continue
-            decode_started = time.perf_counter()
-            try:
-                data = payload_bytes(msg.content["update"])
-                update = decode_update(data, expected_model_id=self.model_id)
-            except (PayloadError, ValueError, KeyError) as err:
-                rl.decode_seconds += time.perf_counter() - decode_started
-                rl.dropped[who] = str(err)
-                log.warning("round %d: dropped reply of %s: %s", server_round, who, err)
-                continue
-            rl.decode_seconds += time.perf_counter() - decode_started
-            decoded.append((f"{who} (partition {update.worker_id})", update, len(data),
-                            msg.content.get("metrics", MetricRecord())))
-        # Replies arrive in any order; aggregate in partition order so sums are reproducible.
-        decoded.sort(key=lambda d: d[1].worker_id)
         updates: list[WorkerUpdate] = []
-        for (who, update, size, metrics), reason in zip(decoded, self.aggregator.screen([d[1] for d in decoded])):
-            if reason is not None:
-                rl.dropped[who] = reason
-                log.warning("round %d: dropped reply of %s: %s", server_round, who, reason)
-                continue
+        for update, size, metrics in self._usable_replies(replies, f"round {server_round}", self.aggregator.screen, rl):
             rl.received[update.worker_id] = size
             rl.client_seconds[update.worker_id] = float(metrics.get("client-seconds", 0.0))
             rl.client_train_seconds[update.worker_id] = float(metrics.get("train-seconds", 0.0))
@@ -274,33 +249,49 @@ class LoRDOStrategy(Strategy):
         """Decode and check the round-0 gradient replies (dropping bad ones with `initial
         projections: dropped reply of node <id>[ (partition <p>)]: <reason>`), fit the round-1
         projections to the good ones."""
-        decoded: list[tuple[str, WorkerUpdate]] = []
-        sizes = []
-        for msg in replies:
-            who = f"node {msg.metadata.src_node_id}"
-            if msg.has_error():
-                log.warning("initial projections: %s failed: %s", who, msg.error.reason)
-                continue
-            try:
-                reply = payload_bytes(msg.content["update"])
-                gradient = decode_update(reply, expected_model_id=self.model_id)
-            except (PayloadError, ValueError, KeyError) as err:
-                log.warning("initial projections: dropped reply of %s: %s", who, err)
-                continue
-            decoded.append((f"{who} (partition {gradient.worker_id})", gradient))
-            sizes.append(len(reply))
-        decoded.sort(key=lambda d: d[1].worker_id)  # reproducible sums, as in aggregate_train
-        good = []
-        for (who, gradient), reason in zip(decoded, self.aggregator.screen_gradients([d[1] for d in decoded])):
-            if reason is not None:
-                log.warning("initial projections: dropped reply of %s: %s", who, reason)
-            else:
-                good.append(gradient)
-        result = self.aggregator.init_projections(good, screened=True)
-        self.cum_bytes += sent_bytes + max(sizes, default=0)
+        usable = self._usable_replies(replies, "initial projections", self.aggregator.screen_gradients, RoundLog())
+        result = self.aggregator.init_projections([u for u, _, _ in usable], screened=True)
+        self.cum_bytes += sent_bytes + max((size for _, size, _ in usable), default=0)
         log.info("round-1 projections fitted to the mean gradient of %d clients", len(result.accepted))
 
     # ----------------------------------------------------------------------------- helpers
+    def _usable_replies(self, replies: Iterable[Message], phase: str,
+                        screen: Callable[[Sequence[WorkerUpdate]], list[str | None]],
+                        rl: RoundLog) -> list[tuple[WorkerUpdate, int, MetricRecord]]:
+        """(update, payload size, client metrics) of every reply that decodes and passes `screen`,
+        in partition order (replies arrive in any order; sums in a fixed order are reproducible).
+        Each other reply is logged as `<phase>: dropped reply of node <id>[ (partition <p>)]:
+        <reason>` (or `<phase>: node <id> failed: ...` for an error reply) and recorded in
+        `rl.dropped`; decoding time goes to `rl.decode_seconds`."""
+        decoded: list[tuple[str, WorkerUpdate, int, MetricRecord]] = []
+        for msg in replies:
+            who = f"node {msg.metadata.src_node_id}"
+            if msg.has_error():
+                rl.dropped[who] = f"error reply: {msg.error.reason}"
+                log.warning("%s: %s failed: %s", phase, who, msg.error.reason)
+                continue
+            decode_started = time.perf_counter()
+            try:
+                data = payload_bytes(msg.content["update"])
+                update = decode_update(data, expected_model_id=self.model_id)
+            except (PayloadError, ValueError, KeyError) as err:
+                rl.dropped[who] = str(err)
+                log.warning("%s: dropped reply of %s: %s", phase, who, err)
+                continue
+            finally:
+                rl.decode_seconds += time.perf_counter() - decode_started
+            decoded.append((f"{who} (partition {update.worker_id})", update, len(data),
+                            msg.content.get("metrics", MetricRecord())))
+        decoded.sort(key=lambda d: d[1].worker_id)
+        usable = []
+        for (who, update, size, metrics), reason in zip(decoded, screen([d[1] for d in decoded])):
+            if reason is not None:
+                rl.dropped[who] = reason
+                log.warning("%s: dropped reply of %s: %s", phase, who, reason)
+            else:
+                usable.append((update, size, metrics))
+        return usable
+
     def _wait_for_nodes(self, grid: Grid, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while len(list(grid.get_node_ids())) < self.cfg.min_clients:
