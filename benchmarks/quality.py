@@ -48,6 +48,9 @@ K_SWEEP = (8, 128, 16, 64)  # K = 32 is the rank-16 run; 16 and 64 run last
 MB_SWEEP = ((2, 32), (8, 8))  # (M, B) with M x B = 64; 4 x 16 is the rank-16 run
 PROJ_METHODS = ("rsvd", "dct")  # svd is the rank-16 run
 DENSE_SYNC_FACTORS = (2, 4, 0)  # F = 1 is the rank-16 run; 0 = the dense moments never leave a worker
+DIAGNOSTICS = ("delta_stable_rank", "delta_in_subspace", "update_out_in_ratio", "update_out_in_ratio_last",
+               "ef_norm")
+"""Per-round diagnostics kept in a run's result (those the trainer logged with `diagnostics=true`)."""
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,8 @@ QUICK_OVERRIDES = ("model.preset=tiny", "total_steps=8", "rounds.local_steps=4",
                    "data.batch_size=4", "eval_every=1", "eval_batches=2", "inner.warmup_steps=2")
 
 
-def compose(run: Run, quick: bool, out_dir: Path):
-    """The run's TrainConfig: quality_cpu.yaml + the run's overrides (+ the quick ones)."""
+def compose(run: Run, quick: bool, out_dir: Path, base: tuple[str, ...] = ()):
+    """The run's TrainConfig: quality_cpu.yaml + `base` + the run's overrides (+ the quick ones)."""
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
@@ -100,14 +103,14 @@ def compose(run: Run, quick: bool, out_dir: Path):
     from lordo_fed.trainer.config import TrainConfig
 
     ConfigStore.instance().store(name="reference", node=TrainConfig)
-    overrides = [f"methods=[{run.method}]", f"out_dir={out_dir}", "progress=false",
+    overrides = [f"methods=[{run.method}]", f"out_dir={out_dir}", "progress=false", *base,
                  *(QUICK_OVERRIDES if quick else ()), *run.overrides]
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         raw = hydra_compose(config_name="quality_cpu", overrides=overrides)
     return OmegaConf.to_object(raw)
 
 
-def execute(run: Run, quick: bool, work: Path, fresh: bool) -> dict:
+def execute(run: Run, quick: bool, work: Path, fresh: bool, base: tuple[str, ...] = ()) -> dict:
     """Train one run (or load its cached result); returns its summary and curves."""
     from lordo_fed.trainer.cli import train
 
@@ -115,7 +118,7 @@ def execute(run: Run, quick: bool, work: Path, fresh: bool) -> dict:
     done = out_dir / "result.json"
     if done.exists() and not fresh:
         return json.loads(done.read_text())
-    cfg = compose(run, quick, out_dir)
+    cfg = compose(run, quick, out_dir, base)
     started = time.perf_counter()
     summary = train(cfg)[run.method]
     history = [json.loads(line) for line in (out_dir / f"{run.method}.jsonl").read_text().splitlines()]
@@ -124,13 +127,13 @@ def execute(run: Run, quick: bool, work: Path, fresh: bool) -> dict:
     result = {
         "label": run.label, "group": run.group, "method": run.method, "overrides": list(run.overrides),
         "rank": cfg.inner.rank, "omega": cfg.inner.omega, "K": cfg.rounds.local_steps, "M": cfg.workers,
-        "B": cfg.data.batch_size, "proj_method": cfg.inner.proj_method, **summary,
+        "B": cfg.data.batch_size, "proj_method": cfg.inner.proj_method, "seed": cfg.seed, **summary,
         "wall_seconds": time.perf_counter() - started,
-        "curve": {"tokens": [r["tokens"] for r in evals], "val_loss": [r["val_loss"] for r in evals]},
+        "curve": {"round": [r["round"] for r in evals], "tokens": [r["tokens"] for r in evals],
+                  "val_loss": [r["val_loss"] for r in evals]},
         "diagnostics": {
             "round": [r["round"] for r in rounds if "delta_stable_rank" in r],
-            "delta_stable_rank": [r["delta_stable_rank"] for r in rounds if "delta_stable_rank" in r],
-            "delta_in_subspace": [r["delta_in_subspace"] for r in rounds if "delta_in_subspace" in r],
+            **{key: [r[key] for r in rounds if "delta_stable_rank" in r and key in r] for key in DIAGNOSTICS},
         },
     }
     done.write_text(json.dumps(result, indent=1))
