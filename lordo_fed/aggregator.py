@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from lordo_fed.metrics import stable_rank
+from lordo_fed.optim.bias import restep
 from lordo_fed.optim.rotation import rotate_moments
 from lordo_fed.outer import OuterOptimizer
 from lordo_fed.projection import ProjectionMethod, project, projection_side
@@ -232,8 +233,8 @@ class Aggregator:
         self.outer.step(self.params, delta)
 
         diagnostics = self._diagnostics(delta) if self.diagnostics else {}
+        self.opt_step = max(u.opt_step for u in good)
         moments = self._average_moments(good, weights)
-        self.opt_step = min(u.opt_step for u in good)
         if self.projection is not None:
             new = fit_projections(delta, self.ranks, self.projection, self.seed + 7919 * self.round)
             if self.rotate:
@@ -284,10 +285,15 @@ class Aggregator:
                 for i, n in enumerate(norms) if median > 0 and n > self.outlier_factor * median}
 
     def _average_moments(self, good: list[WorkerUpdate], weights: list[float]) -> dict[str, Tensor]:
-        """Token-weighted mean of each due moment over the replies that carry it."""
+        """Token-weighted mean of each due moment over the replies that carry it, each reply's
+        moments first moved from its own step count to the shared one, `self.opt_step` (the
+        largest: a worker that joined late or lost its state has fewer steps; rescaling keeps
+        its bias-corrected moments, `lordo_fed.optim.bias`)."""
         out = {}
         for key in sorted({k for u in good for k in u.moments}):
-            have = [(u.moments[key], w) for u, w in zip(good, weights) if key in u.moments]
+            kind = split_moment_key(key)[0]
+            have = [(restep(u.moments[key], kind, u.opt_step, self.opt_step, self.betas, self.bias_correction), w)
+                    for u, w in zip(good, weights) if key in u.moments]
             norm = sum(w for _, w in have)
             out[key] = _weighted_sum([t for t, _ in have], [w / norm for _, w in have])
         return out

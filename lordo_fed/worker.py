@@ -20,6 +20,7 @@ from lordo_fed.data import TokenShard
 from lordo_fed.device import autocast
 from lordo_fed.model import lm_loss
 from lordo_fed.optim import LoRDO
+from lordo_fed.optim.bias import restep, restep_state
 from lordo_fed.optim.config import InnerConfig, lr_at, set_lr
 from lordo_fed.rounds import MOMENT_KEYS, GlobalState, RoundConfig, WorkerUpdate, moment_key, split_moment_key
 
@@ -123,40 +124,66 @@ class Worker:
     # ----------------------------------------------------------------------------- state in
     @torch.no_grad()
     def load_global_state(self, state: GlobalState) -> None:
-        """θ ← global θ; new projections (rotating local moments); then the averaged moments."""
+        """θ ← global θ; step counts ← the shared one; new projections (rotating local moments);
+        then the averaged moments.
+
+        Step counts and moments stay consistent (`lordo_fed.optim.bias`): every moment this
+        worker keeps is first moved to the server's count `state.opt_step` (it differs after a
+        round the server skipped, or for a worker that joined late), and a parameter without
+        state of its own adopts received moments only when both of them came: a first moment
+        without its second would be used with v = 0 under the shared count, and its first
+        update would explode. Such a parameter starts afresh (u = v = 0, step 0), as a new
+        optimizer would, and its moments are rescaled when it reports them."""
         missing = set(self.params) - set(state.params)
         if missing:
             raise ValueError(f"global state lacks parameters {sorted(missing)}")
         for name, p in self.params.items():
             p.copy_(state.params[name])
+        self.align_step_counts(state.opt_step)
         if state.projections:
             if not isinstance(self.optimizer, LoRDO):
                 raise ValueError("global state carries projections but the inner optimizer is not LoRDO")
             for name, stored in state.projections.items():
                 self.optimizer.set_projection(self.params[name], stored)
+        received: dict[str, dict[str, Tensor]] = {}
         for key, value in state.moments.items():
             kind, name = split_moment_key(key)
+            received.setdefault(name, {})[kind] = value
+        for name, kinds in received.items():
             st = self.optimizer.state[self.params[name]]
-            if kind not in st:
-                # Joining late: adopt the shared step count (bias correction), and start a moment
-                # that is not due this round at zero, as a fresh optimizer would.
+            if "exp_avg" not in st:
+                if not all(k in kinds for k in MOMENT_KEYS):
+                    continue  # joined when only one moment was due: start this parameter afresh
                 st["step"] = torch.tensor(float(state.opt_step))
-                for other in MOMENT_KEYS:
-                    st.setdefault(other, torch.zeros_like(value, dtype=torch.float32, device=self.device))
-            st[kind] = value.to(device=self.device, dtype=torch.float32).clone()
+            for kind, value in kinds.items():
+                st[kind] = value.to(device=self.device, dtype=torch.float32).clone()
+
+    def align_step_counts(self, step: int) -> None:
+        """Bring every parameter's optimizer state to `step` steps, its moments rescaled so their
+        bias-corrected values do not change (a no-op when the counts already agree)."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                st = self.optimizer.state.get(p)
+                if st and "step" in st and "exp_avg" in st:
+                    restep_state(st, step, group["betas"], group.get("bias_correction", True))
 
     # ----------------------------------------------------------------------------- state out
     def due_moments(self, round_idx: int) -> dict[str, Tensor]:
         """The moments this worker sends after round `round_idx` (`RoundConfig.due`: low-rank and
-        other parameters may have different periods)."""
+        other parameters may have different periods), each expressed at the worker's step count
+        `opt_step()` (a parameter that started afresh mid-run has fewer steps of its own)."""
         low_rank = ({id(p) for p, _ in self.optimizer.low_rank_params()} if isinstance(self.optimizer, LoRDO)
                     else set())
+        count = self.opt_step()
+        group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
         out = {}
         for name, p in self.params.items():
-            st = self.optimizer.state.get(p, {})
+            st, group = self.optimizer.state.get(p, {}), group_of[id(p)]
             for kind in self.rounds.due(round_idx, id(p) in low_rank):
                 if kind in st:
-                    out[moment_key(kind, name)] = st[kind].detach().float().cpu().clone()
+                    value = restep(st[kind].detach().float(), kind, int(st["step"]), count, group["betas"],
+                                   group.get("bias_correction", True))
+                    out[moment_key(kind, name)] = value.cpu().clone()
         return out
 
     def opt_step(self) -> int:

@@ -156,16 +156,36 @@ def test_global_state_is_what_workers_get():
     assert state.projections == {} and state.moments == {}
     assert_params(state.params, {"w": [[1.0, 2.0], [3.0, 4.0]], "b": [0.5, -0.5]})
     agg.aggregate(round1_replies())
-    assert agg.global_state().opt_step == 4  # min over the replies' opt_step
+    assert agg.global_state().opt_step == 4  # the replies' (shared) opt_step
 
 
-def test_opt_step_is_the_minimum_over_accepted_replies():
+def test_opt_step_is_the_maximum_over_accepted_replies():
     agg = make_agg()
     replies = round1_replies()
     for r, s in zip(replies, (7, 5, 9)):
         r.opt_step = s
     agg.aggregate(replies)
-    assert agg.opt_step == 5 and agg.global_state().opt_step == 5
+    assert agg.opt_step == 9 and agg.global_state().opt_step == 9
+
+
+def test_moments_of_replies_with_fewer_steps_are_rescaled_before_averaging():
+    """A reply with fewer optimizer steps (a worker that joined late or lost its state) is moved to
+    the shared count before averaging: u·(1−β1^S)/(1−β1^k), v·(1−β2^S)/(1−β2^k), so each reply's
+    bias-corrected moments are what is averaged (by hand, betas (0.9, 0.99))."""
+    agg = make_agg(rounds=RoundConfig(4, 1, 1), betas=(0.9, 0.99))
+    u0, v0, u1, v1 = t([1.0, 2.0]), t([0.5, 0.25]), t([3.0, -1.0]), t([0.125, 1.0])
+    replies = [upd(0, 100, [[0.0, 0.0], [0.0, 0.0]], [0.0, 0.0], moments={"exp_avg/b": u0, "exp_avg_sq/b": v0},
+                   opt_step=12),
+               upd(1, 300, [[0.0, 0.0], [0.0, 0.0]], [0.0, 0.0], moments={"exp_avg/b": u1, "exp_avg_sq/b": v1},
+                   opt_step=4)]
+    agg.aggregate(replies)
+    assert agg.opt_step == 12
+    f1, f2 = (1 - 0.9**12) / (1 - 0.9**4), (1 - 0.99**12) / (1 - 0.99**4)
+    torch.testing.assert_close(agg.moments["exp_avg/b"], 0.25 * u0 + 0.75 * f1 * u1)
+    torch.testing.assert_close(agg.moments["exp_avg_sq/b"], 0.25 * v0 + 0.75 * f2 * v1)
+    # the averaged v̂ at S = 12 is the token-weighted mean of each reply's own v̂
+    torch.testing.assert_close(agg.moments["exp_avg_sq/b"] / (1 - 0.99**12),
+                               0.25 * v0 / (1 - 0.99**12) + 0.75 * v1 / (1 - 0.99**4))
 
 
 def test_params_are_copied_and_kept_fp32():
@@ -533,7 +553,7 @@ def test_projection_refresh_is_the_top_subspace_of_the_averaged_delta():
 def test_averaged_low_rank_moments_are_rotated_into_the_new_basis():
     agg = lowrank_agg()
     p_old = agg.projections["w"].clone()
-    replies = lowrank_replies(opt_steps=(10, 12))
+    replies = lowrank_replies(opt_steps=(12, 12))
     w0, w1 = 0.25, 0.75
     u_avg = w0 * replies[0].moments["exp_avg/w"] + w1 * replies[1].moments["exp_avg/w"]
     v_avg = w0 * replies[0].moments["exp_avg_sq/w"] + w1 * replies[1].moments["exp_avg_sq/w"]
@@ -542,8 +562,8 @@ def test_averaged_low_rank_moments_are_rotated_into_the_new_basis():
     c = p_old @ p_new.T  # right projection: C = P_old P_newᵀ
     assert result.state.moments["exp_avg/w"].shape == (6, 2)
     torch.testing.assert_close(result.state.moments["exp_avg/w"], u_avg @ c, rtol=1e-5, atol=1e-6)
-    # LDAdam's second-moment rule with k = opt_step = min(10, 12) = 10, betas (0.9, 0.99)
-    bc1, bc2 = 1 - 0.9 ** 10, 1 - 0.99 ** 10
+    # LDAdam's second-moment rule with k = opt_step = 12, betas (0.9, 0.99)
+    bc1, bc2 = 1 - 0.9 ** 12, 1 - 0.99 ** 12
     m_hat, v_hat = u_avg / bc1, v_avg / bc2
     v_new = ((v_hat - m_hat ** 2) @ (c * c) + (m_hat @ c) ** 2).abs() * bc2
     torch.testing.assert_close(result.state.moments["exp_avg_sq/w"], v_new, rtol=1e-5, atol=1e-7)
@@ -552,7 +572,7 @@ def test_averaged_low_rank_moments_are_rotated_into_the_new_basis():
                                w0 * replies[0].moments["exp_avg/b"] + w1 * replies[1].moments["exp_avg/b"])
     torch.testing.assert_close(result.state.moments["exp_avg_sq/b"],
                                w0 * replies[0].moments["exp_avg_sq/b"] + w1 * replies[1].moments["exp_avg_sq/b"])
-    assert agg.opt_step == 10
+    assert agg.opt_step == 12
 
 
 def test_projection_refreshes_even_when_no_moment_is_due():
@@ -619,7 +639,7 @@ def test_state_dict_round_trip_mid_run(tmp_path):
     b = full_agg()
     b.load_state_dict(load_file(str(tmp_path / "agg.safetensors")))
     assert_same_state(a, b)
-    assert b.round == 2 and b.opt_step == 10
+    assert b.round == 2 and b.opt_step == 12
     for r in (2, 3):
         ra, rb = a.aggregate(lowrank_replies(r)), b.aggregate(lowrank_replies(r))
         assert ra.accepted == rb.accepted == [0, 1]

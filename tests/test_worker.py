@@ -74,9 +74,10 @@ def setup(method: str = "lordo_global", sync: tuple[int, int] = (1, 2), model_se
     return worker, aggregator
 
 
-def fresh_worker(method: str = "lordo_global", sync: tuple[int, int] = (1, 2), model_seed: int = 1, worker_id=0):
+def fresh_worker(method: str = "lordo_global", sync: tuple[int, int] = (1, 2), model_seed: int = 1, worker_id=0,
+                 k: int = K):
     """Another worker with its own (differently initialised) model and a new optimizer."""
-    s = settings(method, sync)
+    s = settings(method, sync, k)
     model = tiny_model(model_seed)
     lowrank = lowrank_parameter_names(model) if s.inner.name == "lordo" else []
     return make_worker(worker_id, model, s, shard(), lowrank, TOTAL_STEPS, BATCH, SEQ, seed=0)
@@ -224,7 +225,7 @@ def test_loaded_moments_overwrite_the_optimizer_state_exactly():
     }
     untouched = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in worker.params.items()}
     state = GlobalState(round=2, params=state1.params, moments={k: v.clone() for k, v in given.items()},
-                        opt_step=99)
+                        opt_step=K)
     worker.load_global_state(state)
     for key, value in given.items():
         kind, name = key.split("/", 1)
@@ -237,7 +238,7 @@ def test_loaded_moments_overwrite_the_optimizer_state_exactly():
         for k, v in before.items():
             if f"{k}/{n}" not in given:
                 assert torch.equal(st[k], v), (n, k)
-        assert int(st["step"]) == K  # the existing step count is kept, not the state's opt_step
+        assert int(st["step"]) == K  # the worker's count and the state's agree: nothing is rescaled
 
 
 def test_new_projection_rotates_the_local_moments():
@@ -250,7 +251,7 @@ def test_new_projection_rotates_the_local_moments():
     assert torch.equal(st["proj"], p_old)
     p_new = SVDProjection().fit(torch.randn(64, 64, generator=torch.Generator().manual_seed(3)), RANK, "right")
     assert projection_side(p_wq.shape) == "right"
-    worker.load_global_state(GlobalState(round=2, params=state1.params, projections={WQ: p_new}))
+    worker.load_global_state(GlobalState(round=2, params=state1.params, projections={WQ: p_new}, opt_step=K))
     exp_u, exp_v = rotate_moments(u, v, p_old, p_new, "right", step, (0.9, 0.999), True)
     torch.testing.assert_close(st["exp_avg"], exp_u, rtol=0, atol=0)
     torch.testing.assert_close(st["exp_avg_sq"], exp_v, rtol=0, atol=0)
@@ -267,7 +268,7 @@ def test_local_moments_are_rotated_before_the_averaged_ones_are_loaded():
     p_new = SVDProjection().fit(torch.randn(64, 64, generator=torch.Generator().manual_seed(4)), RANK, "right")
     u_avg = torch.randn(64, 4, generator=torch.Generator().manual_seed(5))
     worker.load_global_state(GlobalState(round=2, params=state1.params, projections={WQ: p_new},
-                                         moments={f"exp_avg/{WQ}": u_avg}))
+                                         moments={f"exp_avg/{WQ}": u_avg}, opt_step=K))
     # exp_avg: the averaged value as sent (already in the new basis), not rotated again
     assert torch.equal(st["exp_avg"], u_avg)
     # exp_avg_sq: the local one, rotated with the local first moment
@@ -298,7 +299,7 @@ def test_late_joiner_adopts_the_shared_step_count():
 
 
 @pytest.mark.parametrize("method, rounds_before", [("lordo_global", 1), ("desloc", 3)])
-def test_late_joiner_with_only_the_first_moment_due(method, rounds_before):
+def test_late_joiner_with_only_the_first_moment_due_starts_afresh(method, rounds_before):
     # lordo_global with periods (1, 2): round 2's state has exp_avg only;
     # desloc (AdamW, periods (3, 6)): round 4's state has exp_avg only
     worker, agg = setup(method, sync=(1, 2))
@@ -308,7 +309,70 @@ def test_late_joiner_with_only_the_first_moment_due(method, rounds_before):
     assert {k.split("/")[0] for k in state.moments} == {"exp_avg"}
     late = fresh_worker(method, sync=(1, 2))
     update = late.train_round(state)
-    assert update.opt_step == (rounds_before + 1) * K
+    assert update.opt_step == K  # u, v and the step count started at zero, as a new optimizer's
+    for key, value in update.moments.items():
+        kind, name = key.split("/", 1)
+        st = late.optimizer.state[late.params[name]]
+        assert int(st["step"]) == K and torch.equal(value, st[kind].cpu()), key
+
+
+def _norm(tensors: dict[str, torch.Tensor]) -> float:
+    return float(sum(t.double().square().sum() for t in tensors.values()).sqrt())
+
+
+@pytest.mark.parametrize("method", ["desloc", "lordo_global"])
+def test_late_joiners_update_is_the_size_of_an_established_workers(method):
+    """The late-joiner bug: a worker without state that receives u but not v used to start v at
+    zero under the shared step count, so v̂ ≈ 0 and its steps were ~1000x an established worker's
+    here (DES-LOC joining at round 9). Now it starts as a new optimizer does: its first step is of
+    the size of any Adam's first step (all coordinates near ±lr: ~5x an established worker's on
+    this tiny model), and its whole round is bit for bit a new optimizer's."""
+    k = 8
+    worker, agg = setup(method, sync=(1, 2), k=k)  # desloc keeps its own periods (3, 6)
+    for _ in range(9):
+        agg.aggregate([worker.train_round(agg.global_state())])
+    state = snapshot(agg.global_state())
+    assert {key.split("/")[0] for key in state.moments} == {"exp_avg"} and state.opt_step == 9 * k
+    blank_state = dataclasses.replace(snapshot(state), moments={}, opt_step=0)  # what a new optimizer knows
+    first_step = {}
+    for name, w, st in (("established", worker, state), ("joiner", fresh_worker(method, sync=(1, 2), k=k), state),
+                        ("new optimizer", fresh_worker(method, sync=(1, 2), k=k), blank_state)):
+        w.load_global_state(snapshot(st))
+        before = {n: p.detach().clone() for n, p in w.params.items()}
+        w.local_steps(9 * k, 1)
+        first_step[name] = _norm({n: before[n] - p.detach() for n, p in w.params.items()})
+    assert first_step["joiner"] <= first_step["new optimizer"] * (1 + 1e-6), first_step
+    assert first_step["joiner"] < 10 * first_step["established"], first_step
+    joined = fresh_worker(method, sync=(1, 2), k=k).train_round(snapshot(state))
+    blank = fresh_worker(method, sync=(1, 2), k=k).train_round(blank_state)
+    for n in joined.delta:
+        assert torch.equal(joined.delta[n], blank.delta[n]), n
+
+
+def test_a_skipped_round_leaves_step_counts_and_moments_consistent():
+    """After a round the server skipped (fewer replies than min_clients) the worker is re-sent the
+    same state: its step count must come back to the state's, and the moments it keeps must be
+    rescaled so their bias-corrected values (what the step uses) do not change."""
+    worker, agg = setup("desloc", sync=(1, 2))
+    for _ in range(3):
+        agg.aggregate([worker.train_round(agg.global_state())])
+    state = snapshot(agg.global_state())
+    worker.train_round(snapshot(state))  # trained, but the server skips this round
+    opt, (b1, b2) = worker.optimizer, worker.optimizer.param_groups[0]["betas"]
+    k_worker, k_server = 4 * K, 3 * K
+    assert worker.opt_step() == k_worker and state.opt_step == k_server
+    kept = {n: (opt.state[p]["exp_avg_sq"].clone(), opt.state[p]["exp_avg"].clone()) for n, p in worker.params.items()}
+    worker.load_global_state(snapshot(state))
+    for n, p in worker.params.items():
+        st = opt.state[p]
+        assert int(st["step"]) == k_server, n
+        v_before, u_before = kept[n]
+        # v is not in this state (desloc: due every 6 rounds): v̂ is what it was
+        torch.testing.assert_close(st["exp_avg_sq"] / (1 - b2**k_server), v_before / (1 - b2**k_worker),
+                                   rtol=1e-6, atol=0)
+        # u is in it (due every 3 rounds): the server's, as sent
+        assert torch.equal(st["exp_avg"], state.moments[f"exp_avg/{n}"]), n
+    assert worker.train_round(snapshot(state)).opt_step == k_server + K
 
 
 def test_global_state_lacking_a_parameter_is_an_error():
