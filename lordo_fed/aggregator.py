@@ -25,9 +25,11 @@ from lordo_fed.optim.bias import restep
 from lordo_fed.optim.rotation import rotate_moments
 from lordo_fed.outer import OuterOptimizer
 from lordo_fed.projection import ProjectionMethod, project, projection_side
-from lordo_fed.rounds import MOMENT_KEYS, GlobalState, RoundConfig, WorkerUpdate, moment_key, split_moment_key
+from lordo_fed.rounds import (DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, RoundConfig, WorkerUpdate, moment_key,
+                              split_moment_key)
 
 log = logging.getLogger(__name__)
+
 
 
 @dataclass
@@ -77,7 +79,10 @@ class Aggregator:
         seed: seeds the initial projections and randomized fits.
         outlier_factor: reject a reply whose ||Δ|| exceeds this multiple of the round's median
             (0 disables; needs at least 3 replies to have a meaningful median).
-        betas, bias_correction: the inner optimizer's, needed to rotate the second moment.
+        betas, bias_correction: the inner optimizer's, needed to rotate the second moment and to
+            move moments between step counts.
+        switch_step, switch_betas: the two-phase recipe's (InnerConfig): the betas in force from
+            global step `switch_step` on (0 = one phase).
         rotate: rotate the averaged moments into each new basis (the inner optimizer's `rotate`).
         init_projection: 'random' (seeded basis for round 1) or 'gradient' (round 1 waits for
             `init_projections` with the workers' gradients at θ0).
@@ -90,7 +95,8 @@ class Aggregator:
                  outer: OuterOptimizer, projection: ProjectionMethod | None, seed: int = 0,
                  outlier_factor: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  bias_correction: bool = True, rotate: bool = True, init_projection: str = "random",
-                 diagnostics: bool = False):
+                 diagnostics: bool = False, switch_step: int = 0,
+                 switch_betas: tuple[float, float] = (0.999, 0.999)):
         self.params = {n: p.detach().float().clone() for n, p in params.items()}
         self.ranks = dict(ranks)
         self.rounds = rounds
@@ -99,6 +105,8 @@ class Aggregator:
         self.seed = seed
         self.outlier_factor = outlier_factor
         self.betas = tuple(betas)
+        self.switch_step = switch_step
+        self.switch_betas = tuple(switch_betas)
         self.bias_correction = bias_correction
         self.rotate = rotate
         self.diagnostics = diagnostics
@@ -191,7 +199,8 @@ class Aggregator:
             due = self.rounds.due(self.round, name in self.ranks)
             if kind not in due or name not in self.params:
                 return f"unexpected moment {key!r} (due this round for {name!r}: {list(due)})"
-            problem = _tensor_problem(key, value, self.expected_moment_shape(name))
+            shape = tuple(self.params[name].shape) if kind == "ef" else self.expected_moment_shape(name)
+            problem = _tensor_problem(key, value, shape)
             if problem:
                 return problem
         return None
@@ -249,6 +258,8 @@ class Aggregator:
             "clients_ok": float(len(good)),
             "clients_dropped": float(len(rejected)),
             **diagnostics,
+            **{key: sum(w * u.metrics[key] for u, w in zip(good, weights)) for key in DIAGNOSTIC_METRICS
+               if all(key in u.metrics for u in good)},
         }
         self.round += 1
         return RoundResult(self.global_state(), [u.worker_id for u in good], rejected, metrics)
@@ -275,6 +286,11 @@ class Aggregator:
             out["delta_in_subspace"] = inside / total if total > 0 else 0.0
         return out
 
+    def round_betas(self) -> tuple[float, float]:
+        """The inner betas at the last local step of the current round (the two-phase recipe)."""
+        last_step = self.round * self.rounds.local_steps - 1
+        return self.switch_betas if 0 < self.switch_step <= last_step else self.betas
+
     def _outliers(self, good: Sequence[WorkerUpdate]) -> dict[int, str]:
         """Index in `good` -> reason, for replies whose ||Δ|| exceeds outlier_factor x the median."""
         if self.outlier_factor <= 0 or len(good) < 3:
@@ -292,7 +308,8 @@ class Aggregator:
         out = {}
         for key in sorted({k for u in good for k in u.moments}):
             kind = split_moment_key(key)[0]
-            have = [(restep(u.moments[key], kind, u.opt_step, self.opt_step, self.betas, self.bias_correction), w)
+            have = [(u.moments[key] if kind == "ef" else
+                     restep(u.moments[key], kind, u.opt_step, self.opt_step, self.round_betas(), self.bias_correction), w)
                     for u, w in zip(good, weights) if key in u.moments]
             norm = sum(w for _, w in have)
             out[key] = _weighted_sum([t for t, _ in have], [w / norm for _, w in have])
@@ -310,7 +327,7 @@ class Aggregator:
             old_b = self.projection.basis(old[name], shape, side)
             new_b = self.projection.basis(new[name], shape, side)
             u, v = rotate_moments(moments.get(u_key), moments.get(v_key), old_b, new_b, side, self.opt_step,
-                                  self.betas, self.bias_correction)
+                                  self.round_betas(), self.bias_correction)
             if u is not None:
                 out[u_key] = u
             if v is not None:

@@ -110,5 +110,6 @@ def make_aggregator(model: nn.Module, settings: MethodSettings, ranks: dict[str,
         params, ranks, settings.rounds, build_outer_optimizer(settings.outer),
         get_projection_method(inner.proj_method) if server_projections else None,
         seed=seed, outlier_factor=outlier_factor, betas=tuple(inner.betas), bias_correction=inner.bias_correction,
-        rotate=inner.rotate, init_projection=inner.init_projection,
+        rotate=inner.rotate, init_projection=inner.init_projection, switch_step=inner.switch_step,
+        switch_betas=tuple(inner.switch_betas),
     )

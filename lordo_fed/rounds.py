@@ -13,17 +13,26 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+SYNCED_KINDS = (*MOMENT_KEYS, "ef")
+"""Optimizer-state tensors that may cross the wire: the two moments and LoRDO's error-feedback
+buffer E (`RoundConfig.sync_ef`)."""
+
+DIAGNOSTIC_METRICS = ("update_out_in_ratio", "update_out_in_ratio_last", "ef_norm")
+"""Per-round metrics of a LoRDO worker whose optimizer has `track_update_split` on (the aggregator
+averages them by tokens): the round's mean and last-step ‖U_out‖/‖U_in‖, the out-of-subspace share
+of the update over all low-rank matrices, and ‖E‖ at the round's end (docs/algorithm.md, "Error
+feedback inside a round")."""
 
 
 def moment_key(kind: str, param_name: str) -> str:
-    """Flat name of a moment tensor on the wire: 'exp_avg/<param>' or 'exp_avg_sq/<param>'."""
+    """Flat name of a state tensor on the wire: 'exp_avg/<param>', 'exp_avg_sq/<param>' or 'ef/<param>'."""
     return f"{kind}/{param_name}"
 
 
 def split_moment_key(key: str) -> tuple[str, str]:
     kind, _, name = key.partition("/")
-    if kind not in MOMENT_KEYS or not name:
-        raise ValueError(f"moment key {key!r}: expected '<exp_avg|exp_avg_sq>/<parameter name>'")
+    if kind not in SYNCED_KINDS or not name:
+        raise ValueError(f"moment key {key!r}: expected '<exp_avg|exp_avg_sq|ef>/<parameter name>'")
     return kind, name
 
 
@@ -40,6 +49,9 @@ class RoundConfig:
     dense_sync_factor: int = 1
     """F: moments of parameters that are not low-rank (embeddings, norms; every AdamW parameter) are
     averaged every F·K_u and F·K_v rounds (1 = with the rest, the paper; 0 = never)."""
+    sync_ef: bool = False
+    """Also average LoRDO's error-feedback buffers E of the low-rank matrices every round (full size:
+    as many bytes again as Δ, each way; the authors' code appears to all-reduce E with the moments)."""
 
     def validate(self) -> "RoundConfig":
         if self.local_steps <= 0:
@@ -57,10 +69,11 @@ class RoundConfig:
         return {"exp_avg": self.sync_exp_avg_every * factor, "exp_avg_sq": self.sync_exp_avg_sq_every * factor}
 
     def due(self, round_idx: int, low_rank: bool = True) -> tuple[str, ...]:
-        """Moments averaged at the end of 1-based round `round_idx`, for a low-rank parameter or
-        for one that is not."""
+        """States averaged at the end of 1-based round `round_idx`, for a low-rank parameter or
+        for one that is not (E only for low-rank ones, every round, with `sync_ef`)."""
         periods = self.periods(low_rank)
-        return tuple(k for k in MOMENT_KEYS if periods[k] and round_idx % periods[k] == 0)
+        due = tuple(k for k in MOMENT_KEYS if periods[k] and round_idx % periods[k] == 0)
+        return (*due, "ef") if self.sync_ef and low_rank else due
 
 
 @dataclass

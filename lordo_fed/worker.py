@@ -21,8 +21,10 @@ from lordo_fed.device import autocast
 from lordo_fed.model import lm_loss
 from lordo_fed.optim import LoRDO
 from lordo_fed.optim.bias import restep, restep_state
-from lordo_fed.optim.config import InnerConfig, lr_at, set_lr
-from lordo_fed.rounds import MOMENT_KEYS, GlobalState, RoundConfig, WorkerUpdate, moment_key, split_moment_key
+from lordo_fed.optim.lordo import EF_DTYPES
+from lordo_fed.optim.config import InnerConfig, apply_phase, lr_at, set_lr
+from lordo_fed.rounds import (DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, RoundConfig, WorkerUpdate, moment_key,
+                              split_moment_key)
 
 ProgressFn = Callable[[int, float], None]
 
@@ -60,9 +62,13 @@ class Worker:
     # ----------------------------------------------------------------------------- one round
     def train_round(self, state: GlobalState, progress: ProgressFn | None = None) -> WorkerUpdate:
         """Load `state`, run K local steps, return the update (Δ, due moments, tokens, metrics)."""
+        first_step = (state.round - 1) * self.rounds.local_steps
+        # the hyperparameters the received moments were made with (the two-phase recipe)
+        apply_phase(self.optimizer, self.inner, first_step - 1, reset=False)
         self.load_global_state(state)
         theta_ref = {n: p.detach().float().clone() for n, p in self.params.items()}
-        first_step = (state.round - 1) * self.rounds.local_steps
+        if isinstance(self.optimizer, LoRDO):
+            self.optimizer.update_split.clear()
         losses = self.local_steps(first_step, self.rounds.local_steps, progress)
         # The update is what crosses the wire: plain fp32 CPU tensors.
         delta = {n: (theta_ref[n] - p.detach().float()).cpu() for n, p in self.params.items()}
@@ -74,8 +80,19 @@ class Worker:
             tokens=len(losses) * self.batch_size * self.seq_len,
             opt_step=self.opt_step(),
             metrics={"train_loss": sum(losses) / len(losses), "train_loss_last": losses[-1],
-                     "lr": self.optimizer.param_groups[0]["lr"]},
+                     "lr": self.optimizer.param_groups[0]["lr"], **self.diagnostics()},
         )
+
+    def diagnostics(self) -> dict[str, float]:
+        """`DIAGNOSTIC_METRICS` of the round just trained (empty unless the optimizer tracks them)."""
+        opt = self.optimizer
+        if not isinstance(opt, LoRDO) or not opt.track_update_split or not opt.update_split:
+            return {}
+        ratios = [float(out.sqrt() / inside.sqrt().clamp_min(1e-30)) for out, inside in opt.update_split]
+        ef_sq = sum(float(opt.state[p]["ef"].float().square().sum()) for p, _ in opt.low_rank_params()
+                    if "ef" in opt.state[p])
+        return {"update_out_in_ratio": sum(ratios) / len(ratios), "update_out_in_ratio_last": ratios[-1],
+                "ef_norm": ef_sq ** 0.5}
 
     def local_steps(self, first_step: int, num_steps: int, progress: ProgressFn | None = None) -> list[float]:
         """The ordinary training loop: `num_steps` steps from global step `first_step`."""
@@ -114,9 +131,10 @@ class Worker:
         return loss.item()
 
     def clip_and_step(self, global_step: int) -> None:
-        """Clip the global gradient norm, set the scheduled lr, step, clear the gradients."""
+        """Clip the global gradient norm, set the phase and the scheduled lr, step, clear the gradients."""
         if self.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner.grad_clip)
+        apply_phase(self.optimizer, self.inner, global_step)
         set_lr(self.optimizer, lr_at(global_step, self.total_steps, self.inner))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -150,7 +168,13 @@ class Worker:
             kind, name = split_moment_key(key)
             received.setdefault(name, {})[kind] = value
         for name, kinds in received.items():
-            st = self.optimizer.state[self.params[name]]
+            p = self.params[name]
+            st = self.optimizer.state[p]
+            if "ef" in kinds:  # E has no step count: always adopted, in this worker's storage dtype
+                dtype = st["ef"].dtype if "ef" in st else EF_DTYPES[self.optimizer.group_of(p)["ef_dtype"]]
+                st["ef"] = kinds.pop("ef").to(device=self.device, dtype=dtype).clone()
+            if not kinds:
+                continue
             if "exp_avg" not in st:
                 if not all(k in kinds for k in MOMENT_KEYS):
                     continue  # joined when only one moment was due: start this parameter afresh
@@ -180,7 +204,9 @@ class Worker:
         for name, p in self.params.items():
             st, group = self.optimizer.state.get(p, {}), group_of[id(p)]
             for kind in self.rounds.due(round_idx, id(p) in low_rank):
-                if kind in st:
+                if kind == "ef" and kind in st:
+                    value = st[kind].detach().float()
+                elif kind in st:
                     value = restep(st[kind].detach().float(), kind, int(st["step"]), count, group["betas"],
                                    group.get("bias_correction", True))
                     out[moment_key(kind, name)] = value.cpu().clone()

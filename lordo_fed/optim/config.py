@@ -8,12 +8,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lordo_fed.optim.lordo import EF_DTYPES, PROJECTION_SOURCES, QH_PLACEMENTS, LoRDO
+from lordo_fed.optim.lordo import EF_DTYPES, FULL_RANK_TERMS, PROJECTION_SOURCES, QH_PLACEMENTS, LoRDO
 from lordo_fed.projection import PROJECTION_METHODS
 
 INNER_OPTIMIZERS = ("lordo", "adamw")
 INIT_PROJECTIONS = ("gradient", "random")
 SCHEDULES = ("wsd", "cosine", "constant")
+SWITCH_RESETS = ("moments", "all", "none")
 
 
 @dataclass
@@ -38,6 +39,12 @@ class InnerConfig:
     """Keep the full-size buffer of what the projection dropped and feed it back next step."""
     ef_dtype: str = "fp32"
     """Storage dtype of the error-feedback buffer: 'fp32' or 'bf16'."""
+    ef_decay: float = 1.0
+    """γ in V = G + γ E: how much of the error-feedback buffer is fed back each step (1 = the paper)."""
+    ef_reset: bool = False
+    """Zero the error-feedback buffer whenever the projection changes (every round under LoRDO-Global)."""
+    full_rank_term: str = "error_fed"
+    """Input of the full-rank QH term: 'error_fed' (V = G + E, the paper) or 'gradient' (G alone)."""
     qh_placement: str = "outside"
     """Full-rank QH term 'outside' the projection (the paper) or 'inside' it."""
     projection: str = "global"
@@ -63,6 +70,17 @@ class InnerConfig:
     """Share of the run spent decaying (wsd) at the end."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak (wsd, cosine)."""
+    switch_step: int = 0
+    """The authors' two-phase recipe: the global step where phase 2 starts (0 = one phase)."""
+    switch_betas: tuple[float, float] = (0.999, 0.999)
+    """(β1, β2) from `switch_step` on (the authors' 720M runs: 0.999, 0.999)."""
+    switch_omega: float = 0.98
+    """ω from `switch_step` on (the authors' runs: 0.97-0.98)."""
+    switch_reset: str = "moments"
+    """At `switch_step`: 'moments' (zero u and v, keep the step count: the authors'), 'all' (zero u, v
+    and the step count: a new Adam) or 'none'."""
+    switch_lr_factor: float = 0.5
+    """Learning-rate multiplier from `switch_step` on, schedule included (the authors': 0.5)."""
 
     def validate(self) -> "InnerConfig":
         """Raise ValueError naming the field, the value and what is allowed."""
@@ -73,7 +91,7 @@ class InnerConfig:
         choices = {
             "name": INNER_OPTIMIZERS, "ef_dtype": tuple(EF_DTYPES), "qh_placement": QH_PLACEMENTS,
             "projection": PROJECTION_SOURCES, "proj_method": PROJECTION_METHODS, "schedule": SCHEDULES,
-            "init_projection": INIT_PROJECTIONS,
+            "init_projection": INIT_PROJECTIONS, "full_rank_term": FULL_RANK_TERMS, "switch_reset": SWITCH_RESETS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -96,6 +114,16 @@ class InnerConfig:
             bad("decay_fraction", "a number in [0, 1]")
         if not 0 <= self.min_lr_ratio <= 1:
             bad("min_lr_ratio", "a number in [0, 1]")
+        if not 0 <= self.ef_decay <= 1:
+            bad("ef_decay", "a number in [0, 1] (1 = the paper)")
+        if self.switch_step < 0:
+            bad("switch_step", "an integer >= 0 (0 = one phase)")
+        if len(self.switch_betas) != 2 or not all(0 <= b < 1 for b in self.switch_betas):
+            bad("switch_betas", "two numbers in [0, 1)")
+        if not 0 <= self.switch_omega <= 1:
+            bad("switch_omega", "a number in [0, 1]")
+        if not self.switch_lr_factor > 0:
+            bad("switch_lr_factor", "a number > 0")
         if self.eps <= 0 or self.weight_decay < 0:
             bad("eps" if self.eps <= 0 else "weight_decay", "eps > 0 and weight_decay >= 0")
         return self
@@ -126,15 +154,54 @@ def build_inner_optimizer(model: nn.Module, cfg: InnerConfig, lowrank_names: lis
     ]
     return LoRDO(
         [g for g in groups if g["params"]], lr=cfg.lr, betas=betas, eps=cfg.eps, omega=cfg.omega,
-        error_feedback=cfg.error_feedback, ef_dtype=cfg.ef_dtype, qh_placement=cfg.qh_placement,
+        error_feedback=cfg.error_feedback, ef_dtype=cfg.ef_dtype, ef_decay=cfg.ef_decay, ef_reset=cfg.ef_reset,
+        full_rank_term=cfg.full_rank_term, qh_placement=cfg.qh_placement,
         projection_source=cfg.projection, proj_method=cfg.proj_method, proj_interval=cfg.proj_interval or local_steps,
         rotate=cfg.rotate, bias_correction=cfg.bias_correction, seed=seed,
     )
 
 
+def in_phase_two(step: int, cfg: InnerConfig) -> bool:
+    """Whether 0-based global `step` belongs to the second phase of the two-phase recipe."""
+    return 0 < cfg.switch_step <= step
+
+
+def phase_betas(step: int, cfg: InnerConfig) -> tuple[float, float]:
+    """(β1, β2) in force at 0-based global `step`."""
+    return tuple(cfg.switch_betas) if in_phase_two(step, cfg) else tuple(cfg.betas)
+
+
+def apply_phase(optimizer: torch.optim.Optimizer, cfg: InnerConfig, step: int, reset: bool = True) -> None:
+    """The two-phase recipe of the authors' runs: from global `step` = `switch_step` on, every param
+    group takes `switch_betas` and (LoRDO) `switch_omega`; the step that starts phase 2 first resets
+    the moments as `switch_reset` says (`reset=False`: the hyperparameters only). The learning-rate
+    factor is `lr_at`'s. A pure function of the global step, so a worker that joins late or
+    restarts is in the right phase; nothing happens without a switch."""
+    if cfg.switch_step <= 0:
+        return
+    betas = phase_betas(step, cfg)
+    omega = cfg.switch_omega if in_phase_two(step, cfg) else cfg.omega
+    for group in optimizer.param_groups:
+        group["betas"] = betas
+        if "omega" in group:
+            group["omega"] = omega
+    if reset and step == cfg.switch_step and cfg.switch_reset != "none":
+        for st in optimizer.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in st:
+                    st[key].zero_()
+            if cfg.switch_reset == "all" and "step" in st:
+                st["step"].zero_()
+
+
 def lr_at(step: int, total_steps: int, cfg: InnerConfig) -> float:
     """Learning rate for 0-based `step` of `total_steps`: a pure function of the global step, so a
-    worker that joins late or restarts needs no scheduler state."""
+    worker that joins late or restarts needs no scheduler state. The two-phase recipe multiplies
+    it by `switch_lr_factor` from `switch_step` on."""
+    return _schedule(step, total_steps, cfg) * (cfg.switch_lr_factor if in_phase_two(step, cfg) else 1.0)
+
+
+def _schedule(step: int, total_steps: int, cfg: InnerConfig) -> float:
     peak = cfg.lr
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return peak * (step + 1) / cfg.warmup_steps

@@ -10,6 +10,17 @@ For a low-rank weight W (p×q) with projection basis P on GaLore's side:
     U = back(((1−ω) g + ω û) / d)               QH term "inside" (a variant)
     W ← W − η (U + λ W)                          decoupled weight decay on the pre-update W
 
+Error-feedback options (docs/algorithm.md, "Error feedback inside a round"). With the basis fixed
+for a round, E_t = E_0 + Σ_τ (I−Π) G_τ is never consumed, and the full-rank term re-applies all of
+it at every step, so the out-of-subspace share of U grows over the round. The paper's behaviour is
+the default; the options:
+    full_rank_term="gradient":  U = (1−ω) G / (s + ε) + ω back(û / d)   (E only feeds the projection)
+    ef_decay=γ < 1:             V = G + γ E                              (E forgets geometrically)
+    ef_reset=True:              E ← 0 whenever the basis changes          (every round under Global)
+and, across workers, `RoundConfig.sync_ef` averages E at every sync (its bytes are counted).
+`track_update_split` records ‖U_out‖² and ‖U_in‖² per step (U_out = (1−ω)(I−Π)X/(s+ε), X the
+full-rank term's input; U_in = U − U_out), the diagnostic of the build-up.
+
 The full-rank quasi-hyperbolic share (1−ω)·V/s keeps each step full rank, so the pseudo-gradient
 the server computes the next shared projection from can find new directions. Every other
 parameter (embeddings, norms, biases, anything not given a `rank`, or a rank ≥ min(p, q)) takes
@@ -47,6 +58,7 @@ from lordo_fed.projection import (
 
 EF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 QH_PLACEMENTS = ("outside", "inside")
+FULL_RANK_TERMS = ("error_fed", "gradient")
 PROJECTION_SOURCES = ("global", "local")
 # Keys of a param group besides the hyperparameters (torch adds "param_names" for named params).
 _GROUP_BOOKKEEPING = {"params", "param_names", "name"}
@@ -64,6 +76,9 @@ class LoRDO(torch.optim.Optimizer):
         rank: None for full-rank QHAdam, else the rank r of the moments' subspace.
         error_feedback: keep the full-size buffer E of what the projection dropped.
         ef_dtype: "fp32" or "bf16" storage of E (bf16 halves its memory).
+        ef_decay: γ in V = G + γ E (1 = the paper).
+        ef_reset: zero E whenever the projection changes (False = the paper).
+        full_rank_term: "error_fed" (the QH term on V = G + E, the paper) or "gradient" (on G).
         qh_placement: "outside" (the paper) or "inside" the projection.
         projection_source: "global" (set from outside) or "local" (refit every proj_interval).
         proj_method: "svd", "rsvd" or "dct" (see lordo_fed.projection).
@@ -84,6 +99,9 @@ class LoRDO(torch.optim.Optimizer):
         rank: int | None = None,
         error_feedback: bool = True,
         ef_dtype: str = "fp32",
+        ef_decay: float = 1.0,
+        ef_reset: bool = False,
+        full_rank_term: str = "error_fed",
         qh_placement: str = "outside",
         projection_source: str = "global",
         proj_method: str = "svd",
@@ -94,11 +112,16 @@ class LoRDO(torch.optim.Optimizer):
     ):
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, omega=omega, rank=rank,
-            error_feedback=error_feedback, ef_dtype=ef_dtype, qh_placement=qh_placement,
+            error_feedback=error_feedback, ef_dtype=ef_dtype, ef_decay=ef_decay, ef_reset=ef_reset,
+            full_rank_term=full_rank_term, qh_placement=qh_placement,
             projection_source=projection_source, proj_method=proj_method,
             proj_interval=proj_interval, rotate=rotate, bias_correction=bias_correction, seed=seed,
         )
         self._methods: dict[str, ProjectionMethod] = {}
+        self.track_update_split = False
+        """Record, per step, ‖U_out‖² and ‖U_in‖² summed over the low-rank matrices (`update_split`)."""
+        self.update_split: list[tuple[Tensor, Tensor]] = []
+        """(‖U_out‖², ‖U_in‖²) of every step since it was last cleared (tensors: no host sync)."""
         super().__init__(params, defaults)
 
     # ----------------------------------------------------------------------------- set-up
@@ -125,7 +148,8 @@ class LoRDO(torch.optim.Optimizer):
         """(parameter, group) for every parameter on the low-rank path, in optimizer order."""
         return [(p, g) for g in self.param_groups for p in g["params"] if self.is_low_rank(p, g)]
 
-    def _group_of(self, param: Tensor) -> dict[str, Any]:
+    def group_of(self, param: Tensor) -> dict[str, Any]:
+        """The param group that holds `param`."""
         for g in self.param_groups:
             if any(param is p for p in g["params"]):
                 return g
@@ -134,7 +158,7 @@ class LoRDO(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------- projections
     def basis(self, param: Tensor) -> Tensor | None:
         """The orthonormal basis currently used for `param` (None before the first one)."""
-        state, group = self.state[param], self._group_of(param)
+        state, group = self.state[param], self.group_of(param)
         if "proj" not in state:
             return None
         return self._method(group["proj_method"]).basis(state["proj"], param.shape, projection_side(param.shape))
@@ -146,7 +170,7 @@ class LoRDO(torch.optim.Optimizer):
         The moments are rotated from the old basis into the new one (LDAdam) when `rotate` is on;
         the error-feedback buffer is full size and does not change.
         """
-        group = self._group_of(param)
+        group = self.group_of(param)
         if not self.is_low_rank(param, group):
             raise ValueError(f"set_projection: parameter of shape {tuple(param.shape)} is not low-rank in its group")
         side = projection_side(param.shape)
@@ -166,6 +190,8 @@ class LoRDO(torch.optim.Optimizer):
                 state["exp_avg"], state["exp_avg_sq"], old_basis, new_basis, side,
                 int(state["step"].item()), group["betas"], group["bias_correction"],
             )
+        if "proj" in state and group["ef_reset"] and "ef" in state:
+            state["ef"].zero_()
         state["proj"] = stored.to(param.device).clone()
 
     # ----------------------------------------------------------------------------- the step
@@ -176,6 +202,7 @@ class LoRDO(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         index = 0
+        split: list[Tensor | None] | None = [None, None] if self.track_update_split else None
         for group in self.param_groups:
             for p in group["params"]:
                 index += 1
@@ -184,9 +211,11 @@ class LoRDO(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError("LoRDO does not support sparse gradients")
                 if self.is_low_rank(p, group):
-                    self._low_rank_step(p, group, index)
+                    self._low_rank_step(p, group, index, split)
                 else:
                     self._full_rank_step(p, group)
+        if split is not None and split[1] is not None:
+            self.update_split.append((split[0] if split[0] is not None else torch.zeros_like(split[1]), split[1]))
         return loss
 
     def _init_step(self, state: dict[str, Tensor], p: Tensor) -> None:
@@ -219,7 +248,7 @@ class LoRDO(torch.optim.Optimizer):
         update = grad.mul(1 - omega).add_(exp_avg, alpha=omega / bc1).div_(denom)
         p.add_(update.to(p.dtype), alpha=-lr)
 
-    def _low_rank_step(self, p: Tensor, group: dict[str, Any], index: int) -> None:
+    def _low_rank_step(self, p: Tensor, group: dict[str, Any], index: int, split: list[Tensor] | None) -> None:
         state = self.state[p]
         self._init_step(state, p)
         side = projection_side(p.shape)
@@ -231,7 +260,8 @@ class LoRDO(torch.optim.Optimizer):
         if group["error_feedback"]:
             if "ef" not in state:
                 state["ef"] = torch.zeros_like(p, dtype=EF_DTYPES[group["ef_dtype"]])
-            v_full = grad + state["ef"].float()
+            ef = state["ef"].float()
+            v_full = grad + (ef if group["ef_decay"] == 1.0 else ef * group["ef_decay"])
         else:
             v_full = grad
 
@@ -265,10 +295,19 @@ class LoRDO(torch.optim.Optimizer):
             update = project_back(exp_avg / denom, basis, side).mul_(omega / bc1)
             if omega != 1.0:
                 s = denom.mean()  # one scalar per matrix; a tensor, so no host sync on CUDA
-                update.add_(v_full * ((1 - omega) / (s + eps)))
+                full = v_full if group["full_rank_term"] == "error_fed" else grad
+                update.add_(full * ((1 - omega) / (s + eps)))
+                if split is not None:
+                    out = (full - project_back(project(full, basis, side), basis, side)) * ((1 - omega) / (s + eps))
+                    _accumulate(split, 0, out.square().sum())
+                    _accumulate(split, 1, (update - out).square().sum())
+            elif split is not None:
+                _accumulate(split, 1, update.square().sum())
         else:
             low = g.mul(1 - omega).add_(exp_avg, alpha=omega / bc1).div_(denom)
             update = project_back(low, basis, side)
+            if split is not None:
+                _accumulate(split, 1, update.square().sum())
 
         if group["weight_decay"] != 0:
             p.mul_(1 - lr * group["weight_decay"])
@@ -293,7 +332,14 @@ class LoRDO(torch.optim.Optimizer):
                 if key in saved:
                     self.state[p][key] = saved[key].to(device=p.device, dtype=saved[key].dtype, copy=True)
         for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)  # a state saved before an option existed
             _validate_group(group)
+
+
+def _accumulate(split: list[Tensor | None], i: int, value: Tensor) -> None:
+    """split[i] += value, on the value's device (a diagnostic: no host sync in the step)."""
+    split[i] = value if split[i] is None else split[i] + value
 
 
 def _bias_corrections(group: dict[str, Any], k: int) -> tuple[float, float]:
@@ -325,6 +371,11 @@ def _validate_group(group: dict[str, Any]) -> None:
         bad("rank", "None (full rank) or an integer > 0")
     if group["ef_dtype"] not in EF_DTYPES:
         bad("ef_dtype", f"one of {sorted(EF_DTYPES)}")
+    decay = group["ef_decay"]
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
+        bad("ef_decay", "a number in [0, 1] (1 = the paper: E is fed back whole)")
+    if group["full_rank_term"] not in FULL_RANK_TERMS:
+        bad("full_rank_term", f"one of {FULL_RANK_TERMS}")
     if group["qh_placement"] not in QH_PLACEMENTS:
         bad("qh_placement", f"one of {QH_PLACEMENTS}")
     if group["projection_source"] not in PROJECTION_SOURCES:
@@ -334,6 +385,6 @@ def _validate_group(group: dict[str, Any]) -> None:
     interval = group["proj_interval"]
     if isinstance(interval, bool) or not isinstance(interval, int) or interval <= 0:
         bad("proj_interval", "an integer > 0")
-    for flag in ("error_feedback", "rotate", "bias_correction"):
+    for flag in ("error_feedback", "ef_reset", "rotate", "bias_correction"):
         if not isinstance(group[flag], bool):
             bad(flag, "True or False")

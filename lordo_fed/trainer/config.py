@@ -22,7 +22,8 @@ class TrainConfig(CommonConfig):
     progress: bool = True
     """Show a progress bar."""
     diagnostics: bool = False
-    """Log the stable rank of each round's averaged pseudo-gradient and its share in the shared subspace."""
+    """Log the stable rank of each round's averaged pseudo-gradient and its share in the shared subspace,
+    and the workers' out-of-subspace share of the update and error-feedback norm (lordo_fed.rounds.DIAGNOSTIC_METRICS)."""
 
     def validate(self) -> "TrainConfig":
         """Raise ValueError naming the key, the value and what is allowed."""

@@ -23,6 +23,7 @@ from lordo_fed.metrics import optimizer_state_bytes, tensor_bytes
 from lordo_fed.model import build_model, lowrank_parameter_names
 from lordo_fed.optim import LoRDO
 from lordo_fed.projection import get_projection_method
+from lordo_fed.rounds import DIAGNOSTIC_METRICS
 from lordo_fed.trainer.config import TrainConfig
 from lordo_fed.worker import Worker
 
@@ -67,6 +68,9 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     ]
     aggregator = make_aggregator(model, settings, ranks, seed=cfg.seed)
     aggregator.diagnostics = cfg.diagnostics
+    for w in workers:
+        if isinstance(w.optimizer, LoRDO):
+            w.optimizer.track_update_split = cfg.diagnostics
     num_rounds = cfg.total_steps // K
     sent_total = received_total = 0
     if aggregator.needs_gradient_init:
@@ -99,7 +103,8 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         record = {
             "round": r, "step": r * K, "tokens": tokens, "train_loss": result.metrics.get("train_loss"),
             "delta_norm": result.metrics.get("delta_norm"),
-            **{k: result.metrics[k] for k in ("delta_stable_rank", "delta_in_subspace") if k in result.metrics},
+            **{k: result.metrics[k] for k in ("delta_stable_rank", "delta_in_subspace", *DIAGNOSTIC_METRICS)
+               if k in result.metrics},
             "bytes_sent_per_worker": sent, "bytes_received_per_worker": received,
             "bytes_sent_per_worker_per_step": sent / K, "bytes_received_per_worker_per_step": received / K,
             "cum_bytes_sent_per_worker": sent_total, "cum_bytes_received_per_worker": received_total,
