@@ -48,6 +48,18 @@ K_SWEEP = (8, 128, 16, 64)  # K = 32 is the rank-16 run; 16 and 64 run last
 MB_SWEEP = ((2, 32), (8, 8))  # (M, B) with M x B = 64; 4 x 16 is the rank-16 run
 PROJ_METHODS = ("rsvd", "dct")  # svd is the rank-16 run
 DENSE_SYNC_FACTORS = (2, 4, 0)  # F = 1 is the rank-16 run; 0 = the dense moments never leave a worker
+EF_OPTIONS = {
+    "fr_grad": ("inner.full_rank_term=gradient",),
+    "ef_reset": ("inner.ef_reset=true",),
+    "ef_decay0.9": ("inner.ef_decay=0.9",),
+    "ef_sync": ("rounds.sync_ef=true",),
+    "no_ef": ("inner.error_feedback=false",),
+    "two_phase": ("inner.switch_step=64",),
+}
+"""Options of the inner step (docs/algorithm.md, "Error feedback inside a round", "Two phases"), run
+for LoRDO-Global and LoRDO-Local at rank 16; the paper's settings are the rank-16 runs."""
+BEST_EF = "ef_reset"
+"""The option the projection methods are re-measured with (chosen from the "error feedback" runs)."""
 DIAGNOSTICS = ("delta_stable_rank", "delta_in_subspace", "update_out_in_ratio", "update_out_in_ratio_last",
                "ef_norm")
 """Per-round diagnostics kept in a run's result (those the trainer logged with `diagnostics=true`)."""
@@ -84,6 +96,14 @@ def grid(quick: bool) -> list[Run]:
     for pm in (("dct",) if quick else PROJ_METHODS):
         runs.append(Run(f"proj_{pm}_lordo_global", "projection", "lordo_global",
                         (f"inner.rank={base}", f"inner.proj_method={pm}")))
+    for name, extra in (list(EF_OPTIONS.items())[:1] if quick else EF_OPTIONS.items()):
+        for m in (("lordo_global",) if quick else ("lordo_global", "lordo_local")):
+            if m == "lordo_local" and name == "ef_sync":
+                continue  # Local's bases differ across workers: its E is not averaged
+            runs.append(Run(f"{name}_{m}", "error feedback", m, (f"inner.rank={base}", *extra)))
+    for pm in (() if quick else ("svd", *PROJ_METHODS)):  # the projections again, with the best EF option
+        runs.append(Run(f"proj_{pm}_{BEST_EF}_lordo_global", "projection", "lordo_global",
+                        (f"inner.rank={base}", f"inner.proj_method={pm}", *EF_OPTIONS[BEST_EF])))
     for f in (() if quick else DENSE_SYNC_FACTORS):
         runs.append(Run(f"dense{f}_lordo_global", "dense sync", "lordo_global",
                         (f"inner.rank={base}", f"rounds.dense_sync_factor={f}")))
