@@ -97,6 +97,7 @@ FLAT_KEYS: dict[str, str] = {
     "outer-lr": "outer.lr",
     "payload-dtype": "payload_dtype",
     "data-path": "data.path",
+    "val-path": "data.val_path",
     "batch-size": "data.batch_size",
     "seq-len": "data.seq_len",
     "output-dir": "out_dir",

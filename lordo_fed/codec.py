@@ -123,7 +123,8 @@ def tensors_nbytes(msg, payload_dtype: str = "fp32") -> int:
         return sum(t.nbytes for group in (msg.delta, msg.moments) for t in group)
     if isinstance(msg, (GlobalState, WorkerUpdate)):
         _check_payload_dtype(payload_dtype)
-        return sum(t.numel() * _wire_itemsize(t, payload_dtype) for t in msg.tensors().values())
+        return sum(t.numel() * _wire_itemsize(t, "fp32" if name.startswith("proj/") else payload_dtype)
+                   for name, t in msg.tensors().items())
     raise TypeError(f"tensors_nbytes: expected a GlobalState or WorkerUpdate, got {type(msg).__name__}")
 
 
@@ -182,7 +183,9 @@ def encode_global_state(state: GlobalState, model_id: str, payload_dtype: str = 
     msg = pb.GlobalState(schema=GLOBAL_STATE_SCHEMA, model_id=model_id, round=int(state.round),
                          opt_step=int(state.opt_step))
     _fill_group(msg.params, state.params, payload_dtype, "GlobalState.params")
-    _fill_group(msg.projections, state.projections, payload_dtype, "GlobalState.projections")
+    # Projection bases always travel in fp32: rounded to bf16 they are no longer orthonormal
+    # (‖PPᵀ − I‖ ~ 5e-4), and they are small (r x n per matrix, against Δ's m x n).
+    _fill_group(msg.projections, state.projections, "fp32", "GlobalState.projections")
     _fill_group(msg.moments, state.moments, payload_dtype, "GlobalState.moments")
     return msg.SerializeToString()
 

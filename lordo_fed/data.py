@@ -28,6 +28,7 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Optional, Union
 
@@ -64,7 +65,10 @@ class DataConfig:
     cache_dir: str = ""
     """Where tokenised corpora are cached; "" = ~/.cache/lordo_fed/tokens."""
     val_fraction: float = 0.1
-    """Fraction of each source's tokens (its tail) held out for validation, in [0, 1)."""
+    """Fraction of each source's tokens (its tail) held out for validation, in [0, 1); unused with val_path."""
+    val_path: str = ""
+    """A separate evaluation corpus (file or directory, same tokenizer) evaluated instead of the tail
+    split, so quality is measured on text no run trained on; the train corpus is then used whole."""
     seq_len: int = 128
     """Tokens per training sequence (the model's context length)."""
     batch_size: int = 16
@@ -92,6 +96,8 @@ class DataConfig:
             raise bad("path", 'a string (a file, a directory, or "" for the default corpus)')
         if not isinstance(self.tokenizer, str) or not self.tokenizer.strip():
             raise bad("tokenizer", "'byte' or a path to a local tokenizer.json")
+        if not isinstance(self.val_path, str):
+            raise bad("val_path", 'a string (a file, a directory, or "" for the tail split of the corpus)')
         if not isinstance(self.cache_dir, str):
             raise bad("cache_dir", 'a string (a directory, or "" for ~/.cache/lordo_fed/tokens)')
         if not is_real(self.val_fraction) or not 0.0 <= self.val_fraction < 1.0:
@@ -548,8 +554,20 @@ class Dataset:
     """Per client, the [k, 2] corpus token ranges its shard is made of (in order)."""
     train_shards: list[TokenShard]
     """One shard per client; shard m has shard_id m."""
-    val_tokens: np.ndarray
-    """The validation tails of all sources, concatenated in source order."""
+
+    @cached_property
+    def val_tokens(self) -> np.ndarray:
+        """The validation tokens: the tails of all sources concatenated in source order, or the
+        whole `val_path` corpus (tokenised and cached on first use: a client never needs it)."""
+        cfg = self.config
+        if not cfg.val_path:
+            return gather(self.corpus.tokens, val_ranges(self.corpus, cfg.val_fraction))
+        try:
+            return load_corpus(cfg.val_path, self.tokenizer, cfg.cache_dir).tokens
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"DataConfig.val_path={cfg.val_path!r}: {err}") from err
+        except ValueError as err:
+            raise ValueError(f"DataConfig.val_path={cfg.val_path!r}: {err}") from err
 
     @property
     def vocab_size(self) -> int:
@@ -563,23 +581,31 @@ class Dataset:
         """validation_batches(val_tokens) at the config's batch_size and seq_len."""
         cfg = self.config
         batches = validation_batches(self.val_tokens, cfg.batch_size, cfg.seq_len, max_batches)
-        if not batches and cfg.val_fraction > 0 and max_batches != 0:
+        if not batches and (cfg.val_fraction > 0 or cfg.val_path) and max_batches != 0:
+            source = f"val_path {cfg.val_path!r}" if cfg.val_path else "validation split"
+            remedy = "use a longer evaluation corpus" if cfg.val_path else "raise DataConfig.val_fraction"
             raise ValueError(
-                f"validation split has {len(self.val_tokens)} tokens, fewer than "
-                f"seq_len+1={cfg.seq_len + 1}: raise DataConfig.val_fraction or lower seq_len"
+                f"{source} has {len(self.val_tokens)} tokens, fewer than "
+                f"seq_len+1={cfg.seq_len + 1}: {remedy} or lower seq_len"
             )
         return batches
 
 
+def held_out_fraction(cfg: DataConfig) -> float:
+    """The share of each source kept out of training: val_fraction, or none with a val_path."""
+    return 0.0 if cfg.val_path else cfg.val_fraction
+
+
 def client_ranges(cfg: DataConfig, corpus: Corpus, num_clients: int) -> list[np.ndarray]:
     """Per client, the corpus token ranges of its train data under cfg.partition."""
+    held_out = held_out_fraction(cfg)
     if cfg.partition == "iid":
-        return partition_iid(train_ranges(corpus, cfg.val_fraction), num_clients)
+        return partition_iid(train_ranges(corpus, held_out), num_clients)
     if cfg.partition == "by_source":
-        train = train_ranges(corpus, cfg.val_fraction)
+        train = train_ranges(corpus, held_out)
         return [train[idx] for idx in partition_by_source(len(corpus.sources), num_clients)]
     if cfg.partition == "dirichlet":
-        docs = [train_documents(s, cfg.val_fraction) for s in corpus.sources]
+        docs = [train_documents(s, held_out) for s in corpus.sources]
         return partition_dirichlet(docs, num_clients, cfg.dirichlet_alpha, cfg.seed)
     raise ValueError(f"DataConfig.partition={cfg.partition!r}: expected one of {PARTITIONS}")
 
@@ -605,5 +631,4 @@ def load_dataset(cfg: DataConfig, num_clients: int) -> Dataset:
                 f"seq_len+1={cfg.seq_len + 1}{hint}. Use fewer clients, a shorter seq_len "
                 f"or a larger corpus."
             )
-    val_tokens = gather(corpus.tokens, val_ranges(corpus, cfg.val_fraction))
-    return Dataset(cfg, tokenizer, corpus, ranges, shards, val_tokens)
+    return Dataset(cfg, tokenizer, corpus, ranges, shards)

@@ -86,7 +86,7 @@ def test_global_state_round_trip(payload_dtype):
     assert (got.round, got.opt_step) == (3, 96)
     bf16 = payload_dtype == "bf16"
     _assert_same(got.params, s.params, bf16)
-    _assert_same(got.projections, s.projections, bf16)
+    _assert_same(got.projections, s.projections, False)  # bases always travel in fp32
     _assert_same(got.moments, s.moments, bf16)
     assert got.params["scale"].dim() == 0 and got.params["norm.weight"].dim() == 1
 
@@ -173,6 +173,23 @@ def test_bf16_payload_is_half_of_fp32():
     assert abs(n16 / n32 - 0.5) <= 0.005, (n16, n32)
     numel = sum(t.numel() for t in s.tensors().values())
     assert tensors_nbytes(s, "fp32") == 2 * tensors_nbytes(s, "bf16") == 4 * numel
+
+
+def test_projection_bases_stay_orthonormal_in_a_bf16_payload():
+    """bf16 rounds an orthonormal basis to ‖PPᵀ − I‖ ~ 1e-3; bases travel in fp32 whatever the
+    payload dtype, bit-exact (and cost r x n floats per matrix)."""
+    from lordo_fed.projection import SVDProjection
+
+    basis = SVDProjection().fit(torch.randn(256, 128, generator=_gen()), 16, "right")
+    rounded = basis.to(torch.bfloat16).float()
+    eye = torch.eye(16)
+    assert (rounded @ rounded.T - eye).abs().max() > 1e-4  # what sending it in bf16 would do
+    s = GlobalState(round=2, params={"w": torch.randn(256, 128, generator=_gen())}, projections={"w": basis})
+    data = encode_global_state(s, MID, "bf16")
+    got = decode_global_state(data).projections["w"]
+    assert torch.equal(got, basis)
+    assert (got @ got.T - eye).abs().max() < 1e-5
+    assert tensors_nbytes(s, "bf16") == 2 * 256 * 128 + 4 * basis.numel() == tensors_nbytes(pb.GlobalState.FromString(data))
 
 
 def test_tensors_nbytes_matches_the_wire():

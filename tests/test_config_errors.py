@@ -48,6 +48,7 @@ RUN_CONFIG_CASES = [
     ("outer-lr", math.inf, "run-config key 'outer-lr': outer.lr=inf: the outer learning rate must be a finite number > 0"),
     ("payload-dtype", "fp16", "run-config key 'payload-dtype': payload_dtype='fp16': expected one of ('fp32', 'bf16')"),
     ("data-path", 3, "run-config key 'data-path'=3: expected a string like the default ''"),
+    ("val-path", 3, "run-config key 'val-path'=3: expected a string like the default ''"),
     ("batch-size", 0, "run-config key 'batch-size': DataConfig.batch_size=0: expected an int >= 1"),
     ("seq-len", 0, "run-config key 'seq-len': DataConfig.seq_len=0: expected an int >= 1"),
     ("seq-len", 4096, "run-config key 'seq-len': DataConfig.seq_len=4096: expected an int <= the model's max_seq_len=128 "
@@ -193,6 +194,17 @@ def test_a_missing_data_path_is_named(tmp_path):
                                                          f"file or a directory of *.txt/*.md files")):
         server_start(tmp_path, **{"data-path": str(missing)})
     assert not (tmp_path / "out" / "server.jsonl").exists()
+
+
+def test_the_server_evaluates_on_val_path_and_names_it_when_missing(tmp_path):
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text("A held-out text, for evaluation only.\n\n" * 400)
+    strategy = server_start(tmp_path, **{"val-path": str(held_out)})
+    x, _ = strategy.val_batches[0]
+    assert bytes(x[0].tolist()) == held_out.read_bytes()[: x.shape[1]]
+    missing = tmp_path / "gone.txt"
+    with pytest.raises(FileNotFoundError, match=re.escape(f"DataConfig.val_path={str(missing)!r}: corpus path not found")):
+        server_start(tmp_path, **{"val-path": str(missing)})
 
 
 def test_a_corpus_directory_without_text_files_is_named(tmp_path):

@@ -200,6 +200,32 @@ def test_split_fractions(tmp_path: Path, val_fraction: float):
     assert abs(len(ds.val_tokens) / ds.corpus.num_tokens - val_fraction) < 0.01
 
 
+def test_val_path_is_evaluated_instead_of_the_tail_split(tmp_path: Path):
+    corpus_dir = write_corpus_dir(tmp_path / "corpus")
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text("Text that no run trains on.\n\n" * 200)
+    ds = load_dataset(cfg_for(corpus_dir, tmp_path, val_fraction=0.25, val_path=str(held_out)), 2)
+    # validation: the whole val_path corpus, tokenised like the train one
+    np.testing.assert_array_equal(ds.val_tokens, ByteTokenizer().encode(held_out.read_text()))
+    x, y = ds.val_batches(max_batches=1)[0]
+    assert torch.equal(x[0], torch.from_numpy(ds.val_tokens[: ds.config.seq_len].astype(np.int64)))
+    # training: the whole corpus (val_fraction does not apply)
+    assert sum(s.num_tokens for s in ds.train_shards) == ds.corpus.num_tokens
+
+
+def test_val_path_is_read_only_when_evaluating(tmp_path: Path):
+    """A client builds its shard with the run's config but never evaluates: a val_path that only
+    the server has must not stop it; the evaluation names the key and the missing path."""
+    corpus_dir = write_corpus_dir(tmp_path / "corpus")
+    missing = tmp_path / "not_here.txt"
+    ds = load_dataset(cfg_for(corpus_dir, tmp_path, val_path=str(missing)), 2)
+    assert ds.train_shards[1].num_tokens > 0
+    with pytest.raises(FileNotFoundError, match=f"DataConfig.val_path={str(missing)!r}: corpus path not found"):
+        ds.val_batches(1)
+    with pytest.raises(ValueError, match=r"DataConfig.val_path=3: expected a string"):
+        DataConfig(val_path=3).validate()
+
+
 # ----------------------------------------------------------------------------- partitions
 
 
