@@ -193,9 +193,9 @@ class Worker:
 
     # ----------------------------------------------------------------------------- state out
     def due_moments(self, round_idx: int) -> dict[str, Tensor]:
-        """The moments this worker sends after round `round_idx` (`RoundConfig.due`: low-rank and
-        other parameters may have different periods), each expressed at the worker's step count
-        `opt_step()` (a parameter that started afresh mid-run has fewer steps of its own)."""
+        """The states this worker sends after round `round_idx` (`RoundConfig.due`: low-rank and
+        other parameters may have different periods; E with `sync_ef`), each moment expressed at
+        the worker's step count `opt_step()` (a parameter that started afresh has fewer steps)."""
         low_rank = ({id(p) for p, _ in self.optimizer.low_rank_params()} if isinstance(self.optimizer, LoRDO)
                     else set())
         count = self.opt_step()
@@ -204,12 +204,13 @@ class Worker:
         for name, p in self.params.items():
             st, group = self.optimizer.state.get(p, {}), group_of[id(p)]
             for kind in self.rounds.due(round_idx, id(p) in low_rank):
-                if kind == "ef" and kind in st:
-                    value = st[kind].detach().float()
-                elif kind in st:
-                    value = restep(st[kind].detach().float(), kind, int(st["step"]), count, group["betas"],
+                if kind not in st:
+                    continue
+                value = st[kind].detach().float()
+                if kind != "ef":  # E has no step count
+                    value = restep(value, kind, int(st["step"]), count, group["betas"],
                                    group.get("bias_correction", True))
-                    out[moment_key(kind, name)] = value.cpu().clone()
+                out[moment_key(kind, name)] = value.cpu().clone()
         return out
 
     def opt_step(self) -> int:

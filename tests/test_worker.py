@@ -195,6 +195,66 @@ def test_moments_of_parameters_that_are_not_low_rank_follow_the_dense_factor():
         assert {k.split("/", 1)[1] for k in agg.global_state().moments} == names
 
 
+def test_sync_ef_averages_the_error_feedback_buffers_of_the_low_rank_matrices():
+    """rounds.sync_ef: every round each worker also sends E (full size, low-rank matrices only),
+    the aggregator averages it by tokens and every worker continues from the average."""
+    s = settings("lordo_global", sync=(1, 1))
+    s.rounds = dataclasses.replace(s.rounds, sync_ef=True)
+    model = tiny_model(0)
+    ranks = lowrank_ranks(model, DEFAULT_LOWRANK_PATTERN, RANK, s.inner.name)
+    workers = [make_worker(i, model, s, shard(i), lowrank_parameter_names(model), TOTAL_STEPS, BATCH, SEQ, seed=i)
+               for i in range(2)]
+    agg = make_aggregator(model, s, ranks, seed=0)
+    agg.init_projections([w.gradient(agg.gradient_request(), sorted(ranks)) for w in workers])
+    updates = [w.train_round(snapshot(agg.global_state())) for w in workers]
+    for u, w in zip(updates, workers):
+        efs = {k.split("/", 1)[1]: v for k, v in u.moments.items() if k.startswith("ef/")}
+        assert set(efs) == set(ranks)
+        for name, e in efs.items():
+            assert e.shape == w.params[name].shape and torch.equal(e, w.optimizer.state[w.params[name]]["ef"])
+        assert agg.check(u) is None
+    # E is as large as Δ of the low-rank matrices: the reply grows by exactly that
+    ef_bytes = sum(4 * updates[0].delta[n].numel() for n in ranks)
+    assert sum(4 * v.numel() for k, v in updates[0].moments.items() if k.startswith("ef/")) == ef_bytes
+    agg.aggregate(updates)
+    state = snapshot(agg.global_state())
+    for name in ranks:
+        expected = 0.5 * updates[0].moments[f"ef/{name}"] + 0.5 * updates[1].moments[f"ef/{name}"]
+        torch.testing.assert_close(state.moments[f"ef/{name}"], expected)
+    for w in workers:
+        w.load_global_state(state)
+        for name in ranks:
+            assert torch.equal(w.optimizer.state[w.params[name]]["ef"], state.moments[f"ef/{name}"])
+    # without sync_ef nothing of E leaves a worker
+    plain, agg2 = setup("lordo_global", sync=(1, 1))
+    assert not any(k.startswith("ef/") for k in plain.train_round(agg2.global_state()).moments)
+
+
+def test_two_phase_switch_inside_a_round():
+    """inner.switch_step = 4 with K = 3: round 2 (global steps 3, 4, 5) switches at its second step;
+    after it every group has the phase-2 betas and ω, the lr carries the factor, the moments were
+    reset ('all': step count restarted, 2 steps since), and the aggregator rotates and rescales
+    round 2's moments with the phase-2 betas."""
+    s = settings("lordo_global", sync=(1, 1))
+    s.inner = dataclasses.replace(s.inner, switch_step=4, switch_betas=(0.99, 0.995), switch_omega=0.9,
+                                  switch_reset="all", switch_lr_factor=0.5, schedule="constant", warmup_steps=0)
+    model = tiny_model(0)
+    ranks = lowrank_ranks(model, DEFAULT_LOWRANK_PATTERN, RANK, s.inner.name)
+    worker = make_worker(0, model, s, shard(), lowrank_parameter_names(model), TOTAL_STEPS, BATCH, SEQ, seed=0)
+    agg = make_aggregator(model, s, ranks, seed=0)
+    agg.init_projections([worker.gradient(agg.gradient_request(), sorted(ranks))])
+    u1 = worker.train_round(snapshot(agg.global_state()))
+    assert u1.opt_step == 3 and agg.round_betas() == s.inner.betas
+    assert all(tuple(g["betas"]) == s.inner.betas and g["omega"] == s.inner.omega
+               for g in worker.optimizer.param_groups)
+    agg.aggregate([u1])
+    u2 = worker.train_round(snapshot(agg.global_state()))
+    assert u2.opt_step == 2  # reset at step 4, then steps 4 and 5
+    assert all(tuple(g["betas"]) == (0.99, 0.995) and g["omega"] == 0.9 for g in worker.optimizer.param_groups)
+    assert u2.metrics["lr"] == pytest.approx(0.5 * s.inner.lr)
+    assert agg.round_betas() == (0.99, 0.995)
+
+
 def test_no_moments_when_never_due():
     worker, agg = setup("diloco")
     u = worker.train_round(agg.global_state())
