@@ -8,6 +8,7 @@
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from lordo_fed.checkpoint import load_checkpoint
 from lordo_fed.data import load_dataset
 from lordo_fed.device import pick_device
 from lordo_fed.methods import resolve_method
+from lordo_fed.model import DEFAULT_LOWRANK_PATTERN
 from lordo_fed.trainer.config import TrainConfig
 from lordo_fed.trainer.run import RunContext, run_rounds
 from tests.flower_harness import Deployment, flower_env, run_simulation
@@ -57,12 +59,17 @@ def server_records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "server.jsonl").read_text().splitlines()]
 
 
+EF_OPTIONS = {"sync-ef": True, "ef-reset": True, "ef-decay": 0.9, "full-rank-term": "gradient", "switch-step": 4}
+
+
 @pytest.mark.parametrize("variant,extra", [("lordo_global", {}), ("lordo_global", {"dense-sync-factor": 2}),
-                                           ("diloco", {}), ("desloc", {})])
+                                           ("lordo_global", EF_OPTIONS), ("diloco", {}), ("desloc", {})])
 def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     """Baselines run through the same app by config: DiLoCo (AdamW, Nesterov outer, no state
     sync) and DES-LOC (AdamW, states averaged at their own periods); LoRDO-Global also with the
-    embedding's and norms' moments averaged every second round only (dense-sync-factor=2)."""
+    embedding's and norms' moments averaged every second round only (dense-sync-factor=2), and
+    with the error-feedback options and the two-phase switch (E crosses the wire both ways; the
+    switch at step 4 falls inside round 2)."""
     run_config = tiny_run_config(tmp_path, variant=variant, **extra)
     env = flower_env(tmp_path)
     proc = run_simulation(APP, env, num_supernodes=2, run_config=run_config, timeout=240, check=True,
@@ -84,8 +91,12 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     assert worst <= 1e-5, f"max |θ_flower − θ_reference| = {worst}"
     print(f"parity: max |θ_flower − θ_reference| = {worst:.3g}")
     assert records[-1]["tokens"] == 2 * 2 * 3 * 4 * 32
-    if extra:  # round 1 sends the low-rank moments only, round 2 the full-size ones too
+    if "dense-sync-factor" in extra:  # round 1 sends the low-rank moments only, round 2 the full-size ones too
         assert records[1]["bytes_received_per_client"] < records[2]["bytes_received_per_client"]
+    if extra.get("sync-ef"):  # each reply carries Δ of every parameter and E of every low-rank matrix
+        lowrank = [n for n in reference if re.search(DEFAULT_LOWRANK_PATTERN, n)]
+        floats = sum(t.numel() for t in reference.values()) + sum(reference[n].numel() for n in lowrank)
+        assert lowrank and all(r["bytes_received_per_client"] >= 4 * floats for r in records[1:])
 
 
 def test_a_run_config_key_at_its_default_wins_over_the_preset(tmp_path):
