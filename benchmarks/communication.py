@@ -265,7 +265,8 @@ def formula_bytes(ms: ModelShapes, variant: Variant, settings, k: int, dtype: st
     if lordo and settings.inner.projection == "global":
         for name, r in ms.ranks.items():
             p, q = ms.shapes[name]
-            down += 8 * r if variant.proj_method == "dct" else f * r * (q if projection_side((p, q)) == "right" else p)
+            # bases always travel in fp32 (lordo_fed.codec: bf16 would break their orthonormality)
+            down += 8 * r if variant.proj_method == "dct" else 4 * r * (q if projection_side((p, q)) == "right" else p)
     return float(up), float(down)
 
 
@@ -367,7 +368,7 @@ def plot(rows: list[dict], out_png) -> None:
             nparams = next(r["num_params"] for r in rows if (r["preset"], r["vocab_size"]) == (preset, vocab))
             ax.set_title(f"{preset}: vocab {vocab}, {nparams / 1e6:.1f}M params, r = {RANKS[preset]}", fontsize=9)
             ax.grid(True, axis="y", which="both", alpha=0.3)
-    fig.suptitle("Measured wire bytes (lordo_fed.codec)\nlabels: x less than DDP; bf16 halves every bar", fontsize=8)
+    fig.suptitle("Measured wire bytes (lordo_fed.codec)\nlabels: x less than DDP; bf16 halves every bar (Global: all but its fp32 bases)", fontsize=8)
     ncol = len(VARIANTS) if len(vocabs) > 1 else 4
     bottom = 0.05 if ncol == len(VARIANTS) else 0.1
     fig.legend(loc="lower center", ncol=ncol, fontsize=7, frameon=False)

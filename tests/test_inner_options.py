@@ -96,6 +96,27 @@ def test_ef_reset_zeroes_the_buffer_on_a_change_of_basis_only():
         assert (ef.abs().sum() == 0) == reset
 
 
+def test_ef_reset_under_local_refits_drops_e_before_it_is_fed_back():
+    """LoRDO-Local refits its basis inside the step, every proj_interval steps: with ef_reset the
+    step that refits takes V = G (E dropped), so E afterwards is what the new basis drops of G."""
+    w0 = torch.randn(P, Q, generator=torch.Generator().manual_seed(0))
+    result = {}
+    for reset in (False, True):
+        w = torch.nn.Parameter(w0.clone())
+        opt = LoRDO([dict(params=[w], rank=R)], lr=1e-2, omega=0.9, projection_source="local", proj_interval=3,
+                    ef_reset=reset)
+        for t in range(4):  # refits at steps 0 and 3
+            w.grad = grad(t)
+            opt.step()
+        b = opt.basis(w)
+        residual = grad(3) - (grad(3) @ b.T) @ b
+        result[reset] = (w.detach().clone(), opt.state[w]["ef"].clone(), residual)
+    _, ef, residual = result[True]
+    torch.testing.assert_close(ef, residual, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(result[False][1], result[False][2], atol=1e-3)  # without: E carries the old one
+    assert (result[False][0] - result[True][0]).abs().max() > 1e-5
+
+
 def test_update_split_is_the_out_of_subspace_share_of_the_update():
     """‖U_out‖/‖U_in‖ per step, as the oracle computes it; with a fixed basis and the paper's
     settings the out-of-subspace share keeps growing over a round of 32 steps as E builds up

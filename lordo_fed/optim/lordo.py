@@ -257,16 +257,19 @@ class LoRDO(torch.optim.Optimizer):
         lr, omega, eps, rank = group["lr"], group["omega"], group["eps"], group["rank"]
 
         grad = p.grad.float()
+        k_before = int(state["step"].item())
+        refit = group["projection_source"] == "local" and ("proj" not in state or k_before % group["proj_interval"] == 0)
         if group["error_feedback"]:
             if "ef" not in state:
                 state["ef"] = torch.zeros_like(p, dtype=EF_DTYPES[group["ef_dtype"]])
+            if refit and group["ef_reset"]:
+                state["ef"].zero_()  # LoRDO-Local's change of basis: drop E before it is fed back
             ef = state["ef"].float()
             v_full = grad + (ef if group["ef_decay"] == 1.0 else ef * group["ef_decay"])
         else:
             v_full = grad
 
-        k_before = int(state["step"].item())
-        if group["projection_source"] == "local" and ("proj" not in state or k_before % group["proj_interval"] == 0):
+        if refit:
             seed = group["seed"] * 1_000_003 + index * 7_919 + k_before
             self.set_projection(p, method.fit(v_full, rank, side, seed=seed))
         if "proj" not in state:
