@@ -168,7 +168,7 @@ class LoRDO(torch.optim.Optimizer):
         """Hand in a new projection (stored form, see lordo_fed.projection) for a low-rank param.
 
         The moments are rotated from the old basis into the new one (LDAdam) when `rotate` is on;
-        the error-feedback buffer is full size and does not change.
+        the error-feedback buffer is full size and does not change, unless `ef_reset` zeroes it.
         """
         group = self.group_of(param)
         if not self.is_low_rank(param, group):
@@ -248,7 +248,8 @@ class LoRDO(torch.optim.Optimizer):
         update = grad.mul(1 - omega).add_(exp_avg, alpha=omega / bc1).div_(denom)
         p.add_(update.to(p.dtype), alpha=-lr)
 
-    def _low_rank_step(self, p: Tensor, group: dict[str, Any], index: int, split: list[Tensor] | None) -> None:
+    def _low_rank_step(self, p: Tensor, group: dict[str, Any], index: int,
+                       split: list[Tensor | None] | None) -> None:
         state = self.state[p]
         self._init_step(state, p)
         side = projection_side(p.shape)
