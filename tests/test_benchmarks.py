@@ -33,7 +33,7 @@ def test_client_state_quick(tmp_path):
 def test_quality_quick(tmp_path):
     result = run_quick("quality.py", tmp_path)
     runs = result["runs"]
-    assert {r["group"] for r in runs.values()} == {"baseline", "rank", "K", "MxB", "projection"}
+    assert {r["group"] for r in runs.values()} == {"baseline", "rank", "K", "MxB", "projection", "error feedback"}
     assert len({r["tokens"] for r in runs.values()}) == 1, "every run must see the same tokens"
     g, ref = runs["rank8_lordo_global"], runs["rank8_lowrank_ddp"]
     assert g["gap_to_lowrank_ddp"] == pytest.approx(g["val_ppl"] / ref["val_ppl"] - 1)
@@ -46,6 +46,26 @@ def test_quality_quick(tmp_path):
     assert min(without["delta_in_subspace"]) > 0.999
     assert max(with_qh["delta_in_subspace"]) < 0.99
     assert Path(tmp_path / "quality.png").stat().st_size > 10_000
+    # the error-feedback diagnostics of the trainer: ‖U_out‖/‖U_in‖ per round, lower with the
+    # full-rank term on G than on G + E (the build-up of E inside a round)
+    fr_grad = runs["fr_grad_lordo_global"]["diagnostics"]
+    assert len(with_qh["update_out_in_ratio"]) == len(fr_grad["update_out_in_ratio"]) == len(with_qh["ef_norm"]) == 2
+    assert fr_grad["update_out_in_ratio_last"][-1] < with_qh["update_out_in_ratio_last"][-1]
+    assert all(r == 0 for r in without["update_out_in_ratio"])  # ω = 1: nothing outside the subspace
+
+
+def test_long_horizon_quick(tmp_path):
+    result = run_quick("long_horizon.py", tmp_path)
+    runs, gaps, summary = result["runs"], result["gaps"], result["summary"]
+    assert set(runs) == {f"{v}_s{s}" for v in ("lowrank_ddp", "global", "local") for s in (0, 1)}
+    assert len({r["tokens"] for r in runs.values()}) == 1, "every run must see the same tokens"
+    for s in (0, 1):  # the gap at the end is the ratio of the perplexities of the same seed
+        g, ref = runs[f"global_s{s}"], runs[f"lowrank_ddp_s{s}"]
+        assert gaps["global"]["per_seed"][str(s)][-1] == pytest.approx(g["val_ppl"] / ref["val_ppl"] - 1, rel=1e-9)
+    row = summary["global"]
+    assert row["final_gap_min"] <= row["final_gap_mean"] <= row["final_gap_max"]
+    assert summary["lowrank_ddp"]["final_gap_mean"] == 0
+    assert Path(tmp_path / "long_horizon.png").stat().st_size > 10_000
 
 
 def test_step_cost_quick(tmp_path):
