@@ -58,7 +58,7 @@ EF_OPTIONS = {
 }
 """Options of the inner step (docs/algorithm.md, "Error feedback inside a round", "Two phases"), run
 for LoRDO-Global and LoRDO-Local at rank 16; the paper's settings are the rank-16 runs."""
-BEST_EF = "ef_reset"
+BEST_EF = "ef_decay0.9"
 """The option the projection methods are re-measured with (chosen from the "error feedback" runs)."""
 DIAGNOSTICS = ("delta_stable_rank", "delta_in_subspace", "update_out_in_ratio", "update_out_in_ratio_last",
                "ef_norm")
