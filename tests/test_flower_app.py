@@ -59,7 +59,7 @@ def server_records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "server.jsonl").read_text().splitlines()]
 
 
-EF_OPTIONS = {"sync-ef": True, "ef-reset": True, "ef-decay": 0.9, "full-rank-term": "gradient", "switch-step": 4}
+EF_OPTIONS = {"sync-ef": True, "ef-reset": True, "ef-decay": 0.8, "full-rank-term": "gradient", "switch-step": 4}
 
 
 @pytest.mark.parametrize("variant,extra", [("lordo_global", {}), ("lordo_global", {"dense-sync-factor": 2}),

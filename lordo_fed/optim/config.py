@@ -39,8 +39,9 @@ class InnerConfig:
     """Keep the full-size buffer of what the projection dropped and feed it back next step."""
     ef_dtype: str = "fp32"
     """Storage dtype of the error-feedback buffer: 'fp32' or 'bf16'."""
-    ef_decay: float = 1.0
-    """γ in V = G + γ E: how much of the error-feedback buffer is fed back each step (1 = the paper)."""
+    ef_decay: float = 0.9
+    """γ in V = G + γ E: how much of the error-feedback buffer is fed back each step (1 = the paper;
+    0.9, the default, measured best: docs/results.md, section 8)."""
     ef_reset: bool = False
     """Zero the error-feedback buffer whenever the projection changes (every round under LoRDO-Global)."""
     full_rank_term: str = "error_fed"
