@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lordo_fed.optim.bias import MOMENT_BETA
 from lordo_fed.optim.lordo import EF_DTYPES, FULL_RANK_TERMS, PROJECTION_SOURCES, QH_PLACEMENTS, LoRDO
 from lordo_fed.projection import PROJECTION_METHODS
 
@@ -188,7 +189,7 @@ def apply_phase(optimizer: torch.optim.Optimizer, cfg: InnerConfig, step: int, r
             group["omega"] = omega
     if reset and step == cfg.switch_step and cfg.switch_reset != "none":
         for st in optimizer.state.values():
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in MOMENT_BETA:
                 if key in st:
                     st[key].zero_()
             if cfg.switch_reset == "all" and "step" in st:

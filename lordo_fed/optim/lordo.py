@@ -265,8 +265,7 @@ class LoRDO(torch.optim.Optimizer):
                 state["ef"] = torch.zeros_like(p, dtype=EF_DTYPES[group["ef_dtype"]])
             if refit and group["ef_reset"]:
                 state["ef"].zero_()  # LoRDO-Local's change of basis: drop E before it is fed back
-            ef = state["ef"].float()
-            v_full = grad + (ef if group["ef_decay"] == 1.0 else ef * group["ef_decay"])
+            v_full = grad.add(state["ef"].float(), alpha=group["ef_decay"])  # V = G + γE, one pass
         else:
             v_full = grad
 
