@@ -205,6 +205,9 @@ def test_state_dict_round_trip_weights_only(method, tmp_path):
     b = clone_params(a)
     opt_b = LoRDO(lowrank_groups(b, **kw), lr=1e-2, omega=0.9)
     opt_b.load_state_dict(loaded)
+    # A loaded optimizer saves what it loaded: the groups gain no key (torch's own
+    # `differentiable` included), so a resumed client's state equals an uninterrupted one's.
+    assert opt_b.state_dict()["param_groups"] == loaded["param_groups"]
     st = opt_b.state[b["tall"]]
     assert st["ef"].dtype == torch.bfloat16 and st["exp_avg"].dtype == torch.float32
     if method == "dct":

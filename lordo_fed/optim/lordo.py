@@ -323,6 +323,9 @@ class LoRDO(torch.optim.Optimizer):
         error-feedback buffer keeps its ef_dtype and projections their stored dtype."""
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
+        # Our options only: torch's __setstate__ adds `differentiable` to self.defaults, and a
+        # group that gained it would make a resumed state differ from an uninterrupted one.
+        options = dict(self.defaults)
         super().load_state_dict(state_dict)
         id_to_param = {
             pid: p
@@ -335,7 +338,7 @@ class LoRDO(torch.optim.Optimizer):
                 if key in saved:
                     self.state[p][key] = saved[key].to(device=p.device, dtype=saved[key].dtype, copy=True)
         for group in self.param_groups:
-            for key, value in self.defaults.items():
+            for key, value in options.items():
                 group.setdefault(key, value)  # a state saved before an option existed
             _validate_group(group)
 
