@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
@@ -31,7 +31,7 @@ from lordo_fed.appconfig import AppConfig, load_app_config
 from lordo_fed.codec import decode_global_state, encode_update, model_id
 from lordo_fed.data import TokenShard, load_dataset
 from lordo_fed.device import pick_device
-from lordo_fed.flower import explicit_keys, payload_bytes, payload_record
+from lordo_fed.flower import TICKET, UPLOAD_SHA256, explicit_keys, payload_bytes, payload_record
 from lordo_fed.methods import MethodSettings, lowrank_ranks, make_worker, resolve_method
 from lordo_fed.model import build_model, lowrank_parameter_names
 from lordo_fed.tokenizer import load_tokenizer
@@ -178,8 +178,9 @@ def train(msg: Message, context: Context) -> Message:
     node = context.node_config
     pid, nparts = int(node.get("partition-id", 0)), int(node.get("num-partitions", 1))
     shard = rt.shard(pid, nparts, str(node.get("data-path", "")))
+    download_started = time.perf_counter()
+    received = receive_state(msg, context, rt.cfg.round_timeout)
     decode_started = time.perf_counter()
-    received = payload_bytes(msg.content["state"])
     state = decode_global_state(received, expected_model_id=rt.model_id)
     decode_seconds = time.perf_counter() - decode_started
     store = state_store(rt.cfg, context, pid)
@@ -203,15 +204,47 @@ def train(msg: Message, context: Context) -> Message:
     encode_started = time.perf_counter()
     sent = encode_update(update, rt.model_id, rt.cfg.payload_dtype)
     encode_seconds = time.perf_counter() - encode_started
+    upload_started = time.perf_counter()
+    content = send_reply(msg, context, sent, rt.cfg.round_timeout)
+    transfer_seconds = (decode_started - download_started) + (time.perf_counter() - upload_started)
     metrics = {
         **update.metrics, "partition-id": pid, "tokens": update.tokens, "bytes-received": len(received),
         "bytes-sent": len(sent), "setup-seconds": setup_seconds, "train-seconds": train_seconds,
-        "codec-seconds": decode_seconds + encode_seconds,
+        "codec-seconds": decode_seconds + encode_seconds, "transfer-seconds": transfer_seconds,
         "client-seconds": time.perf_counter() - started,
         "fresh-state": int(state_source == "fresh" and state.round > 1),
     }
-    content = RecordDict({"update": payload_record(sent), "metrics": MetricRecord(metrics)})
+    content["metrics"] = MetricRecord(metrics)
     return Message(content=content, reply_to=msg)
+
+
+def receive_state(msg: Message, context: Context, timeout: float) -> bytes | bytearray:
+    """The encoded state a server message brings: inside it (Flower data plane), or fetched from
+    the gRPC data plane with the message's ticket (checked against its size and sha256)."""
+    config = msg.content.config_records.get("config")
+    if config is None or TICKET not in config:
+        return payload_bytes(msg.content["state"])
+    from lordo_fed.transport.client import download, parse_ticket
+
+    return download(parse_ticket(config[TICKET]), context.node_id, _root_certificates(context), timeout=timeout)
+
+
+def send_reply(msg: Message, context: Context, data: bytes, timeout: float) -> RecordDict:
+    """The reply's content for an encoded update: the update itself (Flower data plane), or only
+    its sha256 once the gRPC data plane has confirmed the upload."""
+    config = msg.content.config_records.get("config")
+    if config is None or TICKET not in config:
+        return RecordDict({"update": payload_record(data)})
+    from lordo_fed.transport.client import parse_ticket, upload
+
+    sha = upload(parse_ticket(config[TICKET]), context.node_id, data, _root_certificates(context), timeout=timeout)
+    return RecordDict({"upload": ConfigRecord({UPLOAD_SHA256: sha})})
+
+
+def _root_certificates(context: Context) -> str | None:
+    """The CA certificate a node verifies the data plane's TLS with: node config `root-certificates`."""
+    path = str(context.node_config.get("root-certificates", ""))
+    return path or None
 
 
 @app.query()
@@ -221,12 +254,12 @@ def query(msg: Message, context: Context) -> Message:
     node = context.node_config
     pid, nparts = int(node.get("partition-id", 0)), int(node.get("num-partitions", 1))
     shard = rt.shard(pid, nparts, str(node.get("data-path", "")))
-    state = decode_global_state(payload_bytes(msg.content["state"]), expected_model_id=rt.model_id)
+    state = decode_global_state(receive_state(msg, context, rt.cfg.round_timeout), expected_model_id=rt.model_id)
     worker, _ = _worker_for_round(rt, state_store(rt.cfg, context, pid), pid, shard, 1)
     names = sorted(lowrank_ranks(rt.model, rt.cfg.model.lowrank_pattern, rt.settings.inner.rank, rt.settings.inner.name))
     gradient = worker.gradient(state, names)
     sent = encode_update(gradient, rt.model_id, rt.cfg.payload_dtype)
-    return Message(content=RecordDict({"update": payload_record(sent)}), reply_to=msg)
+    return Message(content=send_reply(msg, context, sent, rt.cfg.round_timeout), reply_to=msg)
 
 
 def _worker_for_round(rt: Runtime, store: StateStore, pid: int, shard: TokenShard,

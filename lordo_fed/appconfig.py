@@ -19,6 +19,7 @@ from typing import Any, Iterable, Mapping
 from lordo_fed.codec import PAYLOAD_DTYPES
 from lordo_fed.config import CommonConfig
 from lordo_fed.methods import METHODS
+from lordo_fed.transport.config import DataPlaneConfig
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "examples" / "flower"
 CLIENT_STATE_STORES = ("disk", "context")
@@ -53,6 +54,8 @@ class AppConfig(CommonConfig):
     """Directory for client state files ('' = <out_dir>/client_state)."""
     progress: bool = False
     """Show a progress bar of the local steps on each client."""
+    data_plane: DataPlaneConfig = dataclasses.field(default_factory=DataPlaneConfig)
+    """How payloads travel: inside Flower's messages, or over the gRPC data plane beside them."""
 
     def validate(self) -> "AppConfig":
         if self.variant not in METHODS or METHODS[self.variant].loop != "rounds":
@@ -70,6 +73,7 @@ class AppConfig(CommonConfig):
                              f"(a multiple of the round's median pseudo-gradient norm)")
         if self.client_state not in CLIENT_STATE_STORES:
             raise ValueError(f"client_state={self.client_state!r}: expected one of {CLIENT_STATE_STORES}")
+        self.data_plane.validate()
         super().validate()
         return self
 
@@ -117,6 +121,15 @@ FLAT_KEYS: dict[str, str] = {
     "tensorboard": "tensorboard",
     "client-state": "client_state",
     "outlier-factor": "outlier_factor",
+    "data-plane": "data_plane.mode",
+    "data-plane-bind": "data_plane.bind",
+    "data-plane-address": "data_plane.address",
+    "data-plane-port": "data_plane.port",
+    "data-plane-certfile": "data_plane.certfile",
+    "data-plane-keyfile": "data_plane.keyfile",
+    "data-plane-insecure": "data_plane.insecure",
+    "data-plane-stall-timeout": "data_plane.stall_timeout",
+    "data-plane-memory-mb": "data_plane.memory_mb",
 }
 
 

@@ -15,6 +15,10 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
 PAYLOAD = "payload"
+TICKET = "ticket"
+"""ConfigRecord key of a server message on the gRPC data plane: a serialized `lordo_fed.v1.Ticket`."""
+UPLOAD_SHA256 = "sha256"
+"""Key, in a reply's "upload" ConfigRecord, of the sha256 of what the node put on the data plane."""
 EXPLICIT_KEYS = "explicit-keys"
 """ConfigRecord key of every server message: the run-config keys the user set, comma-separated."""
 _NUMPY_STYPE = Array(np.zeros(0, dtype=np.uint8)).stype  # how flwr tags np.save-serialized arrays
@@ -102,3 +106,9 @@ def shorten_pull_backoff(initial: float = 0.05) -> None:
     defaults = getattr(getattr(inflatable_utils, "pull_objects", None), "__kwdefaults__", None)
     if isinstance(defaults, dict) and isinstance(defaults.get("initial_backoff"), (int, float)):
         defaults["initial_backoff"] = min(defaults["initial_backoff"], initial)
+
+
+def is_simulation(grid) -> bool:
+    """Whether the ServerApp runs under Flower's simulation engine (an in-process grid: clients
+    are Ray actors beside it, and payloads in messages cost no network)."""
+    return type(grid).__name__ == "InMemoryGrid"

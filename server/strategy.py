@@ -34,11 +34,13 @@ from lordo_fed.codec import PayloadError, decode_update, encode_global_state, mo
 from lordo_fed.data import load_dataset
 from lordo_fed.device import pick_device
 from lordo_fed.evaluation import evaluate
-from lordo_fed.flower import EXPLICIT_KEYS, payload_bytes, payload_record, shorten_pull_backoff
+from lordo_fed.flower import (EXPLICIT_KEYS, TICKET, UPLOAD_SHA256, is_simulation, payload_bytes, payload_record,
+                              shorten_pull_backoff)
 from lordo_fed.methods import lowrank_ranks, make_aggregator, resolve_method
 from lordo_fed.metrics import MetricsWriter, plot_curves
 from lordo_fed.model import build_model
 from lordo_fed.rounds import WorkerUpdate
+from lordo_fed.transport.server import DataPlaneServer
 
 log = logging.getLogger("lordo_fed.server")
 
@@ -59,6 +61,8 @@ class RoundLog:
     fresh_state: list[int] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     dropped: dict[str, str] = field(default_factory=dict)
+    transfer_seconds: dict[int, float] = field(default_factory=dict)
+    """Data plane: seconds each reply took to stream in (first to last byte)."""
 
 
 class LoRDOStrategy(Strategy):
@@ -86,6 +90,10 @@ class LoRDOStrategy(Strategy):
         self.tokens = 0
         self.cum_bytes = 0
         self._round_log = RoundLog()
+        self.data_plane: DataPlaneServer | None = None
+        # The largest reply a node may upload: Δ plus at most three full-size states (u, v, E) in
+        # fp32, and room for names and metrics. A bigger upload is refused before it is stored.
+        self.max_upload = 4 * 4 * sum(p.numel() for p in self.model.parameters()) + (1 << 20)
         if cfg.resume:
             self.resume(cfg.resume)
 
@@ -113,13 +121,21 @@ class LoRDOStrategy(Strategy):
         encode_started = time.perf_counter()
         data = encode_global_state(state, self.model_id, self.cfg.payload_dtype)
         self._round_log = RoundLog(sent_bytes=len(data), encode_seconds=time.perf_counter() - encode_started)
-        record = payload_record(data)
-        round_config = ConfigRecord({"round": server_round, EXPLICIT_KEYS: self.explicit_keys})
-        return [
-            Message(content=RecordDict({"state": record, "config": round_config}), dst_node_id=node_id,
-                    message_type=MessageType.TRAIN)
-            for node_id in grid.get_node_ids()
-        ]
+        return self._outgoing(server_round, data, grid.get_node_ids(), MessageType.TRAIN)
+
+    def _outgoing(self, round_idx: int, data: bytes, node_ids: Iterable[int], message_type: str) -> list[Message]:
+        """One message per node: the encoded state itself (data plane 'flower'), or a ticket to
+        fetch it from the gRPC data plane, with the tokens of this node and round."""
+        config = {"round": round_idx, EXPLICIT_KEYS: self.explicit_keys}
+        node_ids = list(node_ids)
+        if self.data_plane is None:
+            record = payload_record(data)
+            return [Message(content=RecordDict({"state": record, "config": ConfigRecord(config)}), dst_node_id=n,
+                            message_type=message_type) for n in node_ids]
+        tickets = self.data_plane.publish(round_idx, data, node_ids, ttl=self.cfg.round_timeout + 60,
+                                          max_upload=self.max_upload)
+        return [Message(content=RecordDict({"config": ConfigRecord({**config, TICKET: tickets[n].SerializeToString()})}),
+                        dst_node_id=n, message_type=message_type) for n in node_ids]
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Decode and check every reply, drop bad ones with a reason, aggregate the rest.
@@ -134,7 +150,8 @@ class LoRDOStrategy(Strategy):
         """
         rl = self._round_log
         updates: list[WorkerUpdate] = []
-        for update, size, metrics in self._usable_replies(replies, f"round {server_round}", self.aggregator.screen, rl):
+        for update, size, metrics in self._usable_replies(replies, server_round, f"round {server_round}",
+                                                          self.aggregator.screen, rl):
             rl.received[update.worker_id] = size
             rl.client_seconds[update.worker_id] = float(metrics.get("client-seconds", 0.0))
             rl.client_train_seconds[update.worker_id] = float(metrics.get("train-seconds", 0.0))
@@ -170,6 +187,7 @@ class LoRDOStrategy(Strategy):
         log.info("Starting LoRDO strategy:")
         self.summary()
         result = Result()
+        self._start_data_plane(grid)  # before anything is written: a bad TLS setting stops the run here
         self._started = time.perf_counter()
         if self.aggregator.round == 1:
             self._record({"round": 0, "step": 0, "tokens": 0, **self._evaluate(),
@@ -180,20 +198,23 @@ class LoRDOStrategy(Strategy):
         for rec in self.history:
             writer.write(rec)
         self._writer = writer
-        if self.aggregator.needs_gradient_init:
-            self._init_projections(grid, timeout)
-        while self.aggregator.round <= num_rounds:
-            r = self.aggregator.round
-            started = time.perf_counter()
-            self._wait_for_nodes(grid, timeout)
-            messages = list(self.configure_train(r, ArrayRecord(), ConfigRecord(), grid))
-            replies = self._send_and_receive(grid, messages, timeout)
-            agg_started = time.perf_counter()
-            _, metrics = self.aggregate_train(r, replies)
-            aggregation_seconds = time.perf_counter() - agg_started
-            if metrics is not None:
-                result.train_metrics_clientapp[r] = metrics
-            self._finish_round(r, metrics, time.perf_counter() - started, aggregation_seconds, num_rounds)
+        try:
+            if self.aggregator.needs_gradient_init:
+                self._init_projections(grid, timeout)
+            while self.aggregator.round <= num_rounds:
+                r = self.aggregator.round
+                started = time.perf_counter()
+                self._wait_for_nodes(grid, timeout)
+                messages = list(self.configure_train(r, ArrayRecord(), ConfigRecord(), grid))
+                replies = self._send_and_receive(grid, messages, timeout)
+                agg_started = time.perf_counter()
+                _, metrics = self.aggregate_train(r, replies)
+                aggregation_seconds = time.perf_counter() - agg_started
+                if metrics is not None:
+                    result.train_metrics_clientapp[r] = metrics
+                self._finish_round(r, metrics, time.perf_counter() - started, aggregation_seconds, num_rounds)
+        finally:
+            self._stop_data_plane()
         writer.close()
         self._plot()
         result.arrays = ArrayRecord({n: _array(p) for n, p in self.aggregator.params.items()})
@@ -221,6 +242,11 @@ class LoRDOStrategy(Strategy):
             "client_codec_seconds": max(rl.client_codec_seconds.values(), default=0.0),
             "server_encode_seconds": rl.encode_seconds, "server_decode_seconds": rl.decode_seconds,
         }
+        if self.data_plane is not None:
+            record["upload_seconds"] = max(rl.transfer_seconds.values(), default=0.0)
+            refusals = self.data_plane.take_refusals()
+            if refusals:
+                record["data_plane_refusals"] = "; ".join(f"node {x.node_id} {x.what}: {x.reason}" for x in refusals)
         record["overhead_seconds"] = seconds - record["client_seconds"]
         # seconds since this process entered start(), at the end of this round's aggregation:
         # consecutive differences are the full round cycle (with evaluation and checkpoint)
@@ -239,23 +265,20 @@ class LoRDOStrategy(Strategy):
         client returns its gradient at θ0, the round-1 projections are fitted to their mean."""
         self._wait_for_nodes(grid, timeout)
         data = encode_global_state(self.aggregator.gradient_request(), self.model_id, self.cfg.payload_dtype)
-        record = payload_record(data)
-        messages = [Message(content=RecordDict({"state": record, "config": ConfigRecord({EXPLICIT_KEYS: self.explicit_keys})}),
-                            dst_node_id=node_id, message_type=MessageType.QUERY)
-                    for node_id in grid.get_node_ids()]
+        messages = self._outgoing(0, data, grid.get_node_ids(), MessageType.QUERY)
         self.fit_initial_projections(self._send_and_receive(grid, messages, timeout), len(data))
 
     def fit_initial_projections(self, replies: Iterable[Message], sent_bytes: int) -> None:
         """Decode and check the round-0 gradient replies (dropping bad ones with `initial
         projections: dropped reply of node <id>[ (partition <p>)]: <reason>`), fit the round-1
         projections to the good ones."""
-        usable = self._usable_replies(replies, "initial projections", self.aggregator.screen_gradients, RoundLog())
+        usable = self._usable_replies(replies, 0, "initial projections", self.aggregator.screen_gradients, RoundLog())
         result = self.aggregator.init_projections([u for u, _, _ in usable], screened=True)
         self.cum_bytes += sent_bytes + max((size for _, size, _ in usable), default=0)
         log.info("round-1 projections fitted to the mean gradient of %d clients", len(result.accepted))
 
     # ----------------------------------------------------------------------------- helpers
-    def _usable_replies(self, replies: Iterable[Message], phase: str,
+    def _usable_replies(self, replies: Iterable[Message], round_idx: int, phase: str,
                         screen: Callable[[Sequence[WorkerUpdate]], list[str | None]],
                         rl: RoundLog) -> list[tuple[WorkerUpdate, int, MetricRecord]]:
         """(update, payload size, client metrics) of every reply that decodes and passes `screen`,
@@ -271,16 +294,26 @@ class LoRDOStrategy(Strategy):
                 log.warning("%s: %s failed: %s", phase, who, msg.error.reason)
                 continue
             decode_started = time.perf_counter()
+            upload = None
             try:
-                data = payload_bytes(msg.content["update"])
+                if self.data_plane is None:
+                    data = payload_bytes(msg.content["update"])
+                else:
+                    upload = self._upload_of(msg, round_idx)
+                    rl.transfer_seconds[msg.metadata.src_node_id] = upload.seconds
+                    data = upload.buffer()
                 update = decode_update(data, expected_model_id=self.model_id)
+                size = len(data)
             except (PayloadError, ValueError, KeyError) as err:
                 rl.dropped[who] = str(err)
                 log.warning("%s: dropped reply of %s: %s", phase, who, err)
                 continue
             finally:
+                data = None
+                if upload is not None:
+                    upload.discard()
                 rl.decode_seconds += time.perf_counter() - decode_started
-            decoded.append((f"{who} (partition {update.worker_id})", update, len(data),
+            decoded.append((f"{who} (partition {update.worker_id})", update, size,
                             msg.content.get("metrics", MetricRecord())))
         decoded.sort(key=lambda d: d[1].worker_id)
         usable = []
@@ -291,6 +324,36 @@ class LoRDOStrategy(Strategy):
             else:
                 usable.append((update, size, metrics))
         return usable
+
+    def _upload_of(self, msg: Message, round_idx: int):
+        """The data-plane upload a reply vouches for (its sha256 must match); ValueError naming
+        what is wrong, with the data plane's own refusals of this node when it has any."""
+        node = msg.metadata.src_node_id
+        upload = self.data_plane.upload(node, round_idx)
+        config = msg.content.config_records.get("upload")
+        declared = str(config.get(UPLOAD_SHA256, "")) if config is not None else ""
+        if upload is None:
+            refused = [r.reason for r in self.data_plane.refusals if r.node_id == node and r.round == round_idx]
+            raise ValueError("no verified upload on the data plane" + (f" (refused: {'; '.join(refused)})" if refused else ""))
+        if upload.sha256 != declared:
+            upload.discard()
+            raise ValueError(f"the reply vouches for sha256 {declared[:16] or 'none'}..., the data plane received "
+                             f"{upload.sha256[:16]}...")
+        return upload
+
+    def _start_data_plane(self, grid: Grid) -> None:
+        """Host the gRPC data plane when the run asks for it ('grpc', or 'auto' in a deployment)."""
+        dp = self.cfg.data_plane
+        if dp.mode == "flower" or (dp.mode == "auto" and is_simulation(grid)):
+            return
+        self.data_plane = DataPlaneServer(self.out_dir / "dataplane_spool", bind=dp.bind, port=dp.port,
+                                          advertise=dp.address, tls=dp.tls(), stall_timeout=dp.stall_timeout,
+                                          memory_budget=dp.memory_mb << 20).start()
+
+    def _stop_data_plane(self) -> None:
+        if self.data_plane is not None:
+            self.data_plane.stop()
+            self.data_plane = None
 
     def _wait_for_nodes(self, grid: Grid, timeout: float) -> None:
         deadline = time.monotonic() + timeout

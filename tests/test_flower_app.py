@@ -127,18 +127,37 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     assert load_checkpoint(out / "checkpoints")[1]["round"] == 3
 
 
-def test_deployment_two_rounds_and_a_bad_config(tmp_path):
+def test_deployment_on_both_data_planes_matches_the_reference_and_bad_configs_stop(tmp_path):
+    """A real SuperLink and two SuperNodes: the payloads over the gRPC data plane (plaintext,
+    explicitly insecure) and inside Flower's messages end at the same θ as the reference trainer,
+    bit for bit; bad values stop a run before round 1 with a message naming them."""
     with Deployment(tmp_path, num_nodes=2) as dep:
         bad = dep.run(APP, tiny_run_config(tmp_path, omega=1.5, **{"output-dir": str(tmp_path / "bad")}), timeout=120)
         assert "run-config key 'omega': inner.omega=1.5: expected a number in [0, 1]" in bad.stdout
         assert not (tmp_path / "bad" / "server.jsonl").exists()
+        no_tls = dep.run(APP, tiny_run_config(tmp_path, **{"output-dir": str(tmp_path / "no_tls")}), timeout=120)
+        assert "data-plane='grpc' needs TLS: set data-plane-certfile and data-plane-keyfile" in no_tls.stdout
+        assert not (tmp_path / "no_tls" / "server.jsonl").exists()
 
-        dep.run(APP, tiny_run_config(tmp_path, **{"payload-dtype": "bf16"}), timeout=240, check=True)
-        records = server_records(tmp_path / "out")
-        assert [r["round"] for r in records] == [0, 1, 2]
-        assert all(r["clients_ok"] == 2 and r["clients_missing"] == 0 for r in records[1:])
-        assert records[-1]["val_loss"] < records[0]["val_loss"]
+        thetas = {}
+        for plane in ("grpc", "flower"):
+            out = tmp_path / plane
+            dep.run(APP, tiny_run_config(tmp_path, **{"output-dir": str(out), "data-plane": plane,
+                                                      "data-plane-insecure": plane == "grpc"}),
+                    timeout=240, check=True)
+            records = server_records(out)
+            assert [r["round"] for r in records] == [0, 1, 2]
+            assert all(r["clients_ok"] == 2 and r["clients_missing"] == 0 for r in records[1:])
+            assert records[-1]["val_loss"] < records[0]["val_loss"]
+            assert ("upload_seconds" in records[1]) == (plane == "grpc")
+            tensors, _ = load_checkpoint(out / "checkpoints")
+            thetas[plane] = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
+        assert not list((tmp_path / "grpc" / "dataplane_spool").glob("*")), "spooled replies left behind"
         pids = dep.all_pids()
     from tests.flower_harness import alive
 
     assert not alive(pids)
+    reference = reference_theta(tiny_run_config(tmp_path), workers=2)
+    for plane, theta in thetas.items():
+        worst = max((theta[n] - reference[n]).abs().max().item() for n in reference)
+        assert worst == 0.0, f"{plane}: max |θ_deployment − θ_reference| = {worst}"

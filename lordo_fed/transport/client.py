@@ -1,0 +1,115 @@
+"""The data plane's client: a node fetches the round's state and sends its reply, given the
+`Ticket` its Flower message carried (lordo_fed.transport.server serves the other side).
+
+Both directions verify what the ticket promises: the download must be exactly `ticket.size`
+bytes hashing to `ticket.sha256` (else `DataPlaneError`, and nothing is decoded); the upload
+declares its size and sha256 up front, and the server's receipt must repeat them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+
+from lordo_fed.transport.server import CHUNK_BYTES, channel_options
+from lordo_fed.v1 import dataplane_pb2 as pb
+from lordo_fed.v1 import dataplane_pb2_grpc as pb_grpc
+
+
+class DataPlaneError(RuntimeError):
+    """A transfer that failed or did not match its ticket; the message names the step."""
+
+
+def parse_ticket(data: bytes) -> pb.Ticket:
+    """A ticket from the bytes a Flower message carried (DataPlaneError if it is not one)."""
+    ticket = pb.Ticket()
+    try:
+        ticket.ParseFromString(bytes(data))
+    except Exception as err:  # noqa: BLE001 (protobuf's DecodeError and friends)
+        raise DataPlaneError(f"data-plane ticket of {len(data)} bytes does not parse: {err}") from err
+    if not ticket.address or ticket.size < 0 or len(ticket.sha256) != 64:
+        raise DataPlaneError(f"data-plane ticket incomplete (address {ticket.address!r}, size {ticket.size}, "
+                             f"sha256 {ticket.sha256!r})")
+    return ticket
+
+
+def open_channel(ticket: pb.Ticket, root_certificates: bytes | str | Path | None = None) -> grpc.Channel:
+    """A channel to the ticket's data plane: TLS verified with `root_certificates` (PEM bytes or a
+    file) when the server serves TLS, plaintext when it does not."""
+    if ticket.tls:
+        if root_certificates is None:
+            raise DataPlaneError(f"the data plane at {ticket.address} serves TLS but this node has no CA "
+                                 "certificate (node config 'root-certificates', or --root-certificates of "
+                                 "scripts/start_supernodes.sh)")
+        if isinstance(root_certificates, (str, Path)):
+            try:
+                root_certificates = Path(root_certificates).read_bytes()
+            except OSError as err:
+                raise DataPlaneError(f"CA certificate {root_certificates}: {err}") from err
+        creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+        return grpc.secure_channel(ticket.address, creds, options=channel_options())
+    return grpc.insecure_channel(ticket.address, options=channel_options())
+
+
+def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: float | None = None) -> bytearray:
+    """The round's encoded GlobalState, checked against the ticket's size and sha256."""
+    out = bytearray(ticket.size)
+    view = memoryview(out)
+    digest, offset = hashlib.sha256(), 0
+    with open_channel(ticket, root_certificates) as channel:
+        stream = pb_grpc.DataPlaneStub(channel).Download(
+            pb.DownloadRequest(token=ticket.download_token, node_id=int(node_id)), timeout=timeout)
+        try:
+            for chunk in stream:
+                n = len(chunk.data)
+                if offset + n > ticket.size:
+                    stream.cancel()
+                    raise DataPlaneError(f"download from {ticket.address}: more than the ticket's {ticket.size} bytes")
+                view[offset:offset + n] = chunk.data
+                digest.update(chunk.data)
+                offset += n
+        except grpc.RpcError as err:
+            raise DataPlaneError(f"download from {ticket.address} failed after {offset} of {ticket.size} bytes: "
+                                 f"{err.code().name}: {err.details()}") from err
+    if offset != ticket.size:
+        raise DataPlaneError(f"download from {ticket.address}: {offset} of {ticket.size} bytes (truncated)")
+    if digest.hexdigest() != ticket.sha256:
+        raise DataPlaneError(f"download from {ticket.address}: sha256 mismatch (got {digest.hexdigest()[:16]}..., "
+                             f"ticket {ticket.sha256[:16]}...)")
+    return out
+
+
+def _chunks(ticket: pb.Ticket, node_id: int, data: memoryview, step: int, digest) -> Iterator[pb.UploadChunk]:
+    """Header first, then the data, hashed as it goes, then the sha256 (protocol: dataplane.proto)."""
+    for offset in range(0, len(data), step):
+        piece = bytes(data[offset:offset + step])
+        digest.update(piece)
+        if offset == 0:
+            yield pb.UploadChunk(token=ticket.upload_token, node_id=int(node_id), size=len(data), data=piece)
+        else:
+            yield pb.UploadChunk(data=piece)
+    if len(data) == 0:
+        yield pb.UploadChunk(token=ticket.upload_token, node_id=int(node_id), size=0)
+    yield pb.UploadChunk(sha256=digest.hexdigest())
+
+
+def upload(ticket: pb.Ticket, node_id: int, data: bytes | bytearray | memoryview, root_certificates=None,
+           timeout: float | None = None, chunk_bytes: int = CHUNK_BYTES) -> str:
+    """Send this node's encoded WorkerUpdate; returns its sha256 once the server confirmed it."""
+    view = memoryview(data).cast("B")
+    digest = hashlib.sha256()
+    with open_channel(ticket, root_certificates) as channel:
+        try:
+            receipt = pb_grpc.DataPlaneStub(channel).Upload(_chunks(ticket, node_id, view, chunk_bytes, digest),
+                                                            timeout=timeout)
+        except grpc.RpcError as err:
+            raise DataPlaneError(f"upload of {len(view)} bytes to {ticket.address} refused or failed: "
+                                 f"{err.code().name}: {err.details()}") from err
+    sha = digest.hexdigest()
+    if receipt.sha256 != sha or receipt.size != len(view):
+        raise DataPlaneError(f"upload to {ticket.address}: the receipt ({receipt.size} bytes, {receipt.sha256[:16]}...) "
+                             f"does not match what was sent ({len(view)} bytes, {sha[:16]}...)")
+    return sha

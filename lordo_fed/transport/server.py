@@ -1,0 +1,386 @@
+"""The data plane's server: the ServerApp streams each round's state to the nodes and takes
+their replies, over gRPC, beside Flower (which only carries a small `Ticket` per node).
+
+Why: Flower 1.41's SuperLink-SuperNode path moves 25-33 MB/s on these machines where a bare
+gRPC stream moves ~500 MB/s (shared/docs/FLOWER.md), and a 125M-parameter round is ~0.5 GB each
+way per node. The payload format does not change: the encoded `lordo_fed.v1.GlobalState` goes
+down and the encoded `lordo_fed.v1.WorkerUpdate` comes up, cut into chunks
+(proto/lordo_fed/v1/dataplane.proto).
+
+- One encoded state per round, shared by every node (`publish`); the previous round's is dropped.
+- Every call shows a capability token (lordo_fed.transport.tokens) bound to a node, a round and
+  a direction. A refused call is logged as `data plane: refused <download|upload> of node <id>:
+  <reason>` and kept in `refusals` for the round's report: a missing, malformed, forged, expired
+  or replayed token, another node's or another round's token, an upload that declares or sends
+  more than the round allows or more than it declared, one that ends short (the node died or
+  the stream was cut), a sha256 mismatch, and a stream that stalls longer than `stall_timeout`.
+- Uploads stream to a spool file (written as they arrive, hashed on the fly) and are published
+  by an atomic rename only once whole and verified: nothing of a refused upload is ever read,
+  and server memory does not grow with the payload or the number of nodes.
+- TLS with the SuperLink's certificate and key (scripts/generate_certs.py) unless the deployment
+  is explicitly insecure.
+
+The gRPC server is grpc.aio on an event loop in a background thread, so a stalled peer can be
+timed out per chunk (`asyncio.wait_for`) without a thread per stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import mmap
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import grpc
+
+from lordo_fed.transport.tokens import DOWNLOAD, UPLOAD, TokenError, TokenIssuer
+from lordo_fed.v1 import dataplane_pb2 as pb
+from lordo_fed.v1 import dataplane_pb2_grpc as pb_grpc
+
+log = logging.getLogger("lordo_fed.dataplane")
+
+CHUNK_BYTES = 4 << 20
+"""Bytes per streamed message: large enough that per-message costs vanish (~500 MB/s measured
+with 1-16 MB messages), small enough to bound each side's buffering."""
+MESSAGE_LIMIT = CHUNK_BYTES + (1 << 20)
+"""gRPC's max message size on both sides: one chunk plus the header fields."""
+
+
+def channel_options() -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", MESSAGE_LIMIT), ("grpc.max_receive_message_length", MESSAGE_LIMIT)]
+
+
+@dataclass
+class Upload:
+    """A verified reply: exactly `size` bytes whose sha256 is `sha256`, held in memory (`data`)
+    or spilled to the spool file `path`. `buffer()` gives the bytes either way (an mmap of the
+    file: the page cache, not the process, holds a spilled reply); `discard()` frees them."""
+
+    node_id: int
+    round: int
+    size: int
+    sha256: str
+    seconds: float
+    """From the first to the last byte received."""
+    data: bytearray | None = None
+    path: Path | None = None
+    _release: Callable[[int], None] | None = None
+
+    def buffer(self) -> memoryview:
+        if self.data is not None:
+            return memoryview(self.data)
+        if self.path is None:
+            raise RuntimeError(f"upload of node {self.node_id} (round {self.round}) was discarded")
+        if self.size == 0:
+            return memoryview(b"")
+        with open(self.path, "rb") as f:
+            return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+
+    def discard(self) -> None:
+        if self.data is not None and self._release is not None:
+            self._release(len(self.data))
+        self.data = None
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+            self.path = None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    node_id: int
+    round: int
+    what: str
+    """'download' or 'upload'."""
+    reason: str
+
+
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, reason: str):
+        super().__init__(reason)
+        self.code = code
+
+
+class DataPlaneServer:
+    """Serves one run's rounds; start() binds, publish() opens a round, upload() collects replies."""
+
+    def __init__(self, spool_dir: str | os.PathLike, bind: str = "127.0.0.1", port: int = 0,
+                 advertise: str = "", tls: tuple[bytes, bytes] | None = None, stall_timeout: float = 30.0,
+                 chunk_bytes: int = CHUNK_BYTES, issuer: TokenIssuer | None = None,
+                 memory_budget: int = 1 << 30):
+        """`tls`: (PEM certificate chain, PEM private key), None for plaintext; `advertise`: the
+        host nodes dial ('' = the bind host, 127.0.0.1 when binding all interfaces);
+        `memory_budget`: bytes of replies held in memory at once, the rest spill to `spool_dir`
+        (writing to the page cache runs at ~400 MB/s here, slower than the link: the first replies
+        stay in RAM, and the server's memory stays bounded whatever the number of nodes)."""
+        if not 0 < chunk_bytes <= CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes={chunk_bytes}: expected 1..{CHUNK_BYTES}")
+        if not stall_timeout > 0:
+            raise ValueError(f"stall_timeout={stall_timeout!r}: expected seconds > 0")
+        self.spool_dir = Path(spool_dir)
+        self.bind, self.port, self.tls, self.stall_timeout = bind, port, tls, stall_timeout
+        self.advertise = advertise or ("127.0.0.1" if bind in ("0.0.0.0", "::", "[::]", "") else bind)
+        self.chunk_bytes = chunk_bytes
+        self.memory_budget = int(memory_budget)
+        self._memory_used = 0
+        self.issuer = issuer or TokenIssuer()
+        self.refusals: list[Refusal] = []
+        self._lock = threading.Lock()
+        self._round: int | None = None
+        self._blob: memoryview | None = None
+        self._max_upload = 0
+        self._uploads: dict[tuple[int, int], Upload] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: grpc.aio.Server | None = None
+        self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lordo-dataplane-io")
+
+    # ------------------------------------------------------------------------------ lifecycle
+    @property
+    def address(self) -> str:
+        """host:port the nodes dial."""
+        host = f"[{self.advertise}]" if ":" in self.advertise else self.advertise
+        return f"{host}:{self.port}"
+
+    def start(self) -> "DataPlaneServer":
+        self.spool_dir.mkdir(parents=True, exist_ok=True)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="lordo-dataplane", daemon=True)
+        self._thread.start()
+        self.port = asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(timeout=30)
+        log.info("data plane: serving on %s:%d (%s), advertised as %s", self.bind, self.port,
+                 "TLS" if self.tls else "plaintext", self.address)
+        return self
+
+    async def _serve(self) -> int:
+        self._server = grpc.aio.server(options=channel_options())
+        pb_grpc.add_DataPlaneServicer_to_server(_Servicer(self), self._server)
+        target = f"{self.bind}:{self.port}"
+        if self.tls:
+            port = self._server.add_secure_port(target, grpc.ssl_server_credentials([(self.tls[1], self.tls[0])]))
+        else:
+            port = self._server.add_insecure_port(target)
+        if port == 0:
+            raise OSError(f"data plane: cannot bind {target}")
+        await self._server.start()
+        return port
+
+    def stop(self) -> None:
+        if self._loop is None:
+            return
+        if self._server is not None:
+            asyncio.run_coroutine_threadsafe(self._server.stop(grace=1.0), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+        self._loop = None
+        self._io.shutdown(wait=True)
+        for path in self.spool_dir.glob("*.part"):
+            path.unlink(missing_ok=True)
+
+    def __enter__(self) -> "DataPlaneServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------------------ rounds
+    def publish(self, round_idx: int, data: bytes | bytearray | memoryview, node_ids, ttl: float,
+                max_upload: int) -> dict[int, pb.Ticket]:
+        """Serve `data` (the round's encoded GlobalState) from now on, instead of the previous
+        round's, and return each node's ticket (tokens valid `ttl` seconds). Replies of earlier
+        rounds not collected yet are discarded."""
+        sha = hashlib.sha256(data).hexdigest()
+        with self._lock:
+            self._round, self._blob, self._max_upload = int(round_idx), memoryview(data).cast("B"), int(max_upload)
+            stale = [k for k in self._uploads if k[1] != round_idx]
+            stale = [self._uploads.pop(key) for key in stale]
+        for upload in stale:
+            upload.discard()
+        return {int(n): pb.Ticket(address=self.address, round=int(round_idx), size=len(data), sha256=sha,
+                                  download_token=self.issuer.issue(n, round_idx, DOWNLOAD, ttl),
+                                  upload_token=self.issuer.issue(n, round_idx, UPLOAD, ttl),
+                                  max_upload=int(max_upload), tls=self.tls is not None)
+                for n in node_ids}
+
+    def upload(self, node_id: int, round_idx: int) -> Upload | None:
+        """The verified reply of `node_id` for `round_idx`, if one arrived (the caller owns it and
+        calls `Upload.discard()` when done)."""
+        with self._lock:
+            return self._uploads.pop((int(node_id), int(round_idx)), None)
+
+    def _reserve(self, nbytes: int) -> bool:
+        with self._lock:
+            if self._memory_used + nbytes > self.memory_budget:
+                return False
+            self._memory_used += nbytes
+            return True
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self._memory_used -= nbytes
+
+    def take_refusals(self) -> list[Refusal]:
+        with self._lock:
+            out, self.refusals = self.refusals, []
+        return out
+
+    def _refuse(self, node_id: int, round_idx: int, what: str, reason: str,
+                code: grpc.StatusCode = grpc.StatusCode.PERMISSION_DENIED) -> _Refused:
+        log.warning("data plane: refused %s of node %s (round %s): %s", what, node_id, round_idx, reason)
+        with self._lock:
+            self.refusals.append(Refusal(int(node_id), int(round_idx), what, reason))
+        return _Refused(code, reason)
+
+    def _check(self, token: str, node_id: int, kind: str):
+        with self._lock:
+            current = self._round
+        if current is None:
+            raise self._refuse(node_id, -1, kind, "no round is being served", grpc.StatusCode.UNAVAILABLE)
+        try:
+            return self.issuer.check(token, node_id, kind, current)
+        except TokenError as err:
+            raise self._refuse(node_id, current, kind, str(err)) from None
+
+
+class _Servicer(pb_grpc.DataPlaneServicer):
+    def __init__(self, plane: DataPlaneServer):
+        self.plane = plane
+
+    async def Download(self, request: pb.DownloadRequest, context: grpc.aio.ServicerContext):
+        plane = self.plane
+        try:
+            claims = plane._check(request.token, request.node_id, DOWNLOAD)
+            with plane._lock:
+                blob = plane._blob
+            step = plane.chunk_bytes
+            for offset in range(0, len(blob), step):
+                try:
+                    await asyncio.wait_for(context.write(pb.Chunk(data=bytes(blob[offset:offset + step]))),
+                                           plane.stall_timeout)
+                except asyncio.TimeoutError:
+                    raise plane._refuse(request.node_id, claims.round, DOWNLOAD,
+                                        f"stream stalled for more than {plane.stall_timeout:g}s at byte {offset} of "
+                                        f"{len(blob)}", grpc.StatusCode.DEADLINE_EXCEEDED) from None
+        except _Refused as err:
+            await context.abort(err.code, str(err))
+
+    async def Upload(self, request_iterator, context: grpc.aio.ServicerContext):
+        plane = self.plane
+        node, round_idx, sink = -1, -1, None
+        try:
+            first = await self._read(context, node, round_idx, 0, None)
+            if first is None:
+                raise plane._refuse(node, round_idx, UPLOAD, "empty upload stream", grpc.StatusCode.INVALID_ARGUMENT)
+            node = first.node_id
+            claims = plane._check(first.token, node, UPLOAD)
+            round_idx = claims.round
+            with plane._lock:
+                limit = plane._max_upload
+            declared = first.size
+            if declared <= 0 or declared > limit:
+                raise plane._refuse(node, round_idx, UPLOAD, f"declares {declared} bytes; expected 1..{limit} "
+                                    "(the round's largest reply)", grpc.StatusCode.INVALID_ARGUMENT)
+            sink = _Sink(plane, node, round_idx, declared)
+            loop = asyncio.get_running_loop()
+            received, declared_sha, started = 0, "", time.perf_counter()
+            pending = None  # hashing and storing chunk i (in a thread) overlaps receiving chunk i+1
+            msg = first
+            while msg is not None:
+                if msg.data:
+                    if received + len(msg.data) > declared:
+                        raise plane._refuse(node, round_idx, UPLOAD, f"sent more than the {declared} bytes it "
+                                            "declared", grpc.StatusCode.INVALID_ARGUMENT)
+                    if pending is not None:
+                        await pending
+                    pending = loop.run_in_executor(plane._io, sink.write, received, msg.data)
+                    received += len(msg.data)
+                declared_sha = msg.sha256 or declared_sha
+                msg = await self._read(context, node, round_idx, received, declared)
+            if pending is not None:
+                await pending
+            if received != declared:
+                raise plane._refuse(node, round_idx, UPLOAD, f"stream ended after {received} of the {declared} "
+                                    "declared bytes (truncated)", grpc.StatusCode.INVALID_ARGUMENT)
+            sha = sink.digest.hexdigest()
+            if sha != declared_sha:
+                raise plane._refuse(node, round_idx, UPLOAD, f"sha256 mismatch: received bytes hash to {sha[:16]}..., "
+                                    f"the node declared {declared_sha[:16] or 'none'}...", grpc.StatusCode.DATA_LOSS)
+            if not plane.issuer.spend(claims):
+                raise plane._refuse(node, round_idx, UPLOAD, "upload token already used (replayed)")
+            upload = sink.finish(sha, time.perf_counter() - started)
+            sink = None
+            with plane._lock:
+                current = plane._round == round_idx
+                if current:
+                    plane._uploads[(node, round_idx)] = upload
+            if not current:
+                upload.discard()  # the round closed while this one streamed
+            return pb.UploadReceipt(size=received, sha256=sha)
+        except _Refused as err:
+            await context.abort(err.code, str(err))
+        except asyncio.CancelledError:
+            plane._refuse(node, round_idx, UPLOAD, "connection lost mid-upload (the node stopped or cancelled)",
+                          grpc.StatusCode.CANCELLED)
+            raise
+        finally:
+            if sink is not None:
+                sink.abandon()
+
+    async def _read(self, context, node: int, round_idx: int, received: int, declared: int | None):
+        """The next upload message, None at the end of the stream; a stall past the deadline is
+        refused."""
+        plane = self.plane
+        try:
+            msg = await asyncio.wait_for(context.read(), plane.stall_timeout)
+        except asyncio.TimeoutError:
+            raise plane._refuse(node, round_idx, UPLOAD, f"stream stalled for more than {plane.stall_timeout:g}s "
+                                f"after {received} of {declared if declared is not None else '?'} bytes",
+                                grpc.StatusCode.DEADLINE_EXCEEDED) from None
+        return None if msg is grpc.aio.EOF else msg
+
+
+class _Sink:
+    """Where one upload's bytes go while they stream: a preallocated buffer when the memory budget
+    allows, else a spool file (renamed into place only once verified); hashed on the way in."""
+
+    def __init__(self, plane: DataPlaneServer, node: int, round_idx: int, size: int):
+        self.plane, self.node, self.round, self.size = plane, node, round_idx, size
+        self.digest = hashlib.sha256()
+        self.data = bytearray(size) if plane._reserve(size) else None
+        self.part = None
+        self.file = None
+        if self.data is None:
+            self.part = plane.spool_dir / f"round{round_idx}-node{node}-{os.getpid()}-{id(self)}.part"
+            self.file = open(self.part, "wb")
+
+    def write(self, offset: int, chunk: bytes) -> None:
+        self.digest.update(chunk)
+        if self.data is not None:
+            self.data[offset:offset + len(chunk)] = chunk
+        else:
+            self.file.write(chunk)
+
+    def finish(self, sha: str, seconds: float) -> Upload:
+        upload = Upload(self.node, self.round, self.size, sha, seconds, data=self.data,
+                        _release=self.plane._release)
+        if self.file is not None:
+            self.file.close()
+            final = self.plane.spool_dir / f"round{self.round}-node{self.node}.bin"
+            os.replace(self.part, final)
+            upload.path = final
+        return upload
+
+    def abandon(self) -> None:
+        if self.data is not None:
+            self.plane._release(len(self.data))
+            self.data = None
+        if self.file is not None:
+            self.file.close()
+            self.part.unlink(missing_ok=True)
