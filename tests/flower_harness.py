@@ -765,7 +765,8 @@ class Deployment:
     (scripts/generate_certs.py): the SuperLink serves HTTPS with them (`--ssl-ca-certfile
     --ssl-certfile --ssl-keyfile` instead of `--insecure`), nodes verify it with
     `--root-certificates ca.crt`, and the CLI connection gets `root-certificates` instead of
-    `insecure = true`. `supernode_auth=True` adds `--enable-supernode-auth` (needs `tls_dir`):
+    `insecure = true`; each node's config gets `root-certificates` (the CA the gRPC data plane is
+    verified with, lordo_fed.transport). `supernode_auth=True` adds `--enable-supernode-auth` (needs `tls_dir`):
     only SuperNodes whose public key was registered (`flwr supernode register`) may connect.
     `node_keys[i]` is node i's private key (OpenSSH format; its public key is `<key>.pub`),
     passed as `--auth-supernode-private-key`; `start()` registers each node's `.pub` after the
@@ -936,6 +937,8 @@ class Deployment:
 
     def node_command(self, i: int) -> list[str]:
         node_config = {"partition-id": i, "num-partitions": self.num_nodes, **self.node_configs[i]}
+        if self.tls_dir is not None:  # the data plane's TLS is verified with the SuperLink's CA
+            node_config.setdefault("root-certificates", str(self.ca_cert))
         program = self.supernode_command or [flwr_executable(self.env, "flower-supernode")]
         isolation = ["--isolation", "process"] if self.isolation == "process" else []
         key = self.node_keys[i]

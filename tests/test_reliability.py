@@ -63,7 +63,7 @@ def run_config(out: Path, **kw) -> dict:
     cfg = {
         "preset": "quickstart", "num-server-rounds": ROUNDS, "local-steps": 3, "batch-size": 4, "seq-len": 32,
         "eval-batches": 2, "threads": 1, "min-clients": 2, "outer": "nesterov", "outer-lr": 0.7,
-        "output-dir": str(out),
+        "output-dir": str(out), "data-plane-insecure": True,  # deployments: plaintext gRPC data plane
     }
     cfg.update(kw)
     return cfg

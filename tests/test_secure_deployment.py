@@ -85,8 +85,11 @@ def test_tls_run_with_registered_supernodes_and_intruders_refused(tmp_path):
         plain = dep.start_extra_supernode("plain-http", insecure=True, extra_args=["--max-retries", "2"])
 
         t_run = time.monotonic()
-        dep.run(APP, tiny_run_config(tmp_path), timeout=240, check=True)
+        # The data plane serves TLS with the SuperLink's certificate; nodes verify it with the CA.
+        tls = {"data-plane-certfile": str(certs / "server.pem"), "data-plane-keyfile": str(certs / "server.key")}
+        run = dep.run(APP, tiny_run_config(tmp_path, **tls), timeout=240, check=True)
         t_run = time.monotonic() - t_run
+        assert re.search(r"data plane: serving on 127\.0\.0\.1:\d+ \(TLS\)", run.stdout or "")
         records = server_records(tmp_path / "out")
         assert [r["round"] for r in records] == [0, 1, 2]
         assert all(r["clients_ok"] == 2 and r["clients_missing"] == 0 for r in records[1:])
