@@ -24,7 +24,8 @@ usage: $(basename "$0") N SUPERLINK_HOST:PORT [--first-partition K] [--num-parti
   --dir DIR             PID file and log directory (default \$FLOWER_RUN_DIR or ./run/flower)
   --wait SECONDS        how long to wait for all nodes to register (default 60; 0: do not wait)
   --root-certificates CA  TLS: verify the SuperLink's certificate with this CA certificate
-                        (ca.crt from scripts/generate_certs.py) instead of --insecure
+                        (ca.crt from scripts/generate_certs.py) instead of --insecure; also
+                        node config root-certificates=CA, for the gRPC data plane's TLS
   --auth-keys DIR       SuperNode authentication: the node for partition P uses the private key
                         DIR/node-P (--auth-supernode-private-key); DIR/node-P.pub must have been
                         registered (scripts/register_supernodes.sh). Needs --root-certificates
@@ -82,6 +83,8 @@ for ((i = 0; i < n; i++)); do
   fi
   : >"$logfile"
   node_config="partition-id=$p num-partitions=$total${node_extra:+ $node_extra}"
+  # The ClientApp verifies the gRPC data plane's TLS with the same CA (node config key).
+  [[ -z "$root_certs" ]] || node_config+=" root-certificates=\"$root_certs\""
   auth=(); [[ -z "$key_dir" ]] || auth=(--auth-supernode-private-key "$key_dir/node-$p")
   pid="$(FLWR_HOME="$dir/supernode-$p.home" start_detached "$pidfile" "$logfile" \
     flower-supernode "${insecure[@]}" "${auth[@]}" --superlink "$superlink" \
