@@ -122,7 +122,8 @@ def run_deployment_mode(cfg: dict[str, Any], tmp: Path) -> dict[str, Any]:
 
     out = tmp / "dep-out"
     with Deployment(tmp / "dep", num_nodes=2) as dep:
-        dep.run(ROOT, {**cfg, "output-dir": str(out)}, timeout=900, check=True, log_path=tmp / "dep.log")
+        dep.run(ROOT, {**cfg, "output-dir": str(out), "data-plane-insecure": True}, timeout=900, check=True,
+                log_path=tmp / "dep.log")
     return split_flower(out)
 
 

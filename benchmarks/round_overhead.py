@@ -275,7 +275,8 @@ def machine_info() -> dict[str, Any]:
 def app_run_config(out_dir: Path, rounds: int) -> dict[str, Any]:
     """The app with the tiny model preset, one local step per round: a tiny round."""
     return {"preset": "quickstart", "num-server-rounds": rounds, "local-steps": 1, "batch-size": 4,
-            "seq-len": 32, "eval-batches": 2, "threads": 1, "min-clients": 2, "output-dir": str(out_dir)}
+            "seq-len": 32, "eval-batches": 2, "threads": 1, "min-clients": 2, "output-dir": str(out_dir),
+            "data-plane-insecure": True}  # a deployment on 127.0.0.1: plaintext gRPC data plane
 
 
 def summarize_app(out_dir: Path) -> dict[str, Any]:
