@@ -260,8 +260,9 @@ class Aggregator:
         """Apply one round of decoded replies; bad replies are logged and dropped, never applied.
 
         `screened=True`: the caller already dropped what `screen()` refuses (the checks are not
-        run a second time). The replies are averaged by `aggregate_refs` over in-memory refs:
-        one code path for the reference trainer and a deployment that streams its replies."""
+        run a second time). The replies are averaged by `aggregate_refs` over in-memory refs, in
+        worker_id order whatever the order given: one code path for the reference trainer and a
+        deployment that streams its replies."""
         rejected: dict[int, str] = {}
         refs: list[ReplyRef] = []
         for u, reason in zip(updates, [None] * len(updates) if screened else self.screen(updates)):
