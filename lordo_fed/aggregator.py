@@ -8,6 +8,13 @@ One round on the server side (shared/docs/ALGORITHM.md, "One round", step 3):
                                              into it with LDAdam's rule
 Plain tensors in and out: the Flower strategy wraps this object unchanged, and the reference
 trainer calls it directly.
+
+Bounded memory (the server's peak is flat in M): a caller that spools each reply on arrival
+screens it there (`check_reply`: `check()` and ||Δ||), keeps a `ReplyRef` (tokens, opt_step,
+moment keys, and a `load` that decodes the reply again), drops the tensors, applies the round's
+rules to the collected verdicts (`screen_round`) and hands the refs to `aggregate_refs`, which
+loads each reply once, in worker_id order, and adds it into fp32 accumulators before loading the
+next. `aggregate(list)` is that same path over in-memory refs, so both give bit-identical results.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -25,8 +32,8 @@ from lordo_fed.optim.bias import restep
 from lordo_fed.optim.rotation import rotate_moments
 from lordo_fed.outer import OuterOptimizer
 from lordo_fed.projection import ProjectionMethod, project, projection_side
-from lordo_fed.rounds import (DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, RoundConfig, WorkerUpdate, moment_key,
-                              split_moment_key)
+from lordo_fed.rounds import (DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, ReplyRef, RoundConfig, WorkerUpdate,
+                              moment_key, split_moment_key)
 
 log = logging.getLogger(__name__)
 
@@ -134,44 +141,63 @@ class Aggregator:
         """What workers get to compute the gradient the round-1 projections are fitted to."""
         return GlobalState(round=0, params=self.params)
 
-    def screen_gradients(self, gradients: Sequence[WorkerUpdate]) -> list[str | None]:
-        """Why each round-0 gradient reply must not be used (None: usable), in the order given:
-        round 0, the low-rank parameters' names, shapes, dtypes and finite values, tokens, one
-        reply per worker. Logs nothing and changes nothing (as `screen()` for round replies)."""
-        reasons: list[str | None] = []
-        for g in gradients:
-            reason = None
-            if g.round != 0 or set(g.delta) != set(self.ranks) or g.tokens <= 0:
-                reason = f"not a gradient reply for round 0 over the low-rank parameters (round {g.round})"
-            else:
-                for name, t in g.delta.items():
-                    reason = reason or _tensor_problem(f"grad/{name}", t, tuple(self.params[name].shape))
-            reasons.append(reason)
-        _refuse_repeated_workers(gradients, reasons)
+    def check_gradient(self, gradient: WorkerUpdate) -> str | None:
+        """Why one round-0 gradient reply must not be used, or None: round 0, the low-rank
+        parameters' names, shapes, dtypes and finite values, tokens (`check()` of round 0)."""
+        if gradient.round != 0 or set(gradient.delta) != set(self.ranks) or gradient.tokens <= 0:
+            return f"not a gradient reply for round 0 over the low-rank parameters (round {gradient.round})"
+        for name, t in gradient.delta.items():
+            problem = _tensor_problem(f"grad/{name}", t, tuple(self.params[name].shape))
+            if problem:
+                return problem
+        return None
+
+    def screen_gradient_round(self, worker_ids: Sequence[int], reasons: Sequence[str | None]) -> list[str | None]:
+        """`screen_round` for round 0 over the verdicts of `check_gradient`: one reply per worker
+        (no outlier rule: gradients at θ0 are not pseudo-gradients of a round)."""
+        reasons = list(reasons)
+        _refuse_repeated_workers(worker_ids, reasons)
         return reasons
 
-    @torch.no_grad()
+    def screen_gradients(self, gradients: Sequence[WorkerUpdate]) -> list[str | None]:
+        """Why each round-0 gradient reply must not be used (None: usable), in the order given:
+        `check_gradient`, then one reply per worker. Logs nothing and changes nothing (as
+        `screen()` for round replies)."""
+        return self.screen_gradient_round([g.worker_id for g in gradients], [self.check_gradient(g) for g in gradients])
+
     def init_projections(self, gradients: Sequence[WorkerUpdate], screened: bool = False) -> RoundResult:
-        """Round-1 projections: top-r subspaces of the token-weighted mean gradient at θ0 (the
-        full-batch gradient GaLore starts from). Each reply carries `delta` = its gradient of the
-        low-rank parameters, round 0. `screened=True`: the caller already dropped what
-        `screen_gradients()` refuses."""
+        """Round-1 projections from decoded gradient replies (`init_projections_refs` over
+        in-memory refs). `screened=True`: the caller already dropped what `screen_gradients()`
+        refuses."""
         rejected: dict[int, str] = {}
-        good = []
+        refs: list[ReplyRef] = []
         reasons = [None] * len(gradients) if screened else self.screen_gradients(gradients)
         for g, reason in zip(gradients, reasons):
             if reason:
                 rejected[g.worker_id] = reason
                 log.warning("initial projections: dropped gradient of worker %s: %s", g.worker_id, reason)
             else:
-                good.append(g)
-        if not good:
+                refs.append(ReplyRef.of(g))
+        return self.init_projections_refs(refs, rejected)
+
+    @torch.no_grad()
+    def init_projections_refs(self, refs: Sequence[ReplyRef], rejected: Mapping[int, str] | None = None) -> RoundResult:
+        """Round-1 projections: top-r subspaces of the token-weighted mean gradient at θ0 (the
+        full-batch gradient GaLore starts from). Each reply carries `delta` = its gradient of the
+        low-rank parameters, round 0. As `aggregate_refs`: screened refs (`check_gradient`,
+        `screen_gradient_round`), loaded one at a time in worker_id order."""
+        rejected = dict(rejected or {})
+        if not refs:
             raise RuntimeError(f"initial projections: no usable gradient ({rejected})")
-        total = sum(g.tokens for g in good)
-        weights = [g.tokens / total for g in good]
-        mean = {n: _weighted_sum([g.delta[n] for g in good], weights) for n in self.ranks}
+        refs = sorted(refs, key=lambda r: r.worker_id)
+        _check_refs(refs, 0)
+        total = sum(g.tokens for g in refs)
+        sums: dict[str, Tensor] = {}
+        for ref in refs:
+            self._accumulate(ref, ref.tokens / total, self.ranks, sums)
+        mean = {n: sums[n] for n in self.ranks}
         self.projections = fit_projections(mean, self.ranks, self.projection, self.seed)
-        return RoundResult(self.global_state(), [g.worker_id for g in good], rejected, {})
+        return RoundResult(self.global_state(), [g.worker_id for g in refs], rejected, {})
 
     def expected_moment_shape(self, name: str) -> tuple[int, ...]:
         shape = tuple(self.params[name].shape)
@@ -205,45 +231,87 @@ class Aggregator:
                 return problem
         return None
 
-    # ----------------------------------------------------------------------------- the round
-    def screen(self, updates: Sequence[WorkerUpdate]) -> list[str | None]:
-        """Why each update must not be applied (None: usable), in the order given: `check()`,
-        then a second well-formed reply for a worker already answered, then, among the rest, the
-        norm outliers (`outlier_factor`). Logs nothing and changes nothing, so a caller can report
-        the reasons under its own client names."""
-        reasons: list[str | None] = [self.check(u) for u in updates]
-        _refuse_repeated_workers(updates, reasons)
-        ok = [i for i, r in enumerate(reasons) if r is None]
-        for k, reason in self._outliers([updates[i] for i in ok]).items():
-            reasons[ok[k]] = reason
+    def check_reply(self, update: WorkerUpdate) -> tuple[str | None, float]:
+        """`check()` and ||Δ|| of one reply: everything screening needs from its tensors, so a
+        caller can screen each reply as it arrives and drop the tensors (keeping a `ReplyRef`).
+        The norm is NaN for a refused reply (it takes no part in the outlier rule)."""
+        reason = self.check(update)
+        return reason, (math.nan if reason is not None else delta_norm(update))
+
+    def screen_round(self, worker_ids: Sequence[int], norms: Sequence[float],
+                     reasons: Sequence[str | None]) -> list[str | None]:
+        """The round's rules over the per-reply verdicts of `check_reply` (in arrival order, which
+        decides which of two replies for one partition is kept): a second well-formed reply for a
+        worker already answered is refused, then, among the rest, the norm outliers
+        (`outlier_factor`). Returns the final reasons (None: usable); logs nothing."""
+        reasons = list(reasons)
+        _refuse_repeated_workers(worker_ids, reasons)
+        _refuse_outliers(norms, reasons, self.outlier_factor)
         return reasons
 
-    @torch.no_grad()
+    def screen(self, updates: Sequence[WorkerUpdate]) -> list[str | None]:
+        """Why each update must not be applied (None: usable), in the order given: `check_reply`
+        per update, then `screen_round`. Logs nothing and changes nothing, so a caller can report
+        the reasons under its own client names."""
+        checked = [self.check_reply(u) for u in updates]
+        return self.screen_round([u.worker_id for u in updates], [n for _, n in checked], [r for r, _ in checked])
+
     def aggregate(self, updates: Sequence[WorkerUpdate], screened: bool = False) -> RoundResult:
-        """Apply one round of replies; bad replies are logged and dropped, never applied.
+        """Apply one round of decoded replies; bad replies are logged and dropped, never applied.
 
         `screened=True`: the caller already dropped what `screen()` refuses (the checks are not
-        run a second time)."""
+        run a second time). The replies are averaged by `aggregate_refs` over in-memory refs, in
+        worker_id order whatever the order given: one code path for the reference trainer and a
+        deployment that streams its replies."""
         rejected: dict[int, str] = {}
-        good: list[WorkerUpdate] = []
+        refs: list[ReplyRef] = []
         for u, reason in zip(updates, [None] * len(updates) if screened else self.screen(updates)):
             if reason is None:
-                good.append(u)
+                refs.append(ReplyRef.of(u))
             else:
                 rejected[u.worker_id] = reason
                 log.warning("round %d: dropped reply of worker %s: %s", self.round, u.worker_id, reason)
-        if not good:
+        return self.aggregate_refs(refs, rejected)
+
+    @torch.no_grad()
+    def aggregate_refs(self, refs: Sequence[ReplyRef], rejected: Mapping[int, str] | None = None) -> RoundResult:
+        """Apply one round from screened replies that are loaded one at a time.
+
+        Server memory is θ, the outer state, the fp32 accumulators (Δ̄ and the due moments) and
+        one loaded reply, whatever the number of replies M. The weights come from the refs up
+        front, w_m = n_m / Σ n, and the shared step count S = max opt_step, so each reply is
+        loaded once, in worker_id (partition) order, and added into every accumulator
+        (`_accumulate`) before the next is loaded: the same fp32 additions in the same order as
+        averaging a list, so the result does not depend on M replies being in memory or on their
+        arrival order. `rejected` (worker_id -> reason) is only passed on to the result.
+
+        The refs must have passed screening (`check_reply` + `screen_round`): one per worker, all
+        for the current round; anything else raises ValueError, as does a `load` that returns a
+        reply other than the one its ref describes. The state changes only after every reply
+        was loaded, so a failed load leaves the aggregator as it was."""
+        rejected = dict(rejected or {})
+        if not refs:
             log.warning("round %d: no usable reply; global state unchanged", self.round)
             return RoundResult(self.global_state(), [], rejected, {})
+        refs = sorted(refs, key=lambda r: r.worker_id)
+        _check_refs(refs, self.round)
 
-        total = sum(u.tokens for u in good)
-        weights = [u.tokens / total for u in good]
-        delta = {n: _weighted_sum([u.delta[n] for u in good], weights) for n in self.params}
+        total = sum(r.tokens for r in refs)
+        weights = [r.tokens / total for r in refs]
+        opt_step = max(r.opt_step for r in refs)
+        # each moment is the mean over the replies that carry it: its own normaliser
+        moment_norms = {key: sum(w for r, w in zip(refs, weights) if key in r.moment_keys)
+                        for key in sorted({k for r in refs for k in r.moment_keys})}
+        delta_sums: dict[str, Tensor] = {}
+        moment_sums: dict[str, Tensor] = {}
+        for ref, w in zip(refs, weights):
+            self._accumulate(ref, w, self.params, delta_sums, moment_sums, moment_norms, opt_step)
+        delta = {n: delta_sums[n] for n in self.params}
+        moments = {k: moment_sums[k] for k in moment_norms}
+
         self.outer.step(self.params, delta)
-
         diagnostics = self._diagnostics(delta) if self.diagnostics else {}
-        self.opt_step = max(u.opt_step for u in good)
-        moments = self._average_moments(good, weights)
+        self.opt_step = opt_step
         if self.projection is not None:
             new = fit_projections(delta, self.ranks, self.projection, self.seed + 7919 * self.round)
             if self.rotate:
@@ -252,17 +320,44 @@ class Aggregator:
         self.moments = moments
 
         metrics = {
-            "train_loss": sum(w * u.metrics.get("train_loss", math.nan) for u, w in zip(good, weights)),
+            "train_loss": sum(w * r.metrics.get("train_loss", math.nan) for r, w in zip(refs, weights)),
             "tokens": float(total),
             "delta_norm": math.sqrt(sum(float(d.float().square().sum()) for d in delta.values())),
-            "clients_ok": float(len(good)),
+            "clients_ok": float(len(refs)),
             "clients_dropped": float(len(rejected)),
             **diagnostics,
-            **{key: sum(w * u.metrics[key] for u, w in zip(good, weights)) for key in DIAGNOSTIC_METRICS
-               if all(key in u.metrics for u in good)},
+            **{key: sum(w * r.metrics[key] for r, w in zip(refs, weights)) for key in DIAGNOSTIC_METRICS
+               if all(key in r.metrics for r in refs)},
         }
         self.round += 1
-        return RoundResult(self.global_state(), [u.worker_id for u in good], rejected, metrics)
+        return RoundResult(self.global_state(), [r.worker_id for r in refs], rejected, metrics)
+
+    def _accumulate(self, ref: ReplyRef, weight: float, names: Iterable[str], delta_sums: dict[str, Tensor],
+                    moment_sums: dict[str, Tensor] | None = None, moment_norms: Mapping[str, float] | None = None,
+                    opt_step: int = 0) -> None:
+        """Load one reply and add it into the accumulators: Δ of each of `names` with weight w_m;
+        each moment it carries with w_m / (Σ w of the replies carrying it), first moved from the
+        reply's step count to the shared one S (a worker that joined late or lost its state has
+        fewer steps; rescaling keeps its bias-corrected moments, `lordo_fed.optim.bias`); E as
+        it is.
+
+        Its own function so that the loaded reply, and every tensor of it, is released when it
+        returns, before the caller loads the next one."""
+        update = ref.load()
+        problem = ref.matches(update)
+        if problem is not None:
+            raise ValueError(f"round {self.round}: the reply loaded for worker {ref.worker_id} is not the one "
+                             f"screened: {problem}")
+        for name in names:
+            _add_weighted(delta_sums, name, update.delta[name], weight)
+        if moment_sums is None:  # round-0 gradients: Δ only
+            return
+        betas = self.round_betas()
+        for key, value in update.moments.items():
+            kind = split_moment_key(key)[0]
+            if kind != "ef":
+                value = restep(value, kind, update.opt_step, opt_step, betas, self.bias_correction)
+            _add_weighted(moment_sums, key, value, weight / moment_norms[key])
 
     def _diagnostics(self, delta: dict[str, Tensor]) -> dict[str, float]:
         """Mean stable rank of Δ̄ over the low-rank matrices and, when the server owns the
@@ -290,30 +385,6 @@ class Aggregator:
         """The inner betas at the last local step of the current round (the two-phase recipe)."""
         last_step = self.round * self.rounds.local_steps - 1
         return self.switch_betas if 0 < self.switch_step <= last_step else self.betas
-
-    def _outliers(self, good: Sequence[WorkerUpdate]) -> dict[int, str]:
-        """Index in `good` -> reason, for replies whose ||Δ|| exceeds outlier_factor x the median."""
-        if self.outlier_factor <= 0 or len(good) < 3:
-            return {}
-        norms = [math.sqrt(sum(float(d.square().sum()) for d in u.delta.values())) for u in good]
-        median = sorted(norms)[len(norms) // 2]
-        return {i: f"pseudo-gradient norm {n:.4g} > outlier_factor {self.outlier_factor:g} x round median {median:.4g}"
-                for i, n in enumerate(norms) if median > 0 and n > self.outlier_factor * median}
-
-    def _average_moments(self, good: list[WorkerUpdate], weights: list[float]) -> dict[str, Tensor]:
-        """Token-weighted mean of each due moment over the replies that carry it, each reply's
-        moments first moved from its own step count to the shared one, `self.opt_step` (the
-        largest: a worker that joined late or lost its state has fewer steps; rescaling keeps
-        its bias-corrected moments, `lordo_fed.optim.bias`)."""
-        out = {}
-        for key in sorted({k for u in good for k in u.moments}):
-            kind = split_moment_key(key)[0]
-            have = [(u.moments[key] if kind == "ef" else
-                     restep(u.moments[key], kind, u.opt_step, self.opt_step, self.round_betas(), self.bias_correction), w)
-                    for u, w in zip(good, weights) if key in u.moments]
-            norm = sum(w for _, w in have)
-            out[key] = _weighted_sum([t for t, _ in have], [w / norm for _, w in have])
-        return out
 
     def _rotate(self, moments: dict[str, Tensor], old: dict[str, Tensor], new: dict[str, Tensor]) -> dict[str, Tensor]:
         """Move averaged low-rank moments from the old shared basis into the new one."""
@@ -364,27 +435,62 @@ class Aggregator:
         self.opt_step = int(sd["counter/opt_step"])
 
 
-def _weighted_sum(tensors: list[Tensor], weights: list[float]) -> Tensor:
-    acc = torch.zeros_like(tensors[0], dtype=torch.float32)
-    for t, w in zip(tensors, weights):
-        acc.add_(t.float(), alpha=w)
-    return acc
+def delta_norm(update: WorkerUpdate) -> float:
+    """||Δ|| of a reply over all its parameters: what the outlier rule compares."""
+    return math.sqrt(sum(float(d.square().sum()) for d in update.delta.values()))
 
 
-def _refuse_repeated_workers(updates: Sequence[WorkerUpdate], reasons: list[str | None]) -> None:
+def _check_refs(refs: Sequence[ReplyRef], round_idx: int) -> None:
+    """Refuse refs that cannot have passed screening (a caller's mistake, not a bad client)."""
+    ids = [r.worker_id for r in refs]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"round {round_idx}: more than one ref per worker {ids}; screen the replies before "
+                         "aggregating them")
+    stale = [r.worker_id for r in refs if r.round != round_idx]
+    if stale:
+        raise ValueError(f"round {round_idx}: refs of workers {stale} are for another round; screen the replies "
+                         "before aggregating them")
+
+
+def _add_weighted(sums: dict[str, Tensor], key: str, t: Tensor, weight: float) -> None:
+    """sums[key] += weight · t in fp32 (created as zeros on first use). Every average of the
+    aggregator is a sequence of these additions, so its result depends only on the order of the
+    terms, not on whether they were held in memory together."""
+    acc = sums.get(key)
+    if acc is None:
+        acc = sums[key] = torch.zeros_like(t, dtype=torch.float32)
+    elif acc.shape != t.shape:
+        raise ValueError(f"{key}: shape {tuple(t.shape)} added to a sum of shape {tuple(acc.shape)}")
+    acc.add_(t.float(), alpha=weight)
+
+
+def _refuse_repeated_workers(worker_ids: Sequence[int], reasons: list[str | None]) -> None:
     """Give a reason to every usable reply after the first from the same worker (partition).
 
     Each partition's shard counts once per round; a second reply for it (two nodes started with
     the same partition-id, or a replayed message) would weight that shard twice. The first one
     given is kept, so a caller that orders replies reproducibly keeps the same one every time."""
     seen: set[int] = set()
-    for i, u in enumerate(updates):
+    for i, worker_id in enumerate(worker_ids):
         if reasons[i] is not None:
             continue
-        if u.worker_id in seen:
-            reasons[i] = (f"worker (partition) {u.worker_id} already answered this round; a second reply for "
+        if worker_id in seen:
+            reasons[i] = (f"worker (partition) {worker_id} already answered this round; a second reply for "
                           "it is refused (two nodes with the same partition-id?)")
-        seen.add(u.worker_id)
+        seen.add(worker_id)
+
+
+def _refuse_outliers(norms: Sequence[float], reasons: list[str | None], factor: float) -> None:
+    """Give a reason to every still-usable reply whose ||Δ|| exceeds `factor` x the median over the
+    still-usable replies (0 disables; needs at least 3 of them to have a meaningful median)."""
+    ok = [i for i, r in enumerate(reasons) if r is None]
+    if factor <= 0 or len(ok) < 3:
+        return
+    median = sorted(norms[i] for i in ok)[len(ok) // 2]
+    for i in ok:
+        if median > 0 and norms[i] > factor * median:
+            reasons[i] = (f"pseudo-gradient norm {norms[i]:.4g} > outlier_factor {factor:g} x round median "
+                          f"{median:.4g}")
 
 
 def _tensor_problem(label: str, t: Tensor, shape: tuple[int, ...]) -> str | None:

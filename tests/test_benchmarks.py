@@ -100,3 +100,22 @@ def test_framework_overhead_quick(tmp_path):
     assert sim["bytes_down"] > 0 and sim["bytes_up"] > 0
     assert sim["ratio_to_ideal_parallel_round"] > 0
     assert Path(tmp_path / "framework_overhead.png").stat().st_size > 10_000
+
+
+def test_server_memory_quick(tmp_path):
+    """Both paths end at the same θ; streaming loads each reply once and holds one at a time; its
+    round peak does not grow from M = 2 to 4, while the list path's grows by about the two replies
+    it holds more (16m: a 17 MB reply, against a few MB of allocator noise)."""
+    result = run_quick("server_memory.py", tmp_path, timeout=120)
+    rows = {(r["path"], r["M"]): r for r in result["rows"]}
+    assert set(rows) == {(p, m) for p in ("list", "stream") for m in (2, 4)}
+    reply = result["config"]["reply_bytes"]
+    assert result["config"]["model_bytes"] > 0 and reply > result["config"]["model_bytes"]
+    for m in (2, 4):
+        assert rows["list", m]["theta_sha256"] == rows["stream", m]["theta_sha256"]
+        assert rows["stream", m]["loads"] == m and rows["stream", m]["max_replies_loaded"] == 1
+        assert rows["list", m]["max_replies_loaded"] == m
+        assert all(rows[p, m]["accepted"] == list(range(m)) for p in ("list", "stream"))
+    growth = {p: rows[p, 4]["round_peak_bytes"] - rows[p, 2]["round_peak_bytes"] for p in ("list", "stream")}
+    assert growth["list"] > 1.5 * reply
+    assert growth["stream"] < 0.5 * reply
