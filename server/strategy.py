@@ -14,12 +14,14 @@ and polls every 3 s; one phase per round and fast polling cut the per-round over
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -39,7 +41,7 @@ from lordo_fed.flower import (EXPLICIT_KEYS, TICKET, UPLOAD_SHA256, is_simulatio
 from lordo_fed.methods import lowrank_ranks, make_aggregator, resolve_method
 from lordo_fed.metrics import MetricsWriter, plot_curves
 from lordo_fed.model import build_model
-from lordo_fed.rounds import WorkerUpdate
+from lordo_fed.rounds import ReplyRef, WorkerUpdate
 from lordo_fed.transport.server import DataPlaneServer
 
 log = logging.getLogger("lordo_fed.server")
@@ -149,23 +151,24 @@ class LoRDOStrategy(Strategy):
         skipped (θ, outer state, projections, moments unchanged; the round counter moves on).
         """
         rl = self._round_log
-        updates: list[WorkerUpdate] = []
-        for update, size, metrics in self._usable_replies(replies, server_round, f"round {server_round}",
-                                                          self.aggregator.screen, rl):
-            rl.received[update.worker_id] = size
-            rl.client_seconds[update.worker_id] = float(metrics.get("client-seconds", 0.0))
-            rl.client_train_seconds[update.worker_id] = float(metrics.get("train-seconds", 0.0))
-            rl.client_codec_seconds[update.worker_id] = float(metrics.get("codec-seconds", 0.0))
-            if metrics.get("fresh-state", 0):
-                rl.fresh_state.append(update.worker_id)
-            updates.append(update)
-        if len(updates) < self.cfg.min_clients:
-            log.warning("round %d: %d usable replies < min_clients=%d; round skipped, global state unchanged",
-                        server_round, len(updates), self.cfg.min_clients)
-            self.aggregator.round += 1  # the next round is a new attempt with the same θ
-            return None, MetricRecord({"clients-ok": len(updates)})
-        result = self.aggregator.aggregate(updates, screened=True)
-        self.tokens += sum(u.tokens for u in updates)
+        with self._screened_refs(replies, server_round, f"round {server_round}", self.aggregator.check_reply,
+                                 self.aggregator.screen_round, rl) as usable:
+            refs = []
+            for ref, size, metrics in usable:
+                rl.received[ref.worker_id] = size
+                rl.client_seconds[ref.worker_id] = float(metrics.get("client-seconds", 0.0))
+                rl.client_train_seconds[ref.worker_id] = float(metrics.get("train-seconds", 0.0))
+                rl.client_codec_seconds[ref.worker_id] = float(metrics.get("codec-seconds", 0.0))
+                if metrics.get("fresh-state", 0):
+                    rl.fresh_state.append(ref.worker_id)
+                refs.append(ref)
+            if len(refs) < self.cfg.min_clients:
+                log.warning("round %d: %d usable replies < min_clients=%d; round skipped, global state unchanged",
+                            server_round, len(refs), self.cfg.min_clients)
+                self.aggregator.round += 1  # the next round is a new attempt with the same θ
+                return None, MetricRecord({"clients-ok": len(refs)})
+            result = self.aggregator.aggregate_refs(refs)
+        self.tokens += sum(r.tokens for r in refs)
         metrics = {k: float(v) for k, v in result.metrics.items()}
         metrics["clients_dropped"] = float(len(rl.dropped))
         return None, MetricRecord(metrics)
@@ -272,58 +275,78 @@ class LoRDOStrategy(Strategy):
         """Decode and check the round-0 gradient replies (dropping bad ones with `initial
         projections: dropped reply of node <id>[ (partition <p>)]: <reason>`), fit the round-1
         projections to the good ones."""
-        usable = self._usable_replies(replies, 0, "initial projections", self.aggregator.screen_gradients, RoundLog())
-        result = self.aggregator.init_projections([u for u, _, _ in usable], screened=True)
+        agg = self.aggregator
+        with self._screened_refs(replies, 0, "initial projections", lambda g: (agg.check_gradient(g), math.nan),
+                                 lambda ids, norms, reasons: agg.screen_gradient_round(ids, reasons),
+                                 RoundLog()) as usable:
+            result = agg.init_projections_refs([ref for ref, _, _ in usable])
         self.cum_bytes += sent_bytes + max((size for _, size, _ in usable), default=0)
         log.info("round-1 projections fitted to the mean gradient of %d clients", len(result.accepted))
 
     # ----------------------------------------------------------------------------- helpers
-    def _usable_replies(self, replies: Iterable[Message], round_idx: int, phase: str,
-                        screen: Callable[[Sequence[WorkerUpdate]], list[str | None]],
-                        rl: RoundLog) -> list[tuple[WorkerUpdate, int, MetricRecord]]:
-        """(update, payload size, client metrics) of every reply that decodes and passes `screen`,
-        in partition order (replies arrive in any order; sums in a fixed order are reproducible).
-        Each other reply is logged as `<phase>: dropped reply of node <id>[ (partition <p>)]:
-        <reason>` (or `<phase>: node <id> failed: ...` for an error reply) and recorded in
-        `rl.dropped`; decoding time goes to `rl.decode_seconds`."""
-        decoded: list[tuple[str, WorkerUpdate, int, MetricRecord]] = []
-        for msg in replies:
-            who = f"node {msg.metadata.src_node_id}"
-            if msg.has_error():
-                rl.dropped[who] = f"error reply: {msg.error.reason}"
-                log.warning("%s: %s failed: %s", phase, who, msg.error.reason)
-                continue
-            decode_started = time.perf_counter()
-            upload = None
-            try:
-                if self.data_plane is None:
-                    data = payload_bytes(msg.content["update"])
+    @contextlib.contextmanager
+    def _screened_refs(self, replies: Iterable[Message], round_idx: int, phase: str,
+                       check: Callable[[WorkerUpdate], tuple[str | None, float]],
+                       screen_round: Callable[[Sequence[int], Sequence[float], Sequence[str | None]], list[str | None]],
+                       rl: RoundLog) -> Iterator[list[tuple[ReplyRef, int, MetricRecord]]]:
+        """(ref, payload size, client metrics) of every reply that decodes and passes screening,
+        in partition order (sums in a fixed order are reproducible, whatever the arrival order).
+
+        Bounded server memory: each reply is decoded once on arrival for `check` (its tensors'
+        names, shapes, finiteness, and its ||Δ|| for the outlier rule), then dropped; the ref
+        decodes it again from its payload when the aggregator asks (one reply at a time,
+        `Aggregator.aggregate_refs`). The payloads stay where they arrived until the block ends:
+        on the data plane, in its memory budget or spilled to disk; on Flower's path, in the
+        messages. Each refused reply is logged as `<phase>: dropped reply of node <id>[
+        (partition <p>)]: <reason>` (`<phase>: node <id> failed: ...` for an error reply) and
+        recorded in `rl.dropped`; decoding time goes to `rl.decode_seconds`."""
+        held = []  # data-plane uploads, discarded when the block ends
+        entries: list[tuple[str, ReplyRef, int, MetricRecord, str | None, float]] = []
+        try:
+            for msg in replies:
+                who = f"node {msg.metadata.src_node_id}"
+                if msg.has_error():
+                    rl.dropped[who] = f"error reply: {msg.error.reason}"
+                    log.warning("%s: %s failed: %s", phase, who, msg.error.reason)
+                    continue
+                decode_started = time.perf_counter()
+                try:
+                    if self.data_plane is None:
+                        record = msg.content["update"]
+                        source = (lambda record=record: payload_bytes(record))  # the message keeps the bytes
+                    else:
+                        upload = self._upload_of(msg, round_idx)
+                        held.append(upload)
+                        rl.transfer_seconds[msg.metadata.src_node_id] = upload.seconds
+                        source = upload.buffer
+                    payload = source()
+                    size = len(payload)
+                    update = decode_update(payload, expected_model_id=self.model_id)
+                    del payload
+                    reason, norm = check(update)
+                except (PayloadError, ValueError, KeyError) as err:
+                    rl.dropped[who] = str(err)
+                    log.warning("%s: dropped reply of %s: %s", phase, who, err)
+                    continue
+                finally:
+                    rl.decode_seconds += time.perf_counter() - decode_started
+                ref = ReplyRef.of(update, load=lambda source=source: decode_update(source(), self.model_id))
+                del update
+                entries.append((f"{who} (partition {ref.worker_id})", ref, size, msg.content.get("metrics", MetricRecord()),
+                                reason, norm))
+            entries.sort(key=lambda e: e[1].worker_id)
+            reasons = screen_round([e[1].worker_id for e in entries], [e[5] for e in entries], [e[4] for e in entries])
+            usable = []
+            for (who, ref, size, metrics, _, _), reason in zip(entries, reasons):
+                if reason is not None:
+                    rl.dropped[who] = reason
+                    log.warning("%s: dropped reply of %s: %s", phase, who, reason)
                 else:
-                    upload = self._upload_of(msg, round_idx)
-                    rl.transfer_seconds[msg.metadata.src_node_id] = upload.seconds
-                    data = upload.buffer()
-                update = decode_update(data, expected_model_id=self.model_id)
-                size = len(data)
-            except (PayloadError, ValueError, KeyError) as err:
-                rl.dropped[who] = str(err)
-                log.warning("%s: dropped reply of %s: %s", phase, who, err)
-                continue
-            finally:
-                data = None
-                if upload is not None:
-                    upload.discard()
-                rl.decode_seconds += time.perf_counter() - decode_started
-            decoded.append((f"{who} (partition {update.worker_id})", update, size,
-                            msg.content.get("metrics", MetricRecord())))
-        decoded.sort(key=lambda d: d[1].worker_id)
-        usable = []
-        for (who, update, size, metrics), reason in zip(decoded, screen([d[1] for d in decoded])):
-            if reason is not None:
-                rl.dropped[who] = reason
-                log.warning("%s: dropped reply of %s: %s", phase, who, reason)
-            else:
-                usable.append((update, size, metrics))
-        return usable
+                    usable.append((ref, size, metrics))
+            yield usable
+        finally:
+            for upload in held:
+                upload.discard()
 
     def _upload_of(self, msg: Message, round_idx: int):
         """The data-plane upload a reply vouches for (its sha256 must match); ValueError naming

@@ -101,16 +101,22 @@ def test_expired_and_other_round_tokens_are_refused(tmp_path):
     token = issuer.issue(NODE, 3, "upload", ttl=10)
     assert issuer.check(token, NODE, "upload", 3).round == 3
     with pytest.raises(TokenError, match="token for round 3, the data plane serves round 4"):
-        issuer.check(token, NODE, "upload", 4)
+        issuer.check(token, NODE, "upload", 4)  # (the server checks rounds itself: a window for downloads)
     now[0] += 11
     with pytest.raises(TokenError, match="token expired 1.0s ago"):
         issuer.check(token, NODE, "upload", 3)
-    # Through the server: a ticket of round 1 after round 2 was published.
+    # Through the server: after round 2 was published, round 1's state is still served (a node
+    # that fell behind trains it and keeps its own state continuous), its reply is refused;
+    # after round 3, round 1 is no longer served.
     with DataPlaneServer(tmp_path / "spool") as server:
-        _, old = publish(server, 1)
+        state1, old = publish(server, 1)
         publish(server, 2)
-        with pytest.raises(client.DataPlaneError, match="token for round 1, the data plane serves round 2"):
+        assert client.download(old[NODE], NODE) == state1
+        with pytest.raises(client.DataPlaneError, match="token for round 1, the data plane takes replies for round 2"):
             client.upload(old[NODE], NODE, b"x" * 100)
+        publish(server, 3)
+        with pytest.raises(client.DataPlaneError, match=r"token for round 1, the data plane serves rounds \[2, 3\]"):
+            client.download(old[NODE], NODE)
 
 
 def test_replayed_upload_and_another_nodes_upload_token(plane, caplog):

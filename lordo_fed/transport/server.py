@@ -133,7 +133,9 @@ class DataPlaneServer:
         self.refusals: list[Refusal] = []
         self._lock = threading.Lock()
         self._round: int | None = None
-        self._blob: memoryview | None = None
+        self._blobs: dict[int, memoryview] = {}
+        """The current round's encoded state and the previous one's (a node that fell behind
+        still trains the round it was sent, so its own state stays continuous)."""
         self._max_upload = 0
         self._uploads: dict[tuple[int, int], Upload] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -193,12 +195,16 @@ class DataPlaneServer:
     # ------------------------------------------------------------------------------ rounds
     def publish(self, round_idx: int, data: bytes | bytearray | memoryview, node_ids, ttl: float,
                 max_upload: int) -> dict[int, pb.Ticket]:
-        """Serve `data` (the round's encoded GlobalState) from now on, instead of the previous
-        round's, and return each node's ticket (tokens valid `ttl` seconds). Replies of earlier
-        rounds not collected yet are discarded."""
+        """Serve `data` (the round's encoded GlobalState) from now on and return each node's
+        ticket (tokens valid `ttl` seconds). Uploads are taken for this round only; replies of
+        earlier rounds not collected yet are discarded. The previous round's state stays
+        downloadable: a node that fell behind (stalled, slow) still trains the round it was sent
+        and keeps its own state continuous, though its late reply is refused."""
         sha = hashlib.sha256(data).hexdigest()
         with self._lock:
-            self._round, self._blob, self._max_upload = int(round_idx), memoryview(data).cast("B"), int(max_upload)
+            self._round, self._max_upload = int(round_idx), int(max_upload)
+            self._blobs = {r: b for r, b in self._blobs.items() if r == round_idx - 1}
+            self._blobs[int(round_idx)] = memoryview(data).cast("B")
             stale = [k for k in self._uploads if k[1] != round_idx]
             stale = [self._uploads.pop(key) for key in stale]
         for upload in stale:
@@ -239,14 +245,23 @@ class DataPlaneServer:
         return _Refused(code, reason)
 
     def _check(self, token: str, node_id: int, kind: str):
+        """The token's claims; refused (logged) unless valid for this node and direction, and for
+        the current round (uploads) or a round still served (downloads)."""
         with self._lock:
-            current = self._round
+            current, served = self._round, sorted(self._blobs)
         if current is None:
             raise self._refuse(node_id, -1, kind, "no round is being served", grpc.StatusCode.UNAVAILABLE)
         try:
-            return self.issuer.check(token, node_id, kind, current)
+            claims = self.issuer.check(token, node_id, kind)
         except TokenError as err:
             raise self._refuse(node_id, current, kind, str(err)) from None
+        if kind == UPLOAD and claims.round != current:
+            raise self._refuse(node_id, claims.round, kind, f"token for round {claims.round}, the data plane takes "
+                               f"replies for round {current} (that round closed)")
+        if kind == DOWNLOAD and claims.round not in served:
+            raise self._refuse(node_id, claims.round, kind, f"token for round {claims.round}, the data plane serves "
+                               f"rounds {served}")
+        return claims
 
 
 class _Servicer(pb_grpc.DataPlaneServicer):
@@ -258,7 +273,9 @@ class _Servicer(pb_grpc.DataPlaneServicer):
         try:
             claims = plane._check(request.token, request.node_id, DOWNLOAD)
             with plane._lock:
-                blob = plane._blob
+                blob = plane._blobs.get(claims.round)
+            if blob is None:  # published over between the check and now
+                raise plane._refuse(request.node_id, claims.round, DOWNLOAD, f"round {claims.round} is no longer served")
             step = plane.chunk_bytes
             for offset in range(0, len(blob), step):
                 try:
