@@ -75,6 +75,7 @@ PAYLOAD_DTYPES = ("fp32", "bf16")
 
 Buffer = Union[bytes, bytearray, memoryview, mmap.mmap]
 """What the decoders read: a payload in memory, or mapped from its file."""
+_PAYLOAD_TYPES = (bytes, bytearray, memoryview, mmap.mmap)
 
 GLOBAL_STATE_SCHEMA = f"{SCHEMA}.GlobalState"
 UPDATE_SCHEMA = f"{SCHEMA}.WorkerUpdate"
@@ -465,17 +466,15 @@ def _write_plan_to_file(plan: _Plan, f: BinaryIO) -> int:
                 continue
             if staging is None:
                 staging = torch.empty(_CHUNK_BYTES, dtype=torch.uint8)
-            limit = _CHUNK_BYTES // _WIRE_ITEMSIZE[piece.wire]
+            itemsize = piece.wire.itemsize
+            limit = _CHUNK_BYTES // itemsize
             words = staging.view(piece.wire)
             for chunk in _c_order_chunks(t, limit):
                 n = chunk.numel()
                 words[:n].view(chunk.shape).copy_(chunk)
                 _swap_to_little_endian(words[:n])
-                _write_all(f, staging[:n * _WIRE_ITEMSIZE[piece.wire]].numpy())
+                _write_all(f, staging[:n * itemsize].numpy())
     return plan.size
-
-
-_WIRE_ITEMSIZE = {torch.float32: 4, torch.bfloat16: 2, torch.int64: 8, torch.int32: 4}
 
 
 def encoded_size(msg: GlobalState | WorkerUpdate, model_id: str, payload_dtype: str = "fp32") -> int:
@@ -749,7 +748,6 @@ def _decode_update_reference(data, expected_model_id: str | None = None) -> Work
 # values, packed shapes, map entries) are copied into the skeleton unchanged, so protobuf
 # validates them there. Unknown fields are ignored on both paths.
 
-_PAYLOAD_TYPES = (bytes, bytearray, memoryview, mmap.mmap)
 _TENSOR_FIELDS = {"GlobalState": frozenset({5, 6, 7}), "WorkerUpdate": frozenset({7, 8})}
 _KNOWN_FIELDS = {"GlobalState": frozenset(pb.GlobalState.DESCRIPTOR.fields_by_number),
                  "WorkerUpdate": frozenset(pb.WorkerUpdate.DESCRIPTOR.fields_by_number)}

@@ -119,3 +119,24 @@ def test_server_memory_quick(tmp_path):
     growth = {p: rows[p, 4]["round_peak_bytes"] - rows[p, 2]["round_peak_bytes"] for p in ("list", "stream")}
     assert growth["list"] > 1.5 * reply
     assert growth["stream"] < 0.5 * reply
+
+
+def test_codec_memory_quick(tmp_path):
+    """The direct encoder and in-place decoder need about their output (the payload, or the fp32
+    tensors decoded from it); the protobuf path about 4x / 2x more, which the run must see."""
+    result = run_quick("codec_memory.py", tmp_path, timeout=300)
+    summary = {(s["step"], s["payload_dtype"]): s for s in result["summary"]}
+    assert set(summary) == {(step, pd) for step in ("encode", "encode_file", "decode", "decode_mmap")
+                            for pd in ("fp32", "bf16")}
+    slack = 4e6  # code pages of a first call, Python objects
+    for pd, widen in (("fp32", 1), ("bf16", 2)):
+        payload = summary[("encode", pd)]["payload_bytes"]
+        assert payload == pytest.approx(16e6 / widen, rel=0.01)
+        assert summary[("encode", pd)]["new_peak_extra_bytes"] < 1.25 * payload + slack
+        assert summary[("encode", pd)]["old_peak_extra_bytes"] > 2.5 * payload
+        assert summary[("encode_file", pd)]["new_peak_extra_bytes"] < 4 * 2 ** 20 + slack  # the staging buffer
+        assert summary[("decode", pd)]["new_peak_extra_bytes"] < 1.25 * widen * payload + slack
+        assert summary[("decode", pd)]["old_peak_extra_bytes"] > summary[("decode", pd)]["new_peak_extra_bytes"] + 0.3 * payload
+        for step in ("encode", "encode_file", "decode", "decode_mmap"):
+            s = summary[(step, pd)]
+            assert s["old_seconds"] > 0 and s["new_seconds"] > 0
