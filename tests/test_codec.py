@@ -742,6 +742,21 @@ def test_decode_from_bytes_bytearray_memoryview_and_mmap(payload_dtype, tmp_path
     grown.extend(b"\x00")  # resizable again: no view of it is left behind either
 
 
+def test_mapped_payload(tmp_path, no_fallback):
+    path = tmp_path / "upload.bin"
+    u = _update()
+    with open(path, "wb") as f:
+        codec.encode_update_into(u, MID, f, "bf16")
+    with codec.mapped_payload(path) as data:
+        assert isinstance(data, mmap.mmap)
+        got = decode_update(data, MID)
+    assert data.closed
+    _assert_same(got.delta, u.delta, True)
+    path.write_bytes(b"")  # an empty upload: no mapping, refused as an empty message is
+    with codec.mapped_payload(path) as data, pytest.raises(PayloadError, match="no schema"):
+        decode_update(data)
+
+
 def test_decoded_tensors_do_not_alias_the_payload(no_fallback):
     data = encode_update(_update(), MID)
     got = decode_update(data, MID)
