@@ -8,7 +8,7 @@ by the app, the tests or the scripts:
   does what `flower-superexec` + `flwr-clientapp` do (AcquireTask on the SuperNode's Runtime API,
   then pull the task's message/context/FAB, call the ClientApp, push the reply and the task
   output), but in ONE process that keeps serving: the ClientApp module, torch and whatever the
-  app caches (our `client.app._RUNTIMES`: model, data, workers) survive from message to message.
+  app caches (our `lordo_fed.node.runtime._RUNTIMES`: model, data, workers) survive from message to message.
   Stock `flwr-clientapp` takes one task token and exits (flwr.supernode.runtime.run_clientapp).
 - `supernode`: `flower-supernode` with the `time.sleep` of its main loop capped: the SuperNode
   sleeps 3 s after every empty pull of the SuperLink (flwr/supernode/start_client_internal.py,

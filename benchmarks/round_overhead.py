@@ -225,6 +225,7 @@ t1 = time.perf_counter()
 import torch
 t2 = time.perf_counter()
 import client.app as ca
+import lordo_fed.node.runtime
 t3 = time.perf_counter()
 from lordo_fed.appconfig import flat_defaults, load_app_config
 load_app_config({**flat_defaults(), "preset": "quickstart"}, ca.PRESETS)

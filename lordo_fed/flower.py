@@ -11,7 +11,6 @@ import io
 import json
 
 import numpy as np
-import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
 PAYLOAD = "payload"
@@ -31,7 +30,7 @@ def payload_record(data: bytes) -> ArrayRecord:
     a .npy header, then the data), built with one copy instead of np.save's two."""
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(header, {"descr": "|u1", "fortran_order": False, "shape": (len(data),)})
-    npy = header.getvalue() + bytes(data)
+    npy = header.getvalue() + data  # bytes + (bytes | bytearray): one copy
     return ArrayRecord({PAYLOAD: Array(dtype="uint8", shape=(len(data),), stype=_NUMPY_STYPE, data=npy)})
 
 
@@ -60,8 +59,10 @@ def payload_bytes(record: ArrayRecord) -> bytes:
     return arr.numpy().tobytes()
 
 
-def tensors_to_records(tensors: dict[str, torch.Tensor], meta: dict) -> RecordDict:
+def tensors_to_records(tensors: dict[str, "torch.Tensor"], meta: dict) -> RecordDict:
     """Named tensors + JSON metadata as Flower records (bf16 carried bit-viewed as int16)."""
+    import torch  # here, not at the top: a ClientApp that hands its rounds to a node worker never imports torch
+
     dtypes = {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items()}
     arrays = {
         k: Array((v.view(torch.int16) if v.dtype == torch.bfloat16 else v).detach().cpu().contiguous().numpy())
@@ -70,7 +71,9 @@ def tensors_to_records(tensors: dict[str, torch.Tensor], meta: dict) -> RecordDi
     return RecordDict({"tensors": ArrayRecord(arrays), "meta": ConfigRecord({"json": json.dumps({"meta": meta, "dtypes": dtypes})})})
 
 
-def records_to_tensors(records: RecordDict) -> tuple[dict[str, torch.Tensor], dict]:
+def records_to_tensors(records: RecordDict) -> tuple[dict[str, "torch.Tensor"], dict]:
+    import torch
+
     info = json.loads(records["meta"]["json"])
     tensors = {}
     for k, arr in records["tensors"].items():

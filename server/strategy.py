@@ -65,6 +65,8 @@ class RoundLog:
     dropped: dict[str, str] = field(default_factory=dict)
     transfer_seconds: dict[int, float] = field(default_factory=dict)
     """Data plane: seconds each reply took to stream in (first to last byte)."""
+    clientapp_torch: int = 0
+    """Replies whose ClientApp process imported torch (0 when every node has a node worker)."""
 
 
 class LoRDOStrategy(Strategy):
@@ -161,6 +163,8 @@ class LoRDOStrategy(Strategy):
                 rl.client_codec_seconds[ref.worker_id] = float(metrics.get("codec-seconds", 0.0))
                 if metrics.get("fresh-state", 0):
                     rl.fresh_state.append(ref.worker_id)
+                if metrics.get("clientapp-torch", 0):
+                    rl.clientapp_torch += 1
                 refs.append(ref)
             if len(refs) < self.cfg.min_clients:
                 log.warning("round %d: %d usable replies < min_clients=%d; round skipped, global state unchanged",
@@ -235,7 +239,7 @@ class LoRDOStrategy(Strategy):
             "round": r, "step": r * K, "tokens": self.tokens,
             "train_loss": (metrics or {}).get("train_loss"),
             "clients_ok": len(received), "clients_dropped": len(rl.dropped), "clients_missing": len(rl.missing),
-            "clients_fresh_state": len(rl.fresh_state),
+            "clients_fresh_state": len(rl.fresh_state), "clientapps_with_torch": rl.clientapp_torch,
             "bytes_sent_per_client": rl.sent_bytes,
             "bytes_received_per_client": (sum(received) / len(received)) if received else 0,
             "cum_bytes_per_client": self.cum_bytes,

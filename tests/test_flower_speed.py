@@ -55,7 +55,8 @@ def test_shorten_pull_backoff_only_lowers_the_first_retry():
 _CLIENT_SCRIPT = """
 import sys
 import torch
-import client.app as ca
+import client.app as app
+import lordo_fed.node.runtime as ca
 from lordo_fed.appconfig import flat_defaults, load_app_config
 
 assert ca.skip_lazy_dynamo_import()
@@ -66,9 +67,9 @@ import numpy as np
 
 rc = {**flat_defaults(), "preset": "quickstart", "variant": "lordo_local", "local-steps": 2, "batch-size": 2,
       "seq-len": 16}
-cfg = ca.app_config(rc)
-assert cfg == load_app_config(rc, ca.PRESETS)
-assert ca.app_config(rc) == cfg  # from the cache
+cfg = ca.app_config(rc, (), app.PRESETS)
+assert cfg == load_app_config(rc, app.PRESETS)
+assert ca.app_config(rc, (), app.PRESETS) == cfg  # from the cache
 settings = resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
 model = build_model(cfg.model, 256)
 worker = make_worker(0, model, settings, TokenShard(np.arange(10_000) % 256), lowrank_parameter_names(model),

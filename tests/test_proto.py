@@ -14,10 +14,13 @@ DATAPLANE_PROTO = "proto/lordo_fed/v1/dataplane.proto"
 GENERATED = ("lordo_fed/v1/wire_pb2.py", "lordo_fed/v1/wire_pb2.pyi")
 DATAPLANE_GENERATED = ("lordo_fed/v1/dataplane_pb2.py", "lordo_fed/v1/dataplane_pb2.pyi",
                        "lordo_fed/v1/dataplane_pb2_grpc.py")
+NODE_PROTO = "proto/lordo_fed/v1/node.proto"
+NODE_GENERATED = ("lordo_fed/v1/node_pb2.py", "lordo_fed/v1/node_pb2.pyi", "lordo_fed/v1/node_pb2_grpc.py")
 
 
 @pytest.mark.parametrize("proto,generated,grpc_out", [(PROTO, GENERATED, False),
-                                                      (DATAPLANE_PROTO, DATAPLANE_GENERATED, True)])
+                                                      (DATAPLANE_PROTO, DATAPLANE_GENERATED, True),
+                                                      (NODE_PROTO, NODE_GENERATED, True)])
 def test_generated_code_is_current(tmp_path, proto, generated, grpc_out):
     pytest.importorskip("grpc_tools")
     # The same command as proto/generate.sh, with the output redirected to tmp_path.
@@ -34,7 +37,8 @@ def test_generated_code_is_current(tmp_path, proto, generated, grpc_out):
 def test_generate_script_runs_the_same_command():
     script = (ROOT / "proto" / "generate.sh").read_text()
     assert f"-m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. {PROTO}" in script
-    assert f"-m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. {DATAPLANE_PROTO}" in script
+    for proto in (DATAPLANE_PROTO, NODE_PROTO):
+        assert f"-m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. {proto}" in script
 
 
 def test_package_matches_schema_version():

@@ -1,0 +1,285 @@
+"""What runs on a node, without Flower: the model, data and workers a node keeps between rounds,
+and one round's job from the received state to the encoded reply.
+
+Two hosts call it: the ClientApp in-process (client/app.py: simulation, quick starts; a new
+process per message in a deployment) and the long-lived node worker (lordo_fed/node/service.py),
+which keeps everything on its device between rounds and persists the worker state off the
+critical path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import pickle
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from lordo_fed.appconfig import PRESET_DIR, AppConfig, load_app_config
+from lordo_fed.codec import decode_global_state, encode_update, model_id
+from lordo_fed.data import TokenShard, load_dataset
+from lordo_fed.device import pick_device
+from lordo_fed.methods import MethodSettings, lowrank_ranks, make_worker, resolve_method
+from lordo_fed.model import build_model, lowrank_parameter_names
+from lordo_fed.node.store import DiskStore, StateStore
+from lordo_fed.tokenizer import load_tokenizer
+from lordo_fed.worker import Worker
+
+log = logging.getLogger("lordo_fed.client")
+CONFIG_CACHE = Path("~/.cache/lordo_fed/appconfig")
+TRAIN, QUERY = "train", "query"
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one server message asks of a node, in plain values (Flower's Context and Message
+    stay in client/app.py)."""
+
+    kind: str
+    """TRAIN (K local steps, reply with the update) or QUERY (the round-0 gradient at θ0)."""
+    run_id: int
+    run_config: dict
+    """The run's merged run config (Flower's `Context.run_config`)."""
+    explicit: tuple[str, ...]
+    """The run-config keys the user set (they win over a preset)."""
+    node_config: dict
+    """This node's config: partition-id, num-partitions, data-path, ..."""
+
+    @property
+    def partition(self) -> tuple[int, int]:
+        return int(self.node_config.get("partition-id", 0)), int(self.node_config.get("num-partitions", 1))
+
+
+@dataclass
+class Runtime:
+    """Everything a client process builds once per run and keeps between messages."""
+
+    cfg: AppConfig
+    settings: MethodSettings
+    model: nn.Module
+    model_id: str
+    lowrank: list[str]
+    shards: dict[int, TokenShard]
+    workers: dict[int, Worker] = field(default_factory=dict)
+    last_round: dict[int, int] = field(default_factory=dict)
+
+    def shard(self, partition_id: int, num_partitions: int, data_path: str) -> TokenShard:
+        if partition_id not in self.shards:
+            data = self.cfg.data
+            if data_path:  # this node brings its own corpus: all of it is its partition
+                data = dataclasses.replace(data, path=data_path)
+                self.shards[partition_id] = load_dataset(data, 1).train_shards[0]
+            else:
+                self.shards[partition_id] = load_dataset(data, num_partitions).train_shards[partition_id]
+        return self.shards[partition_id]
+
+    def new_worker(self, partition_id: int, shard: TokenShard) -> Worker:
+        data = self.cfg.data
+        return make_worker(partition_id, self.model, self.settings, shard, self.lowrank, self.cfg.total_steps,
+                           data.batch_size, data.seq_len, seed=data.seed)
+
+
+
+_RUNTIMES: dict[str, Runtime] = {}
+
+
+def app_config(run_config: dict, explicit: tuple[str, ...] = (), presets: Path = PRESET_DIR) -> AppConfig:
+    """`load_app_config(run_config, presets, explicit)`, cached on local disk across client processes.
+
+    In a deployment every message starts a new ClientApp process, and composing the config costs
+    ~0.2 s (Hydra's import and Compose API). The cache key covers everything the result depends
+    on: the run config and its explicit keys, the presets' contents and the lordo_fed sources (path, size, mtime). A bad
+    config raises as before (and is not cached); an unreadable cache entry is recomposed.
+    """
+    import lordo_fed
+
+    h = hashlib.sha256(json.dumps([dict(run_config), sorted(explicit)], sort_keys=True, default=str).encode())
+    for path in sorted(presets.glob("*.yaml")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted(Path(lordo_fed.__file__).parent.rglob("*.py")):
+        st = path.stat()
+        h.update(f"{path}:{st.st_size}:{st.st_mtime_ns}\0".encode())
+    cache = CONFIG_CACHE.expanduser() / f"{h.hexdigest()[:32]}.pickle"
+    try:
+        cfg = pickle.loads(cache.read_bytes())
+        if isinstance(cfg, AppConfig):
+            return cfg
+    except Exception:  # noqa: BLE001 (missing, partial or stale entry: compose afresh)
+        pass
+    cfg = load_app_config(run_config, presets, explicit)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(pickle.dumps(cfg))
+        os.replace(tmp, cache)
+    except OSError:
+        pass  # a read-only home only costs the recomposition
+    return cfg
+
+
+def skip_lazy_dynamo_import() -> bool:
+    """Spare a fresh client process the ~1 s import of `torch._dynamo` (returns whether it did).
+
+    `torch.optim.Optimizer.add_param_group`, `zero_grad`, `state_dict` and `load_state_dict` are
+    wrapped by `torch._disable_dynamo`, which imports `torch._dynamo` on the first call only to keep
+    those methods out of `torch.compile` tracing, then calls the plain method through the
+    disabling wrapper it caches in the method's `__dynamo_disable` attribute. Nothing in this client
+    is compiled, and in a deployment every message gets a new ClientApp process, so every round
+    would pay that import for the LoRDO optimizer's constructor. We pre-fill the cache with the
+    plain method: outside compilation the disabling wrapper does nothing but call it. Done only
+    while `torch._dynamo` is not imported yet, and only on wrappers that look like torch's.
+    (AdamW-based variants still import it: `AdamW.step` imports it directly.)
+    """
+    if "torch._dynamo" in sys.modules:
+        return False
+    done = False
+    for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):
+        wrapper = getattr(torch.optim.Optimizer, name, None)
+        plain = getattr(wrapper, "__wrapped__", None)
+        code = getattr(wrapper, "__code__", None)
+        if plain is None or code is None or not code.co_filename.endswith("_compile.py") or code.co_name != "inner":
+            continue  # not torch._disable_dynamo's wrapper (another torch version): leave it alone
+        if getattr(plain, "__dynamo_disable", None) is None:
+            setattr(plain, "__dynamo_disable", plain)
+            done = True
+    return done
+
+
+def runtime_for(job: Job, presets: Path = PRESET_DIR) -> Runtime:
+    """The process's Runtime for this run (built on the first message)."""
+    key = json.dumps({"run": job.run_id, "config": dict(job.run_config), "explicit": sorted(job.explicit)},
+                     sort_keys=True, default=str)
+    if key not in _RUNTIMES:
+        skip_lazy_dynamo_import()
+        cfg = app_config(job.run_config, job.explicit, presets)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        device = pick_device(cfg.device)
+        settings = resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size).to(device)
+        lowrank = lowrank_parameter_names(model, cfg.model.lowrank_pattern) if settings.inner.name == "lordo" else []
+        _RUNTIMES.clear()  # one run at a time per process: free the previous run's model
+        _RUNTIMES[key] = Runtime(cfg, settings, model, model_id(dict(model.named_parameters())), lowrank, {})
+    return _RUNTIMES[key]
+
+
+def disk_store(cfg: AppConfig, partition_id: int) -> DiskStore:
+    # Keyed by partition, not by run: a resumed run (a new Flower run id) finds its clients' state.
+    return DiskStore(cfg.client_state_dir or Path(cfg.out_dir) / "client_state", partition_id)
+
+
+_SAVER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lordo-state-save")
+_PENDING_SAVES: dict[int, Future] = {}
+
+
+def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
+            store_for: Callable[[AppConfig, int], StateStore] = disk_store, presets: Path = PRESET_DIR,
+            save_in_background: bool = False) -> tuple[bytes, dict[str, float]]:
+    """One server message: the received state in, the encoded reply and its metrics out.
+
+    `receive(timeout)` returns the encoded state (from the message, or downloaded from the data
+    plane). TRAIN: K local steps from it, the worker state saved to `store_for(cfg, partition)`
+    (with `save_in_background`, on a thread, off the critical path: the next job of the partition
+    waits for it, so a worker killed between rounds finds the round on disk). QUERY: the gradient
+    at θ0 of the low-rank weights.
+
+    Metrics: `setup-seconds` (runtime, data, worker state: mostly first-message cost in a fresh
+    process), `train-seconds` (the K local steps alone), `codec-seconds` (decoding the state plus
+    encoding the reply), `download-seconds`, `fresh-state`, the worker's own metrics and tokens.
+    """
+    started = time.perf_counter()
+    pid, nparts = job.partition
+    pending = _PENDING_SAVES.pop(pid, None)
+    if pending is not None:
+        pending.result()  # the previous round's state is on disk before this round touches it
+    rt = runtime_for(job, presets)
+    shard = rt.shard(pid, nparts, str(job.node_config.get("data-path", "")))
+    download_started = time.perf_counter()
+    received = receive(rt.cfg.round_timeout)
+    decode_started = time.perf_counter()
+    state = decode_global_state(received, expected_model_id=rt.model_id)
+    received_bytes = len(received)
+    del received
+    decode_seconds = time.perf_counter() - decode_started
+    store = store_for(rt.cfg, pid)
+    if job.kind == QUERY:
+        worker, _ = worker_for_round(rt, store, pid, shard, 1)
+        names = sorted(lowrank_ranks(rt.model, rt.cfg.model.lowrank_pattern, rt.settings.inner.rank,
+                                     rt.settings.inner.name))
+        return encode_update(worker.gradient(state, names), rt.model_id, rt.cfg.payload_dtype), {}
+    if job.kind != TRAIN:
+        raise ValueError(f"job kind {job.kind!r}: expected {TRAIN!r} or {QUERY!r}")
+    worker, state_source = worker_for_round(rt, store, pid, shard, state.round)
+    setup_seconds = time.perf_counter() - started
+
+    bar = None
+    if rt.cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=rt.settings.rounds.local_steps, desc=f"client {pid} round {state.round}", leave=False)
+    train_started = time.perf_counter()
+    update = worker.train_round(state, progress=(lambda i, loss: bar.update(1)) if bar else None)
+    train_seconds = time.perf_counter() - train_started
+    if bar:
+        bar.close()
+    tensors, meta = worker.flat_state()
+    meta = {**meta, "model_id": rt.model_id, "variant": rt.cfg.variant}
+    if save_in_background:
+        tensors = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}  # the next round may change them
+        _PENDING_SAVES[pid] = _SAVER.submit(store.save, state.round, tensors, meta)
+    else:
+        store.save(state.round, tensors, meta)
+    rt.last_round[pid] = state.round
+
+    encode_started = time.perf_counter()
+    sent = encode_update(update, rt.model_id, rt.cfg.payload_dtype)
+    encode_seconds = time.perf_counter() - encode_started
+    metrics = {
+        **update.metrics, "partition-id": pid, "tokens": update.tokens, "bytes-received": received_bytes,
+        "setup-seconds": setup_seconds, "train-seconds": train_seconds,
+        "codec-seconds": decode_seconds + encode_seconds, "download-seconds": decode_started - download_started,
+        "fresh-state": int(state_source == "fresh" and state.round > 1),
+    }
+    return sent, metrics
+
+
+def wait_for_saves() -> None:
+    """Block until every background state save finished (a node worker's shutdown)."""
+    for pid in list(_PENDING_SAVES):
+        _PENDING_SAVES.pop(pid).result()
+
+
+def worker_for_round(rt: Runtime, store: StateStore, pid: int, shard: TokenShard,
+                      round_idx: int) -> tuple[Worker, str]:
+    """This partition's worker with its state as of the end of round `round_idx - 1`, and where
+    that state came from: 'memory' if this process trained the previous round of the partition,
+    else 'store', else 'fresh' (first round, or state lost: positioned at the round's data cursor).
+    """
+    if rt.last_round.get(pid) == round_idx - 1 and pid in rt.workers:
+        return rt.workers[pid], "memory"
+    worker = rt.new_worker(pid, shard)
+    saved = store.load(round_idx - 1)  # not the newest: after a server crash it may be round_idx's
+    if saved is not None and saved[1].get("round") == round_idx - 1 and saved[1].get("model_id") == rt.model_id \
+            and saved[1].get("variant") == rt.cfg.variant:
+        worker.load_flat_state(*saved)
+        source = "store"
+    else:
+        source = "fresh"
+        if round_idx > 1:
+            have = None if saved is None else saved[1].get("round")
+            log.warning("partition %d: no worker state for round %d (store has %s); starting it afresh",
+                        pid, round_idx - 1, have)
+        worker.cursor = (round_idx - 1) * rt.settings.rounds.local_steps
+    rt.workers[pid] = worker
+    return worker, source
