@@ -12,7 +12,7 @@ usage() {
 usage: $(basename "$0") N SUPERLINK_HOST:PORT [--first-partition K] [--num-partitions M]
                         [--port-base P] [--host HOST] [--node-config 'k=v ...'] [--dir DIR]
                         [--wait SECONDS] [--root-certificates CA [--auth-keys DIR]]
-                        [--no-insecure] [-- EXTRA flower-supernode ARGS]
+                        [--node-workers] [--no-insecure] [-- EXTRA flower-supernode ARGS]
 
   N                     number of SuperNodes to start here
   SUPERLINK_HOST:PORT   the SuperLink's HTTP port (start_superlink.sh --port, default 8000)
@@ -29,8 +29,11 @@ usage: $(basename "$0") N SUPERLINK_HOST:PORT [--first-partition K] [--num-parti
   --auth-keys DIR       SuperNode authentication: the node for partition P uses the private key
                         DIR/node-P (--auth-supernode-private-key); DIR/node-P.pub must have been
                         registered (scripts/register_supernodes.sh). Needs --root-certificates
+  --node-workers        also start a long-lived node worker per node (python -m lordo_fed.node,
+                        socket DIR/node-worker-P.sock, node config node-worker=...): the model,
+                        optimizer state and data cursor stay in memory between rounds
   --no-insecure         do not pass --insecure (give your own TLS flags after --)
-Writes DIR/supernode-<partition>.pid and .log; each node's FLWR_HOME is DIR/supernode-<p>.home
+Writes DIR/supernode-<partition>.pid and .log (node-worker-<partition>.* with --node-workers); each node's FLWR_HOME is DIR/supernode-<p>.home
 (where the app is installed). Stop with scripts/stop_all.sh --dir DIR.
 USAGE
   exit 2
@@ -41,7 +44,7 @@ n="$1"; superlink="$2"; shift 2
 is_uint "$n" && (( n >= 1 )) || { echo "N must be a positive integer: $n" >&2; usage; }
 [[ "$superlink" =~ ^[^[:space:]]+:[0-9]+$ ]] || { echo "expected HOST:PORT, got: $superlink" >&2; usage; }
 first=0; total=""; port_base=9094; host=127.0.0.1; node_extra=""; wait_s=60
-insecure=(--insecure); extra=(); root_certs=""; key_dir=""
+insecure=(--insecure); extra=(); root_certs=""; key_dir=""; node_workers=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --first-partition) [[ $# -ge 2 ]] && is_uint "$2" || usage; first="$2"; shift 2 ;;
@@ -54,6 +57,7 @@ while [[ $# -gt 0 ]]; do
     --root-certificates) [[ $# -ge 2 ]] || usage; root_certs="$(abs_file "$2")"; shift 2 ;;
     --auth-keys) [[ $# -ge 2 && -d "$2" ]] || { echo "--auth-keys needs a directory" >&2; usage; }
       key_dir="$(cd "$2" && pwd)"; shift 2 ;;
+    --node-workers) node_workers=1; shift ;;
     --no-insecure) insecure=(); shift ;;
     --) shift; extra=("$@"); break ;;
     -h|--help) usage ;;
@@ -85,6 +89,16 @@ for ((i = 0; i < n; i++)); do
   node_config="partition-id=$p num-partitions=$total${node_extra:+ $node_extra}"
   # The ClientApp verifies the gRPC data plane's TLS with the same CA (node config key).
   [[ -z "$root_certs" ]] || node_config+=" root-certificates=\"$root_certs\""
+  if (( node_workers )); then
+    sock="$dir/node-worker-$p.sock"; wpid="$dir/node-worker-$p.pid"
+    if [[ -f "$wpid" ]] && pid_alive "$(cat "$wpid")"; then
+      die "node worker for partition $p already running (pid $(cat "$wpid"))"
+    fi
+    : >"$dir/node-worker-$p.log"
+    worker_pid="$(start_detached "$wpid" "$dir/node-worker-$p.log" "${PYTHON:-python}" -m lordo_fed.node --listen "unix://$sock")"
+    echo "node worker partition $p: pid $worker_pid, socket $sock, log $dir/node-worker-$p.log"
+    node_config+=" node-worker=\"unix://$sock\""
+  fi
   auth=(); [[ -z "$key_dir" ]] || auth=(--auth-supernode-private-key "$key_dir/node-$p")
   pid="$(FLWR_HOME="$dir/supernode-$p.home" start_detached "$pidfile" "$logfile" \
     flower-supernode "${insecure[@]}" "${auth[@]}" --superlink "$superlink" \

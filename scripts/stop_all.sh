@@ -31,9 +31,9 @@ done
 shopt -s nullglob
 case "$only" in
   superlink) pidfiles=("$FLOWER_RUN_DIR"/superlink.pid "$FLOWER_RUN_DIR"/local-superlink.pid) ;;
-  supernodes) pidfiles=("$FLOWER_RUN_DIR"/supernode-*.pid) ;;
+  supernodes) pidfiles=("$FLOWER_RUN_DIR"/supernode-*.pid "$FLOWER_RUN_DIR"/node-worker-*.pid) ;;
   *) pidfiles=("$FLOWER_RUN_DIR"/superlink.pid "$FLOWER_RUN_DIR"/local-superlink.pid
-      "$FLOWER_RUN_DIR"/supernode-*.pid) ;;
+      "$FLOWER_RUN_DIR"/supernode-*.pid "$FLOWER_RUN_DIR"/node-worker-*.pid) ;;
 esac
 
 # descendants PID...: all live descendants (SuperExec, ServerApp/ClientApp processes). The
@@ -52,7 +52,7 @@ for f in "${pidfiles[@]}"; do
   [[ -f "$f" ]] || continue
   pid="$(tr -dc '0-9' <"$f")"
   name="$(basename "$f" .pid)"
-  expect=flower-supernode; [[ "$name" == *superlink ]] && expect=flower-superlink
+  expect=flower-supernode; [[ "$name" == *superlink ]] && expect=flower-superlink; [[ "$name" == node-worker-* ]] && expect=lordo_fed.node
   if [[ -z "$pid" ]] || ! pid_alive "$pid"; then
     echo "$name: not running"; stale+=("$f"); continue
   fi
