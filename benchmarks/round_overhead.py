@@ -11,6 +11,11 @@ the simulation engine (run_simulation, 2 virtual nodes with 1 CPU each):
   ~0.75 MB payload each way), under Flower's defaults (each SuperExec polls for work every 1 s).
 - app: the same with FLWR_SUPEREXEC_TASK_POLL_INTERVAL=0.1, which tests/flower_harness.flower_env
   and scripts/_common.sh now set: the "after" with stock Flower components.
+- app-node-workers: stock Flower processes; each node's rounds run in a long-lived node worker
+  (`python -m lordo_fed.node`, lordo_fed/node/) that the ClientApp (which then does not import
+  torch) hands them to, payloads on the gRPC data plane. Breakdown per round: Flower (push,
+  SuperNode polls, ClientApp process start, reply) = round - client handler; the handler =
+  data plane (download + upload) + training + the rest (codec, state).
 - EXPERIMENTS, not stock Flower (full mode; benchmarks/flower_shims.py):
   app-fastpoll: SuperNodes whose hard-coded waits (3 s between polls of the SuperLink, 0.5 s
   between checks for the ClientApp's reply) are capped at 0.1 s;
@@ -297,6 +302,11 @@ def summarize_app(out_dir: Path) -> dict[str, Any]:
         if "client_train_seconds" in rec:
             row["client_train_seconds"] = rec["client_train_seconds"]
             row["overhead_vs_train_seconds"] = rec["round_seconds"] - rec["client_train_seconds"]
+        if "client_transfer_seconds" in rec:  # the breakdown: Flower / data plane / training / the rest
+            row["flower_seconds"] = rec["round_seconds"] - rec["client_seconds"]
+            row["data_plane_seconds"] = rec["client_transfer_seconds"]
+            row["client_other_seconds"] = (rec["client_seconds"] - rec["client_transfer_seconds"]
+                                           - rec.get("client_train_seconds", 0.0))
         if "elapsed_seconds" in rec and prev_wall is not None:
             row["cycle_seconds"] = rec["elapsed_seconds"] - prev_wall
             row["cycle_overhead_seconds"] = row["cycle_seconds"] - rec["client_seconds"]
@@ -360,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     stock_rounds = args.rounds or (1 if args.quick else 6)
     fast_poll = "0.1"
     full_plan = ["startup:client-process", "deployment:stock", f"deployment:{args.label}-default-poll",
-                 f"deployment:{args.label}", f"deployment:{args.label}-fastpoll", f"deployment:{args.label}-persistent",
+                 f"deployment:{args.label}", f"deployment:{args.label}-node-workers", f"deployment:{args.label}-fastpoll", f"deployment:{args.label}-persistent",
                  f"deployment:{args.label}-persistent-fastpoll", "simulation:stock", f"simulation:{args.label}"]
     if args.only:
         wanted = set(args.only.split(","))
@@ -456,13 +466,27 @@ def _run_deployment(name: str, label: str, stock_dir: Path, app_dir: Path, work:
         if "fastpoll" in variant:
             kwargs["supernode_command"] = supernode_command(0.1)
             settings.append("SuperNode waits (3 s fleet poll, 0.5 s reply poll) capped at 0.1 s")
+    workers = []
+    if variant == "-node-workers":
+        from tests.flower_harness import start_node_worker
+
+        socks = [work / f"nw{i}.sock" for i in range(2)]
+        workers = [start_node_worker(sock, work / f"node-worker-{i}.log") for i, sock in enumerate(socks)]
+        kwargs["node_configs"] = [{"node-worker": f"unix://{sock}"} for sock in socks]
+        settings.append("a node worker per node (lordo_fed.node), payloads on the gRPC data plane")
     env = deployment_env(work, poll)
-    with Deployment(work, num_nodes=2, env=env, **kwargs) as dep:
-        if name == "stock":
-            entry = run_stock_deployment(dep, stock_dir, work, name, stock_rounds)
-        else:
-            entry = run_app_deployment(dep, app_dir, work, name, rounds)
-        entry["startup"] = {k: round(v, 2) for k, v in dep.timings.items()}
+    try:
+        with Deployment(work, num_nodes=2, env=env, **kwargs) as dep:
+            if name == "stock":
+                entry = run_stock_deployment(dep, stock_dir, work, name, stock_rounds)
+            else:
+                entry = run_app_deployment(dep, app_dir, work, name, rounds)
+            entry["startup"] = {k: round(v, 2) for k, v in dep.timings.items()}
+    finally:
+        from tests.flower_harness import stop_process
+
+        for proc in workers:
+            stop_process(proc)
     entry["settings"] = "; ".join(settings)
     return entry
 

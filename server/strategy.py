@@ -56,6 +56,8 @@ class RoundLog:
     client_seconds: dict[int, float] = field(default_factory=dict)
     client_train_seconds: dict[int, float] = field(default_factory=dict)
     client_codec_seconds: dict[int, float] = field(default_factory=dict)
+    client_transfer_seconds: dict[int, float] = field(default_factory=dict)
+    """Each client's own download + upload seconds on the data plane."""
     encode_seconds: float = 0.0
     """Server: encoding the global state once for all clients."""
     decode_seconds: float = 0.0
@@ -161,6 +163,7 @@ class LoRDOStrategy(Strategy):
                 rl.client_seconds[ref.worker_id] = float(metrics.get("client-seconds", 0.0))
                 rl.client_train_seconds[ref.worker_id] = float(metrics.get("train-seconds", 0.0))
                 rl.client_codec_seconds[ref.worker_id] = float(metrics.get("codec-seconds", 0.0))
+                rl.client_transfer_seconds[ref.worker_id] = float(metrics.get("transfer-seconds", 0.0))
                 if metrics.get("fresh-state", 0):
                     rl.fresh_state.append(ref.worker_id)
                 if metrics.get("clientapp-torch", 0):
@@ -247,6 +250,7 @@ class LoRDOStrategy(Strategy):
             "client_seconds": max(rl.client_seconds.values(), default=0.0),
             "client_train_seconds": max(rl.client_train_seconds.values(), default=0.0),
             "client_codec_seconds": max(rl.client_codec_seconds.values(), default=0.0),
+            "client_transfer_seconds": max(rl.client_transfer_seconds.values(), default=0.0),
             "server_encode_seconds": rl.encode_seconds, "server_decode_seconds": rl.decode_seconds,
         }
         if self.data_plane is not None:

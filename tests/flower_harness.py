@@ -1214,6 +1214,38 @@ clientapp = "{module}.client_app:app"
 """
 
 
+def start_node_worker(sock: str | os.PathLike, log_path: str | os.PathLike, timeout: float = 60.0) -> subprocess.Popen:
+    """A node worker (`python -m lordo_fed.node`) listening on the unix socket `sock`, in its own
+    session (stop it with `stop_process`), started once its socket exists; its output goes to
+    `log_path`. Give the node the node-config key `node-worker = "unix://<sock>"`."""
+    sock = Path(sock)
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), **{OWNER_VAR: f"node-worker-{uuid.uuid4().hex}"})
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "lordo_fed.node", "--listen", f"unix://{sock}"], cwd=root,
+                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while not sock.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"node worker exited ({proc.returncode}):\n{tail(log_path)}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise TimeoutError(f"node worker did not listen on {sock} within {timeout:.0f}s:\n{tail(log_path)}")
+        time.sleep(0.1)
+    return proc
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL after `timeout` (a process started by this module in its own session)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=timeout)
+
+
 def flower_app_pyproject(name: str, module: str, description: str, config: Mapping[str, Any]) -> str:
     """The pyproject.toml of a throwaway Flower app: project `name`, its ServerApp and ClientApp
     at `<module>.server_app:app` / `<module>.client_app:app`, run-config defaults `config` (TOML

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,39 +18,17 @@ import pytest
 
 from lordo_fed.checkpoint import load_checkpoint
 from lordo_fed.node.channel import check_local
-from tests.flower_harness import Deployment, alive, check_run
+from tests.flower_harness import Deployment, alive, check_run, start_node_worker, stop_process
 from tests.test_flower_app import APP, reference_theta, server_records, tiny_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def start_worker(sock: Path, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "lordo_fed.node", "--listen", f"unix://{sock}"], cwd=ROOT, env=env,
-                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while not sock.exists():
-        assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, "node worker did not start"
-        time.sleep(0.1)
-    return proc
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
-
-
 def test_node_workers_match_the_reference_and_survive_a_kill_between_rounds(tmp_path):
     socks = [tmp_path / f"nw{i}.sock" for i in range(2)]
     logs = [tmp_path / f"node-worker-{i}.log" for i in range(2)]
-    workers = [start_worker(s, log) for s, log in zip(socks, logs)]
+    workers = [start_node_worker(s, log) for s, log in zip(socks, logs)]
     out = tmp_path / "out"
     cfg = tiny_run_config(tmp_path, **{"num-server-rounds": 3, "data-plane-insecure": True,
                                        "output-dir": str(out)})
@@ -73,13 +49,13 @@ def test_node_workers_match_the_reference_and_survive_a_kill_between_rounds(tmp_
             killed = workers[1].pid
             os.killpg(killed, signal.SIGKILL)
             workers[1].wait(timeout=10)
-            workers[1] = start_worker(socks[1], logs[1])
+            workers[1] = start_node_worker(socks[1], logs[1])
             check_run(run.result(300))
             pids = dep.all_pids()
         assert not alive(pids)
     finally:
         for w in workers:
-            stop(w)
+            stop_process(w)
     records = server_records(out)
     assert [r["round"] for r in records] == [0, 1, 2, 3]
     assert all(r["clients_ok"] == 2 and r["clients_missing"] == 0 for r in records[1:]), records
