@@ -236,6 +236,7 @@ def _encode_global_state_reference(state: GlobalState, model_id: str, payload_dt
     _fill_group(msg.params, state.params, payload_dtype, "GlobalState.params")
     _fill_group(msg.projections, state.projections, "fp32", "GlobalState.projections")
     _fill_group(msg.moments, state.moments, payload_dtype, "GlobalState.moments")
+    msg.params_from_seed = bool(state.params_from_seed)
     return msg.SerializeToString(deterministic=deterministic)
 
 
@@ -356,6 +357,8 @@ def _global_state_plan(state: GlobalState, model_id: str, payload_dtype: str) ->
     # (‖PPᵀ − I‖ ~ 5e-4), and they are small (r x n per matrix, against Δ's m x n).
     _plan_group(plan, 6, state.projections, "fp32", "GlobalState.projections")
     _plan_group(plan, 7, state.moments, payload_dtype, "GlobalState.moments")
+    if state.params_from_seed:
+        plan.add(_key(8, _WT_VARINT) + _varint(1))
     return _finish_plan(plan, "GlobalState")
 
 
@@ -706,8 +709,10 @@ def _finish_global_state(msg: pb.GlobalState, expected_model_id: str | None,
     params, projections, moments = (
         _decode_group(g, s, where, None if spans is None else spans[field], view)
         for (g, where, field), s in zip(groups, shapes))
+    if msg.params_from_seed and params:
+        raise PayloadError(f"{kind}: params_from_seed is set but {len(params)} parameter tensors came too")
     return GlobalState(round=int(msg.round), params=params, projections=projections,
-                       moments=moments, opt_step=int(msg.opt_step))
+                       moments=moments, opt_step=int(msg.opt_step), params_from_seed=bool(msg.params_from_seed))
 
 
 def _finish_update(msg: pb.WorkerUpdate, expected_model_id: str | None,

@@ -91,6 +91,8 @@ class GlobalState:
     """Averaged moments due this round, keyed by `moment_key`, already in `projections`' basis."""
     opt_step: int = 0
     """Inner-optimizer steps taken so far (bias correction of loaded moments)."""
+    params_from_seed: bool = False
+    """`params` is empty: θ is the seeded initialisation θ0, which the receiver builds itself."""
 
     def tensors(self) -> dict[str, Tensor]:
         """Everything that crosses the wire downstream, one flat dict (for byte counts)."""

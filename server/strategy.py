@@ -15,6 +15,7 @@ and polls every 3 s; one phase per round and fast polling cut the per-round over
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -41,7 +42,7 @@ from lordo_fed.flower import (EXPLICIT_KEYS, TICKET, UPLOAD_SHA256, is_simulatio
 from lordo_fed.methods import lowrank_ranks, make_aggregator, resolve_method
 from lordo_fed.metrics import MetricsWriter, plot_curves
 from lordo_fed.model import build_model
-from lordo_fed.rounds import ReplyRef, WorkerUpdate
+from lordo_fed.rounds import GlobalState, ReplyRef, WorkerUpdate
 from lordo_fed.transport.server import DataPlaneServer
 
 log = logging.getLogger("lordo_fed.server")
@@ -97,6 +98,8 @@ class LoRDOStrategy(Strategy):
         self.cum_bytes = 0
         self._round_log = RoundLog()
         self.data_plane: DataPlaneServer | None = None
+        self._theta_is_seeded = not cfg.resume
+        """θ is still θ0, the seeded init every client builds itself: it is not sent (until a round is applied)."""
         # The largest reply a node may upload: Δ plus at most three full-size states (u, v, E) in
         # fp32, and room for names and metrics. A bigger upload is refused before it is stored.
         self.max_upload = 4 * 4 * sum(p.numel() for p in self.model.parameters()) + (1 << 20)
@@ -121,7 +124,7 @@ class LoRDOStrategy(Strategy):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         """One message per connected node, all carrying the same encoded global state."""
-        state = self.aggregator.global_state()
+        state = self._without_theta0(self.aggregator.global_state())
         if state.round != server_round:
             raise RuntimeError(f"aggregator is at round {state.round}, asked to configure {server_round}")
         encode_started = time.perf_counter()
@@ -175,6 +178,7 @@ class LoRDOStrategy(Strategy):
                 self.aggregator.round += 1  # the next round is a new attempt with the same θ
                 return None, MetricRecord({"clients-ok": len(refs)})
             result = self.aggregator.aggregate_refs(refs)
+        self._theta_is_seeded = False
         self.tokens += sum(r.tokens for r in refs)
         metrics = {k: float(v) for k, v in result.metrics.items()}
         metrics["clients_dropped"] = float(len(rl.dropped))
@@ -275,7 +279,8 @@ class LoRDOStrategy(Strategy):
         """LoRDO-Global, init_projection='gradient': one query phase before round 1 in which every
         client returns its gradient at θ0, the round-1 projections are fitted to their mean."""
         self._wait_for_nodes(grid, timeout)
-        data = encode_global_state(self.aggregator.gradient_request(), self.model_id, self.cfg.payload_dtype)
+        data = encode_global_state(self._without_theta0(self.aggregator.gradient_request()), self.model_id,
+                                   self.cfg.payload_dtype)
         messages = self._outgoing(0, data, grid.get_node_ids(), MessageType.QUERY)
         self.fit_initial_projections(self._send_and_receive(grid, messages, timeout), len(data))
 
@@ -355,6 +360,12 @@ class LoRDOStrategy(Strategy):
         finally:
             for upload in held:
                 upload.discard()
+
+    def _without_theta0(self, state: GlobalState) -> GlobalState:
+        """`state` without θ while θ is still the seeded θ0 (both sides derive it: not sent)."""
+        if not self._theta_is_seeded:
+            return state
+        return dataclasses.replace(state, params={}, params_from_seed=True)
 
     def _upload_of(self, msg: Message, round_idx: int):
         """The data-plane upload a reply vouches for (its sha256 must match); ValueError naming

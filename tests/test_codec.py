@@ -975,3 +975,17 @@ def test_peak_memory_of_encoding_and_decoding(tmp_path):
     peak = {k: v / n for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
     assert peak["encode_new"] < 1.25 and peak["decode_new"] < 1.25, peak
     assert peak["encode_old"] > 2.5 and peak["decode_old"] > 1.75, peak  # the measurement discriminates
+
+
+def test_params_from_seed_round_trips_and_refuses_params_beside_it():
+    """Round 1's state carries no θ (the seeded θ0 both sides build), only the flag."""
+    state = GlobalState(round=1, params={}, projections={"w": torch.randn(3, 8)}, params_from_seed=True)
+    data = codec.encode_global_state(state, "m")
+    assert bytes(data) == codec._encode_global_state_reference(state, "m")
+    for decode in (codec.decode_global_state, codec._decode_global_state_reference):
+        back = decode(bytes(data), expected_model_id="m")
+        assert back.params_from_seed and back.params == {} and torch.equal(back.projections["w"], state.projections["w"])
+    assert not codec.decode_global_state(codec.encode_global_state(GlobalState(round=2, params={}), "m")).params_from_seed
+    both = GlobalState(round=1, params={"w": torch.zeros(2)}, params_from_seed=True)
+    with pytest.raises(codec.PayloadError, match="params_from_seed is set but 1 parameter tensors came too"):
+        codec.decode_global_state(codec.encode_global_state(both, "m"))

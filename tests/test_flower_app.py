@@ -130,7 +130,8 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
 def test_deployment_on_both_data_planes_matches_the_reference_and_bad_configs_stop(tmp_path):
     """A real SuperLink and two SuperNodes: the payloads over the gRPC data plane (plaintext,
     explicitly insecure) and inside Flower's messages end at the same θ as the reference trainer,
-    bit for bit; bad values stop a run before round 1 with a message naming them."""
+    bit for bit (round 1's θ0 built by the clients from the seed, not sent); bad values stop a
+    run before round 1 with a message naming them."""
     with Deployment(tmp_path, num_nodes=2) as dep:
         bad = dep.run(APP, tiny_run_config(tmp_path, omega=1.5, **{"output-dir": str(tmp_path / "bad")}), timeout=120)
         assert "run-config key 'omega': inner.omega=1.5: expected a number in [0, 1]" in bad.stdout
@@ -152,6 +153,9 @@ def test_deployment_on_both_data_planes_matches_the_reference_and_bad_configs_st
             assert ("upload_seconds" in records[1]) == (plane == "grpc")
             tensors, _ = load_checkpoint(out / "checkpoints")
             thetas[plane] = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
+            # θ0 is the seeded init both sides build: round 1 sends no θ, round 2 sends θ.
+            theta_bytes = 4 * sum(t.numel() for t in thetas[plane].values())
+            assert records[1]["bytes_sent_per_client"] < theta_bytes <= records[2]["bytes_sent_per_client"], records
         assert not list((tmp_path / "grpc" / "dataplane_spool").glob("*")), "spooled replies left behind"
         pids = dep.all_pids()
     from tests.flower_harness import alive

@@ -174,6 +174,19 @@ def runtime_for(job: Job, presets: Path = PRESET_DIR) -> Runtime:
     return _RUNTIMES[key]
 
 
+def seeded_params(rt: Runtime) -> dict[str, torch.Tensor]:
+    """θ0 as the server built it (the same seed, model config and vocabulary: the server sends a
+    flag instead of these bytes). Built on the CPU under a forked RNG, so that this process's
+    random state, which training may draw from, is as if it had not been built."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(rt.cfg.seed)
+        model = build_model(rt.cfg.model, load_tokenizer(rt.cfg.data.tokenizer).vocab_size)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    if model_id(params) != rt.model_id:
+        raise ValueError(f"θ0 built from the seed has model id {model_id(params)}, expected {rt.model_id}")
+    return params
+
+
 def disk_store(cfg: AppConfig, partition_id: int) -> DiskStore:
     # Keyed by partition, not by run: a resumed run (a new Flower run id) finds its clients' state.
     return DiskStore(cfg.client_state_dir or Path(cfg.out_dir) / "client_state", partition_id)
@@ -211,6 +224,8 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
     state = decode_global_state(received, expected_model_id=rt.model_id)
     received_bytes = len(received)
     del received
+    if state.params_from_seed:
+        state.params = seeded_params(rt)
     decode_seconds = time.perf_counter() - decode_started
     store = store_for(rt.cfg, pid)
     if job.kind == QUERY:

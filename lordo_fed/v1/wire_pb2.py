@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17lordo_fed/v1/wire.proto\x12\x0clordo_fed.v1\"\x8b\x01\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.lordo_fed.v1.DType\x12\"\n\x05\x63odec\x18\x04 \x01(\x0e\x32\x13.lordo_fed.v1.Codec\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"\xc8\x01\n\x0bGlobalState\x12\x0e\n\x06schema\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x10\n\x08opt_step\x18\x04 \x01(\x03\x12$\n\x06params\x18\x05 \x03(\x0b\x32\x14.lordo_fed.v1.Tensor\x12)\n\x0bprojections\x18\x06 \x03(\x0b\x32\x14.lordo_fed.v1.Tensor\x12%\n\x07moments\x18\x07 \x03(\x0b\x32\x14.lordo_fed.v1.Tensor\"\xaa\x02\n\x0cWorkerUpdate\x12\x0e\n\x06schema\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x11\n\tworker_id\x18\x04 \x01(\x03\x12\x0e\n\x06tokens\x18\x05 \x01(\x03\x12\x10\n\x08opt_step\x18\x06 \x01(\x03\x12#\n\x05\x64\x65lta\x18\x07 \x03(\x0b\x32\x14.lordo_fed.v1.Tensor\x12%\n\x07moments\x18\x08 \x03(\x0b\x32\x14.lordo_fed.v1.Tensor\x12\x38\n\x07metrics\x18\t \x03(\x0b\x32\'.lordo_fed.v1.WorkerUpdate.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*O\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\t\n\x05INT64\x10\x03\x12\t\n\x05INT32\x10\x04*6\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x07\n\x03RAW\x10\x01\x12\r\n\tBF16_BITS\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17lordo_fed/v1/wire.proto\x12\x0clordo_fed.v1\"\x8b\x01\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.lordo_fed.v1.DType\x12\"\n\x05\x63odec\x18\x04 \x01(\x0e\x32\x13.lordo_fed.v1.Codec\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"\xe2\x01\n\x0bGlobalState\x12\x0e\n\x06schema\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x10\n\x08opt_step\x18\x04 \x01(\x03\x12$\n\x06params\x18\x05 \x03(\x0b\x32\x14.lordo_fed.v1.Tensor\x12)\n\x0bprojections\x18\x06 \x03(\x0b\x32\x14.lordo_fed.v1.Tensor\x12%\n\x07moments\x18\x07 \x03(\x0b\x32\x14.lordo_fed.v1.Tensor\x12\x18\n\x10params_from_seed\x18\x08 \x01(\x08\"\xaa\x02\n\x0cWorkerUpdate\x12\x0e\n\x06schema\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x11\n\tworker_id\x18\x04 \x01(\x03\x12\x0e\n\x06tokens\x18\x05 \x01(\x03\x12\x10\n\x08opt_step\x18\x06 \x01(\x03\x12#\n\x05\x64\x65lta\x18\x07 \x03(\x0b\x32\x14.lordo_fed.v1.Tensor\x12%\n\x07moments\x18\x08 \x03(\x0b\x32\x14.lordo_fed.v1.Tensor\x12\x38\n\x07metrics\x18\t \x03(\x0b\x32\'.lordo_fed.v1.WorkerUpdate.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*O\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\t\n\x05INT64\x10\x03\x12\t\n\x05INT32\x10\x04*6\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x07\n\x03RAW\x10\x01\x12\r\n\tBF16_BITS\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,16 +33,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERUPDATE_METRICSENTRY']._loaded_options = None
   _globals['_WORKERUPDATE_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=687
-  _globals['_DTYPE']._serialized_end=766
-  _globals['_CODEC']._serialized_start=768
-  _globals['_CODEC']._serialized_end=822
+  _globals['_DTYPE']._serialized_start=713
+  _globals['_DTYPE']._serialized_end=792
+  _globals['_CODEC']._serialized_start=794
+  _globals['_CODEC']._serialized_end=848
   _globals['_TENSOR']._serialized_start=42
   _globals['_TENSOR']._serialized_end=181
   _globals['_GLOBALSTATE']._serialized_start=184
-  _globals['_GLOBALSTATE']._serialized_end=384
-  _globals['_WORKERUPDATE']._serialized_start=387
-  _globals['_WORKERUPDATE']._serialized_end=685
-  _globals['_WORKERUPDATE_METRICSENTRY']._serialized_start=639
-  _globals['_WORKERUPDATE_METRICSENTRY']._serialized_end=685
+  _globals['_GLOBALSTATE']._serialized_end=410
+  _globals['_WORKERUPDATE']._serialized_start=413
+  _globals['_WORKERUPDATE']._serialized_end=711
+  _globals['_WORKERUPDATE_METRICSENTRY']._serialized_start=665
+  _globals['_WORKERUPDATE_METRICSENTRY']._serialized_end=711
 # @@protoc_insertion_point(module_scope)
