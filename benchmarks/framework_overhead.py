@@ -8,6 +8,8 @@ thread per client) runs three ways:
   (round - aggregation) / M + aggregation.
 - simulation: `flwr run . local` (Flower's simulation engine, Ray, 2 virtual clients with 1 CPU each).
 - deployment: a real SuperLink and 2 SuperNodes on 127.0.0.1 (tests/flower_harness.Deployment).
+- node-workers: the same deployment with a long-lived node worker beside each SuperNode
+  (lordo_fed.node: the model and state stay in memory; payloads on the gRPC data plane).
 
 Per Flower round, from server.jsonl (the app measures each part; medians of rounds 2..N):
 
@@ -22,6 +24,8 @@ Per Flower round, from server.jsonl (the app measures each part; medians of roun
 
     python benchmarks/framework_overhead.py           # 5 rounds each of reference, simulation, deployment (~2.5 min)
     python benchmarks/framework_overhead.py --quick   # tiny preset, 2 rounds, reference + simulation (~1 min)
+    python benchmarks/framework_overhead.py --preset 16m --modes reference,deployment,node-workers \
+        --out benchmarks/results/framework_overhead_16m.json   # the issue's 16m round against the ideal
 Writes benchmarks/results/framework_overhead.json and .png.
 """
 
@@ -46,9 +50,9 @@ from benchmarks.common import (  # noqa: E402
 PARTS = ("client compute", "client other", "serialization", "aggregation", "transport + Flower", "eval + checkpoint")
 
 
-def work(quick: bool, rounds: int) -> dict[str, Any]:
+def work(quick: bool, rounds: int, preset: str | None = None) -> dict[str, Any]:
     """The work of one run, as Flower run-config values (the reference trainer gets the same)."""
-    return {"variant": "lordo_global", "model-preset": "tiny" if quick else "small", "num-server-rounds": rounds,
+    return {"variant": "lordo_global", "model-preset": preset or ("tiny" if quick else "small"), "num-server-rounds": rounds,
             "local-steps": 4 if quick else 16, "batch-size": 4 if quick else 16, "seq-len": 32 if quick else 64,
             "rank": 8 if quick else 16, "threads": 1, "eval-every": 1, "eval-batches": 2, "min-clients": 2,
             "warmup-steps": 2, "seed": 0}
@@ -117,20 +121,30 @@ def run_simulation_mode(cfg: dict[str, Any], tmp: Path) -> dict[str, Any]:
     return split_flower(out)
 
 
-def run_deployment_mode(cfg: dict[str, Any], tmp: Path) -> dict[str, Any]:
-    from tests.flower_harness import Deployment
+def run_deployment_mode(cfg: dict[str, Any], tmp: Path, node_workers: bool = False) -> dict[str, Any]:
+    from tests.flower_harness import Deployment, start_node_worker, stop_process
 
-    out = tmp / "dep-out"
-    with Deployment(tmp / "dep", num_nodes=2) as dep:
-        dep.run(ROOT, {**cfg, "output-dir": str(out), "data-plane-insecure": True}, timeout=900, check=True,
-                log_path=tmp / "dep.log")
+    name = "nw" if node_workers else "dep"
+    out = tmp / f"{name}-out"
+    workers, kwargs = [], {}
+    if node_workers:
+        socks = [tmp / f"{name}{i}.sock" for i in range(2)]
+        workers = [start_node_worker(sock, tmp / f"node-worker-{i}.log") for i, sock in enumerate(socks)]
+        kwargs["node_configs"] = [{"node-worker": f"unix://{sock}"} for sock in socks]
+    try:
+        with Deployment(tmp / name, num_nodes=2, **kwargs) as dep:
+            dep.run(ROOT, {**cfg, "output-dir": str(out), "data-plane-insecure": True}, timeout=1800, check=True,
+                    log_path=tmp / f"{name}.log")
+    finally:
+        for proc in workers:
+            stop_process(proc)
     return split_flower(out)
 
 
 def plot(result: dict, path: Path) -> None:
     fig = new_figure(9, 5)
     ax = fig.add_subplot(1, 1, 1)
-    modes = [m for m in ("reference", "simulation", "deployment") if m in result["modes"]]
+    modes = [m for m in ("reference", "simulation", "deployment", "node-workers") if m in result["modes"]]
     bottoms = [0.0] * len(modes)
     for part in PARTS:
         ys = [result["modes"][m]["median_rounds_2_to_n"].get(part, 0.0) for m in modes]
@@ -148,15 +162,18 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     parser = make_parser("framework_overhead", __doc__, "tiny preset, 2 rounds, reference + simulation only")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per run (default 5; --quick 2)")
-    parser.add_argument("--modes", default=None, help="comma-separated subset of reference,simulation,deployment")
+    parser.add_argument("--modes", default=None,
+                        help="comma-separated subset of reference,simulation,deployment,node-workers")
+    parser.add_argument("--preset", default=None, help="model preset (default small; --quick tiny)")
     args = parser.parse_args()
     rounds = args.rounds or (2 if args.quick else 5)
     modes = (args.modes or ("reference,simulation" if args.quick else "reference,simulation,deployment")).split(",")
-    cfg = work(args.quick, rounds)
+    cfg = work(args.quick, rounds, args.preset)
     tmp = Path(tempfile.mkdtemp(prefix="framework-overhead-"))
     started = time.perf_counter()
     load_before = os.getloadavg()
-    runners = {"reference": run_reference, "simulation": run_simulation_mode, "deployment": run_deployment_mode}
+    runners = {"reference": run_reference, "simulation": run_simulation_mode, "deployment": run_deployment_mode,
+               "node-workers": lambda cfg, tmp: run_deployment_mode(cfg, tmp, node_workers=True)}
     results: dict[str, Any] = {}
     try:
         for mode in modes:
@@ -167,7 +184,7 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     ref = results.get("reference", {}).get("median_rounds_2_to_n", {})
-    for mode in ("simulation", "deployment"):
+    for mode in ("simulation", "deployment", "node-workers"):
         if mode in results and ref:
             med = results[mode]["median_rounds_2_to_n"]
             med["ratio_to_ideal_parallel_round"] = med["round_seconds"] / ref["ideal_parallel_round_seconds"]
