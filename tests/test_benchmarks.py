@@ -140,3 +140,48 @@ def test_codec_memory_quick(tmp_path):
         for step in ("encode", "encode_file", "decode", "decode_mmap"):
             s = summary[(step, pd)]
             assert s["old_seconds"] > 0 and s["new_seconds"] > 0
+
+
+@pytest.mark.slow
+def test_dataplane_throughput_quick(tmp_path):
+    """Structure and verification of benchmarks/dataplane_throughput.py --quick (not its speed):
+    every variant ran, every transfer arrived whole (sha256, sizes, content), ratios are ratios."""
+    result = run_quick("dataplane_throughput.py", tmp_path, timeout=300)
+    size = int(result["config"]["size_mb"] * 1e6)
+    nodes = result["config"]["nodes"]
+    assert nodes == 2 and result["verified"] is True
+    variants = result["variants"]
+    assert set(variants) == {"bare grpc", "bare grpc TLS", "dp transport only", "dp transport only TLS",
+                             "data plane", "flower"}  # --quick: no TLS deployment
+    for name, v in variants.items():
+        assert v["verified"] is True, name
+        assert v["seconds"] > 0 and v["mb_per_s"] > 0, name
+        bare = variants["bare grpc TLS" if v["security"] == "tls" else "bare grpc"]["mb_per_s"]
+        assert v["ratio_to_bare"] == pytest.approx(v["mb_per_s"] / bare, rel=1e-2), name
+        if name.startswith(("bare", "dp transport")):
+            assert v["bytes_moved"] == 2 * nodes * size, name  # each node: size down and size up
+        else:  # the encoded GlobalState / WorkerUpdate: the tensor plus a small header
+            assert 2 * nodes * size <= v["bytes_moved"] < 2 * nodes * size + 4096, name
+            assert v["end_to_end_s"] >= v["seconds"] and v["tiny_exchange_s"] > 0, name
+    # the Flower-less streams: both directions of every client checked by sha256 after the timed part
+    for runs in result["stream_runs"].values():
+        for run in runs:
+            assert run["verified"] is True
+            for c in run["clients"]:
+                assert c["down_sha256_ok"] and c["up_sha256_ok"] and c["down_bytes"] == c["up_bytes"] == size
+    # the deployment: every exchange, every node, both directions
+    rows = result["deployments"]["plaintext"]["rows"]
+    assert sorted((r["mode"], r["size_mb"]) for r in rows) == [
+        ("flower", 0.001), ("flower", 20.0), ("grpc", 0.001), ("grpc", 20.0)]
+    for r in rows:
+        assert r["verified"] is True and len(r["nodes"]) == nodes
+        for n in r["nodes"].values():
+            assert n["down_ok"] and n["up_content_ok"], r["mode"]  # decoded tensors equal what was drawn
+            assert n["down_bytes"] == r["payload_bytes_down"] and n["up_bytes"] == n["up_bytes_received"] > 0
+            assert n["up_sha256_ok"] is (True if r["mode"] == "grpc" else None)
+    breakdown = variants["data plane"]["breakdown"]
+    for key in ("server_encode_s", "publish_sha256_s", "download_s", "client_decode_s", "client_encode_s",
+                "upload_s", "server_decode_s", "control_down_s", "control_up_s", "critical_path_s"):
+        assert breakdown[key] >= 0, key
+    assert variants["data plane"]["critical_path_s"] == breakdown["critical_path_s"]
+    assert len(result["table"]) == 2 + len(variants)
