@@ -76,6 +76,19 @@ RUN_CONFIG_CASES = [
     ("outlier-factor", math.nan, f"run-config key 'outlier-factor': outlier_factor=nan: {OUTLIER}"),
     ("outlier-factor", math.inf, f"run-config key 'outlier-factor': outlier_factor=inf: {OUTLIER}"),
     ("preset", "nope", f"run-config key 'preset'='nope': no nope.yaml in {PRESET_DIR}; expected one of ["),
+    ("data-plane", "tcp", "run-config key 'data-plane': data_plane.mode='tcp': expected one of ('auto', 'grpc', 'flower')"),
+    ("data-plane-bind", 5, "run-config key 'data-plane-bind'=5: expected a string like the default '127.0.0.1'"),
+    ("data-plane-address", 5, "run-config key 'data-plane-address'=5: expected a string like the default ''"),
+    ("data-plane-port", 70000, "run-config key 'data-plane-port': data_plane.port=70000: expected 0 (any free port) "
+                               "or 1..65535"),
+    ("data-plane-certfile", "/x/server.pem", "run-config key 'data-plane-certfile': data_plane.certfile='/x/server.pem' "
+                                             "without data_plane.keyfile: expected both (TLS) or neither"),
+    ("data-plane-keyfile", "/x/server.key", "run-config key 'data-plane-keyfile': data_plane.keyfile='/x/server.key' "
+                                            "without data_plane.certfile: expected both (TLS) or neither"),
+    ("data-plane-insecure", "yes", "run-config key 'data-plane-insecure'='yes': expected true or false like the default False"),
+    ("data-plane-stall-timeout", 0.0, "run-config key 'data-plane-stall-timeout': data_plane.stall_timeout=0.0: "
+                                      "expected seconds > 0"),
+    ("data-plane-memory-mb", -1, "run-config key 'data-plane-memory-mb': data_plane.memory_mb=-1: expected MB >= 0"),
 ]
 
 

@@ -243,3 +243,14 @@ def test_a_ticket_that_does_not_parse_or_is_incomplete():
         client.parse_ticket(b"\xff\xff\xff")
     with pytest.raises(client.DataPlaneError, match="ticket incomplete"):
         client.parse_ticket(pb.Ticket(address="127.0.0.1:1", size=3).SerializeToString())
+
+
+def test_data_plane_tls_settings_name_what_is_missing(tmp_path):
+    from lordo_fed.transport.config import DataPlaneConfig
+
+    with pytest.raises(ValueError, match="data-plane='grpc' needs TLS: set data-plane-certfile and data-plane-keyfile"):
+        DataPlaneConfig().tls()
+    assert DataPlaneConfig(insecure=True).tls() is None
+    missing = str(tmp_path / "server.pem")
+    with pytest.raises(ValueError, match=f"run-config key 'data-plane-certfile'='{missing}': cannot read it"):
+        DataPlaneConfig(certfile=missing, keyfile=missing).tls()

@@ -41,9 +41,12 @@ class DataPlaneConfig:
             raise ValueError(f"data_plane.stall_timeout={self.stall_timeout!r}: expected seconds > 0")
         if self.memory_mb < 0:
             raise ValueError(f"data_plane.memory_mb={self.memory_mb!r}: expected MB >= 0")
-        if bool(self.certfile) != bool(self.keyfile):
-            raise ValueError(f"data_plane.certfile={self.certfile!r} and data_plane.keyfile={self.keyfile!r}: "
-                             "expected both (TLS) or neither")
+        if self.certfile and not self.keyfile:
+            raise ValueError(f"data_plane.certfile={self.certfile!r} without data_plane.keyfile: expected both "
+                             "(TLS) or neither")
+        if self.keyfile and not self.certfile:
+            raise ValueError(f"data_plane.keyfile={self.keyfile!r} without data_plane.certfile: expected both "
+                             "(TLS) or neither")
         if self.certfile and self.insecure:
             raise ValueError("data_plane.insecure=True with a certfile: expected one or the other")
         return self
