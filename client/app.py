@@ -57,7 +57,7 @@ def _handle(kind: str, msg: Message, context: Context) -> Message:
         payload = b"" if ticket else payload_bytes(msg.content["state"])
         result = run_on_node_worker(worker, kind, context.run_id, dict(context.run_config), explicit_keys(msg),
                                     dict(context.node_config), context.node_id, ticket=ticket, payload=payload,
-                                    presets_dir=str(PRESETS), timeout=_round_timeout(context))
+                                    presets_dir=str(PRESETS), timeout=3 * _round_timeout(context) + 60)
         metrics = dict(result.metrics)
         content = (RecordDict({"upload": ConfigRecord({UPLOAD_SHA256: result.upload_sha256})}) if ticket
                    else RecordDict({"update": payload_record(result.payload)}))
@@ -100,9 +100,10 @@ def receive_state(msg: Message, context: Context, timeout: float) -> bytes | byt
     config = msg.content.config_records.get("config")
     if config is None or TICKET not in config:
         return payload_bytes(msg.content["state"])
-    from lordo_fed.transport.client import download, parse_ticket
+    from lordo_fed.transport.client import download, parse_ticket, transfer_timeout
 
-    return download(parse_ticket(config[TICKET]), context.node_id, _root_certificates(context), timeout=timeout)
+    ticket = parse_ticket(config[TICKET])
+    return download(ticket, context.node_id, _root_certificates(context), timeout=transfer_timeout(ticket, timeout))
 
 
 def send_reply(msg: Message, context: Context, data: bytes, timeout: float) -> RecordDict:

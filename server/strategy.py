@@ -98,6 +98,8 @@ class LoRDOStrategy(Strategy):
         self.cum_bytes = 0
         self._round_log = RoundLog()
         self.data_plane: DataPlaneServer | None = None
+        self._announced: dict[int, dict[str, int]] = {}
+        """Rounds whose messages went out ahead of their state: message id -> node id."""
         self._theta_is_seeded = not cfg.resume
         """θ is still θ0, the seeded init every client builds itself: it is not sent (until a round is applied)."""
         # The largest reply a node may upload: Δ plus at most three full-size states (u, v, E) in
@@ -131,6 +133,29 @@ class LoRDOStrategy(Strategy):
         data = encode_global_state(state, self.model_id, self.cfg.payload_dtype)
         self._round_log = RoundLog(sent_bytes=len(data), encode_seconds=time.perf_counter() - encode_started)
         return self._outgoing(server_round, data, grid.get_node_ids(), MessageType.TRAIN)
+
+    def _announce(self, round_idx: int, node_ids: Iterable[int]) -> list[Message]:
+        """Train messages for a round whose state is not published yet (data plane tickets with
+        no size/sha256: the node's download waits for the publish). Valid two round deadlines:
+        the node may take the message while the previous round still runs."""
+        config = {"round": round_idx, EXPLICIT_KEYS: self.explicit_keys}
+        tickets = self.data_plane.announce(round_idx, list(node_ids), ttl=2 * self.cfg.round_timeout + 60,
+                                           max_upload=self.max_upload)
+        return [Message(content=RecordDict({"config": ConfigRecord({**config, TICKET: t.SerializeToString()})}),
+                        dst_node_id=n, message_type=MessageType.TRAIN) for n, t in tickets.items()]
+
+    def _publish_announced(self, round_idx: int, grid: Grid, announced: set[int]) -> dict[str, int]:
+        """Encode and publish the state of an announced round; nodes that connected since the
+        announcement get their message now (message id -> node id of those)."""
+        state = self._without_theta0(self.aggregator.global_state())
+        encode_started = time.perf_counter()
+        data = encode_global_state(state, self.model_id, self.cfg.payload_dtype)
+        self._round_log = RoundLog(sent_bytes=len(data), encode_seconds=time.perf_counter() - encode_started)
+        late = [n for n in grid.get_node_ids() if n not in announced]
+        if late:  # publishes too
+            return self._push(grid, self._outgoing(round_idx, data, late, MessageType.TRAIN))
+        self.data_plane.publish(round_idx, data)
+        return {}
 
     def _outgoing(self, round_idx: int, data: bytes, node_ids: Iterable[int], message_type: str) -> list[Message]:
         """One message per node: the encoded state itself (data plane 'flower'), or a ticket to
@@ -219,8 +244,17 @@ class LoRDOStrategy(Strategy):
                 r = self.aggregator.round
                 started = time.perf_counter()
                 self._wait_for_nodes(grid, timeout)
-                messages = list(self.configure_train(r, ArrayRecord(), ConfigRecord(), grid))
-                replies = self._send_and_receive(grid, messages, timeout)
+                ids = self._announced.pop(r, None)
+                if ids is None:
+                    ids = self._push(grid, list(self.configure_train(r, ArrayRecord(), ConfigRecord(), grid)))
+                else:  # the nodes hold this round's tickets already: publish its state
+                    ids.update(self._publish_announced(r, grid, set(ids.values())))
+                if self.data_plane is not None and r < num_rounds:
+                    # Round r+1's messages go out now (tickets; its state is published later):
+                    # each SuperNode takes its next message as soon as it replied to this one,
+                    # so Flower's polling and process start overlap this round's work.
+                    self._announced[r + 1] = self._push(grid, self._announce(r + 1, grid.get_node_ids()))
+                replies = self._receive(grid, ids, timeout)
                 agg_started = time.perf_counter()
                 _, metrics = self.aggregate_train(r, replies)
                 aggregation_seconds = time.perf_counter() - agg_started
@@ -405,16 +439,24 @@ class LoRDOStrategy(Strategy):
             time.sleep(0.2)
 
     def _send_and_receive(self, grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
-        """Push, then poll for replies (every 20 ms for a second, then every 0.1 s) until all came
-        or the deadline.
+        """Push, then poll for replies until all came or the deadline (`_receive`)."""
+        return self._receive(grid, self._push(grid, messages), timeout)
+
+    @staticmethod
+    def _push(grid: Grid, messages: list[Message]) -> dict[str, int]:
+        """Push `messages`; returns message id -> destination node id."""
+        shorten_pull_backoff()
+        return {mid: msg.metadata.dst_node_id for mid, msg in zip(grid.push_messages(messages), messages) if mid}
+
+    def _receive(self, grid: Grid, ids: dict[str, int], timeout: float) -> list[Message]:
+        """Poll for the replies to the messages `ids` (every 20 ms for a second, then every 0.1 s)
+        until all came or the deadline.
 
         (Flower's `grid.send_and_receive` polls every 3 s. In simulation replies come within
         ~0.1 s; in deployment not before the SuperNodes' own 3 s polling allows, and a pull costs
         the SuperLink one cheap request: a reply waits at most 0.1 s. Reply chunks still being
         uploaded are retried after 50 ms, not Flower's 1 s: lordo_fed.flower.shorten_pull_backoff.)
         """
-        shorten_pull_backoff()
-        ids = {mid: msg.metadata.dst_node_id for mid, msg in zip(grid.push_messages(messages), messages) if mid}
         pending = set(ids)
         replies: list[Message] = []
         unavailable: dict[str, str] = {}

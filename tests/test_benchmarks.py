@@ -155,7 +155,10 @@ def test_dataplane_throughput_quick(tmp_path):
                              "data plane", "flower"}  # --quick: no TLS deployment
     for name, v in variants.items():
         assert v["verified"] is True, name
-        assert v["seconds"] > 0 and v["mb_per_s"] > 0, name
+        if name.startswith(("bare", "dp transport")):
+            assert v["seconds"] > 0 and v["mb_per_s"] > 0, name
+        # (in a deployment, big - tiny exchange can come out <= 0 at --quick's 20 MB on a loaded
+        # machine: Flower's control latency varies by more than the transfer takes)
         bare = variants["bare grpc TLS" if v["security"] == "tls" else "bare grpc"]["mb_per_s"]
         assert v["ratio_to_bare"] == pytest.approx(v["mb_per_s"] / bare, rel=1e-2), name
         if name.startswith(("bare", "dp transport")):

@@ -254,3 +254,23 @@ def test_data_plane_tls_settings_name_what_is_missing(tmp_path):
     missing = str(tmp_path / "server.pem")
     with pytest.raises(ValueError, match=f"run-config key 'data-plane-certfile'='{missing}': cannot read it"):
         DataPlaneConfig(certfile=missing, keyfile=missing).tls()
+
+
+def test_an_announced_round_is_downloaded_once_published(plane):
+    """Tickets handed out before the round's state exists: the download waits for the publish
+    and checks what the stream's first chunk declares; the upload is taken once published."""
+    import threading
+
+    tickets = plane.announce(1, [NODE], ttl=60, max_upload=4 * MB)
+    assert tickets[NODE].size == 0 and tickets[NODE].sha256 == ""
+    got: dict = {}
+    waiter = threading.Thread(target=lambda: got.update(state=client.download(tickets[NODE], NODE, timeout=30)))
+    waiter.start()
+    time.sleep(0.5)
+    assert waiter.is_alive(), "the download did not wait for the publish"
+    state = os.urandom(MB + 3)
+    plane.publish(1, state)
+    waiter.join(timeout=30)
+    assert got["state"] == state
+    client.upload(tickets[NODE], NODE, b"reply")
+    assert bytes(plane.upload(NODE, 1).buffer()) == b"reply"

@@ -25,7 +25,7 @@ import grpc
 from lordo_fed.appconfig import PRESET_DIR
 from lordo_fed.node.channel import OPTIONS, check_local
 from lordo_fed.node.runtime import Job, run_job, runtime_for
-from lordo_fed.transport.client import download, parse_ticket, upload
+from lordo_fed.transport.client import download, parse_ticket, transfer_timeout, upload
 from lordo_fed.v1 import node_pb2 as pb
 from lordo_fed.v1 import node_pb2_grpc as pb_grpc
 
@@ -56,7 +56,7 @@ class NodeWorkerServicer(pb_grpc.NodeWorkerServicer):
         ticket = parse_ticket(request.ticket) if request.ticket else None
         if ticket is not None:
             def receive(timeout: float) -> bytearray:
-                return download(ticket, request.node_id, ca, timeout=timeout)
+                return download(ticket, request.node_id, ca, timeout=transfer_timeout(ticket, timeout))
         else:
             def receive(timeout: float) -> bytes:
                 return request.payload

@@ -30,10 +30,17 @@ def parse_ticket(data: bytes) -> pb.Ticket:
         ticket.ParseFromString(bytes(data))
     except Exception as err:  # noqa: BLE001 (protobuf's DecodeError and friends)
         raise DataPlaneError(f"data-plane ticket of {len(data)} bytes does not parse: {err}") from err
-    if not ticket.address or ticket.size < 0 or len(ticket.sha256) != 64:
+    announced = ticket.size == 0 and not ticket.sha256  # the state is published later
+    if not ticket.address or ticket.size < 0 or (len(ticket.sha256) != 64 and not announced):
         raise DataPlaneError(f"data-plane ticket incomplete (address {ticket.address!r}, size {ticket.size}, "
                              f"sha256 {ticket.sha256!r})")
     return ticket
+
+
+def transfer_timeout(ticket: pb.Ticket, round_timeout: float) -> float:
+    """How long a node waits for a download: the round's deadline, and for a round announced
+    ahead of its state also the rest of the round before it (plus a minute of slack)."""
+    return round_timeout if ticket.size else 2 * round_timeout + 60
 
 
 def open_channel(ticket: pb.Ticket, root_certificates: bytes | str | Path | None = None) -> grpc.Channel:
@@ -55,30 +62,45 @@ def open_channel(ticket: pb.Ticket, root_certificates: bytes | str | Path | None
 
 
 def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: float | None = None) -> bytearray:
-    """The round's encoded GlobalState, checked against the ticket's size and sha256."""
-    out = bytearray(ticket.size)
-    view = memoryview(out)
+    """The round's encoded GlobalState, checked against the size and sha256 that the ticket
+    names or, for a round announced before its state existed, that the stream's first chunk
+    declares (the call then waits for the server to publish the round)."""
+    out, view = None, None
+    size, expected = ticket.size, ticket.sha256
     digest, offset = hashlib.sha256(), 0
     with open_channel(ticket, root_certificates) as channel:
         stream = pb_grpc.DataPlaneStub(channel).Download(
             pb.DownloadRequest(token=ticket.download_token, node_id=int(node_id)), timeout=timeout)
         try:
             for chunk in stream:
+                if out is None:
+                    if expected and chunk.sha256 and (chunk.sha256 != expected or chunk.size != size):
+                        stream.cancel()
+                        raise DataPlaneError(f"download from {ticket.address}: the server declares {chunk.size} bytes "
+                                             f"({chunk.sha256[:16]}...), the ticket {size} ({expected[:16]}...)")
+                    if not expected:
+                        size, expected = chunk.size, chunk.sha256
+                        if size <= 0 or len(expected) != 64:
+                            stream.cancel()
+                            raise DataPlaneError(f"download from {ticket.address}: the stream declares no size/sha256 "
+                                                 "for an announced round")
+                    out = bytearray(size)
+                    view = memoryview(out)
                 n = len(chunk.data)
-                if offset + n > ticket.size:
+                if offset + n > size:
                     stream.cancel()
-                    raise DataPlaneError(f"download from {ticket.address}: more than the ticket's {ticket.size} bytes")
+                    raise DataPlaneError(f"download from {ticket.address}: more than the declared {size} bytes")
                 view[offset:offset + n] = chunk.data
                 digest.update(chunk.data)
                 offset += n
         except grpc.RpcError as err:
-            raise DataPlaneError(f"download from {ticket.address} failed after {offset} of {ticket.size} bytes: "
+            raise DataPlaneError(f"download from {ticket.address} failed after {offset} of {size or '?'} bytes: "
                                  f"{err.code().name}: {err.details()}") from err
-    if offset != ticket.size:
-        raise DataPlaneError(f"download from {ticket.address}: {offset} of {ticket.size} bytes (truncated)")
-    if digest.hexdigest() != ticket.sha256:
+    if out is None or offset != size:
+        raise DataPlaneError(f"download from {ticket.address}: {offset} of {size} bytes (truncated)")
+    if digest.hexdigest() != expected:
         raise DataPlaneError(f"download from {ticket.address}: sha256 mismatch (got {digest.hexdigest()[:16]}..., "
-                             f"ticket {ticket.sha256[:16]}...)")
+                             f"expected {expected[:16]}...)")
     return out
 
 

@@ -134,6 +134,8 @@ class DataPlaneServer:
         self._lock = threading.Lock()
         self._round: int | None = None
         self._blobs: dict[int, memoryview] = {}
+        self._sha: dict[int, str] = {}
+        self._events: dict[int, asyncio.Event] = {}
         """The current round's encoded state and the previous one's (a node that fell behind
         still trains the round it was sent, so its own state stays continuous)."""
         self._max_upload = 0
@@ -193,27 +195,52 @@ class DataPlaneServer:
         self.stop()
 
     # ------------------------------------------------------------------------------ rounds
-    def publish(self, round_idx: int, data: bytes | bytearray | memoryview, node_ids, ttl: float,
-                max_upload: int) -> dict[int, pb.Ticket]:
-        """Serve `data` (the round's encoded GlobalState) from now on and return each node's
-        ticket (tokens valid `ttl` seconds). Uploads are taken for this round only; replies of
-        earlier rounds not collected yet are discarded. The previous round's state stays
-        downloadable: a node that fell behind (stalled, slow) still trains the round it was sent
-        and keeps its own state continuous, though its late reply is refused."""
+    def publish(self, round_idx: int, data: bytes | bytearray | memoryview, node_ids=(), ttl: float = 0.0,
+                max_upload: int = 0) -> dict[int, pb.Ticket]:
+        """Serve `data` (the round's encoded GlobalState) from now on and return the tickets of
+        `node_ids` (tokens valid `ttl` seconds; nodes announced earlier already hold theirs).
+        Uploads are taken for this round only; replies of earlier rounds not collected yet are
+        discarded. The previous round's state stays downloadable: a node that fell behind
+        (stalled, slow) still trains the round it was sent and keeps its own state continuous,
+        though its late reply is refused. Downloads waiting for this round start now."""
         sha = hashlib.sha256(data).hexdigest()
         with self._lock:
-            self._round, self._max_upload = int(round_idx), int(max_upload)
+            self._round = int(round_idx)
+            self._max_upload = int(max_upload) or self._max_upload
             self._blobs = {r: b for r, b in self._blobs.items() if r == round_idx - 1}
             self._blobs[int(round_idx)] = memoryview(data).cast("B")
+            self._sha = {r: s for r, s in self._sha.items() if r in self._blobs}
+            self._sha[int(round_idx)] = sha
             stale = [k for k in self._uploads if k[1] != round_idx]
             stale = [self._uploads.pop(key) for key in stale]
         for upload in stale:
             upload.discard()
-        return {int(n): pb.Ticket(address=self.address, round=int(round_idx), size=len(data), sha256=sha,
-                                  download_token=self.issuer.issue(n, round_idx, DOWNLOAD, ttl),
-                                  upload_token=self.issuer.issue(n, round_idx, UPLOAD, ttl),
-                                  max_upload=int(max_upload), tls=self.tls is not None)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._published(round_idx).set)
+        return {int(n): self._ticket(n, round_idx, ttl, max_upload or self._max_upload, len(data), sha)
                 for n in node_ids}
+
+    def announce(self, round_idx: int, node_ids, ttl: float, max_upload: int) -> dict[int, pb.Ticket]:
+        """Tickets for a round whose state does not exist yet (size 0, no sha256): a node can
+        start on them at once, and its download waits until `publish(round_idx, ...)` (its first
+        chunk then declares size and sha256). Lets Flower deliver round r+1's message while
+        round r is still running, taking Flower's message latency off the critical path."""
+        with self._lock:
+            self._max_upload = max(self._max_upload, int(max_upload))
+        return {int(n): self._ticket(n, round_idx, ttl, max_upload, 0, "") for n in node_ids}
+
+    def _ticket(self, node_id: int, round_idx: int, ttl: float, max_upload: int, size: int, sha: str) -> pb.Ticket:
+        return pb.Ticket(address=self.address, round=int(round_idx), size=size, sha256=sha,
+                         download_token=self.issuer.issue(node_id, round_idx, DOWNLOAD, ttl),
+                         upload_token=self.issuer.issue(node_id, round_idx, UPLOAD, ttl),
+                         max_upload=int(max_upload), tls=self.tls is not None)
+
+    def _published(self, round_idx: int) -> asyncio.Event:
+        """The event set when `round_idx` is published (event-loop thread only)."""
+        if round_idx not in self._events:
+            self._events = {r: e for r, e in self._events.items() if r >= round_idx - 1}
+            self._events[round_idx] = asyncio.Event()
+        return self._events[round_idx]
 
     def upload(self, node_id: int, round_idx: int) -> Upload | None:
         """The verified reply of `node_id` for `round_idx`, if one arrived (the caller owns it and
@@ -249,8 +276,9 @@ class DataPlaneServer:
         the current round (uploads) or a round still served (downloads)."""
         with self._lock:
             current, served = self._round, sorted(self._blobs)
-        if current is None:
+        if current is None and kind == UPLOAD:
             raise self._refuse(node_id, -1, kind, "no round is being served", grpc.StatusCode.UNAVAILABLE)
+        current = -1 if current is None else current
         try:
             claims = self.issuer.check(token, node_id, kind)
         except TokenError as err:
@@ -258,7 +286,7 @@ class DataPlaneServer:
         if kind == UPLOAD and claims.round != current:
             raise self._refuse(node_id, claims.round, kind, f"token for round {claims.round}, the data plane takes "
                                f"replies for round {current} (that round closed)")
-        if kind == DOWNLOAD and claims.round not in served:
+        if kind == DOWNLOAD and claims.round not in served and claims.round <= current:
             raise self._refuse(node_id, claims.round, kind, f"token for round {claims.round}, the data plane serves "
                                f"rounds {served}")
         return claims
@@ -274,13 +302,26 @@ class _Servicer(pb_grpc.DataPlaneServicer):
             claims = plane._check(request.token, request.node_id, DOWNLOAD)
             with plane._lock:
                 blob = plane._blobs.get(claims.round)
+            if blob is None and claims.round > (plane._round if plane._round is not None else -1):
+                # An announced round: wait for its state, at most until the token expires.
+                try:
+                    await asyncio.wait_for(plane._published(claims.round).wait(), max(0.0, claims.expires - time.time()))
+                except asyncio.TimeoutError:
+                    raise plane._refuse(request.node_id, claims.round, DOWNLOAD, f"round {claims.round} was not "
+                                        "published before the token expired", grpc.StatusCode.DEADLINE_EXCEEDED) from None
+                with plane._lock:
+                    blob = plane._blobs.get(claims.round)
             if blob is None:  # published over between the check and now
                 raise plane._refuse(request.node_id, claims.round, DOWNLOAD, f"round {claims.round} is no longer served")
             step = plane.chunk_bytes
-            for offset in range(0, len(blob), step):
+            with plane._lock:
+                sha = plane._sha[claims.round]
+            for offset in range(0, max(len(blob), 1), step):
+                chunk = pb.Chunk(data=bytes(blob[offset:offset + step]))
+                if offset == 0:
+                    chunk.size, chunk.sha256 = len(blob), sha
                 try:
-                    await asyncio.wait_for(context.write(pb.Chunk(data=bytes(blob[offset:offset + step]))),
-                                           plane.stall_timeout)
+                    await asyncio.wait_for(context.write(chunk), plane.stall_timeout)
                 except asyncio.TimeoutError:
                     raise plane._refuse(request.node_id, claims.round, DOWNLOAD,
                                         f"stream stalled for more than {plane.stall_timeout:g}s at byte {offset} of "

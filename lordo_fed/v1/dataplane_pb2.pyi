@@ -33,10 +33,14 @@ class DownloadRequest(_message.Message):
     def __init__(self, token: _Optional[str] = ..., node_id: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("data",)
+    __slots__ = ("data", "size", "sha256")
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
     data: bytes
-    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+    size: int
+    sha256: str
+    def __init__(self, data: _Optional[bytes] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class UploadChunk(_message.Message):
     __slots__ = ("token", "node_id", "size", "sha256", "data")
