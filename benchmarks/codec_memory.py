@@ -33,8 +33,6 @@ from __future__ import annotations
 import gc
 import json
 import mmap
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,8 +41,10 @@ from typing import Any, Callable
 
 try:
     from benchmarks.common import human_bytes, make_parser, print_rows, result_header, write_json
+    from benchmarks.common import run_child as common_run_child
 except ImportError:  # run as `python benchmarks/codec_memory.py` without the repo root on sys.path
     from common import human_bytes, make_parser, print_rows, result_header, write_json
+    from common import run_child as common_run_child
 
 ROOT = Path(__file__).resolve().parents[1]
 PATHS = ("old", "new")
@@ -162,13 +162,8 @@ def child_steps(spec: dict, pd: str) -> dict:
 
 
 def run_child(spec: dict) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
-                          capture_output=True, text=True, env=env, timeout=1200)
-    if proc.returncode != 0:
-        raise RuntimeError(f"child {spec['path']} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return common_run_child(__file__, spec, f"child {spec['path']}", timeout=1200,
+                            env={"MALLOC_MMAP_THRESHOLD_": "65536"})
 
 
 def main() -> None:

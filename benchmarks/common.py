@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -128,3 +129,17 @@ def print_rows(head: str, lines: Iterable[str]) -> None:
     print("-" * len(head))
     for line in lines:
         print(line)
+
+
+def run_child(script: str | Path, spec: dict[str, Any], what: str, timeout: float,
+              env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `script --child <spec as JSON>` in a fresh, single-threaded process (its peak RSS is
+    its own) and return the JSON its last stdout line holds; RuntimeError naming `what` if it fails."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **(env or {}))
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.run([sys.executable, str(Path(script).resolve()), "--child", json.dumps(spec)],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -35,9 +35,7 @@ from __future__ import annotations
 import gc
 import json
 import math
-import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,10 +50,10 @@ from lordo_fed.projection import get_projection_method, projection_side
 
 try:
     from benchmarks.common import BYTE_VOCAB, GPT2_VOCAB, RANKS, human_bytes, make_parser, new_figure, png_path, \
-        print_rows, result_header, write_json
+        print_rows, result_header, run_child, write_json
 except ImportError:  # run as `python benchmarks/memory.py` without the repo root on sys.path
     from common import BYTE_VOCAB, GPT2_VOCAB, RANKS, human_bytes, make_parser, new_figure, png_path, \
-        print_rows, result_header, write_json
+        print_rows, result_header, run_child, write_json
 
 
 CONFIGS: dict[str, dict] = {
@@ -264,14 +262,7 @@ def peak_memory(preset: str, config: str, tmp: Path, local_steps: int, batch_siz
     seq_len = min(128, ModelConfig(preset=preset).max_seq_len or 128)
     spec = {"preset": preset, "config": config, "rank": rank, "local_steps": local_steps,
             "batch_size": batch_size, "seq_len": seq_len, "global_state": str(path)}
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
-                          capture_output=True, text=True, env=env, timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"client process for {preset}/{config} failed:\n{proc.stderr[-3000:]}")
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_child(__file__, spec, f"client process for {preset}/{config}", timeout=600)
     stages = out["stages"]
     out.update(preset=preset, vocab_size=BYTE_VOCAB, config=config, method=PEAK_METHOD[config], rank=rank,
                num_params=n_params, param_bytes=4 * n_params, local_steps=local_steps, batch_size=batch_size,

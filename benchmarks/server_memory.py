@@ -30,8 +30,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,8 +50,10 @@ from lordo_fed.rounds import ReplyRef, RoundConfig, WorkerUpdate, moment_key
 
 try:
     from benchmarks.common import BYTE_VOCAB, RANKS, human_bytes, make_parser, print_rows, result_header, write_json
+    from benchmarks.common import run_child as common_run_child
 except ImportError:  # run as `python benchmarks/server_memory.py` without the repo root on sys.path
     from common import BYTE_VOCAB, RANKS, human_bytes, make_parser, print_rows, result_header, write_json
+    from common import run_child as common_run_child
 
 PATHS = ("list", "stream")
 LOCAL_STEPS = 32
@@ -214,14 +214,7 @@ def child(spec: dict) -> dict:
 
 
 def run_child(spec: dict) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
-                          capture_output=True, text=True, env=env, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{spec['path']} M={spec['M']} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return common_run_child(__file__, spec, f"{spec['path']} M={spec['M']}", timeout=900)
 
 
 # ---------------------------------------------------------------------------------------------

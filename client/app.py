@@ -63,15 +63,14 @@ def _handle(kind: str, msg: Message, context: Context) -> Message:
                    else RecordDict({"update": payload_record(result.payload)}))
         metrics["transfer-seconds"] = metrics.get("download-seconds", 0.0) + metrics.get("upload-seconds", 0.0)
     else:
-        from lordo_fed.node.runtime import Job, run_job
+        from lordo_fed.node.runtime import Job, run_job, runtime_for
 
         job = Job(kind, context.run_id, dict(context.run_config), explicit_keys(msg), dict(context.node_config))
         sent, metrics = run_job(job, lambda timeout: receive_state(msg, context, timeout),
                                 store_for=lambda cfg, pid: _store(cfg, context, pid), presets=PRESETS)
         upload_started = time.perf_counter()
-        content = send_reply(msg, context, sent, _round_timeout(context))
+        content = send_reply(msg, context, sent, runtime_for(job, PRESETS).cfg.round_timeout)
         metrics["transfer-seconds"] = metrics.get("download-seconds", 0.0) + time.perf_counter() - upload_started
-        metrics["bytes-sent"] = len(sent)
     if kind == "train":
         metrics["client-seconds"] = time.perf_counter() - started
         metrics["clientapp-torch"] = int("torch" in sys.modules)
@@ -91,6 +90,8 @@ def _store(cfg, context: Context, pid: int):
 
 
 def _round_timeout(context: Context) -> float:
+    """The run's round deadline as the run config sets it (a node-worker ClientApp does not
+    compose presets: it imports no torch, and only bounds its wait with this)."""
     return float(context.run_config.get("round-timeout", 600.0))
 
 

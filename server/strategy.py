@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -126,31 +126,36 @@ class LoRDOStrategy(Strategy):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         """One message per connected node, all carrying the same encoded global state."""
+        return self._outgoing(server_round, self._encode_round(server_round), grid.get_node_ids(), MessageType.TRAIN)
+
+    def _encode_round(self, server_round: int) -> bytearray:
+        """The round's global state, encoded once for every node; starts the round's log."""
         state = self._without_theta0(self.aggregator.global_state())
         if state.round != server_round:
             raise RuntimeError(f"aggregator is at round {state.round}, asked to configure {server_round}")
         encode_started = time.perf_counter()
         data = encode_global_state(state, self.model_id, self.cfg.payload_dtype)
         self._round_log = RoundLog(sent_bytes=len(data), encode_seconds=time.perf_counter() - encode_started)
-        return self._outgoing(server_round, data, grid.get_node_ids(), MessageType.TRAIN)
+        return data
 
     def _announce(self, round_idx: int, node_ids: Iterable[int]) -> list[Message]:
         """Train messages for a round whose state is not published yet (data plane tickets with
         no size/sha256: the node's download waits for the publish). Valid two round deadlines:
         the node may take the message while the previous round still runs."""
-        config = {"round": round_idx, EXPLICIT_KEYS: self.explicit_keys}
         tickets = self.data_plane.announce(round_idx, list(node_ids), ttl=2 * self.cfg.round_timeout + 60,
                                            max_upload=self.max_upload)
+        return self._ticket_messages(round_idx, tickets, MessageType.TRAIN)
+
+    def _ticket_messages(self, round_idx: int, tickets: dict[int, Any], message_type: str) -> list[Message]:
+        """One message per node carrying its data-plane ticket (no payload)."""
+        config = {"round": round_idx, EXPLICIT_KEYS: self.explicit_keys}
         return [Message(content=RecordDict({"config": ConfigRecord({**config, TICKET: t.SerializeToString()})}),
-                        dst_node_id=n, message_type=MessageType.TRAIN) for n, t in tickets.items()]
+                        dst_node_id=n, message_type=message_type) for n, t in tickets.items()]
 
     def _publish_announced(self, round_idx: int, grid: Grid, announced: set[int]) -> dict[str, int]:
         """Encode and publish the state of an announced round; nodes that connected since the
         announcement get their message now (message id -> node id of those)."""
-        state = self._without_theta0(self.aggregator.global_state())
-        encode_started = time.perf_counter()
-        data = encode_global_state(state, self.model_id, self.cfg.payload_dtype)
-        self._round_log = RoundLog(sent_bytes=len(data), encode_seconds=time.perf_counter() - encode_started)
+        data = self._encode_round(round_idx)
         late = [n for n in grid.get_node_ids() if n not in announced]
         if late:  # publishes too
             return self._push(grid, self._outgoing(round_idx, data, late, MessageType.TRAIN))
@@ -160,16 +165,15 @@ class LoRDOStrategy(Strategy):
     def _outgoing(self, round_idx: int, data: bytes, node_ids: Iterable[int], message_type: str) -> list[Message]:
         """One message per node: the encoded state itself (data plane 'flower'), or a ticket to
         fetch it from the gRPC data plane, with the tokens of this node and round."""
-        config = {"round": round_idx, EXPLICIT_KEYS: self.explicit_keys}
         node_ids = list(node_ids)
         if self.data_plane is None:
             record = payload_record(data)
-            return [Message(content=RecordDict({"state": record, "config": ConfigRecord(config)}), dst_node_id=n,
+            config = ConfigRecord({"round": round_idx, EXPLICIT_KEYS: self.explicit_keys})
+            return [Message(content=RecordDict({"state": record, "config": config}), dst_node_id=n,
                             message_type=message_type) for n in node_ids]
         tickets = self.data_plane.publish(round_idx, data, node_ids, ttl=self.cfg.round_timeout + 60,
                                           max_upload=self.max_upload)
-        return [Message(content=RecordDict({"config": ConfigRecord({**config, TICKET: tickets[n].SerializeToString()})}),
-                        dst_node_id=n, message_type=message_type) for n in node_ids]
+        return self._ticket_messages(round_idx, tickets, message_type)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Decode and check every reply, drop bad ones with a reason, aggregate the rest.

@@ -262,6 +262,7 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
     encode_seconds = time.perf_counter() - encode_started
     metrics = {
         **update.metrics, "partition-id": pid, "tokens": update.tokens, "bytes-received": received_bytes,
+        "bytes-sent": len(sent),
         "setup-seconds": setup_seconds, "train-seconds": train_seconds,
         "codec-seconds": decode_seconds + encode_seconds, "download-seconds": decode_started - download_started,
         "fresh-state": int(state_source == "fresh" and state.round > 1),
