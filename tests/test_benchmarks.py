@@ -152,6 +152,7 @@ def test_dataplane_throughput_quick(tmp_path):
     assert nodes == 2 and result["verified"] is True
     variants = result["variants"]
     assert set(variants) == {"bare grpc", "bare grpc TLS", "dp transport only", "dp transport only TLS",
+                             "dp transport, sha256 off",
                              "data plane", "flower"}  # --quick: no TLS deployment
     for name, v in variants.items():
         assert v["verified"] is True, name

@@ -14,9 +14,10 @@ from typing import Iterator
 
 import grpc
 
-from lordo_fed.transport.server import CHUNK_BYTES, channel_options
+from lordo_fed.transport.framing import frame, unframe
+from lordo_fed.transport.server import (CHUNK_BYTES, CHUNK_DATA, DOWNLOAD_METHOD, UPLOAD_DATA, UPLOAD_METHOD,
+                                        _identity, channel_options)
 from lordo_fed.v1 import dataplane_pb2 as pb
-from lordo_fed.v1 import dataplane_pb2_grpc as pb_grpc
 
 
 class DataPlaneError(RuntimeError):
@@ -69,10 +70,12 @@ def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: f
     size, expected = ticket.size, ticket.sha256
     digest, offset = hashlib.sha256(), 0
     with open_channel(ticket, root_certificates) as channel:
-        stream = pb_grpc.DataPlaneStub(channel).Download(
-            pb.DownloadRequest(token=ticket.download_token, node_id=int(node_id)), timeout=timeout)
+        call = channel.unary_stream(DOWNLOAD_METHOD, request_serializer=pb.DownloadRequest.SerializeToString,
+                                    response_deserializer=_identity)
+        stream = call(pb.DownloadRequest(token=ticket.download_token, node_id=int(node_id)), timeout=timeout)
         try:
-            for chunk in stream:
+            for raw in stream:
+                chunk, data = unframe(raw, pb.Chunk, CHUNK_DATA)
                 if out is None:
                     if expected and chunk.sha256 and (chunk.sha256 != expected or chunk.size != size):
                         stream.cancel()
@@ -86,12 +89,12 @@ def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: f
                                                  "for an announced round")
                     out = bytearray(size)
                     view = memoryview(out)
-                n = len(chunk.data)
+                n = len(data)
                 if offset + n > size:
                     stream.cancel()
                     raise DataPlaneError(f"download from {ticket.address}: more than the declared {size} bytes")
-                view[offset:offset + n] = chunk.data
-                digest.update(chunk.data)
+                view[offset:offset + n] = data
+                digest.update(data)
                 offset += n
         except grpc.RpcError as err:
             raise DataPlaneError(f"download from {ticket.address} failed after {offset} of {size or '?'} bytes: "
@@ -104,18 +107,18 @@ def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: f
     return out
 
 
-def _chunks(ticket: pb.Ticket, node_id: int, data: memoryview, step: int, digest) -> Iterator[pb.UploadChunk]:
-    """Header first, then the data, hashed as it goes, then the sha256 (protocol: dataplane.proto)."""
+def _chunks(ticket: pb.Ticket, node_id: int, data: memoryview, step: int, digest) -> Iterator[bytes]:
+    """Header first, then the data, hashed as it goes, then the sha256 (protocol: dataplane.proto;
+    serialized by lordo_fed.transport.framing)."""
     for offset in range(0, len(data), step):
-        piece = bytes(data[offset:offset + step])
+        piece = data[offset:offset + step]
         digest.update(piece)
-        if offset == 0:
-            yield pb.UploadChunk(token=ticket.upload_token, node_id=int(node_id), size=len(data), data=piece)
-        else:
-            yield pb.UploadChunk(data=piece)
+        head = (pb.UploadChunk(token=ticket.upload_token, node_id=int(node_id), size=len(data)) if offset == 0
+                else pb.UploadChunk())
+        yield frame(head, UPLOAD_DATA, piece)
     if len(data) == 0:
-        yield pb.UploadChunk(token=ticket.upload_token, node_id=int(node_id), size=0)
-    yield pb.UploadChunk(sha256=digest.hexdigest())
+        yield pb.UploadChunk(token=ticket.upload_token, node_id=int(node_id), size=0).SerializeToString()
+    yield pb.UploadChunk(sha256=digest.hexdigest()).SerializeToString()
 
 
 def upload(ticket: pb.Ticket, node_id: int, data: bytes | bytearray | memoryview, root_certificates=None,
@@ -125,8 +128,9 @@ def upload(ticket: pb.Ticket, node_id: int, data: bytes | bytearray | memoryview
     digest = hashlib.sha256()
     with open_channel(ticket, root_certificates) as channel:
         try:
-            receipt = pb_grpc.DataPlaneStub(channel).Upload(_chunks(ticket, node_id, view, chunk_bytes, digest),
-                                                            timeout=timeout)
+            call = channel.stream_unary(UPLOAD_METHOD, request_serializer=_identity,
+                                        response_deserializer=pb.UploadReceipt.FromString)
+            receipt = call(_chunks(ticket, node_id, view, chunk_bytes, digest), timeout=timeout)
         except grpc.RpcError as err:
             raise DataPlaneError(f"upload of {len(view)} bytes to {ticket.address} refused or failed: "
                                  f"{err.code().name}: {err.details()}") from err
