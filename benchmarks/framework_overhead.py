@@ -6,6 +6,9 @@ thread per client) runs three ways:
 - reference: `lordo_fed.trainer` in one process, the 2 workers in turn (no Flower, no
   serialization). The ideal parallel round is one worker's training plus the aggregation:
   (round - aggregation) / M + aggregation.
+- reference-concurrent: two reference trainers with one worker each, started together: one
+  worker's K steps when two train at once on this machine (the contention every deployment
+  here has: 2 cores for 2 clients, the server, the SuperLink and SuperNodes).
 - simulation: `flwr run . local` (Flower's simulation engine, Ray, 2 virtual clients with 1 CPU each).
 - deployment: a real SuperLink and 2 SuperNodes on 127.0.0.1 (tests/flower_harness.Deployment).
 - node-workers: the same deployment with a long-lived node worker beside each SuperNode
@@ -26,6 +29,7 @@ Per Flower round, from server.jsonl (the app measures each part; medians of roun
     python benchmarks/framework_overhead.py --quick   # tiny preset, 2 rounds, reference + simulation (~1 min)
     python benchmarks/framework_overhead.py --preset 16m --modes reference,deployment,node-workers \
         --out benchmarks/results/framework_overhead_16m.json   # the issue's 16m round against the ideal
+    (add reference-concurrent to the modes for the contended ideal)
 Writes benchmarks/results/framework_overhead.json and .png.
 """
 
@@ -58,9 +62,9 @@ def work(quick: bool, rounds: int, preset: str | None = None) -> dict[str, Any]:
             "warmup-steps": 2, "seed": 0}
 
 
-def trainer_overrides(cfg: dict[str, Any], out_dir: Path) -> list[str]:
+def trainer_overrides(cfg: dict[str, Any], out_dir: Path, workers: int = 2) -> list[str]:
     """The reference trainer's Hydra overrides for the same work."""
-    return [f"methods=[{cfg['variant']}]", "workers=2", f"model.preset={cfg['model-preset']}",
+    return [f"methods=[{cfg['variant']}]", f"workers={workers}", f"model.preset={cfg['model-preset']}",
             f"total_steps={cfg['local-steps'] * cfg['num-server-rounds']}", f"rounds.local_steps={cfg['local-steps']}",
             f"data.batch_size={cfg['batch-size']}", f"data.seq_len={cfg['seq-len']}", f"inner.rank={cfg['rank']}",
             f"inner.warmup_steps={cfg['warmup-steps']}", "threads=1", "eval_every=1", "eval_batches=2",
@@ -84,6 +88,31 @@ def run_reference(cfg: dict[str, Any], tmp: Path) -> dict[str, Any]:
         per_worker = (rec["round_seconds"] - agg) / 2
         rows.append({"round": rec["round"], "round_seconds": rec["round_seconds"], "client compute": per_worker,
                      "aggregation": agg, "ideal_parallel_round_seconds": per_worker + agg})
+    return {"rounds": rows, "median_rounds_2_to_n": median_rounds_2_to_n(rows)}
+
+
+def run_reference_concurrent(cfg: dict[str, Any], tmp: Path) -> dict[str, Any]:
+    """Two reference trainers with one worker each, started together (one thread each): what
+    two clients' K local steps cost when they run at the same time on this machine, as they do
+    in a deployment here (the ideal parallel round assumes each worker has the machine to itself)."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    outs = [tmp / f"reference-concurrent-{i}" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-m", "lordo_fed.trainer.cli", *trainer_overrides(cfg, out, workers=1)],
+                              env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for out in outs]
+    for proc in procs:
+        _, err = proc.communicate()
+        if proc.returncode:
+            raise RuntimeError(f"reference trainer failed ({proc.returncode}): {err[-2000:]}")
+    per_proc = []
+    for out in outs:
+        records = [json.loads(line) for line in (out / f"{cfg['variant']}.jsonl").read_text().splitlines()]
+        per_proc.append({rec["round"]: rec["round_seconds"] - rec["aggregation_seconds"] for rec in records
+                         if rec.get("round", 0) >= 1 and "round_seconds" in rec})
+    rows = [{"round": r, "client compute": max(p[r] for p in per_proc)} for r in sorted(per_proc[0])
+            if all(r in p for p in per_proc)]
     return {"rounds": rows, "median_rounds_2_to_n": median_rounds_2_to_n(rows)}
 
 
@@ -172,7 +201,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="framework-overhead-"))
     started = time.perf_counter()
     load_before = os.getloadavg()
-    runners = {"reference": run_reference, "simulation": run_simulation_mode, "deployment": run_deployment_mode,
+    runners = {"reference": run_reference, "reference-concurrent": run_reference_concurrent,
+               "simulation": run_simulation_mode, "deployment": run_deployment_mode,
                "node-workers": lambda cfg, tmp: run_deployment_mode(cfg, tmp, node_workers=True)}
     results: dict[str, Any] = {}
     try:
@@ -189,6 +219,14 @@ def main() -> None:
             med = results[mode]["median_rounds_2_to_n"]
             med["ratio_to_ideal_parallel_round"] = med["round_seconds"] / ref["ideal_parallel_round_seconds"]
             med["overhead_vs_reference_seconds"] = med["round_seconds"] - ref["ideal_parallel_round_seconds"]
+            both = results.get("reference-concurrent", {}).get("median_rounds_2_to_n", {})
+            if both:  # the ideal round with the two workers' steps slowed as they are when run together here
+                contended = both["client compute"] + ref["aggregation"]
+                med["contended_ideal_round_seconds"] = contended
+                med["ratio_to_contended_ideal_round"] = med["round_seconds"] / contended
+    if ref and "reference-concurrent" in results:
+        both = results["reference-concurrent"]["median_rounds_2_to_n"]
+        both["slowdown_of_two_at_once"] = both["client compute"] / ref["client compute"]
     header = result_header("framework_overhead", args.quick, {
         "run_config": cfg, "clients": 2, "rounds": rounds, "modes": modes,
         "reference": "lordo-train " + " ".join(trainer_overrides(cfg, Path("<tmp>"))),

@@ -72,6 +72,26 @@ def _ranks(model: torch.nn.Module, preset: str) -> dict[str, int]:
 # the replies (parent process)
 
 
+def random_update(shapes: dict[str, tuple[int, ...]], ranks: dict[str, int], rounds: RoundConfig, worker: int,
+                  round_idx: int = 1, opt_step: int = LOCAL_STEPS) -> WorkerUpdate:
+    """A reply of random tensors with the shapes a worker sends in `round_idx`: Δ of every
+    parameter, and the moments `rounds` has due, low-rank (`ranks`) or full-size; round 0 is
+    LoRDO-Global's gradient reply (the low-rank weights' gradients only)."""
+    gen = torch.Generator().manual_seed(1000 * round_idx + worker)
+    if round_idx == 0:
+        return WorkerUpdate(worker_id=worker, round=0, delta={n: torch.randn(shapes[n], generator=gen) for n in ranks},
+                            moments={}, tokens=4096 * (worker + 1), opt_step=0)
+    delta = {n: torch.randn(s, generator=gen) * 1e-3 for n, s in shapes.items()}
+    moments = {}
+    for n, s in shapes.items():
+        low = low_rank_shape(s, ranks[n]) if n in ranks else s
+        for kind in rounds.due(round_idx, n in ranks):
+            moments[moment_key(kind, n)] = (torch.rand(low, generator=gen) * 1e-6 + 1e-8 if kind == "exp_avg_sq"
+                                            else torch.randn(low, generator=gen) * 1e-3)
+    return WorkerUpdate(worker_id=worker, round=round_idx, delta=delta, moments=moments, tokens=4096 * (worker + 1),
+                        opt_step=opt_step, metrics={"train_loss": 5.0 + 0.1 * worker})
+
+
 def write_replies(spec: dict, count: int, folder: Path) -> dict:
     """Encode `count` round-1 replies of random tensors with the shapes a worker of `spec`'s
     preset sends, one file each (one reply in memory at a time). Returns their paths and sizes."""
@@ -83,21 +103,12 @@ def write_replies(spec: dict, count: int, folder: Path) -> dict:
     model_id = codec.model_id(dict(model.named_parameters()))
     paths, sizes = [], []
     for worker in range(count):
-        gen = torch.Generator().manual_seed(1000 + worker)
-        delta = {n: torch.randn(s, generator=gen) * 1e-3 for n, s in shapes.items()}
-        moments = {}
-        for n, s in shapes.items():
-            low = low_rank_shape(s, ranks[n]) if n in ranks else s
-            for kind in rounds.due(1, n in ranks):
-                moments[moment_key(kind, n)] = (torch.rand(low, generator=gen) * 1e-6 + 1e-8 if kind == "exp_avg_sq"
-                                                else torch.randn(low, generator=gen) * 1e-3)
-        update = WorkerUpdate(worker_id=worker, round=1, delta=delta, moments=moments, tokens=4096 * (worker + 1),
-                              opt_step=LOCAL_STEPS, metrics={"train_loss": 5.0 + 0.1 * worker})
+        update = random_update(shapes, ranks, rounds, worker)
         path = folder / f"reply_{worker}.bin"
         path.write_bytes(codec.encode_update(update, model_id, "fp32"))
         paths.append(str(path))
         sizes.append(path.stat().st_size)
-        del update, delta, moments
+        del update
     return {"paths": paths, "sizes": sizes, "model_id": model_id, "num_params": count_parameters(model),
             "param_bytes": 4 * count_parameters(model), "ranks": len(ranks)}
 

@@ -40,7 +40,7 @@ from lordo_fed.evaluation import evaluate
 from lordo_fed.flower import (EXPLICIT_KEYS, TICKET, UPLOAD_SHA256, is_simulation, payload_bytes, payload_record,
                               shorten_pull_backoff)
 from lordo_fed.methods import lowrank_ranks, make_aggregator, resolve_method
-from lordo_fed.metrics import MetricsWriter, plot_curves
+from lordo_fed.metrics import MetricsWriter, peak_rss_bytes, plot_curves
 from lordo_fed.model import build_model
 from lordo_fed.rounds import GlobalState, ReplyRef, WorkerUpdate
 from lordo_fed.transport.server import DataPlaneServer
@@ -258,7 +258,7 @@ class LoRDOStrategy(Strategy):
                     # each SuperNode takes its next message as soon as it replied to this one,
                     # so Flower's polling and process start overlap this round's work.
                     self._announced[r + 1] = self._push(grid, self._announce(r + 1, grid.get_node_ids()))
-                replies = self._receive(grid, ids, timeout)
+                replies = self._receive(grid, ids, timeout, r)
                 agg_started = time.perf_counter()
                 _, metrics = self.aggregate_train(r, replies)
                 aggregation_seconds = time.perf_counter() - agg_started
@@ -294,6 +294,9 @@ class LoRDOStrategy(Strategy):
             "client_codec_seconds": max(rl.client_codec_seconds.values(), default=0.0),
             "client_transfer_seconds": max(rl.client_transfer_seconds.values(), default=0.0),
             "server_encode_seconds": rl.encode_seconds, "server_decode_seconds": rl.decode_seconds,
+            # this process's peak resident memory so far, before this round's evaluation: with the
+            # data plane it should not grow with the number of clients (results.md section 9)
+            "server_peak_rss_bytes": peak_rss_bytes(),
         }
         if self.data_plane is not None:
             record["upload_seconds"] = max(rl.transfer_seconds.values(), default=0.0)
@@ -320,7 +323,7 @@ class LoRDOStrategy(Strategy):
         data = encode_global_state(self._without_theta0(self.aggregator.gradient_request()), self.model_id,
                                    self.cfg.payload_dtype)
         messages = self._outgoing(0, data, grid.get_node_ids(), MessageType.QUERY)
-        self.fit_initial_projections(self._send_and_receive(grid, messages, timeout), len(data))
+        self.fit_initial_projections(self._receive(grid, self._push(grid, messages), timeout, 0), len(data))
 
     def fit_initial_projections(self, replies: Iterable[Message], sent_bytes: int) -> None:
         """Decode and check the round-0 gradient replies (dropping bad ones with `initial
@@ -442,24 +445,23 @@ class LoRDOStrategy(Strategy):
                 raise TimeoutError(f"fewer than min_clients={self.cfg.min_clients} nodes connected after {timeout:.0f}s")
             time.sleep(0.2)
 
-    def _send_and_receive(self, grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
-        """Push, then poll for replies until all came or the deadline (`_receive`)."""
-        return self._receive(grid, self._push(grid, messages), timeout)
-
     @staticmethod
     def _push(grid: Grid, messages: list[Message]) -> dict[str, int]:
         """Push `messages`; returns message id -> destination node id."""
         shorten_pull_backoff()
         return {mid: msg.metadata.dst_node_id for mid, msg in zip(grid.push_messages(messages), messages) if mid}
 
-    def _receive(self, grid: Grid, ids: dict[str, int], timeout: float) -> list[Message]:
-        """Poll for the replies to the messages `ids` (every 20 ms for a second, then every 0.1 s)
-        until all came or the deadline.
+    def _receive(self, grid: Grid, ids: dict[str, int], timeout: float, round_idx: int | None = None) -> list[Message]:
+        """Poll for the replies to the messages `ids` until all came or the deadline: every 20 ms
+        for a second, then every 0.1 s; on the data plane (`round_idx` given) every 0.5 s while
+        the pending nodes' uploads are still to come, and every 20 ms once they are in.
 
         (Flower's `grid.send_and_receive` polls every 3 s. In simulation replies come within
-        ~0.1 s; in deployment not before the SuperNodes' own 3 s polling allows, and a pull costs
-        the SuperLink one cheap request: a reply waits at most 0.1 s. Reply chunks still being
-        uploaded are retried after 50 ms, not Flower's 1 s: lordo_fed.flower.shorten_pull_backoff.)
+        ~0.1 s; in deployment not before the SuperNodes' own 3 s polling allows. A pull costs the
+        SuperLink CPU, and on a machine shared with the nodes their training pays for it: on the
+        data plane a node's reply follows its upload, so the server waits on the uploads and polls
+        Flower fast only when the replies are due. Reply chunks still being uploaded are retried
+        after 50 ms, not Flower's 1 s: lordo_fed.flower.shorten_pull_backoff.)
         """
         pending = set(ids)
         replies: list[Message] = []
@@ -478,7 +480,13 @@ class LoRDOStrategy(Strategy):
                 else:
                     replies.append(m)
             pending -= {m.metadata.reply_to_message_id for m in got}
-            if pending:
+            if not pending:
+                break
+            if self.data_plane is not None and round_idx is not None:
+                left = max(0.0, deadline - time.monotonic())
+                if self.data_plane.wait_for_uploads(round_idx, [ids[m] for m in pending], min(0.5, left)):
+                    time.sleep(0.02)
+            else:
                 time.sleep(0.02 if time.monotonic() - start < 1.0 else 0.1)
         self._round_log.missing = [f"node {ids[mid]}" for mid in sorted(pending)]
         for who in self._round_log.missing:

@@ -121,6 +121,23 @@ def test_server_memory_quick(tmp_path):
     assert growth["stream"] < 0.5 * reply
 
 
+def test_server_memory_deployment_quick(tmp_path):
+    """The product ServerApp in a real deployment with M = 2 and 3 stand-in nodes on the data
+    plane: every round has every client, the stand-ins' replies are the size of a worker's, and
+    server.jsonl carries the peak RSS the benchmark reports (structure, not the figures)."""
+    result = run_quick("server_memory_deployment.py", tmp_path, timeout=240)
+    rows = result["rows"]
+    assert [(r["M"], r["data_plane"]) for r in rows] == [(2, "grpc"), (3, "grpc")]
+    model = result["config"]["model_bytes"]
+    for r in rows:
+        assert [p["round"] for p in r["per_round"]] == [1, 2]
+        assert all(p["clients_ok"] == r["M"] for p in r["per_round"])
+        assert r["server_peak_rss_bytes"] == max(p["server_peak_rss_bytes"] for p in r["per_round"]) > model
+        # round 1 sends no θ (seeded); round 2 sends θ; replies carry Δ of every parameter
+        assert r["per_round"][0]["bytes_sent_per_client"] < model < r["per_round"][1]["bytes_sent_per_client"]
+        assert r["per_round"][1]["bytes_received_per_client"] > model
+
+
 def test_codec_memory_quick(tmp_path):
     """The direct encoder and in-place decoder need about their output (the payload, or the fp32
     tensors decoded from it); the protobuf path about 4x / 2x more, which the run must see."""

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 #: excluded from the comparison; every other field must match exactly.
 WALL_CLOCK = ("round_seconds", "aggregation_seconds", "client_seconds", "client_train_seconds",
               "client_codec_seconds", "client_transfer_seconds", "upload_seconds", "server_encode_seconds",
-              "server_decode_seconds", "overhead_seconds", "elapsed_seconds")
+              "server_decode_seconds", "overhead_seconds", "elapsed_seconds", "server_peak_rss_bytes")
 
 
 def run_once(tmp_path: Path, name: str) -> Path:

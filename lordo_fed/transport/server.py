@@ -155,6 +155,8 @@ class DataPlaneServer:
         still trains the round it was sent, so its own state stays continuous)."""
         self._max_upload = 0
         self._uploads: dict[tuple[int, int], Upload] = {}
+        self._arrived = threading.Condition(self._lock)
+        """Notified whenever an upload is stored (`wait_for_uploads`)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: grpc.aio.Server | None = None
@@ -272,6 +274,15 @@ class DataPlaneServer:
         calls `Upload.discard()` when done)."""
         with self._lock:
             return self._uploads.pop((int(node_id), int(round_idx)), None)
+
+    def wait_for_uploads(self, round_idx: int, node_ids, timeout: float) -> bool:
+        """Block until each of `node_ids` has a verified upload for `round_idx` waiting to be
+        collected, or `timeout` seconds; True when all have. Lets the server poll Flower for the
+        replies slowly while the nodes train, and fast once their payloads are in (each poll
+        costs the SuperLink CPU, which on a shared machine the nodes' training pays for)."""
+        wanted = {(int(n), int(round_idx)) for n in node_ids}
+        with self._arrived:
+            return self._arrived.wait_for(lambda: wanted <= self._uploads.keys(), timeout)
 
     def _reserve(self, nbytes: int) -> bool:
         with self._lock:
@@ -402,6 +413,7 @@ class _Servicer:
                 current = plane._round == round_idx
                 if current:
                     plane._uploads[(node, round_idx)] = upload
+                    plane._arrived.notify_all()
             if not current:
                 upload.discard()  # the round closed while this one streamed
             return pb.UploadReceipt(size=received, sha256=sha)
