@@ -37,7 +37,7 @@ import torch
 
 from lordo_fed.tokenizer import Tokenizer, load_tokenizer
 
-DEFAULT_CORPUS: Path = Path(__file__).parent / "corpora" / "tinyshakespeare.txt"
+DEFAULT_CORPUS: Path = Path(__file__).resolve().parents[1] / "corpora" / "tinyshakespeare.txt"
 DEFAULT_CACHE_DIR: Path = Path("~/.cache/lordo_fed/tokens")
 PARTITIONS = ("iid", "by_source", "dirichlet")
 CORPUS_SUFFIXES = (".txt", ".md")
