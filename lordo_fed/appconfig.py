@@ -107,6 +107,7 @@ FLAT_KEYS: dict[str, str] = {
     "payload-dtype": "payload_dtype",
     "data-path": "data.path",
     "val-path": "data.val_path",
+    "text-field": "data.text_field",
     "batch-size": "data.batch_size",
     "seq-len": "data.seq_len",
     "output-dir": "out_dir",

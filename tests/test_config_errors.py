@@ -54,6 +54,8 @@ RUN_CONFIG_CASES = [
     ("payload-dtype", "fp16", "run-config key 'payload-dtype': payload_dtype='fp16': expected one of ('fp32', 'bf16')"),
     ("data-path", 3, "run-config key 'data-path'=3: expected a string like the default ''"),
     ("val-path", 3, "run-config key 'val-path'=3: expected a string like the default ''"),
+    ("text-field", "", "run-config key 'text-field': DataConfig.text_field='': expected the name of the field or column "
+                       "holding the text (e.g. 'text')"),
     ("batch-size", 0, "run-config key 'batch-size': DataConfig.batch_size=0: expected an int >= 1"),
     ("seq-len", 0, "run-config key 'seq-len': DataConfig.seq_len=0: expected an int >= 1"),
     ("seq-len", 4096, "run-config key 'seq-len': DataConfig.seq_len=4096: expected an int <= the model's max_seq_len=128 "
@@ -208,8 +210,9 @@ def server_start(tmp_path: Path, **run_config):
 
 def test_a_missing_data_path_is_named(tmp_path):
     missing = tmp_path / "no" / "corpus.txt"
-    with pytest.raises(FileNotFoundError, match=re.escape(f"corpus path not found: {str(missing)!r}; expected a text "
-                                                         f"file or a directory of *.txt/*.md files")):
+    with pytest.raises(FileNotFoundError, match=re.escape(f"corpus path not found: {str(missing)!r}; expected a file "
+                                                         "or a directory of *.txt/*.md/*.jsonl/*.parquet/*.bin files "
+                                                         "or Hugging Face datasets saved to disk")):
         server_start(tmp_path, **{"data-path": str(missing)})
     assert not (tmp_path / "out" / "server.jsonl").exists()
 
@@ -229,14 +232,14 @@ def test_a_corpus_directory_without_text_files_is_named(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "notes.csv").write_text("a,b\n")
-    with pytest.raises(ValueError, match=re.escape(f"corpus directory {str(corpus)!r} contains no *.txt/*.md files")):
+    with pytest.raises(ValueError, match=re.escape(f"corpus directory {str(corpus)!r} contains no *.txt/*.md/*.jsonl/*.parquet/*.bin files")):
         server_start(tmp_path, **{"data-path": str(corpus)})
 
 
 def test_an_empty_corpus_is_named(tmp_path):
     corpus = tmp_path / "empty.txt"
     corpus.write_text("")
-    with pytest.raises(ValueError, match=re.escape(f"corpus is empty: 1 file(s) ({str(corpus)!r}...) gave no tokens")):
+    with pytest.raises(ValueError, match=re.escape(f"corpus is empty: 1 source(s) ({str(corpus)!r}...) gave no tokens")):
         server_start(tmp_path, **{"data-path": str(corpus)})
 
 

@@ -71,13 +71,14 @@ def test_cache_written_once_and_reused(tmp_path: Path, monkeypatch):
     first = load_corpus(corpus_dir, tok, cache)
     assert tok.calls > 0
     files = sorted(p.name for p in cache.iterdir())
-    assert len(files) == 2 and files[0].endswith(".bin") and files[1].endswith(".json")
+    assert [f.split(".", 1)[1] for f in files] == ["bin", "docs.npy", "json"]
     assert isinstance(first.tokens, np.memmap) and first.tokens.dtype == np.uint16
 
     meta = json.loads(next(cache.glob("*.json")).read_text())
     assert meta["tokenizer"] == "byte" and meta["dtype"] == "uint16"
     assert [Path(s["path"]).name for s in meta["sources"]] == ["a.txt", "b.md", "c.txt"]
-    assert all(len(s["documents"]) == 60 for s in meta["sources"])
+    assert all(len(s.documents) == 60 for s in first.sources)
+    assert meta["num_documents"] == 180 and [s["documents"] for s in meta["sources"]] == [[0, 60], [60, 120], [120, 180]]
 
     calls = tok.calls
     second = load_corpus(corpus_dir, tok, cache)

@@ -1,12 +1,16 @@
 """Text corpus -> cached token array -> train/validation split -> per-client shards.
 
 The pipeline, in order:
-  1. Corpus: a text file or a directory of *.txt / *.md files (read recursively, sorted).
-     Each file is a *source*; within a file, blank lines separate *documents* (paragraphs).
-  2. Tokenise once into `<cache_dir>/<key>.bin` (a flat uint16/uint32 array, memory-mapped on
-     later loads) plus `<key>.json` (sources, document token ranges, dtype, tokenizer).
-     The key hashes the tokenizer identity and each file's path, size and mtime, so editing
-     a file or switching tokenizer rebuilds the cache.
+  1. Corpus: a file or a directory (read recursively, sorted) of text (*.txt, *.md: blank
+     lines separate *documents*), JSON Lines, Parquet, Hugging Face datasets saved to disk (one
+     document per record) or pre-tokenised token bins (lordo_fed.data.readers). Each file or
+     dataset is a *source*.
+  2. Tokenise once, streaming, into `<cache_dir>/<key>.bin` (a flat uint16/uint32 array,
+     memory-mapped on later loads), `<key>.docs.npy` (document token ranges) and `<key>.json`
+     (sources, dtype, tokenizer). HF tokenizers encode each batch of documents in parallel
+     (Rust threads); a progress bar shows the input consumed when run in a terminal. The key
+     hashes the tokenizer identity, the text field and each file's path, size and mtime, so
+     editing a file or switching tokenizer rebuilds the cache.
   3. Split: the last `val_fraction` of every source's tokens is validation, so every source
      is represented in validation; the rest is train.
   4. Partition the train part among M clients: "iid" (contiguous equal shards of the train
@@ -30,19 +34,19 @@ import tempfile
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import numpy as np
 import torch
 
+from lordo_fed.data.readers import SourceFile, list_sources, read_documents, read_token_bin
 from lordo_fed.tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_CORPUS: Path = Path(__file__).resolve().parents[1] / "corpora" / "tinyshakespeare.txt"
 DEFAULT_CACHE_DIR: Path = Path("~/.cache/lordo_fed/tokens")
 PARTITIONS = ("iid", "by_source", "dirichlet")
-CORPUS_SUFFIXES = (".txt", ".md")
 # Bump when the on-disk format or the document splitting changes: old caches then miss.
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 # A paragraph break: a newline followed by one or more blank (or whitespace-only) lines.
 # The break stays attached to the paragraph before it, so documents concatenate back to the
 # exact file text, and the next paragraph keeps its indentation.
@@ -59,7 +63,9 @@ class DataConfig:
     """Where the text comes from, how it is tokenised, split, partitioned and batched."""
 
     path: str = ""
-    """A text file or a directory of *.txt/*.md files (recursive, sorted); "" = DEFAULT_CORPUS."""
+    """A corpus file or directory (text, JSON Lines, Parquet, HF dataset on disk, token bins); "" = DEFAULT_CORPUS."""
+    text_field: str = "text"
+    """The field (JSON Lines) or column (Parquet, HF datasets) that holds each document's text."""
     tokenizer: str = "byte"
     """'byte' (UTF-8 bytes, vocab 256), or a local tokenizer.json or a directory holding one."""
     cache_dir: str = ""
@@ -94,6 +100,8 @@ class DataConfig:
 
         if not isinstance(self.path, str):
             raise bad("path", 'a string (a file, a directory, or "" for the default corpus)')
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise bad("text_field", "the name of the field or column holding the text (e.g. 'text')")
         if not isinstance(self.tokenizer, str) or not self.tokenizer.strip():
             raise bad("tokenizer", "'byte' or a path to a local tokenizer.json")
         if not isinstance(self.val_path, str):
@@ -181,50 +189,25 @@ def split_documents(text: str) -> list[str]:
     return docs
 
 
-def list_corpus_files(path: Union[str, Path]) -> list[Path]:
-    """The source files of a corpus path: the file itself, or *.txt/*.md under a directory."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"corpus path not found: {str(path)!r}; expected a text file or a directory of "
-            f"{'/'.join('*' + s for s in CORPUS_SUFFIXES)} files"
-        )
-    if path.is_file():
-        return [path.resolve()]
-    files = sorted(
-        p.resolve() for p in path.rglob("*") if p.is_file() and p.suffix.lower() in CORPUS_SUFFIXES
-    )
-    if not files:
-        raise ValueError(
-            f"corpus directory {str(path)!r} contains no "
-            f"{'/'.join('*' + s for s in CORPUS_SUFFIXES)} files"
-        )
-    return files
-
-
 def token_dtype(vocab_size: int) -> np.dtype:
     """The smallest unsigned dtype that holds every id: uint16 halves the cache size."""
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
-def cache_key(tokenizer_name: str, files: list[Path]) -> str:
-    """sha256 of the tokenizer identity and each file's absolute path, size and mtime_ns.
+def cache_key(tokenizer_name: str, sources: list[SourceFile], text_field: str = "text") -> str:
+    """sha256 of the tokenizer identity, the text field, and each source's kind and files'
+    absolute paths, sizes and mtime_ns.
 
     Size and mtime (not content) keep the check O(1) per file; any edit changes the mtime.
     """
     h = hashlib.sha256()
-    h.update(f"lordo_fed.data v{_CACHE_VERSION}\0{tokenizer_name}\0".encode())
-    for f in files:
-        st = f.stat()
-        h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    h.update(f"lordo_fed.data v{_CACHE_VERSION}\0{tokenizer_name}\0{text_field}\0".encode())
+    for source in sources:
+        h.update(f"{source.kind}\0".encode())
+        for f in source.files():
+            st = f.stat()
+            h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
     return h.hexdigest()
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"corpus file {str(path)!r} is not valid UTF-8: {e}") from e
 
 
 def _encode_documents(tokenizer: Tokenizer, docs: list[str]) -> list[np.ndarray]:
@@ -255,63 +238,98 @@ def _atomic_write(path: Path, write) -> None:
         raise
 
 
-def _build_cache(
-    files: list[Path], tokenizer: Tokenizer, bin_path: Path, meta_path: Path
-) -> None:
-    """Tokenise every file into bin_path and write its metadata to meta_path (last)."""
+def _source_tokens(source: SourceFile, tokenizer: Tokenizer, text_field: str,
+                   progress) -> Iterator[list[np.ndarray]]:
+    """Batches of encoded documents of one source (a token bin is one document, in chunks)."""
+    if source.tokenized:
+        for part in read_token_bin(source.path, tokenizer.vocab_size):
+            progress.update(part.nbytes)
+            yield [part]
+        return
+    for docs, consumed in read_documents(source, text_field):
+        encoded = _encode_documents(tokenizer, docs)
+        for ids in encoded:
+            if len(ids) and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
+                raise ValueError(f"tokenizer {tokenizer.name!r} produced ids outside [0, {tokenizer.vocab_size}) "
+                                 f"for {str(source.path)!r}")
+        progress.update(consumed)
+        yield encoded
+
+
+def _build_cache(sources: list[SourceFile], tokenizer: Tokenizer, bin_path: Path, meta_path: Path,
+                 text_field: str = "text") -> None:
+    """Tokenise every source into bin_path, streaming (one batch of documents in memory at a
+    time), its document ranges into <key>.docs.npy, and the metadata to meta_path (last)."""
+    from tqdm.auto import tqdm
+
     dtype = token_dtype(tokenizer.vocab_size)
-    sources: list[dict] = []
-    offset = 0
+    meta_sources: list[dict] = []
+    doc_ranges: list[np.ndarray] = []
+    offset, n_docs = 0, 0
+    total = sum(s.nbytes() for s in sources)
 
     def write_tokens(f) -> None:
-        nonlocal offset
-        for path in files:  # one file at a time keeps memory at one file's worth
-            encoded = _encode_documents(tokenizer, split_documents(_read_text(path)))
-            docs, start = [], offset
-            for ids in encoded:
-                if len(ids):  # a paragraph may encode to nothing (e.g. unknown-only text)
-                    docs.append([offset, offset + len(ids)])
-                    offset += len(ids)
-            if encoded:
-                ids = np.concatenate(encoded) if len(encoded) > 1 else encoded[0]
-                if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
-                    raise ValueError(
-                        f"tokenizer {tokenizer.name!r} produced ids outside [0, "
-                        f"{tokenizer.vocab_size}) for {str(path)!r}"
-                    )
-                f.write(ids.astype(dtype).tobytes())
-            sources.append({"path": str(path), "start": start, "end": offset, "documents": docs})
+        nonlocal offset, n_docs
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"tokenizing ({tokenizer.name})", disable=None,
+                  leave=False) as progress:
+            for source in sources:
+                start, first_doc = offset, n_docs
+                joined_tokens = source.tokenized  # a token bin's chunks are one document
+                for encoded in _source_tokens(source, tokenizer, text_field, progress):
+                    lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
+                    if joined_tokens and n_docs > first_doc:
+                        doc_ranges[-1][-1, 1] += int(lengths.sum())
+                    else:
+                        kept = lengths[lengths > 0]  # a document may encode to nothing
+                        ends = offset + np.cumsum(kept)
+                        doc_ranges.append(np.stack([ends - kept, ends], axis=1))
+                        n_docs += len(kept)
+                    if lengths.sum():
+                        f.write(np.concatenate(encoded).astype(dtype, copy=False).tobytes())
+                    offset += int(lengths.sum())
+                meta_sources.append({"path": str(source.path), "kind": source.kind, "start": start, "end": offset,
+                                     "documents": [first_doc, n_docs]})
 
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(bin_path, write_tokens)
     if offset == 0:
         bin_path.unlink(missing_ok=True)
         raise ValueError(
-            f"corpus is empty: {len(files)} file(s) ({str(files[0])!r}...) gave no tokens"
+            f"corpus is empty: {len(sources)} source(s) ({str(sources[0].path)!r}...) gave no tokens"
         )
+    docs = np.concatenate(doc_ranges) if doc_ranges else np.zeros((0, 2), dtype=np.int64)
+    _atomic_write(_docs_path(meta_path), lambda f: np.save(f, docs.astype(np.int64), allow_pickle=False))
     meta = {
         "version": _CACHE_VERSION,
         "tokenizer": tokenizer.name,
         "vocab_size": tokenizer.vocab_size,
         "dtype": dtype.name,
         "num_tokens": offset,
-        "sources": sources,
+        "num_documents": int(len(docs)),
+        "sources": meta_sources,
     }
     # The metadata is written after the tokens: its presence marks a complete cache entry.
     _atomic_write(meta_path, lambda f: f.write(json.dumps(meta).encode()))
 
 
+def _docs_path(meta_path: Path) -> Path:
+    return meta_path.with_suffix(".docs.npy")
+
+
 def _load_cache(bin_path: Path, meta_path: Path) -> Optional[Corpus]:
     """The cached corpus, or None if the entry is missing or incomplete."""
-    if not (meta_path.is_file() and bin_path.is_file()):
+    docs_path = _docs_path(meta_path)
+    if not (meta_path.is_file() and bin_path.is_file() and docs_path.is_file()):
         return None
     try:
         meta = json.loads(meta_path.read_text())
         dtype = np.dtype(meta["dtype"])
         n = int(meta["num_tokens"])
-    except (ValueError, KeyError, TypeError):
-        return None  # unreadable metadata: rebuild rather than fail
-    if meta.get("version") != _CACHE_VERSION or bin_path.stat().st_size != n * dtype.itemsize:
+        docs = np.load(docs_path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, KeyError, TypeError, OSError):
+        return None  # unreadable entry: rebuild rather than fail
+    if (meta.get("version") != _CACHE_VERSION or bin_path.stat().st_size != n * dtype.itemsize
+            or docs.shape != (int(meta.get("num_documents", -1)), 2)):
         return None
     tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(n,))
     sources = [
@@ -319,7 +337,7 @@ def _load_cache(bin_path: Path, meta_path: Path) -> Optional[Corpus]:
             path=s["path"],
             start=int(s["start"]),
             end=int(s["end"]),
-            documents=np.asarray(s["documents"], dtype=np.int64).reshape(-1, 2),
+            documents=np.asarray(docs[s["documents"][0]:s["documents"][1]], dtype=np.int64).reshape(-1, 2),
         )
         for s in meta["sources"]
     ]
@@ -327,16 +345,16 @@ def _load_cache(bin_path: Path, meta_path: Path) -> Optional[Corpus]:
 
 
 def load_corpus(
-    path: Union[str, Path], tokenizer: Tokenizer, cache_dir: Union[str, Path] = ""
+    path: Union[str, Path], tokenizer: Tokenizer, cache_dir: Union[str, Path] = "", text_field: str = "text"
 ) -> Corpus:
-    """Tokenise a corpus path (file or directory), or load it from the cache if present."""
-    files = list_corpus_files(path)
+    """Tokenise a corpus path (file, dataset or directory), or load it from the cache if present."""
+    sources = list_sources(path)
     cache = Path(cache_dir).expanduser() if str(cache_dir) else DEFAULT_CACHE_DIR.expanduser()
-    key = cache_key(tokenizer.name, files)
+    key = cache_key(tokenizer.name, sources, text_field)
     bin_path, meta_path = cache / f"{key}.bin", cache / f"{key}.json"
     corpus = _load_cache(bin_path, meta_path)
     if corpus is None:
-        _build_cache(files, tokenizer, bin_path, meta_path)
+        _build_cache(sources, tokenizer, bin_path, meta_path, text_field)
         corpus = _load_cache(bin_path, meta_path)
         assert corpus is not None, f"cache entry {str(meta_path)!r} unreadable right after writing"
     return corpus
@@ -563,7 +581,7 @@ class Dataset:
         if not cfg.val_path:
             return gather(self.corpus.tokens, val_ranges(self.corpus, cfg.val_fraction))
         try:
-            return load_corpus(cfg.val_path, self.tokenizer, cfg.cache_dir).tokens
+            return load_corpus(cfg.val_path, self.tokenizer, cfg.cache_dir, cfg.text_field).tokens
         except FileNotFoundError as err:
             raise FileNotFoundError(f"DataConfig.val_path={cfg.val_path!r}: {err}") from err
         except ValueError as err:
@@ -615,7 +633,7 @@ def load_dataset(cfg: DataConfig, num_clients: int) -> Dataset:
     cfg.validate()
     _check_num_clients(num_clients)
     tokenizer = load_tokenizer(cfg.tokenizer)
-    corpus = load_corpus(cfg.path or DEFAULT_CORPUS, tokenizer, cfg.cache_dir)
+    corpus = load_corpus(cfg.path or DEFAULT_CORPUS, tokenizer, cfg.cache_dir, cfg.text_field)
     ranges = client_ranges(cfg, corpus, num_clients)
     shards = [TokenShard(gather(corpus.tokens, r), shard_id=m) for m, r in enumerate(ranges)]
     for shard in shards:
