@@ -138,6 +138,22 @@ def test_server_memory_deployment_quick(tmp_path):
         assert r["per_round"][1]["bytes_received_per_client"] > model
 
 
+def test_gpu_check_orchestrates_its_steps(tmp_path):
+    """benchmarks/gpu_check.py on a CPU (--quick --device cpu): each step runs as a subprocess and
+    leaves its result file; the CUDA tests are collected and, without a GPU, all skipped."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--quick", "--device", "cpu",
+                           "--only", "tests,step16m", "--out-dir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert list(summary["steps"]) == ["tests", "step16m"]
+    assert all(s["rc"] == 0 and s["result_written"] for s in summary["steps"].values())
+    counts = summary["steps"]["tests"]["counts"]
+    assert counts.get("skipped", 0) >= 10 and not counts.get("failed") and not counts.get("passed")
+    step = json.loads((tmp_path / "gpu_step_cost_16m.json").read_text())
+    assert step["config"]["device"] == "cpu" and step["inner_step"]["step_ratio_lordo_to_adamw"] > 0
+
+
 def test_codec_memory_quick(tmp_path):
     """The direct encoder and in-place decoder need about their output (the payload, or the fp32
     tensors decoded from it); the protobuf path about 4x / 2x more, which the run must see."""

@@ -1,0 +1,130 @@
+"""The GPU check: everything that needs a CUDA machine, in one command, for the rare session that
+is lent one (`docs/results.md`, section 6; issues 11 and 12).
+
+Each step is a subprocess that writes its own `benchmarks/results/gpu_*.json`; this script writes
+`gpu_check.json` with each step's exit code, seconds and output tail. Steps, in order:
+
+| step | what | result file |
+|---|---|---|
+| `tests` | `pytest -m cuda` (tests/test_cuda.py: the LoRDO step on CUDA equals the CPU step for every option, bf16 autocast training lowers the loss, a worker + aggregator round on CUDA matches the CPU) | `gpu_tests.json` |
+| `step16m`, `step125m` | benchmarks/step_cost.py on the GPU: `optimizer.step()` and the whole step against AdamW, projection refreshes (svd / rsvd / dct) on 720m shapes | `gpu_step_cost_16m.json`, `gpu_step_cost_125m.json` |
+| `round125m` | benchmarks/framework_overhead.py, 125m preset: the reference trainer against a deployment with the server and two node workers on this one GPU (issue 11: a round split into transfer, training, aggregation) | `gpu_framework_overhead_125m.json` |
+| `dataplane` | benchmarks/dataplane_throughput.py on this machine's 16 cores (the data plane against bare gRPC when the nodes do not share 2 cores) | `gpu_machine_dataplane_throughput.json` |
+| `overhead16m` | benchmarks/framework_overhead.py, 16m, reference / two at once / node workers, on 16 cores | `gpu_machine_framework_overhead_16m.json` |
+
+Still to add as issue 12 lands: the batched step's ratio to fused AdamW, the GPU aggregator's
+refresh times, the device-memory table.
+
+On a lent machine (/work/.library/device): it has torch but not Flower or Hydra, and no network,
+so run `scripts/device_wheels.sh` here once and carry `.whl`; one device command is at most
+10 minutes, so run the steps in a few calls with `--only`:
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH && python3 benchmarks/gpu_check.py --only tests,step16m,step125m
+    ... --only round125m      ... --only dataplane,overhead16m
+
+    python benchmarks/gpu_check.py --quick --device cpu --only tests,step16m   # the orchestration, on a CPU
+Copy the result files back from $OUT (`--out-dir $OUT`) into benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+STEPS = ("tests", "step16m", "step125m", "round125m", "dataplane", "overhead16m")
+
+
+def commands(step: str, device: str, quick: bool, out_dir: Path) -> tuple[list[str], Path, float]:
+    """(argv, result file, timeout seconds) of one step."""
+    py, bench = sys.executable, ROOT / "benchmarks"
+    q = ["--quick"] if quick else []
+    if step == "tests":
+        return [py, "-m", "pytest", "-q", "-m", "cuda", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py"], \
+            out_dir / "gpu_tests.json", 540
+    if step in ("step16m", "step125m"):
+        preset = "tiny" if quick else step.removeprefix("step")
+        out = out_dir / f"gpu_step_cost_{step.removeprefix('step')}.json"
+        return [py, str(bench / "step_cost.py"), *q, "--device", device, "--preset", preset, "--out", str(out)], out, 540
+    if step == "round125m":
+        out = out_dir / "gpu_framework_overhead_125m.json"
+        return [py, str(bench / "framework_overhead.py"), *q, "--preset", "tiny" if quick else "125m", "--rounds", "3",
+                "--modes", "reference,node-workers", "--out", str(out)], out, 560
+    if step == "dataplane":
+        out = out_dir / "gpu_machine_dataplane_throughput.json"
+        return [py, str(bench / "dataplane_throughput.py"), *q, "--out", str(out)], out, 560
+    if step == "overhead16m":
+        out = out_dir / "gpu_machine_framework_overhead_16m.json"
+        return [py, str(bench / "framework_overhead.py"), *q, "--preset", "tiny" if quick else "16m",
+                "--modes", "reference,reference-concurrent,node-workers", "--out", str(out)], out, 560
+    raise ValueError(f"unknown step {step!r}: expected one of {STEPS}")
+
+
+def pytest_counts(output: str) -> dict[str, int]:
+    """passed / failed / skipped / error counts from pytest's summary line."""
+    return {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", output)}
+
+
+def machine() -> dict:
+    import torch
+
+    info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cpu_count": os.cpu_count(), "gpu": None}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = {"name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
+                       "multiprocessors": props.multi_processor_count}
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default=",".join(STEPS), help=f"comma-separated steps (default all: {','.join(STEPS)})")
+    parser.add_argument("--device", default="cuda", help="where the step benchmarks run (default cuda)")
+    parser.add_argument("--quick", action="store_true", help="tiny presets and the benchmarks' --quick (a structure check)")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS, help="where the gpu_*.json files go")
+    args = parser.parse_args(argv)
+    steps = [s for s in args.only.split(",") if s]
+    for s in steps:
+        if s not in STEPS:
+            parser.error(f"--only {s!r}: expected steps among {STEPS}")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(ROOT)])
+    summary = {"benchmark": "gpu_check", "quick": args.quick, "device": args.device, "machine": machine(), "steps": {}}
+    status = 0
+    for step in steps:
+        argv_, out, timeout = commands(step, args.device, args.quick, args.out_dir)
+        print(f"[gpu_check] {step}: {' '.join(argv_)}", flush=True)
+        started = time.perf_counter()
+        try:
+            proc = subprocess.run(argv_, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+            rc, output = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as err:
+            rc, output = 124, f"timed out after {timeout} s\n{err.stdout or ''}{err.stderr or ''}"
+        entry = {"rc": rc, "seconds": round(time.perf_counter() - started, 1), "result": out.name,
+                 "output_tail": output[-3000:]}
+        if step == "tests":
+            entry["counts"] = pytest_counts(output.splitlines()[-1] if output.strip() else "")
+            out.write_text(json.dumps({"benchmark": "gpu_tests", "machine": summary["machine"], **entry}, indent=1) + "\n")
+        entry["result_written"] = out.is_file()
+        summary["steps"][step] = entry
+        status = status or rc
+        print(f"[gpu_check] {step}: rc {rc}, {entry['seconds']} s, {out.name} written: {entry['result_written']}",
+              flush=True)
+    path = args.out_dir / "gpu_check.json"
+    path.write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"[gpu_check] wrote {path}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
