@@ -154,6 +154,19 @@ def test_gpu_check_orchestrates_its_steps(tmp_path):
     assert step["config"]["device"] == "cpu" and step["inner_step"]["step_ratio_lordo_to_adamw"] > 0
 
 
+def test_corpus_tokenize_quick(tmp_path):
+    """Every format and tokenizer ran; the record formats gave the same tokens (the benchmark
+    checks their sha256); one thread and all cores tokenise to the same stream."""
+    result = run_quick("corpus_tokenize.py", tmp_path, timeout=300)
+    rows = result["rows"]
+    assert {(r["format"], r["tokenizer"]) for r in rows} == {
+        (f, t) for f in ("text", "jsonl", "parquet", "hf") for t in ("byte", "bpe-8192, all cores", "bpe-8192, 1 thread")}
+    for fmt in ("text", "jsonl", "parquet", "hf"):
+        bpe = {r["tokens_sha256"] for r in rows if r["format"] == fmt and r["tokenizer"].startswith("bpe")}
+        assert len(bpe) == 1
+    assert all(r["mb_per_s"] > 0 and r["tokens"] > 0 for r in rows)
+
+
 def test_codec_memory_quick(tmp_path):
     """The direct encoder and in-place decoder need about their output (the payload, or the fp32
     tensors decoded from it); the protobuf path about 4x / 2x more, which the run must see."""
