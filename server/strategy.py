@@ -451,10 +451,10 @@ class LoRDOStrategy(Strategy):
         shorten_pull_backoff()
         return {mid: msg.metadata.dst_node_id for mid, msg in zip(grid.push_messages(messages), messages) if mid}
 
-    def _receive(self, grid: Grid, ids: dict[str, int], timeout: float, round_idx: int | None = None) -> list[Message]:
+    def _receive(self, grid: Grid, ids: dict[str, int], timeout: float, round_idx: int) -> list[Message]:
         """Poll for the replies to the messages `ids` until all came or the deadline: every 20 ms
-        for a second, then every 0.1 s; on the data plane (`round_idx` given) every 0.5 s while
-        the pending nodes' uploads are still to come, and every 20 ms once they are in.
+        for a second, then every 0.1 s; on the data plane every 0.5 s while the pending nodes'
+        uploads for round `round_idx` are still to come, and every 20 ms once they are in.
 
         (Flower's `grid.send_and_receive` polls every 3 s. In simulation replies come within
         ~0.1 s; in deployment not before the SuperNodes' own 3 s polling allows. A pull costs the
@@ -482,7 +482,7 @@ class LoRDOStrategy(Strategy):
             pending -= {m.metadata.reply_to_message_id for m in got}
             if not pending:
                 break
-            if self.data_plane is not None and round_idx is not None:
+            if self.data_plane is not None:
                 left = max(0.0, deadline - time.monotonic())
                 if self.data_plane.wait_for_uploads(round_idx, [ids[m] for m in pending], min(0.5, left)):
                     time.sleep(0.02)

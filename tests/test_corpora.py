@@ -151,3 +151,13 @@ def test_a_parquet_corpus_trains_through_load_dataset(tmp_path):
     x, y = ds.train_shards[0].batch(0, 4, 16)
     assert x.shape == y.shape == (4, 16)
     assert ds.val_batches(1)[0][0].shape == (4, 16)
+
+
+def test_a_tokenizer_producing_ids_beyond_its_vocabulary_is_refused(tmp_path):
+    class Narrow(ByteTokenizer):
+        name, vocab_size = "narrow", 100  # claims 100 ids, encodes bytes up to 255
+
+    path = write_jsonl(tmp_path / "c.jsonl", ["plain ascii ~~~ {|}"])
+    with pytest.raises(ValueError, match=r"tokenizer 'narrow' produced ids outside \[0, 100\) for .*c\.jsonl"):
+        load_corpus(path, Narrow(), tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("*.bin")), "a refused corpus left a cache entry"

@@ -247,13 +247,8 @@ def _source_tokens(source: SourceFile, tokenizer: Tokenizer, text_field: str,
             yield [part]
         return
     for docs, consumed in read_documents(source, text_field):
-        encoded = _encode_documents(tokenizer, docs)
-        for ids in encoded:
-            if len(ids) and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
-                raise ValueError(f"tokenizer {tokenizer.name!r} produced ids outside [0, {tokenizer.vocab_size}) "
-                                 f"for {str(source.path)!r}")
         progress.update(consumed)
-        yield encoded
+        yield _encode_documents(tokenizer, docs)
 
 
 def _build_cache(sources: list[SourceFile], tokenizer: Tokenizer, bin_path: Path, meta_path: Path,
@@ -285,7 +280,12 @@ def _build_cache(sources: list[SourceFile], tokenizer: Tokenizer, bin_path: Path
                         doc_ranges.append(np.stack([ends - kept, ends], axis=1))
                         n_docs += len(kept)
                     if lengths.sum():
-                        f.write(np.concatenate(encoded).astype(dtype, copy=False).tobytes())
+                        ids = np.concatenate(encoded)
+                        # token bins were checked by their reader; a tokenizer's output once per batch
+                        if not source.tokenized and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
+                            raise ValueError(f"tokenizer {tokenizer.name!r} produced ids outside "
+                                             f"[0, {tokenizer.vocab_size}) for {str(source.path)!r}")
+                        f.write(ids.astype(dtype, copy=False).tobytes())
                     offset += int(lengths.sum())
                 meta_sources.append({"path": str(source.path), "kind": source.kind, "start": start, "end": offset,
                                      "documents": [first_doc, n_docs]})

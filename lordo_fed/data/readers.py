@@ -83,10 +83,9 @@ def list_sources(path: Union[str, Path]) -> list[SourceFile]:
     if is_hf_dataset(path):
         return [SourceFile(path, "hf")]
     datasets = sorted(p for p in path.rglob("*") if is_hf_dataset(p))
-    inside = tuple(datasets)
     found = [SourceFile(d, "hf") for d in datasets]
     for p in sorted(path.rglob("*")):
-        if p.is_file() and p.suffix.lower() in SUFFIX_KINDS and not any(d in p.parents for d in inside):
+        if p.is_file() and p.suffix.lower() in SUFFIX_KINDS and not any(d in p.parents for d in datasets):
             found.append(SourceFile(p, SUFFIX_KINDS[p.suffix.lower()]))
     if not found:
         raise ValueError(f"corpus directory {str(path)!r} contains no {kinds}")
