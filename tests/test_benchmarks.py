@@ -207,7 +207,8 @@ def test_dataplane_throughput_quick(tmp_path):
         # (in a deployment, big - tiny exchange can come out <= 0 at --quick's 20 MB on a loaded
         # machine: Flower's control latency varies by more than the transfer takes)
         bare = variants["bare grpc TLS" if v["security"] == "tls" else "bare grpc"]["mb_per_s"]
-        assert v["ratio_to_bare"] == pytest.approx(v["mb_per_s"] / bare, rel=1e-2), name
+        # (the benchmark rounds ratios to 3 decimals: allow that rounding, which is large for a small ratio)
+        assert v["ratio_to_bare"] == pytest.approx(v["mb_per_s"] / bare, rel=1e-2, abs=5e-4), name
         if name.startswith(("bare", "dp transport")):
             assert v["bytes_moved"] == 2 * nodes * size, name  # each node: size down and size up
         else:  # the encoded GlobalState / WorkerUpdate: the tensor plus a small header
