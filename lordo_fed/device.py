@@ -34,3 +34,26 @@ def autocast(device: torch.device, enabled: bool = True) -> ContextManager:
     if enabled and device.type == "cuda":
         return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """fp32 CPU copies of `tensors` that own their memory (what crosses the wire or is kept).
+
+    From a GPU: one device-to-host copy per tensor into pinned memory (torch's caching host
+    allocator reuses the blocks round after round), issued non-blocking and drained by one
+    synchronize at the end, instead of a blocking copy from pageable memory per tensor. On the
+    CPU: one clone (no second copy).
+    """
+    out: dict[str, torch.Tensor] = {}
+    cuda = False
+    for name, t in tensors.items():
+        t = t.detach()
+        if t.device.type == "cuda":
+            buf = torch.empty(t.shape, dtype=torch.float32, pin_memory=True)
+            buf.copy_(t, non_blocking=True)  # casts to fp32 on the way
+            out[name], cuda = buf, True
+        else:
+            out[name] = t.to(torch.float32, copy=True)
+    if cuda:
+        torch.cuda.synchronize()
+    return out

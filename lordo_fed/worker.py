@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from lordo_fed.data import TokenShard
-from lordo_fed.device import autocast
+from lordo_fed.device import autocast, to_host
 from lordo_fed.model import lm_loss
 from lordo_fed.optim import LoRDO
 from lordo_fed.optim.bias import restep, restep_state
@@ -26,7 +26,9 @@ from lordo_fed.optim.config import InnerConfig, apply_phase, lr_at, set_lr
 from lordo_fed.rounds import (DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, RoundConfig, WorkerUpdate, moment_key,
                               split_moment_key)
 
-ProgressFn = Callable[[int, float], None]
+ProgressFn = Callable[[int, Tensor], None]
+"""Called after every local step with its index and its loss, a device tensor (reading it is a
+host sync: a progress bar should only count)."""
 
 
 class Worker:
@@ -66,12 +68,16 @@ class Worker:
         # the hyperparameters the received moments were made with (the two-phase recipe)
         apply_phase(self.optimizer, self.inner, first_step - 1, reset=False)
         self.load_global_state(state)
-        theta_ref = {n: p.detach().float().clone() for n, p in self.params.items()}
+        # θ at the start of the round, for Δ: the received host tensors as the parameters hold
+        # them (no clone of the model on the device; the same values, p having been copied from them).
+        theta_ref = {n: state.params[n].to(device="cpu", dtype=p.dtype) for n, p in self.params.items()}
         if isinstance(self.optimizer, LoRDO):
             self.optimizer.update_split.clear()
         losses = self.local_steps(first_step, self.rounds.local_steps, progress)
         # The update is what crosses the wire: plain fp32 CPU tensors.
-        delta = {n: (theta_ref[n] - p.detach().float()).cpu() for n, p in self.params.items()}
+        delta = to_host(self.params)  # θ after K steps, then Δ = θ_ref − θ in its memory: −θ + θ_ref
+        for n, d in delta.items():
+            d.neg_().add_(theta_ref[n])
         return WorkerUpdate(
             worker_id=self.worker_id,
             round=state.round,
@@ -97,7 +103,7 @@ class Worker:
     def local_steps(self, first_step: int, num_steps: int, progress: ProgressFn | None = None) -> list[float]:
         """The ordinary training loop: `num_steps` steps from global step `first_step`."""
         self.model.train()
-        losses = []
+        losses: list[Tensor] = []  # device scalars, read once at the end: no host sync per step
         for i in range(num_steps):
             loss = self.forward_backward(self.cursor)
             self.cursor += 1
@@ -105,7 +111,7 @@ class Worker:
             losses.append(loss)
             if progress is not None:
                 progress(i, loss)
-        return losses
+        return torch.stack(losses).tolist() if losses else []
 
     def gradient(self, state: GlobalState, names: list[str]) -> WorkerUpdate:
         """The gradient at the given θ of this worker's next batch (the cursor does not move: the
@@ -116,19 +122,20 @@ class Worker:
                 p.copy_(state.params[name])
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.forward_backward(self.cursor)
-        grads = {n: self.params[n].grad.detach().float().cpu().clone() for n in names}
+        grads = to_host({n: self.params[n].grad for n in names})
         self.optimizer.zero_grad(set_to_none=True)
         return WorkerUpdate(worker_id=self.worker_id, round=0, delta=grads, moments={},
-                            tokens=self.batch_size * self.seq_len, opt_step=0, metrics={"loss": loss})
+                            tokens=self.batch_size * self.seq_len, opt_step=0, metrics={"loss": float(loss)})
 
-    def forward_backward(self, batch_index: int, scale: float = 1.0) -> float:
-        """Loss and gradient (accumulated, times `scale`) of this shard's batch `batch_index`."""
+    def forward_backward(self, batch_index: int, scale: float = 1.0) -> Tensor:
+        """Loss (a detached device scalar: not read here, so no host sync) and gradient (accumulated,
+        times `scale`) of this shard's batch `batch_index`."""
         x, y = self.shard.batch(batch_index, self.batch_size, self.seq_len, seed=self.data_seed)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         with autocast(self.device):
             loss = lm_loss(self.model, x, y)
         (loss * scale).backward()
-        return loss.item()
+        return loss.detach().float()
 
     def clip_and_step(self, global_step: int) -> None:
         """Clip the global gradient norm, set the phase and the scheduled lr, step, clear the gradients."""
@@ -200,7 +207,7 @@ class Worker:
                     else set())
         count = self.opt_step()
         group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
-        out = {}
+        out: dict[str, Tensor] = {}
         for name, p in self.params.items():
             st, group = self.optimizer.state.get(p, {}), group_of[id(p)]
             for kind in self.rounds.due(round_idx, id(p) in low_rank):
@@ -210,8 +217,8 @@ class Worker:
                 if kind != "ef":  # E has no step count
                     value = restep(value, kind, int(st["step"]), count, group["betas"],
                                    group.get("bias_correction", True))
-                out[moment_key(kind, name)] = value.cpu().clone()
-        return out
+                out[moment_key(kind, name)] = value
+        return to_host(out)
 
     def opt_step(self) -> int:
         steps = [int(st["step"]) for st in self.optimizer.state.values() if "step" in st]

@@ -1,5 +1,5 @@
 """The same code on a CUDA GPU (marked `cuda`; skipped, with the reason, where there is none):
-the LoRDO step equals its CPU run to fp32 rounding, bf16-autocast training lowers the loss, and
+the LoRDO step, reference and batched, equals the reference's CPU run to fp32 rounding, bf16-autocast training lowers the loss, and
 a worker + aggregator round on the GPU matches the CPU one within bf16 tolerance.
 
 `benchmarks/gpu_check.py` runs these on a GPU machine (`pytest -m cuda`). To check the tests
@@ -18,7 +18,7 @@ import torch
 from lordo_fed.data import TokenShard
 from lordo_fed.methods import lowrank_ranks, make_aggregator, make_worker, resolve_method
 from lordo_fed.model import DEFAULT_LOWRANK_PATTERN, ModelConfig, build_model, lowrank_parameter_names
-from lordo_fed.optim import LoRDO
+from lordo_fed.optim import BatchedLoRDO, LoRDO
 from lordo_fed.optim.config import InnerConfig
 from lordo_fed.outer import OuterConfig
 from lordo_fed.projection import get_projection_method, projection_side
@@ -61,28 +61,32 @@ OPTIONS = [
 
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "paper")
 def test_lordo_step_on_the_gpu_equals_the_cpu_step(options):
-    """Eight steps on the same gradients from the same state: parameters agree to fp32 rounding
-    (relative 1e-4); under a global source both sides get the same stored projection."""
+    """Eight steps on the same gradients from the same state: the reference LoRDO and the batched
+    step on the GPU both agree with the reference on the CPU to fp32 rounding (relative 1e-4);
+    under a global source every side gets the same stored projection."""
     torch.manual_seed(0)
-    shapes = [(48, 32), (32, 80), (16,)]
+    shapes = [(48, 32), (48, 32), (32, 80), (16,)]  # two of a shape: a stack of two on the batched side
     params = {"cpu": [torch.randn(s) for s in shapes]}
     params["gpu"] = [p.clone().to(GPU) for p in params["cpu"]]
+    params["gpu batched"] = [p.clone().to(GPU) for p in params["cpu"]]
     kwargs = {"lr": 1e-2, "omega": 0.9, "weight_decay": 0.01, **options}
-    opts = {side: LoRDO([{"params": ps[:2], "rank": RANK}, {"params": ps[2:]}], **kwargs) for side, ps in params.items()}
+    opts = {side: (BatchedLoRDO if "batched" in side else LoRDO)(
+        [{"params": ps[:3], "rank": RANK}, {"params": ps[3:]}], **kwargs) for side, ps in params.items()}
     if options.get("projection_source", "global") == "global":
         method = get_projection_method(options.get("proj_method", "svd"))
-        for i, p in enumerate(params["cpu"][:2]):
+        for i, p in enumerate(params["cpu"][:3]):
             stored = method.fit(torch.randn(p.shape), RANK, projection_side(p.shape), seed=i)
-            opts["cpu"].set_projection(p, stored)
-            opts["gpu"].set_projection(params["gpu"][i], stored.to(GPU))
+            for side, ps in params.items():
+                opts[side].set_projection(ps[i], stored.to(ps[i].device))
     for step in range(8):
         grads = [torch.randn(s) for s in shapes]
         for side, ps in params.items():
             for p, g in zip(ps, grads):
                 p.grad = g.to(p.device)
             opts[side].step()
-    for cpu, gpu in zip(params["cpu"], params["gpu"]):
-        torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-4, atol=1e-5)
+    for side in ("gpu", "gpu batched"):
+        for cpu, gpu in zip(params["cpu"], params[side]):
+            torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-4, atol=1e-5, msg=lambda m: f"{side}: {m}")
 
 
 def _worker_and_aggregator(device: str, method: str = "lordo_global"):

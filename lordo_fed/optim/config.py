@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lordo_fed.optim.batched import BatchedLoRDO
 from lordo_fed.optim.bias import MOMENT_BETA
 from lordo_fed.optim.lordo import EF_DTYPES, FULL_RANK_TERMS, PROJECTION_SOURCES, QH_PLACEMENTS, LoRDO
 from lordo_fed.projection import PROJECTION_METHODS
@@ -62,6 +63,9 @@ class InnerConfig:
     """Rotate the moments into a new basis on projection change (LDAdam)."""
     bias_correction: bool = True
     """Divide the moments by (1 − β^k)."""
+    batched: bool = True
+    """Run LoRDO's step on stacks of same-shaped matrices (BatchedLoRDO); False: the per-parameter
+    reference (LoRDO), the same mathematics one matrix at a time."""
     grad_clip: float = 1.0
     """Global gradient-norm clip ρ applied by the training loop (0 disables)."""
     schedule: str = "wsd"
@@ -154,7 +158,8 @@ def build_inner_optimizer(model: nn.Module, cfg: InnerConfig, lowrank_names: lis
         dict(params=decay, weight_decay=wd),
         dict(params=no_decay, weight_decay=0.0),
     ]
-    return LoRDO(
+    cls = BatchedLoRDO if cfg.batched else LoRDO
+    return cls(
         [g for g in groups if g["params"]], lr=cfg.lr, betas=betas, eps=cfg.eps, omega=cfg.omega,
         error_feedback=cfg.error_feedback, ef_dtype=cfg.ef_dtype, ef_decay=cfg.ef_decay, ef_reset=cfg.ef_reset,
         full_rank_term=cfg.full_rank_term, qh_placement=cfg.qh_placement,

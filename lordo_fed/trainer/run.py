@@ -156,7 +156,7 @@ def run_ddp(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     ctx.emit(_eval_record(ctx, model, settings, 0, 0, 0))
     bar = _progress(ctx, cfg.total_steps * cfg.workers, settings.name)
     tokens = cum_bytes = 0  # per worker, per direction
-    losses: list[float] = []
+    losses: list[torch.Tensor] = []  # device scalars, read once per record
     started = time.perf_counter()
     for step in range(cfg.total_steps):
         # The all-reduce: the mean of the M workers' gradients (each loss scaled by 1/M).
@@ -178,7 +178,7 @@ def run_ddp(ctx: RunContext, settings: MethodSettings) -> nn.Module:
             anchor = {n: params[n].detach().float().clone() for n in ranks}
         record = {
             "method": settings.name, "round": r, "step": step + 1, "tokens": tokens,
-            "train_loss": sum(losses) / len(losses),
+            "train_loss": sum(torch.stack(losses).tolist()) / len(losses),
             "bytes_sent_per_worker": grad_bytes * K, "bytes_received_per_worker": grad_bytes * K,
             "bytes_sent_per_worker_per_step": grad_bytes, "bytes_received_per_worker_per_step": grad_bytes,
             "cum_bytes_sent_per_worker": cum_bytes, "cum_bytes_received_per_worker": cum_bytes,
