@@ -56,12 +56,31 @@ def low_rank_shape(shape: tuple[int, int], rank: int) -> tuple[int, int]:
 
 
 def fit_projections(deltas: dict[str, Tensor], ranks: dict[str, int], method: ProjectionMethod,
-                    seed: int) -> dict[str, Tensor]:
-    """Stored-form projections fitted to each low-rank parameter's pseudo-gradient."""
-    return {
-        name: method.fit(deltas[name], rank, projection_side(deltas[name].shape), seed=seed + i)
-        for i, (name, rank) in enumerate(sorted(ranks.items()))
-    }
+                    seed: int, device: torch.device | str | None = None) -> dict[str, Tensor]:
+    """Stored-form projections (on the CPU) fitted to each low-rank parameter's pseudo-gradient.
+
+    Matrices of one shape and rank are fitted as one stack (`ProjectionMethod.fit_stack`: one
+    batched SVD or randomized SVD instead of a loop), on `device` (None: where the deltas are),
+    e.g. the server's GPU. Parameter i in name order is seeded with seed + i, as `method.fit`
+    of each matrix alone would be (the test oracle)."""
+    seeds = {name: seed + i for i, name in enumerate(sorted(ranks))}
+    groups: dict[tuple, list[str]] = {}
+    for name in sorted(ranks):
+        groups.setdefault((tuple(deltas[name].shape), ranks[name]), []).append(name)
+    out: dict[str, Tensor] = {}
+    for (shape, rank), names in groups.items():
+        per_stack = max(1, _MAX_STACK_BYTES // (4 * math.prod(shape)))  # bounds the extra host memory
+        for start in range(0, len(names), per_stack):
+            chunk = names[start:start + per_stack]
+            stack = torch.stack([deltas[n].float() for n in chunk])
+            stack = stack.to(device, non_blocking=True) if device is not None else stack
+            fitted = method.fit_stack(stack, rank, projection_side(shape), [seeds[n] for n in chunk]).cpu()
+            out.update((n, f.clone()) for n, f in zip(chunk, fitted.unbind(0)))
+    return {name: out[name] for name in sorted(ranks)}
+
+
+_MAX_STACK_BYTES = 1 << 28
+"""At most 256 MB of pseudo-gradients stacked at once by `fit_projections`."""
 
 
 def initial_projections(shapes: dict[str, tuple[int, int]], ranks: dict[str, int], method: ProjectionMethod,
@@ -96,6 +115,8 @@ class Aggregator:
         diagnostics: also report, per round, the mean stable rank of Δ̄ over the low-rank
             matrices and the share of ||Δ̄||² inside the round's shared subspace (an SVD per
             matrix: the paper's stagnation diagnostic, off by default).
+        fit_device: where the projections are fitted (batched, `fit_projections`): the server's
+            GPU when it has one; θ, the outer state and the sums stay on the host.
     """
 
     def __init__(self, params: dict[str, Tensor], ranks: dict[str, int], rounds: RoundConfig,
@@ -103,7 +124,7 @@ class Aggregator:
                  outlier_factor: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  bias_correction: bool = True, rotate: bool = True, init_projection: str = "random",
                  diagnostics: bool = False, switch_step: int = 0,
-                 switch_betas: tuple[float, float] = (0.999, 0.999)):
+                 switch_betas: tuple[float, float] = (0.999, 0.999), fit_device: torch.device | str | None = None):
         self.params = {n: p.detach().float().clone() for n, p in params.items()}
         self.ranks = dict(ranks)
         self.rounds = rounds
@@ -117,6 +138,7 @@ class Aggregator:
         self.bias_correction = bias_correction
         self.rotate = rotate
         self.diagnostics = diagnostics
+        self.fit_device = fit_device
         self.round = 1
         self.opt_step = 0
         shapes = {n: tuple(p.shape) for n, p in self.params.items()}
@@ -196,7 +218,7 @@ class Aggregator:
         for ref in refs:
             self._accumulate(ref, ref.tokens / total, self.ranks, sums)
         mean = {n: sums[n] for n in self.ranks}
-        self.projections = fit_projections(mean, self.ranks, self.projection, self.seed)
+        self.projections = fit_projections(mean, self.ranks, self.projection, self.seed, self.fit_device)
         return RoundResult(self.global_state(), [g.worker_id for g in refs], rejected, {})
 
     def expected_moment_shape(self, name: str) -> tuple[int, ...]:
@@ -313,7 +335,7 @@ class Aggregator:
         diagnostics = self._diagnostics(delta) if self.diagnostics else {}
         self.opt_step = opt_step
         if self.projection is not None:
-            new = fit_projections(delta, self.ranks, self.projection, self.seed + 7919 * self.round)
+            new = fit_projections(delta, self.ranks, self.projection, self.seed + 7919 * self.round, self.fit_device)
             if self.rotate:
                 moments = self._rotate(moments, self.projections, new)
             self.projections = new

@@ -106,10 +106,11 @@ def make_aggregator(model: nn.Module, settings: MethodSettings, ranks: dict[str,
     server_projections = inner.name == "lordo" and inner.projection == "global" and bool(ranks)
     with torch.no_grad():
         params = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
+    device = next(model.parameters()).device  # the model's device fits the projections (a GPU if any)
     return Aggregator(
         params, ranks, settings.rounds, build_outer_optimizer(settings.outer),
         get_projection_method(inner.proj_method) if server_projections else None,
         seed=seed, outlier_factor=outlier_factor, betas=tuple(inner.betas), bias_correction=inner.bias_correction,
         rotate=inner.rotate, init_projection=inner.init_projection, switch_step=inner.switch_step,
-        switch_betas=tuple(inner.switch_betas),
+        switch_betas=tuple(inner.switch_betas), fit_device=device if device.type != "cpu" else None,
     )

@@ -55,9 +55,15 @@ class ProjectionMethod(ABC):
 
     name: str = ""
 
-    @abstractmethod
     def fit(self, matrix: Tensor, rank: int, side: Side, seed: int = 0) -> Tensor:
         """Stored form of the top-r subspace of `matrix` on `side` (rank already < min(p, q))."""
+        return self.fit_stack(matrix[None], rank, side, [seed])[0]
+
+    @abstractmethod
+    def fit_stack(self, matrices: Tensor, rank: int, side: Side, seeds: list[int]) -> Tensor:
+        """`fit` of each matrix of an [n, p, q] stack, as one batched computation on the stack's
+        device (seeds[i] seeds matrix i's fit): a stack of n stored forms, each what `fit` of that
+        matrix alone with that seed returns (to the rounding of the batched kernels)."""
 
     def basis(self, stored: Tensor, shape: tuple[int, ...] | torch.Size, side: Side) -> Tensor:
         """Orthonormal basis (r×q for right, p×r for left), fp32, from a stored form."""
@@ -81,9 +87,9 @@ class SVDProjection(ProjectionMethod):
 
     name = "svd"
 
-    def fit(self, matrix: Tensor, rank: int, side: Side, seed: int = 0) -> Tensor:
-        u, _, vh = torch.linalg.svd(matrix.float(), full_matrices=False)
-        return vh[:rank, :].contiguous() if side == "right" else u[:, :rank].contiguous()
+    def fit_stack(self, matrices: Tensor, rank: int, side: Side, seeds: list[int]) -> Tensor:
+        u, _, vh = torch.linalg.svd(matrices.float(), full_matrices=False)
+        return vh[:, :rank, :].contiguous() if side == "right" else u[:, :, :rank].contiguous()
 
 
 class RandomizedSVDProjection(ProjectionMethod):
@@ -103,22 +109,23 @@ class RandomizedSVDProjection(ProjectionMethod):
         self.n_iter = n_iter
         self.oversample = oversample
 
-    def fit(self, matrix: Tensor, rank: int, side: Side, seed: int = 0) -> Tensor:
-        a = matrix.float()
+    def fit_stack(self, matrices: Tensor, rank: int, side: Side, seeds: list[int]) -> Tensor:
+        a = matrices.float()
         # Work on the orientation whose *row* space we want: right side = row space of A.
         if side == "left":
-            a = a.T
-        p, q = a.shape
+            a = a.mT
+        p, q = a.shape[-2:]
         k = min(rank + self.oversample, p, q)
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        omega = torch.randn(q, k, generator=gen, dtype=torch.float32).to(a.device)
+        # each matrix's test matrix from its own seed (CPU generator: the same on every machine)
+        omega = torch.stack([torch.randn(q, k, generator=torch.Generator(device="cpu").manual_seed(s),
+                                         dtype=torch.float32) for s in seeds]).to(a.device)
         y, _ = torch.linalg.qr(a @ omega)  # p×k: range of A
         for _ in range(self.n_iter):  # power iterations sharpen the spectrum; QR keeps it stable
-            z, _ = torch.linalg.qr(a.T @ y)
+            z, _ = torch.linalg.qr(a.mT @ y)
             y, _ = torch.linalg.qr(a @ z)
-        _, _, vh = torch.linalg.svd(y.T @ a, full_matrices=False)  # k×q
-        rows = vh[:rank, :].contiguous()  # top-r right singular vectors of (possibly transposed) A
-        return _canonical(rows, side)
+        _, _, vh = torch.linalg.svd(y.mT @ a, full_matrices=False)  # k×q
+        rows = vh[:, :rank, :]  # top-r right singular vectors of (possibly transposed) A
+        return rows.contiguous() if side == "right" else rows.mT.contiguous()
 
 
 @functools.lru_cache(maxsize=64)
@@ -145,13 +152,13 @@ class DCTProjection(ProjectionMethod):
 
     name = "dct"
 
-    def fit(self, matrix: Tensor, rank: int, side: Side, seed: int = 0) -> Tensor:
-        a = matrix.float()
-        d = dct_matrix(basis_dim(a.shape, side), a.device)
+    def fit_stack(self, matrices: Tensor, rank: int, side: Side, seeds: list[int]) -> Tensor:
+        a = matrices.float()
+        d = dct_matrix(basis_dim(a.shape[-2:], side), a.device)
         coords = a @ d if side == "right" else d.T @ a  # p×n or n×q: coordinates on each vector
-        scores = coords.norm(dim=0) if side == "right" else coords.norm(dim=1)
-        idx = torch.topk(scores, rank).indices
-        return torch.sort(idx).values.to(torch.int64)
+        scores = coords.norm(dim=-2) if side == "right" else coords.norm(dim=-1)
+        idx = torch.topk(scores, rank, dim=-1).indices
+        return torch.sort(idx, dim=-1).values.to(torch.int64)
 
     def basis(self, stored: Tensor, shape: tuple[int, ...] | torch.Size, side: Side) -> Tensor:
         d = dct_matrix(basis_dim(shape, side), stored.device)

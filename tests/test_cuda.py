@@ -131,3 +131,26 @@ def test_a_worker_and_aggregator_round_on_the_gpu_matches_the_cpu():
     step = runs["cpu"][0][-1].norm()
     theta_gap = torch.cat([(runs[GPU][1][n] - runs["cpu"][1][n]).flatten() for n in sorted(runs["cpu"][1])]).norm()
     assert theta_gap < 0.5 * step, (float(theta_gap), float(step))
+
+
+@pytest.mark.parametrize("name", ["svd", "rsvd", "dct"])
+def test_the_aggregators_projection_fits_on_the_gpu_match_the_cpu(name):
+    """`fit_projections` on the GPU (batched, as a server with a GPU runs it) spans the same
+    subspaces as on the CPU, and hands back CPU tensors."""
+    from lordo_fed.aggregator import fit_projections
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"a": (96, 64), "b": (96, 64), "c": (64, 160)}
+    deltas = {}
+    for n, (p, q) in shapes.items():  # a decaying spectrum: an unambiguous top-RANK subspace
+        deltas[n] = (torch.randn(p, 12, generator=gen) * torch.linspace(10, 1, 12)) @ torch.randn(12, q, generator=gen)
+    ranks = {n: RANK for n in shapes}
+    method = get_projection_method(name)
+    cpu = fit_projections(deltas, ranks, method, seed=5)
+    gpu = fit_projections(deltas, ranks, method, seed=5, device=GPU)
+    for n, shape in shapes.items():
+        assert gpu[n].device.type == "cpu" and gpu[n].dtype == cpu[n].dtype
+        side = projection_side(shape)
+        pg, pc = (method.basis(x, shape, side) for x in (gpu[n], cpu[n]))
+        proj = (lambda b: b.T @ b) if side == "right" else (lambda b: b @ b.T)
+        torch.testing.assert_close(proj(pg), proj(pc), rtol=0, atol=1e-4)

@@ -80,3 +80,53 @@ def test_initial_projection_is_orthonormal_and_seeded():
 def test_unknown_method_is_named():
     with pytest.raises(ValueError, match="'qr'.*svd"):
         get_projection_method("qr")
+
+
+def noisy_matrix(p: int, q: int, seed: int) -> torch.Tensor:
+    """A decaying spectrum plus noise: a pseudo-gradient's shape, with a clear gap after rank 5."""
+    return low_rank_matrix(p, q, 5, seed) + 0.01 * torch.randn(p, q, generator=torch.Generator().manual_seed(seed + 99))
+
+
+def projector(method, stored: torch.Tensor, shape, side) -> torch.Tensor:
+    """The orthogonal projector onto the fitted subspace: equal for equal subspaces, whatever the
+    signs or the order of the basis vectors."""
+    b = method.basis(stored, shape, side)
+    return b.T @ b if side == "right" else b @ b.T
+
+
+@pytest.mark.parametrize("name", ["svd", "rsvd", "dct"])
+@pytest.mark.parametrize("shape", [(48, 32), (32, 48)])
+def test_fitting_a_stack_equals_fitting_each_matrix_alone(name, shape):
+    """The batched fit (one SVD / randomized SVD over the stack) against the per-matrix fit, seed by seed."""
+    m = get_projection_method(name)
+    side = projection_side(shape)
+    mats = [noisy_matrix(*shape, seed) for seed in range(4)]
+    seeds = [11, 12, 13, 14]
+    stacked = m.fit_stack(torch.stack(mats), 5, side, seeds)
+    assert stacked.shape[0] == 4
+    for a, s, got in zip(mats, seeds, stacked.unbind(0)):
+        alone = m.fit(a, 5, side, seed=s)
+        assert got.dtype == alone.dtype and got.shape == alone.shape
+        if name == "dct":
+            assert torch.equal(got, alone)  # indices
+        else:
+            torch.testing.assert_close(projector(m, got, shape, side), projector(m, alone, shape, side),
+                                       rtol=0, atol=1e-5)
+
+
+def test_fit_projections_groups_by_shape_and_keeps_each_parameters_seed():
+    """The aggregator's refit: matrices of a shape fitted together, each as the per-name fit with its seed."""
+    from lordo_fed.aggregator import fit_projections
+
+    shapes = {"a": (48, 32), "b": (32, 48), "c": (48, 32), "d": (48, 32)}
+    deltas = {n: noisy_matrix(*s, seed=i) for i, (n, s) in enumerate(shapes.items())}
+    ranks = {"a": 5, "b": 5, "c": 5, "d": 4}  # d: another rank, its own group
+    m = get_projection_method("rsvd")
+    got = fit_projections(deltas, ranks, m, seed=100)
+    assert list(got) == sorted(ranks)
+    for i, name in enumerate(sorted(ranks)):
+        side = projection_side(shapes[name])
+        alone = m.fit(deltas[name], ranks[name], side, seed=100 + i)
+        assert got[name].shape == alone.shape and got[name].untyped_storage().nbytes() == alone.numel() * 4
+        torch.testing.assert_close(projector(m, got[name], shapes[name], side),
+                                   projector(m, alone, shapes[name], side), rtol=0, atol=1e-5)
