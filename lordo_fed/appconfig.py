@@ -98,6 +98,7 @@ FLAT_KEYS: dict[str, str] = {
     "error-feedback": "inner.error_feedback",
     "full-rank-term": "inner.full_rank_term",
     "ef-decay": "inner.ef_decay",
+    "ef-density": "inner.ef_density",
     "ef-reset": "inner.ef_reset",
     "sync-ef": "rounds.sync_ef",
     "switch-step": "inner.switch_step",

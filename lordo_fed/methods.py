@@ -78,6 +78,9 @@ def resolve_method(name: str, inner: InnerConfig, rounds: RoundConfig, outer: Ou
     if spec.sync is not None:
         rounds = dataclasses.replace(rounds, sync_exp_avg_every=spec.sync[0], sync_exp_avg_sq_every=spec.sync[1])
     rounds.validate()
+    if rounds.sync_ef and inner.name == "lordo" and inner.error_feedback and inner.ef_density < 1.0:
+        raise ValueError(f"rounds.sync_ef=True with inner.ef_density={inner.ef_density!r}: averaging E across "
+                         "workers needs the whole buffer; expected ef_density=1.0 or sync_ef=False")
     chosen = diloco_outer if (spec.diloco_outer and diloco_outer is not None) else outer
     return MethodSettings(name, spec.loop, inner, rounds, chosen)
 

@@ -21,6 +21,7 @@ from lordo_fed.device import autocast, to_host
 from lordo_fed.model import lm_loss
 from lordo_fed.optim import LoRDO
 from lordo_fed.optim.bias import restep, restep_state
+from lordo_fed.optim.ef_compress import ef_values
 from lordo_fed.optim.lordo import EF_DTYPES
 from lordo_fed.optim.config import InnerConfig, apply_phase, lr_at, set_lr
 from lordo_fed.rounds import (DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, RoundConfig, WorkerUpdate, moment_key,
@@ -95,8 +96,8 @@ class Worker:
         if not isinstance(opt, LoRDO) or not opt.track_update_split or not opt.update_split:
             return {}
         ratios = [float(out.sqrt() / inside.sqrt().clamp_min(1e-30)) for out, inside in opt.update_split]
-        ef_sq = sum(float(opt.state[p]["ef"].float().square().sum()) for p, _ in opt.low_rank_params()
-                    if "ef" in opt.state[p])
+        ef_sq = sum(float(ef_values(opt.state[p]).square().sum()) for p, _ in opt.low_rank_params()
+                    if "ef" in opt.state[p] or "ef_val" in opt.state[p])
         return {"update_out_in_ratio": sum(ratios) / len(ratios), "update_out_in_ratio_last": ratios[-1],
                 "ef_norm": ef_sq ** 0.5}
 

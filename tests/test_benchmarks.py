@@ -71,12 +71,18 @@ def test_long_horizon_quick(tmp_path):
 def test_step_cost_quick(tmp_path):
     result = run_quick("step_cost.py", tmp_path)
     step = result["inner_step"]
-    for name in ("adamw", "lordo"):
+    for name in ("adamw", "adamw_fast", "lordo", "lordo_batched"):
         med = step["median_seconds"][name]
         assert med["fwd_bwd"] > 0 and med["step"] > 0
         assert len(step["samples"][name]["step"]) == step["timed_steps"]
+    assert step["adamw_fast"] == "foreach"
+    # the headline ratio: the product's (batched) step against AdamW's fastest form
     assert step["step_ratio_lordo_to_adamw"] == pytest.approx(
-        step["median_seconds"]["lordo"]["step"] / step["median_seconds"]["adamw"]["step"])
+        step["median_seconds"]["lordo_batched"]["step"] / step["median_seconds"]["adamw_fast"]["step"])
+    assert step["step_ratio_lordo_vs_adamw_fast"] == pytest.approx(
+        step["median_seconds"]["lordo"]["step"] / step["median_seconds"]["adamw_fast"]["step"])
+    batched = result["whole_model_refresh"]["batched_seconds"]
+    assert set(batched) == {"rsvd", "dct"} and all(v > 0 for v in batched.values())
     methods = {(r["method"], tuple(r["shape"])) for r in result["refresh"]}
     assert {m for m, _ in methods} == {"svd", "rsvd", "dct"}
     assert all(r["median_seconds"] > 0 for r in result["refresh"])

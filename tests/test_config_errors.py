@@ -44,6 +44,7 @@ RUN_CONFIG_CASES = [
     ("error-feedback", 1, "run-config key 'error-feedback'=1: expected true or false like the default True"),
     ("full-rank-term", "grad", "run-config key 'full-rank-term': inner.full_rank_term='grad': expected one of ('error_fed', 'gradient')"),
     ("ef-decay", 1.5, "run-config key 'ef-decay': inner.ef_decay=1.5: expected a number in [0, 1] (1 = the paper)"),
+    ("ef-density", 0.0, "run-config key 'ef-density': inner.ef_density=0.0: expected a number in (0, 1] (1 = the whole buffer)"),
     ("ef-reset", "no", "run-config key 'ef-reset'='no': expected true or false like the default False"),
     ("sync-ef", 0, "run-config key 'sync-ef'=0: expected true or false like the default False"),
     ("switch-step", -1, "run-config key 'switch-step': inner.switch_step=-1: expected an integer >= 0 (0 = one phase)"),

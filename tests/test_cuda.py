@@ -56,6 +56,7 @@ OPTIONS = [
     dict(proj_method="rsvd"),
     dict(proj_method="dct"),
     dict(projection_source="local", proj_interval=3),
+    dict(ef_density=0.1),  # the compressed buffer (top-k, int8)
 ]
 
 

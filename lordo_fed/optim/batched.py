@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from lordo_fed.optim.ef_compress import EF_KEYS, add_decompressed, compress, empty_compressed
 from lordo_fed.optim.lordo import EF_DTYPES, LoRDO, _bias_corrections
 from lordo_fed.projection import Side, projection_side
 
@@ -175,11 +176,17 @@ class BatchedLoRDO(LoRDO):
         grads = [p.grad.float() for p in params]
         basis = self._bases(params, group, side)
 
-        ef = None
-        if group["error_feedback"]:
+        ef, packed = None, None
+        density = group["ef_density"]
+        if group["error_feedback"] and density < 1.0:  # compressed E: top-k indices, int8 values, a scale
+            packed = {key: self._stacked(params, key, lambda p, key=key: empty_compressed(p.shape, density, p.device)[key])
+                      for key in EF_KEYS}
+        elif group["error_feedback"]:
             ef_dtype = EF_DTYPES[group["ef_dtype"]]
             ef = self._stacked(params, "ef", lambda p: torch.zeros_like(p, dtype=ef_dtype))
-        if ef is not None and ef.dtype == torch.float32:
+        if packed is not None:
+            v_full = add_decompressed(torch.stack(grads), packed, group["ef_decay"])  # V = G + γ C(E)
+        elif ef is not None and ef.dtype == torch.float32:
             # V = G + γE computed in E's own memory: E is rewritten as V − back(g) below anyway.
             if group["ef_decay"] != 1.0:
                 ef.mul_(group["ef_decay"])
@@ -218,7 +225,12 @@ class BatchedLoRDO(LoRDO):
         else:
             update = _project_back(g.mul(1 - omega).add_(exp_avg, alpha=omega / bc1).div_(denom), basis, side)
 
-        if ef is not None:  # E ← V − back(g), after the last use of V
+        if packed is not None:  # E ← C(V − back(g))
+            residual = torch.baddbmm(v_full, g, basis, alpha=-1) if side == "right" else \
+                torch.baddbmm(v_full, basis, g, alpha=-1)
+            for key, value in compress(residual, density).items():
+                packed[key].copy_(value)
+        elif ef is not None:  # E ← V − back(g), after the last use of V
             if v_full is ef:
                 if side == "right":
                     ef.baddbmm_(g, basis, alpha=-1)

@@ -41,6 +41,9 @@ class InnerConfig:
     """Keep the full-size buffer of what the projection dropped and feed it back next step."""
     ef_dtype: str = "fp32"
     """Storage dtype of the error-feedback buffer: 'fp32' or 'bf16'."""
+    ef_density: float = 1.0
+    """Share of the error-feedback buffer kept: 1 keeps E whole; ρ < 1 keeps its top ⌈ρ·pq⌉ entries
+    per matrix with int8 values (MicroAdam-style, lordo_fed.optim.ef_compress; ef_dtype then unused)."""
     ef_decay: float = 0.9
     """γ in V = G + γ E: how much of the error-feedback buffer is fed back each step (1 = the paper;
     0.9, the default, measured best: docs/results.md, section 8)."""
@@ -120,6 +123,8 @@ class InnerConfig:
             bad("decay_fraction", "a number in [0, 1]")
         if not 0 <= self.min_lr_ratio <= 1:
             bad("min_lr_ratio", "a number in [0, 1]")
+        if not 0 < self.ef_density <= 1:
+            bad("ef_density", "a number in (0, 1] (1 = the whole buffer)")
         if not 0 <= self.ef_decay <= 1:
             bad("ef_decay", "a number in [0, 1] (1 = the paper)")
         if self.switch_step < 0:
@@ -161,7 +166,8 @@ def build_inner_optimizer(model: nn.Module, cfg: InnerConfig, lowrank_names: lis
     cls = BatchedLoRDO if cfg.batched else LoRDO
     return cls(
         [g for g in groups if g["params"]], lr=cfg.lr, betas=betas, eps=cfg.eps, omega=cfg.omega,
-        error_feedback=cfg.error_feedback, ef_dtype=cfg.ef_dtype, ef_decay=cfg.ef_decay, ef_reset=cfg.ef_reset,
+        error_feedback=cfg.error_feedback, ef_dtype=cfg.ef_dtype, ef_density=cfg.ef_density,
+        ef_decay=cfg.ef_decay, ef_reset=cfg.ef_reset,
         full_rank_term=cfg.full_rank_term, qh_placement=cfg.qh_placement,
         projection_source=cfg.projection, proj_method=cfg.proj_method, proj_interval=cfg.proj_interval or local_steps,
         rotate=cfg.rotate, bias_correction=cfg.bias_correction, seed=seed,

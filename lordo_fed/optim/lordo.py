@@ -46,6 +46,7 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
+from lordo_fed.optim.ef_compress import EF_KEYS, add_decompressed, compress, empty_compressed
 from lordo_fed.optim.rotation import rotate_moments
 from lordo_fed.projection import (
     PROJECTION_METHODS,
@@ -76,6 +77,8 @@ class LoRDO(torch.optim.Optimizer):
         rank: None for full-rank QHAdam, else the rank r of the moments' subspace.
         error_feedback: keep the full-size buffer E of what the projection dropped.
         ef_dtype: "fp32" or "bf16" storage of E (bf16 halves its memory).
+        ef_density: 1 keeps E whole; ρ < 1 keeps only its top ⌈ρ·pq⌉ entries, int8-quantised
+            (`ef_compress`, after MicroAdam; ef_dtype then does not apply).
         ef_decay: γ in V = G + γ E (1 = the paper).
         ef_reset: zero E whenever the projection changes (False = the paper).
         full_rank_term: "error_fed" (the QH term on V = G + E, the paper) or "gradient" (on G).
@@ -99,6 +102,7 @@ class LoRDO(torch.optim.Optimizer):
         rank: int | None = None,
         error_feedback: bool = True,
         ef_dtype: str = "fp32",
+        ef_density: float = 1.0,
         ef_decay: float = 1.0,
         ef_reset: bool = False,
         full_rank_term: str = "error_fed",
@@ -112,7 +116,8 @@ class LoRDO(torch.optim.Optimizer):
     ):
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, omega=omega, rank=rank,
-            error_feedback=error_feedback, ef_dtype=ef_dtype, ef_decay=ef_decay, ef_reset=ef_reset,
+            error_feedback=error_feedback, ef_dtype=ef_dtype, ef_density=ef_density, ef_decay=ef_decay,
+            ef_reset=ef_reset,
             full_rank_term=full_rank_term, qh_placement=qh_placement,
             projection_source=projection_source, proj_method=proj_method,
             proj_interval=proj_interval, rotate=rotate, bias_correction=bias_correction, seed=seed,
@@ -190,8 +195,11 @@ class LoRDO(torch.optim.Optimizer):
                 state["exp_avg"], state["exp_avg_sq"], old_basis, new_basis, side,
                 int(state["step"].item()), group["betas"], group["bias_correction"],
             )
-        if "proj" in state and group["ef_reset"] and "ef" in state:
-            state["ef"].zero_()
+        if "proj" in state and group["ef_reset"]:
+            if "ef" in state:
+                state["ef"].zero_()
+            if "ef_val" in state:
+                state["ef_val"].zero_()  # a compressed E = 0
         state["proj"] = stored.to(param.device).clone()
 
     # ----------------------------------------------------------------------------- the step
@@ -260,7 +268,14 @@ class LoRDO(torch.optim.Optimizer):
         grad = p.grad.float()
         k_before = int(state["step"].item())
         refit = group["projection_source"] == "local" and ("proj" not in state or k_before % group["proj_interval"] == 0)
-        if group["error_feedback"]:
+        compressed = group["error_feedback"] and group["ef_density"] < 1.0
+        if compressed:
+            if "ef_val" not in state:
+                state.update(empty_compressed(p.shape, group["ef_density"], p.device))
+            if refit and group["ef_reset"]:
+                state["ef_val"].zero_()
+            v_full = add_decompressed(grad.clone(), state, group["ef_decay"])  # V = G + γ C(E)
+        elif group["error_feedback"]:
             if "ef" not in state:
                 state["ef"] = torch.zeros_like(p, dtype=EF_DTYPES[group["ef_dtype"]])
             if refit and group["ef_reset"]:
@@ -280,7 +295,10 @@ class LoRDO(torch.optim.Optimizer):
         basis = method.basis(state["proj"], p.shape, side)
 
         g = project(v_full, basis, side)
-        if group["error_feedback"]:
+        if compressed:
+            for key, value in compress(v_full - project_back(g, basis, side), group["ef_density"]).items():
+                state[key].copy_(value)
+        elif group["error_feedback"]:
             state["ef"].copy_(v_full - project_back(g, basis, side))
 
         if "exp_avg" not in state:
@@ -334,7 +352,7 @@ class LoRDO(torch.optim.Optimizer):
         }
         for pid, saved in saved_state.items():
             p = id_to_param[pid]
-            for key in ("exp_avg", "exp_avg_sq", "ef", "proj"):
+            for key in ("exp_avg", "exp_avg_sq", "ef", "proj", *EF_KEYS):
                 if key in saved:
                     self.state[p][key] = saved[key].to(device=p.device, dtype=saved[key].dtype, copy=True)
         for group in self.param_groups:
@@ -377,6 +395,9 @@ def _validate_group(group: dict[str, Any]) -> None:
         bad("rank", "None (full rank) or an integer > 0")
     if group["ef_dtype"] not in EF_DTYPES:
         bad("ef_dtype", f"one of {sorted(EF_DTYPES)}")
+    density = group["ef_density"]
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
+        bad("ef_density", "a number in (0, 1] (1 = E kept whole)")
     decay = group["ef_decay"]
     if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
         bad("ef_decay", "a number in [0, 1] (1 = the paper: E is fed back whole)")
