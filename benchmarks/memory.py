@@ -17,6 +17,7 @@ parameter tensor.
 | lordo_ef_fp32   | lordo_global, lordo_local, lowrank_ddp | 2pr + rq + pq (fp32 EF) |
 | lordo_ef_bf16   | the same, EF stored in bf16         | 2pr + rq + pq/2            |
 | lordo_no_ef     | the same without EF (= GaLore's state) | 2pr + rq                |
+| lordo_ef_topk   | EF compressed: top 1/32 of E, int8 values | 2pr + rq + 5⌈pq/32⌉ + 4 |
 
 Peak memory: a subprocess acts as one client for one round, as in deployment: it builds the model
 and its worker, decodes the encoded `GlobalState` the server would send, trains K local steps on
@@ -25,8 +26,12 @@ stage (the interpreter and torch alone are the first figure): VmHWM from /proc/s
 because Linux's `getrusage(RUSAGE_SELF).ru_maxrss` (also reported) inherits the parent's
 high-water mark across fork/exec, which made every client read as large as the benchmark itself.
 
-    python benchmarks/memory.py           # 16m, 125m, 720m x vocab 256 / 50257; 16m client peaks
+    python benchmarks/memory.py           # 16m, 125m, 360m, 720m x vocab 256 / 50257; 16m client peaks
+    python benchmarks/memory.py --peak-presets 125m,360m,720m   # a worker's peak at scale (~15 min)
     python benchmarks/memory.py --quick   # 16m state counts (vocab 256), tiny client peaks
+
+At 125m and beyond a client round is one local step of batch 1 x 128 (parameters, gradients and
+optimizer state set the peak there, not activations; a CPU takes seconds per step at 720m).
 Writes benchmarks/results/memory.json and memory.png.
 """
 
@@ -46,6 +51,7 @@ import torch
 from lordo_fed.metrics import optimizer_state_bytes, peak_rss_bytes, tensor_bytes
 from lordo_fed.model import ModelConfig, build_model, count_parameters, lm_loss, lowrank_parameter_names
 from lordo_fed.optim.config import InnerConfig, build_inner_optimizer
+from lordo_fed.optim.ef_compress import kept_entries
 from lordo_fed.projection import get_projection_method, projection_side
 
 try:
@@ -61,16 +67,18 @@ CONFIGS: dict[str, dict] = {
     "lordo_ef_fp32": dict(name="lordo", error_feedback=True, ef_dtype="fp32"),
     "lordo_ef_bf16": dict(name="lordo", error_feedback=True, ef_dtype="bf16"),
     "lordo_no_ef": dict(name="lordo", error_feedback=False),
+    "lordo_ef_topk": dict(name="lordo", error_feedback=True, ef_density=1 / 32),
 }
 METHODS_OF = {
     "adamw": ["ddp", "diloco", "local_adam", "desloc"],
     "lordo_ef_fp32": ["lowrank_ddp", "lordo_global", "lordo_local"],
     "lordo_ef_bf16": ["lowrank_ddp", "lordo_global", "lordo_local"],
     "lordo_no_ef": ["lowrank_ddp", "lordo_global", "lordo_local"],
+    "lordo_ef_topk": ["lowrank_ddp", "lordo_global", "lordo_local"],
 }
 # The client process of the peak-memory measurement runs this method for each config.
 PEAK_METHOD = {"adamw": "diloco", "lordo_ef_fp32": "lordo_global", "lordo_ef_bf16": "lordo_global",
-               "lordo_no_ef": "lordo_global"}
+               "lordo_no_ef": "lordo_global", "lordo_ef_topk": "lordo_global"}
 
 
 def inner_config(config: str, rank: int) -> InnerConfig:
@@ -123,16 +131,19 @@ def formula(shapes: dict[str, tuple[int, ...]], ranks: dict[str, int], config: s
     cfg = CONFIGS[config]
     lordo = cfg["name"] == "lordo"
     ef_size = {"fp32": 4, "bf16": 2}[cfg.get("ef_dtype", "fp32")] if cfg.get("error_feedback") else 0
+    density = cfg.get("ef_density", 1.0)
     lowrank = other = 0.0
     for name, shape in shapes.items():
         numel = math.prod(shape)
         if lordo and name in ranks:
             p, q = shape
             r = ranks[name]
+            # E: pq values at its dtype, or compressed: k int32 indices + k int8 values + one fp32 scale
+            ef = (5 * kept_entries(shape, density) + 4) if density < 1 else ef_size * p * q
             if projection_side(shape) == "right":  # p >= q: moments p×r, basis r×q
-                lowrank += 4 * (2 * p * r + r * q) + ef_size * p * q
+                lowrank += 4 * (2 * p * r + r * q) + ef
             else:  # the mirror image: moments r×q, basis p×r
-                lowrank += 4 * (2 * r * q + p * r) + ef_size * p * q
+                lowrank += 4 * (2 * r * q + p * r) + ef
         elif name in ranks:
             lowrank += 4 * 2 * numel
         else:
@@ -355,6 +366,8 @@ def main() -> None:
         print(json.dumps(client_child(json.loads(sys.argv[2]))))
         return
     parser = make_parser("memory", __doc__, "16m state counts (vocab 256) and tiny client peaks only")
+    parser.add_argument("--peak-presets", default=None,
+                        help="comma-separated presets of the client peak measurement (default: 16m; tiny with --quick)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.quick:
@@ -362,9 +375,13 @@ def main() -> None:
             ["adamw", "lordo_ef_fp32"]
         local_steps, batch_size = 2, 2
     else:
-        presets, vocabs, real_vocabs, peak_preset, peak_configs = ["16m", "125m", "720m"], [BYTE_VOCAB, GPT2_VOCAB], \
-            [BYTE_VOCAB, GPT2_VOCAB], "16m", list(CONFIGS)
+        presets, vocabs, real_vocabs, peak_preset, peak_configs = ["16m", "125m", "360m", "720m"], \
+            [BYTE_VOCAB, GPT2_VOCAB], [BYTE_VOCAB, GPT2_VOCAB], "16m", list(CONFIGS)
         local_steps, batch_size = 4, 8
+    peak_presets = args.peak_presets.split(",") if args.peak_presets else [peak_preset]
+    for p in peak_presets:
+        if p not in RANKS:
+            parser.error(f"--peak-presets: unknown preset {p!r}: expected some of {sorted(RANKS)}")
     t0 = time.perf_counter()
     state_rows = []
     for preset in presets:
@@ -380,11 +397,16 @@ def main() -> None:
     mismatched = [r for r in state_rows if not r["matches_formula"]]
     if mismatched:
         raise AssertionError(f"state bytes differ from the formula: {[(r['preset'], r['config']) for r in mismatched]}")
+    peak_rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        peak_rows = [peak_memory(peak_preset, c, Path(tmp), local_steps, batch_size) for c in peak_configs]
+        for preset in peak_presets:
+            big = RANKS[preset] >= RANKS["125m"]  # one step of batch 1: state, not activations, sets the peak
+            for c in peak_configs:
+                peak_rows.append(peak_memory(preset, c, Path(tmp), 1 if big else local_steps, 1 if big else batch_size))
+                print(f"  peak {preset} {c}: {human_bytes(peak_rows[-1]['peak_rss_bytes'])}", flush=True)
     config = {"presets": presets, "vocab_sizes": vocabs, "ranks": {p: RANKS[p] for p in presets},
               "configs": CONFIGS, "methods_of": METHODS_OF, "real_16m_vocabs": real_vocabs,
-              "peak": {"preset": peak_preset, "configs": peak_configs, "methods": PEAK_METHOD,
+              "peak": {"presets": peak_presets, "configs": peak_configs, "methods": PEAK_METHOD,
                        "local_steps": local_steps, "batch_size": batch_size, "vocab_size": BYTE_VOCAB},
               "notes": ["state_bytes: optimizer_state_bytes after one optimizer step (meta device: real shapes)",
                         "formula: ALGORITHM.md per low-rank matrix (AdamW 2pq, GaLore 2pr+rq, LoRDO +pq EF) "

@@ -33,6 +33,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lordo_fed.device import pick_device
+from lordo_fed.optim.config import resolved_proj_method
+
 try:
     from benchmarks.common import RESULTS, make_parser, new_figure, png_path, result_header, write_json
 except ImportError:  # run as `python benchmarks/quality.py`
@@ -55,9 +58,13 @@ EF_OPTIONS = {
     "ef_sync": ("rounds.sync_ef=true",),
     "no_ef": ("inner.error_feedback=false",),
     "two_phase": ("inner.switch_step=64",),
+    "ef_bf16": ("inner.ef_decay=0.9", "inner.ef_dtype=bf16"),
+    "ef_topk": ("inner.ef_decay=0.9", "inner.ef_density=0.03125"),
 }
 """Options of the inner step (docs/algorithm.md, "Error feedback inside a round", "Two phases"), run
-for LoRDO-Global and LoRDO-Local at rank 16; the paper's settings are the rank-16 runs."""
+for LoRDO-Global and LoRDO-Local at rank 16; the paper's settings are the rank-16 runs. ef_bf16 and
+ef_topk are the memory options (E in bf16; E compressed to its top 1/32, int8), each against
+ef_decay0.9, the default they modify."""
 BEST_EF = "ef_decay0.9"
 """The option the projection methods are re-measured with (chosen from the "error feedback" runs)."""
 DIAGNOSTICS = ("delta_stable_rank", "delta_in_subspace", "update_out_in_ratio", "update_out_in_ratio_last",
@@ -147,7 +154,8 @@ def execute(run: Run, quick: bool, work: Path, fresh: bool, base: tuple[str, ...
     result = {
         "label": run.label, "group": run.group, "method": run.method, "overrides": list(run.overrides),
         "rank": cfg.inner.rank, "omega": cfg.inner.omega, "K": cfg.rounds.local_steps, "M": cfg.workers,
-        "B": cfg.data.batch_size, "proj_method": cfg.inner.proj_method, "seed": cfg.seed, **summary,
+        "B": cfg.data.batch_size, "proj_method": resolved_proj_method(cfg.inner, pick_device(cfg.device)),
+        "seed": cfg.seed, **summary,
         "wall_seconds": time.perf_counter() - started,
         "curve": {"round": [r["round"] for r in evals], "tokens": [r["tokens"] for r in evals],
                   "val_loss": [r["val_loss"] for r in evals]},

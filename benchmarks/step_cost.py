@@ -79,7 +79,7 @@ def make_optimizer(name: str, model: torch.nn.Module, preset: str, seed: int) ->
         d = opt.defaults
         opt = torch.optim.AdamW(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], foreach=not cuda, fused=cuda)
     if isinstance(opt, LoRDO):
-        method = get_projection_method(cfg.proj_method)
+        method = get_projection_method(opt.param_groups[0]["proj_method"])  # "auto" resolved by the factory
         device = next(model.parameters()).device
         for i, (p, group) in enumerate(opt.low_rank_params()):
             side = projection_side(p.shape)

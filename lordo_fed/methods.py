@@ -25,7 +25,7 @@ from torch import nn
 from lordo_fed.aggregator import Aggregator
 from lordo_fed.data import TokenShard
 from lordo_fed.model import lowrank_parameter_names
-from lordo_fed.optim.config import InnerConfig, build_inner_optimizer
+from lordo_fed.optim.config import InnerConfig, build_inner_optimizer, resolved_proj_method
 from lordo_fed.outer import OuterConfig, build_outer_optimizer
 from lordo_fed.projection import get_projection_method
 from lordo_fed.rounds import RoundConfig
@@ -112,7 +112,7 @@ def make_aggregator(model: nn.Module, settings: MethodSettings, ranks: dict[str,
     device = next(model.parameters()).device  # the model's device fits the projections (a GPU if any)
     return Aggregator(
         params, ranks, settings.rounds, build_outer_optimizer(settings.outer),
-        get_projection_method(inner.proj_method) if server_projections else None,
+        get_projection_method(resolved_proj_method(inner, device)) if server_projections else None,
         seed=seed, outlier_factor=outlier_factor, betas=tuple(inner.betas), bias_correction=inner.bias_correction,
         rotate=inner.rotate, init_projection=inner.init_projection, switch_step=inner.switch_step,
         switch_betas=tuple(inner.switch_betas), fit_device=device if device.type != "cpu" else None,

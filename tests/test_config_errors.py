@@ -39,7 +39,7 @@ RUN_CONFIG_CASES = [
     ("lr", 0.0, "run-config key 'lr': inner.lr=0.0: expected a number > 0"),
     ("lr", math.nan, "run-config key 'lr': inner.lr=nan: expected a number > 0"),
     ("warmup-steps", -1, "run-config key 'warmup-steps': inner.warmup_steps=-1: expected an integer >= 0"),
-    ("proj-method", "pca", "run-config key 'proj-method': inner.proj_method='pca': expected one of ('svd', 'rsvd', 'dct')"),
+    ("proj-method", "pca", "run-config key 'proj-method': inner.proj_method='pca': expected one of ('auto', 'svd', 'rsvd', 'dct')"),
     ("error-feedback", "yes", "run-config key 'error-feedback'='yes': expected true or false like the default True"),
     ("error-feedback", 1, "run-config key 'error-feedback'=1: expected true or false like the default True"),
     ("full-rank-term", "grad", "run-config key 'full-rank-term': inner.full_rank_term='grad': expected one of ('error_fed', 'gradient')"),

@@ -215,3 +215,19 @@ def test_the_switch_sets_every_groups_hyperparameters_and_resets_the_moments(res
             opt.state[params[0]]["exp_avg"].add_(1.0)
             apply_phase(opt, cfg, 6)  # later steps do not reset again
             assert opt.state[params[0]]["exp_avg"].abs().sum() > 0
+
+
+def test_auto_projection_is_exact_except_local_refits_on_cuda():
+    """proj_method='auto' (the default): the exact SVD, but LoRDO-Local's per-step refits on a GPU
+    take the randomized SVD; an explicit choice is kept everywhere."""
+    import torch
+
+    from lordo_fed.optim.config import InnerConfig, resolved_proj_method
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert InnerConfig().proj_method == "auto"
+    assert resolved_proj_method(InnerConfig(projection="global"), cuda) == "svd"
+    assert resolved_proj_method(InnerConfig(projection="local"), cpu) == "svd"
+    assert resolved_proj_method(InnerConfig(projection="local"), cuda) == "rsvd"
+    assert resolved_proj_method(InnerConfig(projection="local", proj_method="svd"), cuda) == "svd"
+    assert resolved_proj_method(InnerConfig(projection="global", proj_method="dct"), cpu) == "dct"

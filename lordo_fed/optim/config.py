@@ -58,8 +58,10 @@ class InnerConfig:
     init_projection: str = "gradient"
     """Round-1 basis of LoRDO-Global: 'gradient' (fitted to the workers' averaged gradient at θ0,
     one extra exchange before round 1) or 'random' (seeded random orthonormal basis)."""
-    proj_method: str = "svd"
-    """Projection fit: 'svd' (exact), 'rsvd' (randomized) or 'dct' (DCT columns, sent as indices)."""
+    proj_method: str = "auto"
+    """Projection fit: 'svd' (exact), 'rsvd' (randomized), 'dct' (DCT columns, sent as indices) or
+    'auto': exact, except LoRDO-Local's refits on a CUDA device, which are randomized (an SVD per
+    matrix inside the step; rsvd measured no worse: docs/results.md, section 2)."""
     proj_interval: int = 0
     """T_proj: local steps between projection refits for projection='local'; 0 means K."""
     rotate: bool = True
@@ -99,7 +101,7 @@ class InnerConfig:
 
         choices = {
             "name": INNER_OPTIMIZERS, "ef_dtype": tuple(EF_DTYPES), "qh_placement": QH_PLACEMENTS,
-            "projection": PROJECTION_SOURCES, "proj_method": PROJECTION_METHODS, "schedule": SCHEDULES,
+            "projection": PROJECTION_SOURCES, "proj_method": ("auto", *PROJECTION_METHODS), "schedule": SCHEDULES,
             "init_projection": INIT_PROJECTIONS, "full_rank_term": FULL_RANK_TERMS, "switch_reset": SWITCH_RESETS,
         }
         for name, allowed in choices.items():
@@ -169,9 +171,17 @@ def build_inner_optimizer(model: nn.Module, cfg: InnerConfig, lowrank_names: lis
         error_feedback=cfg.error_feedback, ef_dtype=cfg.ef_dtype, ef_density=cfg.ef_density,
         ef_decay=cfg.ef_decay, ef_reset=cfg.ef_reset,
         full_rank_term=cfg.full_rank_term, qh_placement=cfg.qh_placement,
-        projection_source=cfg.projection, proj_method=cfg.proj_method, proj_interval=cfg.proj_interval or local_steps,
+        projection_source=cfg.projection, proj_method=resolved_proj_method(cfg, named[0][1].device),
+        proj_interval=cfg.proj_interval or local_steps,
         rotate=cfg.rotate, bias_correction=cfg.bias_correction, seed=seed,
     )
+
+
+def resolved_proj_method(cfg: InnerConfig, device: torch.device) -> str:
+    """`cfg.proj_method` with 'auto' resolved for parameters on `device` (see the field)."""
+    if cfg.proj_method != "auto":
+        return cfg.proj_method
+    return "rsvd" if cfg.projection == "local" and device.type == "cuda" else "svd"
 
 
 def in_phase_two(step: int, cfg: InnerConfig) -> bool:

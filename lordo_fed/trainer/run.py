@@ -22,6 +22,7 @@ from lordo_fed.methods import MethodSettings, lowrank_ranks, make_aggregator, ma
 from lordo_fed.metrics import optimizer_state_bytes, tensor_bytes
 from lordo_fed.model import build_model, lowrank_parameter_names
 from lordo_fed.optim import LoRDO
+from lordo_fed.optim.config import resolved_proj_method
 from lordo_fed.projection import get_projection_method
 from lordo_fed.rounds import DIAGNOSTIC_METRICS
 from lordo_fed.trainer.config import TrainConfig
@@ -140,7 +141,7 @@ def run_ddp(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     params = dict(model.named_parameters())
     server_proj = isinstance(optimizer, LoRDO) and settings.inner.projection == "global" and bool(ranks)
     if server_proj:
-        method = get_projection_method(settings.inner.proj_method)
+        method = get_projection_method(resolved_proj_method(settings.inner, ctx.device))
         if settings.inner.init_projection == "gradient":
             # The all-reduced gradient at θ0 of every worker's next batch (not consumed).
             for w in workers:
