@@ -7,13 +7,15 @@ Each step is a subprocess that writes its own `benchmarks/results/gpu_*.json`; t
 | step | what | result file |
 |---|---|---|
 | `tests` | `pytest -m cuda` (tests/test_cuda.py: the LoRDO step on CUDA equals the CPU step for every option, bf16 autocast training lowers the loss, a worker + aggregator round on CUDA matches the CPU) | `gpu_tests.json` |
-| `step16m`, `step125m` | benchmarks/step_cost.py on the GPU: `optimizer.step()` and the whole step against AdamW, projection refreshes (svd / rsvd / dct) on 720m shapes | `gpu_step_cost_16m.json`, `gpu_step_cost_125m.json` |
+| `step16m`, `step125m` | benchmarks/step_cost.py on the GPU: `optimizer.step()` and the whole step, batched LoRDO and the reference against fused AdamW; projection refreshes (svd / rsvd / dct) on 720m shapes, per matrix and as the aggregator's batched whole-model refit | `gpu_step_cost_16m.json`, `gpu_step_cost_125m.json` |
+| `memory` | benchmarks/memory.py --device cuda: a worker's peak device memory (and RSS) for one round at 125m, 360m, 720m: AdamW, LoRDO with EF fp32 / bf16 / none (GaLore's state) / compressed | `gpu_memory.json` |
 | `round125m` | benchmarks/framework_overhead.py, 125m preset: the reference trainer against a deployment with the server and two node workers on this one GPU (issue 11: a round split into transfer, training, aggregation) | `gpu_framework_overhead_125m.json` |
 | `dataplane` | benchmarks/dataplane_throughput.py on this machine's 16 cores (the data plane against bare gRPC when the nodes do not share 2 cores) | `gpu_machine_dataplane_throughput.json` |
 | `overhead16m` | benchmarks/framework_overhead.py, 16m, reference / two at once / node workers, on 16 cores | `gpu_machine_framework_overhead_16m.json` |
 
-Still to add as issue 12 lands: the batched step's ratio to fused AdamW, the GPU aggregator's
-refresh times, the device-memory table.
+The 2-client 125m simulation round the GPU-readiness issue asks for is the `round125m` step's
+reference trainer (two workers and the aggregator in one process on the GPU) beside the
+deployment.
 
 On a lent machine (/work/.library/device): it has torch but not Flower or Hydra, and no network,
 so run `scripts/device_wheels.sh` here once and carry `.whl`; one device command is at most
@@ -40,7 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-STEPS = ("tests", "step16m", "step125m", "round125m", "dataplane", "overhead16m")
+STEPS = ("tests", "step16m", "step125m", "memory", "round125m", "dataplane", "overhead16m")
 
 
 def commands(step: str, device: str, quick: bool, out_dir: Path) -> tuple[list[str], Path, float]:
@@ -54,6 +56,10 @@ def commands(step: str, device: str, quick: bool, out_dir: Path) -> tuple[list[s
         preset = "tiny" if quick else step.removeprefix("step")
         out = out_dir / f"gpu_step_cost_{step.removeprefix('step')}.json"
         return [py, str(bench / "step_cost.py"), *q, "--device", device, "--preset", preset, "--out", str(out)], out, 540
+    if step == "memory":
+        out = out_dir / "gpu_memory.json"
+        return [py, str(bench / "memory.py"), *q, "--device", device, "--peak-presets",
+                "tiny" if quick else "125m,360m,720m", "--out", str(out)], out, 560
     if step == "round125m":
         out = out_dir / "gpu_framework_overhead_125m.json"
         return [py, str(bench / "framework_overhead.py"), *q, "--preset", "tiny" if quick else "125m", "--rounds", "3",

@@ -234,7 +234,8 @@ def client_child(spec: dict) -> dict:
     torch.set_num_threads(1)
     stages = {"after_import": _stage()}
     torch.manual_seed(0)
-    model = build_model(ModelConfig(preset=spec["preset"]), BYTE_VOCAB)
+    device = torch.device(spec.get("device", "cpu"))
+    model = build_model(ModelConfig(preset=spec["preset"]), BYTE_VOCAB).to(device)
     settings = _settings(spec["config"], spec["rank"], spec["local_steps"])
     shard = TokenShard(np.random.default_rng(0).integers(0, BYTE_VOCAB, 200_000, dtype=np.int64))
     worker = make_worker(0, model, settings, shard, lowrank_parameter_names(model), total_steps=1000,
@@ -249,12 +250,15 @@ def client_child(spec: dict) -> dict:
     stages["after_round"] = _stage()
     up = codec.encode_update(update, model_id, "fp32")
     stages["after_encode"] = _stage()
+    # on a GPU: the device's peak (parameters, gradients, optimizer state, activations), bf16 autocast
+    device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return {"stages": stages, "peak_rss_bytes": peak_rss_bytes(), "ru_maxrss_bytes": _maxrss_bytes(),
+            "device": str(device), "peak_device_bytes": device_peak,
             "optimizer_state_bytes": optimizer_state_bytes(worker.optimizer),
             "update_bytes": len(up), "round_seconds": seconds, "train_loss": update.metrics["train_loss"]}
 
 
-def peak_memory(preset: str, config: str, tmp: Path, local_steps: int, batch_size: int) -> dict:
+def peak_memory(preset: str, config: str, tmp: Path, local_steps: int, batch_size: int, device: str = "cpu") -> dict:
     """Run `client_child` in a fresh interpreter for one config; the server side (the encoded
     GlobalState of round 1) is prepared here and handed over as a file."""
     from lordo_fed import codec
@@ -272,7 +276,7 @@ def peak_memory(preset: str, config: str, tmp: Path, local_steps: int, batch_siz
     del agg, model
     seq_len = min(128, ModelConfig(preset=preset).max_seq_len or 128)
     spec = {"preset": preset, "config": config, "rank": rank, "local_steps": local_steps,
-            "batch_size": batch_size, "seq_len": seq_len, "global_state": str(path)}
+            "batch_size": batch_size, "seq_len": seq_len, "global_state": str(path), "device": device}
     out = run_child(__file__, spec, f"client process for {preset}/{config}", timeout=600)
     stages = out["stages"]
     out.update(preset=preset, vocab_size=BYTE_VOCAB, config=config, method=PEAK_METHOD[config], rank=rank,
@@ -366,6 +370,8 @@ def main() -> None:
         print(json.dumps(client_child(json.loads(sys.argv[2]))))
         return
     parser = make_parser("memory", __doc__, "16m state counts (vocab 256) and tiny client peaks only")
+    parser.add_argument("--device", default="cpu", help="where the client process trains: cpu or cuda "
+                        "(cuda adds the device's peak, torch.cuda.max_memory_allocated)")
     parser.add_argument("--peak-presets", default=None,
                         help="comma-separated presets of the client peak measurement (default: 16m; tiny with --quick)")
     args = parser.parse_args()
@@ -402,8 +408,10 @@ def main() -> None:
         for preset in peak_presets:
             big = RANKS[preset] >= RANKS["125m"]  # one step of batch 1: state, not activations, sets the peak
             for c in peak_configs:
-                peak_rows.append(peak_memory(preset, c, Path(tmp), 1 if big else local_steps, 1 if big else batch_size))
-                print(f"  peak {preset} {c}: {human_bytes(peak_rows[-1]['peak_rss_bytes'])}", flush=True)
+                row = peak_memory(preset, c, Path(tmp), 1 if big else local_steps, 1 if big else batch_size, args.device)
+                peak_rows.append(row)
+                dev = f", device {human_bytes(row['peak_device_bytes'])}" if row["peak_device_bytes"] else ""
+                print(f"  peak {preset} {c}: RSS {human_bytes(row['peak_rss_bytes'])}{dev}", flush=True)
     config = {"presets": presets, "vocab_sizes": vocabs, "ranks": {p: RANKS[p] for p in presets},
               "configs": CONFIGS, "methods_of": METHODS_OF, "real_16m_vocabs": real_vocabs,
               "peak": {"presets": peak_presets, "configs": peak_configs, "methods": PEAK_METHOD,

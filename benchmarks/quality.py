@@ -59,11 +59,13 @@ EF_OPTIONS = {
     "no_ef": ("inner.error_feedback=false",),
     "two_phase": ("inner.switch_step=64",),
     "ef_bf16": ("inner.ef_decay=0.9", "inner.ef_dtype=bf16"),
-    "ef_topk": ("inner.ef_decay=0.9", "inner.ef_density=0.03125"),
+    "ef_topk32": ("inner.ef_decay=0.9", "inner.ef_density=0.03125"),
+    "ef_topk8": ("inner.ef_decay=0.9", "inner.ef_density=0.125"),
+    "ef_topk4": ("inner.ef_decay=0.9", "inner.ef_density=0.25"),
 }
 """Options of the inner step (docs/algorithm.md, "Error feedback inside a round", "Two phases"), run
 for LoRDO-Global and LoRDO-Local at rank 16; the paper's settings are the rank-16 runs. ef_bf16 and
-ef_topk are the memory options (E in bf16; E compressed to its top 1/32, int8), each against
+ef_topkN are the memory options (E in bf16; E compressed to its top 1/N entries, int8), against
 ef_decay0.9, the default they modify."""
 BEST_EF = "ef_decay0.9"
 """The option the projection methods are re-measured with (chosen from the "error feedback" runs)."""
