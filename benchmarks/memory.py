@@ -17,7 +17,8 @@ parameter tensor.
 | lordo_ef_fp32   | lordo_global, lordo_local, lowrank_ddp | 2pr + rq + pq (fp32 EF) |
 | lordo_ef_bf16   | the same, EF stored in bf16         | 2pr + rq + pq/2            |
 | lordo_no_ef     | the same without EF (= GaLore's state) | 2pr + rq                |
-| lordo_ef_topk   | EF compressed: top 1/32 of E, int8 values | 2pr + rq + 5⌈pq/32⌉ + 4 |
+| lordo_ef_top4   | EF compressed: top 1/4 of E, int8 values | 2pr + rq + 5⌈pq/4⌉ + 4 |
+| lordo_ef_top32  | EF compressed: top 1/32 of E, int8 values | 2pr + rq + 5⌈pq/32⌉ + 4 |
 
 Peak memory: a subprocess acts as one client for one round, as in deployment: it builds the model
 and its worker, decodes the encoded `GlobalState` the server would send, trains K local steps on
@@ -67,18 +68,20 @@ CONFIGS: dict[str, dict] = {
     "lordo_ef_fp32": dict(name="lordo", error_feedback=True, ef_dtype="fp32"),
     "lordo_ef_bf16": dict(name="lordo", error_feedback=True, ef_dtype="bf16"),
     "lordo_no_ef": dict(name="lordo", error_feedback=False),
-    "lordo_ef_topk": dict(name="lordo", error_feedback=True, ef_density=1 / 32),
+    "lordo_ef_top4": dict(name="lordo", error_feedback=True, ef_density=1 / 4),
+    "lordo_ef_top32": dict(name="lordo", error_feedback=True, ef_density=1 / 32),
 }
 METHODS_OF = {
     "adamw": ["ddp", "diloco", "local_adam", "desloc"],
     "lordo_ef_fp32": ["lowrank_ddp", "lordo_global", "lordo_local"],
     "lordo_ef_bf16": ["lowrank_ddp", "lordo_global", "lordo_local"],
     "lordo_no_ef": ["lowrank_ddp", "lordo_global", "lordo_local"],
-    "lordo_ef_topk": ["lowrank_ddp", "lordo_global", "lordo_local"],
+    "lordo_ef_top4": ["lowrank_ddp", "lordo_global", "lordo_local"],
+    "lordo_ef_top32": ["lowrank_ddp", "lordo_global", "lordo_local"],
 }
 # The client process of the peak-memory measurement runs this method for each config.
 PEAK_METHOD = {"adamw": "diloco", "lordo_ef_fp32": "lordo_global", "lordo_ef_bf16": "lordo_global",
-               "lordo_no_ef": "lordo_global", "lordo_ef_topk": "lordo_global"}
+               "lordo_no_ef": "lordo_global", "lordo_ef_top4": "lordo_global", "lordo_ef_top32": "lordo_global"}
 
 
 def inner_config(config: str, rank: int) -> InnerConfig:

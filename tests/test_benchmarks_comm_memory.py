@@ -90,7 +90,7 @@ def test_diloco_uplink_is_the_pseudo_gradient(communication):
 def test_memory_lordo_state_matches_formula(memory):
     rows = [r for r in memory["state"] if r["preset"] == "16m" and r["vocab_size"] == 256]
     assert {r["device"] for r in rows} == {"cpu", "meta"}  # counted for real and on meta
-    for config in ("lordo_ef_fp32", "lordo_ef_bf16", "lordo_no_ef", "lordo_ef_topk", "adamw"):
+    for config in ("lordo_ef_fp32", "lordo_ef_bf16", "lordo_no_ef", "lordo_ef_top4", "lordo_ef_top32", "adamw"):
         real = _row(rows, config=config, device="cpu")
         meta = _row(rows, config=config, device="meta")
         assert real["state_bytes"] == meta["state_bytes"] == real["formula_bytes"], config
@@ -102,10 +102,11 @@ def test_memory_lordo_state_matches_formula(memory):
     assert ef16["state_breakdown"]["ef"] == 2 * lowrank_numel
     assert "ef" not in no_ef["state_breakdown"]
     # the compressed buffer: int32 index + int8 value per kept entry (1/32 of each matrix) + one scale
-    topk = _row(rows, config="lordo_ef_topk", device="cpu")["state_breakdown"]
+    topk = _row(rows, config="lordo_ef_top32", device="cpu")["state_breakdown"]
     assert "ef" not in topk and topk["ef_val"] * 4 == topk["ef_idx"]
     assert lowrank_numel / 32 <= topk["ef_val"] < lowrank_numel / 32 + 64
-    assert no_ef["state_bytes"] < _row(rows, config="lordo_ef_topk", device="cpu")["state_bytes"] < ef16["state_bytes"]
+    top4, top32 = (_row(rows, config=c, device="cpu")["state_bytes"] for c in ("lordo_ef_top4", "lordo_ef_top32"))
+    assert no_ef["state_bytes"] < top32 < top4 < ef16["state_bytes"]
     assert no_ef["state_bytes"] < ef16["state_bytes"] < ef32["state_bytes"] < _row(rows, config="adamw", device="cpu")["state_bytes"]
 
 

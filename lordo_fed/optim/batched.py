@@ -206,43 +206,50 @@ class BatchedLoRDO(LoRDO):
         exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = exp_avg_sq.sqrt().div_(math.sqrt(bc2)).add_(eps)
 
-        scale = None  # the update is scale · U' when set (one factor per matrix), else U' itself
-        if group["qh_placement"] == "outside":
-            low = (exp_avg / denom).mul_(omega / bc1)
-            if omega == 1.0:
-                update = _project_back(low, basis, side)
-            else:
-                # U = back(low) + c·X with c = (1−ω)/(s+ε) per matrix, computed as c·(X + back(low / c)):
-                # the full-rank term rides in the batched matmul's accumulator instead of a pass of its own.
-                scale = (1 - omega) / (denom.mean(dim=(1, 2), keepdim=True) + eps)
-                low.div_(scale)
-                if group["full_rank_term"] == "error_fed":
-                    update = (torch.baddbmm(v_full, low, basis) if side == "right"
-                              else torch.baddbmm(v_full, basis, low))
-                else:
-                    update = _project_back(low, basis, side)
-                    torch._foreach_add_(list(update.unbind(0)), grads)
-        else:
-            update = _project_back(g.mul(1 - omega).add_(exp_avg, alpha=omega / bc1).div_(denom), basis, side)
-
-        if packed is not None:  # E ← C(V − back(g))
-            residual = torch.baddbmm(v_full, g, basis, alpha=-1) if side == "right" else \
-                torch.baddbmm(v_full, basis, g, alpha=-1)
-            for key, value in compress(residual, density).items():
-                packed[key].copy_(value)
-        elif ef is not None:  # E ← V − back(g), after the last use of V
-            if v_full is ef:
-                if side == "right":
-                    ef.baddbmm_(g, basis, alpha=-1)
-                else:
-                    ef.baddbmm_(basis, g, alpha=-1)
-            else:
-                ef.copy_(v_full.sub_(_project_back(g, basis, side)))
-
+        # W ← W(1 − ηλ) − η·U, applied without a full-size U: the full-rank term c·X (c = (1−ω)/(s+ε)
+        # per matrix) is one foreach pass over the parameters, back(low) an addmm_ into each parameter.
         if group["weight_decay"] != 0:
             torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-        if scale is None:
-            torch._foreach_add_(params, list(update.to(params[0].dtype).unbind(0)), alpha=-lr)
+        if group["qh_placement"] == "outside":
+            low = (exp_avg / denom).mul_(omega / bc1)
+            if omega != 1.0:
+                scale = (1 - omega) / (denom.mean(dim=(1, 2), keepdim=True) + eps)
+                full = list(v_full.unbind(0)) if group["full_rank_term"] == "error_fed" else grads
+                _foreach_add_scaled(params, full, list(scale.unbind(0)), -lr)
         else:
-            torch._foreach_addcmul_(params, list(update.to(params[0].dtype).unbind(0)),
-                                    list(scale.to(params[0].dtype).unbind(0)), value=-lr)
+            low = g.mul(1 - omega).add_(exp_avg, alpha=omega / bc1).div_(denom)
+        _add_back_projected(params, low, basis, side, -lr)
+
+        if ef is None and packed is None:
+            return
+        # E ← V − back(g), after the last use of V: in V's memory (E's own when E is fp32)
+        if side == "right":
+            v_full.baddbmm_(g, basis, alpha=-1)
+        else:
+            v_full.baddbmm_(basis, g, alpha=-1)
+        if packed is not None:  # compressed one matrix at a time: a temporary the size of one matrix
+            for i, residual in enumerate(v_full.unbind(0)):
+                for key, value in compress(residual, density).items():
+                    packed[key][i].copy_(value)
+        elif v_full is not ef:  # bf16 E
+            ef.copy_(v_full)
+
+
+def _foreach_add_scaled(params: list[Tensor], xs: list[Tensor], scales: list[Tensor], alpha: float) -> None:
+    """params[i] += alpha · scales[i] · xs[i], with scales[i] a one-element device tensor (no host sync)."""
+    if params[0].dtype == torch.float32:
+        torch._foreach_addcmul_(params, xs, scales, value=alpha)
+    else:
+        torch._foreach_add_(params, [(x * c).to(p.dtype) for p, x, c in zip(params, xs, scales)], alpha=alpha)
+
+
+def _add_back_projected(params: list[Tensor], low: Tensor, basis: Tensor, side: Side, alpha: float) -> None:
+    """params[i] += alpha · back(low[i]): one addmm_ per matrix writes into the parameter itself."""
+    if params[0].dtype != torch.float32:
+        torch._foreach_add_(params, list(_project_back(low, basis, side).to(params[0].dtype).unbind(0)), alpha=alpha)
+        return
+    for p, x, b in zip(params, low.unbind(0), basis.unbind(0)):
+        if side == "right":
+            p.addmm_(x, b, alpha=alpha)
+        else:
+            p.addmm_(b, x, alpha=alpha)
