@@ -251,7 +251,7 @@ def client_child(spec: dict) -> dict:
     update = worker.train_round(state)
     seconds = time.perf_counter() - t0
     stages["after_round"] = _stage()
-    up = codec.encode_update(update, model_id, "fp32")
+    up = codec.encode_update(update, model_id, spec.get("payload_dtype", "fp32"))
     stages["after_encode"] = _stage()
     # on a GPU: the device's peak (parameters, gradients, optimizer state, activations), bf16 autocast
     device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -274,17 +274,21 @@ def peak_memory(preset: str, config: str, tmp: Path, local_steps: int, batch_siz
     ranks = lowrank_ranks(model, ModelConfig().lowrank_pattern, rank, settings.inner.name)
     agg = make_aggregator(model, settings, ranks, seed=0)
     path = tmp / f"global_state_{preset}_{config}.bin"
-    path.write_bytes(codec.encode_global_state(agg.global_state(), codec.model_id(dict(model.named_parameters()))))
     n_params = count_parameters(model)
+    # fp32 payloads of 720m exceed protobuf's 2 GiB message limit (the codec refuses them): bf16 there
+    payload_dtype = "fp32" if 4 * n_params < 0.9 * 2**31 else "bf16"
+    path.write_bytes(codec.encode_global_state(agg.global_state(), codec.model_id(dict(model.named_parameters())),
+                                               payload_dtype))
     del agg, model
     seq_len = min(128, ModelConfig(preset=preset).max_seq_len or 128)
     spec = {"preset": preset, "config": config, "rank": rank, "local_steps": local_steps,
-            "batch_size": batch_size, "seq_len": seq_len, "global_state": str(path), "device": device}
+            "batch_size": batch_size, "seq_len": seq_len, "global_state": str(path), "device": device,
+            "payload_dtype": payload_dtype}
     out = run_child(__file__, spec, f"client process for {preset}/{config}", timeout=600)
     stages = out["stages"]
     out.update(preset=preset, vocab_size=BYTE_VOCAB, config=config, method=PEAK_METHOD[config], rank=rank,
                num_params=n_params, param_bytes=4 * n_params, local_steps=local_steps, batch_size=batch_size,
-               seq_len=seq_len, global_state_bytes=path.stat().st_size,
+               seq_len=seq_len, global_state_bytes=path.stat().st_size, payload_dtype=payload_dtype,
                peak_over_baseline_bytes=out["peak_rss_bytes"] - stages["after_import"]["peak"])
     path.unlink()
     return out
