@@ -6,8 +6,12 @@ on stacks: every low-rank weight of one shape (hence one projection side) in a p
 its error-feedback buffer E, its moments and its basis in one [n, ...] tensor, so projection,
 moments, back-projection and the QH term are a handful of batched kernels per shape, and every
 parameter that is not low-rank takes torch's foreach kernels. Arithmetic is in place where the
-reference allocates: E is turned into V = G + γE in place, and E ← V − back(g) is one fused
-`baddbmm_` on it, so the paper's step touches each full-size matrix about as often as AdamW does.
+reference allocates: E is turned into V = G + γE in place, E ← V − back(g) is one fused
+`baddbmm_` on it, and the update goes straight into the parameters (the full-rank term as one
+foreach `addcmul_`, back(û/d) as an `addmm_` into each), with no full-size temporary; the paper's
+step touches each full-size matrix fewer times than AdamW does (plus three rank-r products).
+A compressed E (`ef_density` < 1) is expanded into one temporary V per stack and compressed again
+one matrix at a time.
 
 State stays per parameter, with the reference's keys, shapes and dtypes (checkpoints, the wire
 and `LoRDO` itself read it unchanged): each entry is a view into its stack. An entry that is not
