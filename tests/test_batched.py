@@ -138,3 +138,24 @@ def test_its_state_dict_loads_into_the_reference_and_back():
     ref = LoRDO([{"params": params[:7], "rank": RANK}, {"params": params[7:]}], lr=1e-2, omega=0.9, weight_decay=0.01)
     ref.load_state_dict(opt.state_dict())
     assert ref.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+
+
+def test_a_parameter_without_a_gradient_is_skipped_and_its_state_kept():
+    """Steps where one matrix of a stack has no gradient: the others step (as the reference's do),
+    its state stays as it was, and no stale stack is kept once the set of parameters changes."""
+    ref_params, ref = run(LoRDO, {}, steps=3)
+    got_params, got = run(BatchedLoRDO, {}, steps=3)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(4):
+        grads = [gradient(p.shape, gen) for p in ref_params]
+        for params, opt in ((ref_params, ref), (got_params, got)):
+            for i, (p, g) in enumerate(zip(params, grads)):
+                p.grad = None if (i == 1 and step < 2) else g.clone()  # matrix 1 of the (48, 32) stack
+            opt.step()
+    for a, b in zip(ref_params, got_params):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        for key in ref.state[a]:
+            assert_state_close(got.state[b][key], ref.state[a][key], key)
+    ef_stacks = [k for k in got._stacks if k[0] == "ef"]
+    members = [set(k[1]) for k in ef_stacks]
+    assert all(not (a & b) for i, a in enumerate(members) for b in members[i + 1:])  # no overlapping stacks

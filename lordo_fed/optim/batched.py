@@ -82,8 +82,16 @@ class BatchedLoRDO(LoRDO):
         stack = _Stack(torch.stack([st[key] if key in st else make(p) for st, p in zip(states, params)]))
         for st, view in zip(states, stack.views):
             st[key] = view
+        self._forget_overlapping(ident)
         self._stacks[ident] = stack
         return stack.tensor
+
+    def _forget_overlapping(self, ident: tuple) -> None:
+        """Drop cached stacks of the same key that share a parameter with `ident` (the set of
+        parameters with gradients changed): their memory is not held past the state's use of it."""
+        key, members = ident[0], set(ident[1])
+        for other in [k for k in self._stacks if k[0] == key and k != ident and members.intersection(k[1])]:
+            del self._stacks[other]
 
     def _bases(self, params: list[Tensor], group: dict[str, Any], side: Side) -> Tensor:
         """Stacked orthonormal bases of `params`, rebuilt only when a stored projection changed
@@ -97,6 +105,7 @@ class BatchedLoRDO(LoRDO):
         shape = params[0].shape
         stack = _Stack(torch.stack([method.basis(s, shape, side) for s in stored]))
         stack.sources = [(s, s._version) for s in stored]
+        self._forget_overlapping(ident)
         self._stacks[ident] = stack
         return stack.tensor
 
