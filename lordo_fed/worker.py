@@ -75,6 +75,8 @@ class Worker:
         if isinstance(self.optimizer, LoRDO):
             self.optimizer.update_split.clear()
         losses = self.local_steps(first_step, self.rounds.local_steps, progress)
+        if isinstance(self.optimizer, LoRDO):
+            self.optimizer.sync_state()  # E whole before due_moments and the diagnostics read it
         # The update is what crosses the wire: plain fp32 CPU tensors.
         delta = to_host(self.params)  # θ after K steps, then Δ = θ_ref − θ in its memory: −θ + θ_ref
         for n, d in delta.items():

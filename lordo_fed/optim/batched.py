@@ -6,10 +6,18 @@ on stacks: every low-rank weight of one shape (hence one projection side) in a p
 its error-feedback buffer E, its moments and its basis in one [n, ...] tensor, so projection,
 moments, back-projection and the QH term are a handful of batched kernels per shape, and every
 parameter that is not low-rank takes torch's foreach kernels. Arithmetic is in place where the
-reference allocates: E is turned into V = G + γE in place, E ← V − back(g) is one fused
-`baddbmm_` on it, and the update goes straight into the parameters (the full-rank term as one
-foreach `addcmul_`, back(û/d) as an `addmm_` into each), with no full-size temporary; the paper's
-step touches each full-size matrix fewer times than AdamW does (plus three rank-r products).
+reference allocates, and the update goes straight into the parameters (the full-rank term as
+one foreach `addcmul_`, back(û/d) as an `addmm_` into each), with no full-size temporary.
+
+E in fp32 is kept lazily while the basis B stays fixed: its memory holds W and a small h with
+E = W − back(h). A step then forms V = G + γE as W ← γW + G, h ← γh (V = W − back(h)); projects
+g = proj(V) = proj(W) − h (B is orthonormal); applies the full-rank term as c·W and folds −c·h into
+the back-projected low-rank update; and records E ← V − back(g) as h ← h + g: two rank-r products
+per matrix instead of the reference's three (the third is what E's back-projection costs), and
+about as many full-size passes as AdamW. E is written out whole (W ← W − back(h)) before the basis
+changes (`set_projection`), before the reference path or a rebuilt stack reads it, and by
+`sync_state()`, which `state_dict()`, pickling and the worker (after its local steps) call:
+code that reads `optimizer.state` directly mid-round calls it first.
 A compressed E (`ef_density` < 1) is expanded into one temporary V per stack and compressed again
 one matrix at a time.
 
@@ -19,6 +27,7 @@ a view of the current stack (the first step, after `load_state_dict`, after `set
 rotated the moments, after the worker adopted averaged moments) is copied into a new stack at the
 next step; that is a round-boundary cost, not a per-step one.
 
+A bf16 or compressed E is whole after every step (E ← V − back(g) in V's memory, then stored).
 Falls back to the reference, per parameter: LoRDO-Local at its refit steps (an SVD per matrix;
 the steps in between are batched) and the `track_update_split` diagnostic. Equality with the
 reference to fp32 rounding, for every option, is tests/test_batched.py; on CUDA,
@@ -64,11 +73,45 @@ class BatchedLoRDO(LoRDO):
 
     def __init__(self, *args: Any, **kwargs: Any):
         self._stacks: dict[tuple, _Stack] = {}
+        self._pending: dict[tuple, tuple[Tensor, Tensor, Side]] = {}
+        """E of a stack held lazily as W − back(h): stack ident -> (h, the basis h is in, side)."""
         super().__init__(*args, **kwargs)
 
-    def __setstate__(self, state: dict[str, Any]) -> None:  # deepcopy / pickle: stacks are rebuilt
+    def __getstate__(self) -> dict[str, Any]:  # deepcopy / pickle see E whole
+        self.sync_state()
+        return super().__getstate__()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # deepcopy / pickle / load: stacks are rebuilt
         super().__setstate__(state)
         self._stacks = {}
+        self._pending = {}
+
+    # ----------------------------------------------------------------------------- lazy E
+    def sync_state(self) -> None:
+        """Write every error-feedback buffer out whole (E = W − back(h), see `_low_rank_batched`)."""
+        for ident in list(self._pending):
+            self._materialize(ident)
+
+    def _materialize(self, ident: tuple) -> None:
+        h, basis, side = self._pending.pop(ident)
+        w = self._stacks[ident].tensor
+        if side == "right":
+            w.baddbmm_(h, basis, alpha=-1)
+        else:
+            w.baddbmm_(basis, h, alpha=-1)
+
+    def _materialize_holding(self, param: Tensor) -> None:
+        """Materialise the lazy E of every stack `param` belongs to."""
+        for ident in [k for k in self._pending if id(param) in k[1]]:
+            self._materialize(ident)
+
+    def state_dict(self) -> dict[str, Any]:  # noqa: D102 (E written out whole first)
+        self.sync_state()
+        return super().state_dict()
+
+    def set_projection(self, param: Tensor, stored: Tensor) -> None:  # noqa: D102 (E whole in the old basis first)
+        self._materialize_holding(param)
+        super().set_projection(param, stored)
 
     # ----------------------------------------------------------------------------- stacks
     def _stacked(self, params: list[Tensor], key: str, make: Callable[[Tensor], Tensor]) -> Tensor:
@@ -79,6 +122,8 @@ class BatchedLoRDO(LoRDO):
         states = [self.state[p] for p in params]
         if stack is not None and all(st.get(key) is v for st, v in zip(states, stack.views)):
             return stack.tensor
+        for other in [k for k in self._pending if k[0] == key and set(k[1]) & set(ident[1])]:
+            self._materialize(other)  # the entries copied below must hold E, not W
         stack = _Stack(torch.stack([st[key] if key in st else make(p) for st, p in zip(states, params)]))
         for st, view in zip(states, stack.views):
             st[key] = view
@@ -113,6 +158,7 @@ class BatchedLoRDO(LoRDO):
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102 (torch.optim.Optimizer.step)
         if self.track_update_split:
+            self.sync_state()
             return super().step(closure)  # the diagnostic's per-matrix sums: the reference path
         loss = None
         if closure is not None:
@@ -135,6 +181,7 @@ class BatchedLoRDO(LoRDO):
                     full.setdefault((k, p.device, p.dtype), []).append(p)
                     continue
                 if group["projection_source"] == "local" and ("proj" not in state or k % group["proj_interval"] == 0):
+                    self._materialize_holding(p)
                     self._low_rank_step(p, group, index, None)  # a refit: per matrix, the reference
                     continue
                 if "proj" not in state:
@@ -201,8 +248,12 @@ class BatchedLoRDO(LoRDO):
             v_full = add_decompressed(torch.stack(grads), packed, group["ef_decay"])  # V = G + γ C(E)
         elif ef is not None and ef.dtype == torch.float32:
             # V = G + γE computed in E's own memory: E is rewritten as V − back(g) below anyway.
+            ident = ("ef", tuple(id(p) for p in params))
+            h = self._pending[ident][0] if ident in self._pending else None
             if group["ef_decay"] != 1.0:
                 ef.mul_(group["ef_decay"])
+                if h is not None:
+                    h.mul_(group["ef_decay"])
             torch._foreach_add_(list(ef.unbind(0)), grads)
             v_full = ef
         else:
@@ -211,6 +262,11 @@ class BatchedLoRDO(LoRDO):
                 v_full.add_(ef, alpha=group["ef_decay"])
 
         g = _project(v_full, basis, side)
+        lazy = ef is not None and v_full is ef
+        if not lazy:
+            h = None
+        if h is not None:
+            g.sub_(h)  # proj(W − back(h)) = proj(W) − h
         exp_avg = self._stacked(params, "exp_avg", lambda p: g.new_zeros(g.shape[1:]))
         exp_avg_sq = self._stacked(params, "exp_avg_sq", lambda p: g.new_zeros(g.shape[1:]))
         torch._foreach_add_([self.state[p]["step"] for p in params], 1)
@@ -231,7 +287,12 @@ class BatchedLoRDO(LoRDO):
                 _foreach_add_scaled(params, full, list(scale.unbind(0)), -lr)
         else:
             low = g.mul(1 - omega).add_(exp_avg, alpha=omega / bc1).div_(denom)
+        if h is not None and group["qh_placement"] == "outside" and omega != 1.0 and group["full_rank_term"] == "error_fed":
+            low = low - scale * h  # c·V = c·W − c·back(h)
         _add_back_projected(params, low, basis, side, -lr)
+        if lazy:  # E ← V − back(g) = W − back(h + g): kept as that sum, one rank-r product fewer per step
+            self._pending[ident] = (g if h is None else h.add_(g), basis, side)
+            return
 
         if ef is None and packed is None:
             return

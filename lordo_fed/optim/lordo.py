@@ -335,6 +335,10 @@ class LoRDO(torch.optim.Optimizer):
         p.add_(update.to(p.dtype), alpha=-lr)
 
     # ----------------------------------------------------------------------------- state
+    def sync_state(self) -> None:
+        """Bring every state tensor up to date before reading `self.state` directly: a no-op here;
+        `BatchedLoRDO` keeps E lazily within a basis (`state_dict()` always calls it)."""
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, then our dtypes back: torch casts every floating state tensor to the
         parameter's dtype (and would turn DCT indices into floats); moments stay fp32, the
