@@ -62,10 +62,10 @@ class _Stack:
 
     __slots__ = ("tensor", "views", "sources")
 
-    def __init__(self, tensor: Tensor, sources: list[Tensor] | None = None):
+    def __init__(self, tensor: Tensor, sources: list[tuple[Tensor, int]] | None = None):
         self.tensor = tensor
         self.views = list(tensor.unbind(0))
-        self.sources = sources  # for derived stacks (bases): the tensors they were built from
+        self.sources = sources  # for derived stacks (bases): (tensor, version) they were built from
 
 
 class BatchedLoRDO(LoRDO):
@@ -148,8 +148,7 @@ class BatchedLoRDO(LoRDO):
             return stack.tensor
         method = self._method(group["proj_method"])
         shape = params[0].shape
-        stack = _Stack(torch.stack([method.basis(s, shape, side) for s in stored]))
-        stack.sources = [(s, s._version) for s in stored]
+        stack = _Stack(torch.stack([method.basis(s, shape, side) for s in stored]), [(s, s._version) for s in stored])
         self._forget_overlapping(ident)
         self._stacks[ident] = stack
         return stack.tensor
@@ -164,35 +163,31 @@ class BatchedLoRDO(LoRDO):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        index = 0
-        for group in self.param_groups:
-            full: dict[tuple, list[Tensor]] = {}
-            low: dict[tuple, list[Tensor]] = {}
-            for p in group["params"]:
-                index += 1
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("LoRDO does not support sparse gradients")
-                state = self.state[p]
-                self._init_step(state, p)
-                k = int(state["step"].item())  # a CPU scalar: no device sync
-                if not self.is_low_rank(p, group):
-                    full.setdefault((k, p.device, p.dtype), []).append(p)
-                    continue
-                if group["projection_source"] == "local" and ("proj" not in state or k % group["proj_interval"] == 0):
-                    self._materialize_holding(p)
-                    self._low_rank_step(p, group, index, None)  # a refit: per matrix, the reference
-                    continue
-                if "proj" not in state:
-                    raise RuntimeError(
-                        f"LoRDO: low-rank parameter #{index} of shape {tuple(p.shape)} has no projection; with "
-                        "projection_source='global' call set_projection() before the first step")
-                low.setdefault((k, tuple(p.shape), p.device, p.dtype), []).append(p)
-            for (k, _, _), params in full.items():
-                self._full_rank_foreach(params, group, k)
-            for (k, _, _, _), params in low.items():
-                self._low_rank_batched(params, group, k)
+        # parameters that step together: same group and step count (and shape, for low-rank ones)
+        full: dict[tuple, list[Tensor]] = {}
+        low: dict[tuple, list[Tensor]] = {}
+        groups: dict[int, dict[str, Any]] = {}
+        for group, index, p in self._params_with_grads():
+            groups[id(group)] = group
+            state = self.state[p]
+            self._init_step(state, p)
+            k = int(state["step"].item())  # a CPU scalar: no device sync
+            if not self.is_low_rank(p, group):
+                full.setdefault((id(group), k, p.device, p.dtype), []).append(p)
+                continue
+            if group["projection_source"] == "local" and ("proj" not in state or k % group["proj_interval"] == 0):
+                self._materialize_holding(p)
+                self._low_rank_step(p, group, index, None)  # a refit: per matrix, the reference
+                continue
+            if "proj" not in state:
+                raise RuntimeError(
+                    f"LoRDO: low-rank parameter #{index} of shape {tuple(p.shape)} has no projection; with "
+                    "projection_source='global' call set_projection() before the first step")
+            low.setdefault((id(group), k, tuple(p.shape), p.device, p.dtype), []).append(p)
+        for (g, k, *_), params in full.items():
+            self._full_rank_foreach(params, groups[g], k)
+        for (g, k, *_), params in low.items():
+            self._low_rank_batched(params, groups[g], k)
         return loss
 
     def _full_rank_foreach(self, params: list[Tensor], group: dict[str, Any], k_before: int) -> None:

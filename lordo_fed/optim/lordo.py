@@ -41,7 +41,7 @@ Gradient clipping is the training loop's job (one global norm across all paramet
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -209,8 +209,21 @@ class LoRDO(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        index = 0
         split: list[Tensor | None] | None = [None, None] if self.track_update_split else None
+        for group, index, p in self._params_with_grads():
+            if self.is_low_rank(p, group):
+                self._low_rank_step(p, group, index, split)
+            else:
+                self._full_rank_step(p, group)
+        if split is not None and split[1] is not None:
+            self.update_split.append((split[0] if split[0] is not None else torch.zeros_like(split[1]), split[1]))
+        return loss
+
+    def _params_with_grads(self) -> Iterator[tuple[dict[str, Any], int, Tensor]]:
+        """(group, index, parameter) of every parameter with a gradient, in optimizer order; the
+        1-based index counts every parameter (it seeds LoRDO-Local's refits). Sparse gradients
+        are refused."""
+        index = 0
         for group in self.param_groups:
             for p in group["params"]:
                 index += 1
@@ -218,13 +231,7 @@ class LoRDO(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("LoRDO does not support sparse gradients")
-                if self.is_low_rank(p, group):
-                    self._low_rank_step(p, group, index, split)
-                else:
-                    self._full_rank_step(p, group)
-        if split is not None and split[1] is not None:
-            self.update_split.append((split[0] if split[0] is not None else torch.zeros_like(split[1]), split[1]))
-        return loss
+                yield group, index, p
 
     def _init_step(self, state: dict[str, Tensor], p: Tensor) -> None:
         if "step" not in state:
