@@ -130,9 +130,10 @@ def test_state_entries_are_views_of_one_stack_per_shape():
     """The point of the class: one [n, ...] tensor per shape, not n tensors."""
     params, opt = run(BatchedLoRDO, {}, steps=2)
     same = [p for p in params if tuple(p.shape) == (48, 32)]
-    for key in ("ef", "exp_avg", "exp_avg_sq"):
+    for key in ("ef", "exp_avg", "exp_avg_sq", "step"):
         ptrs = [opt.state[p][key].untyped_storage().data_ptr() for p in same]
         assert len(set(ptrs)) == 1, key
+    assert all(opt.state[p]["step"].item() == 2 and opt.state[p]["step"].device.type == "cpu" for p in params)
 
 
 def test_its_state_dict_loads_into_the_reference_and_back():

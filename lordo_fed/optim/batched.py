@@ -31,7 +31,8 @@ A bf16 or compressed E is whole after every step (E ← V − back(g) in V's mem
 Falls back to the reference, per parameter: LoRDO-Local at its refit steps (an SVD per matrix;
 the steps in between are batched) and the `track_update_split` diagnostic. Equality with the
 reference to fp32 rounding, for every option, is tests/test_batched.py; on CUDA,
-tests/test_cuda.py. No host sync: step counts are CPU scalars, the QH normaliser s stays a tensor.
+tests/test_cuda.py. No host sync: step counts are CPU scalars (stacked like the rest: one add per
+stack, not one per parameter), the QH normaliser s stays a tensor.
 """
 
 from __future__ import annotations
@@ -197,12 +198,12 @@ class BatchedLoRDO(LoRDO):
             if "exp_avg" not in state:
                 state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-        grads = [p.grad.float() for p in params]
+        grads = _fp32_grads(params)
         exp_avgs = [self.state[p]["exp_avg"] for p in params]
         exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
         beta1, beta2 = group["betas"]
         lr, omega, eps = group["lr"], group["omega"], group["eps"]
-        torch._foreach_add_([self.state[p]["step"] for p in params], 1)
+        self._stacked(params, "step", _zero_step).add_(1)
         bc1, bc2 = _bias_corrections(group, k_before + 1)
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
@@ -228,7 +229,7 @@ class BatchedLoRDO(LoRDO):
         side = projection_side(shape)
         beta1, beta2 = group["betas"]
         lr, omega, eps = group["lr"], group["omega"], group["eps"]
-        grads = [p.grad.float() for p in params]
+        grads = _fp32_grads(params)
         basis = self._bases(params, group, side)
 
         ef, packed = None, None
@@ -245,11 +246,14 @@ class BatchedLoRDO(LoRDO):
             # V = G + γE computed in E's own memory: E is rewritten as V − back(g) below anyway.
             ident = ("ef", tuple(id(p) for p in params))
             h = self._pending[ident][0] if ident in self._pending else None
-            if group["ef_decay"] != 1.0:
-                ef.mul_(group["ef_decay"])
+            views = self._stacks[ident].views
+            if group["ef_decay"] != 1.0:  # V = G + γE, one pass per matrix (E's memory is the output)
+                for e, grad in zip(views, grads):
+                    torch.add(grad, e, alpha=group["ef_decay"], out=e)
                 if h is not None:
                     h.mul_(group["ef_decay"])
-            torch._foreach_add_(list(ef.unbind(0)), grads)
+            else:
+                torch._foreach_add_(views, grads)
             v_full = ef
         else:
             v_full = torch.stack(grads)
@@ -264,7 +268,7 @@ class BatchedLoRDO(LoRDO):
             g.sub_(h)  # proj(W − back(h)) = proj(W) − h
         exp_avg = self._stacked(params, "exp_avg", lambda p: g.new_zeros(g.shape[1:]))
         exp_avg_sq = self._stacked(params, "exp_avg_sq", lambda p: g.new_zeros(g.shape[1:]))
-        torch._foreach_add_([self.state[p]["step"] for p in params], 1)
+        self._stacked(params, "step", _zero_step).add_(1)
         bc1, bc2 = _bias_corrections(group, k_before + 1)
         exp_avg.lerp_(g, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -302,6 +306,16 @@ class BatchedLoRDO(LoRDO):
                     packed[key][i].copy_(value)
         elif v_full is not ef:  # bf16 E
             ef.copy_(v_full)
+
+
+def _fp32_grads(params: list[Tensor]) -> list[Tensor]:
+    """The gradients in fp32 (the tensors themselves when they are: no dispatch per parameter)."""
+    return [p.grad if p.grad.dtype == torch.float32 else p.grad.float() for p in params]
+
+
+def _zero_step(p: Tensor) -> Tensor:
+    """A step count as `LoRDO._init_step` makes it (the entry exists by then; this is `_stacked`'s rule)."""
+    return torch.tensor(0.0, dtype=torch.float32)
 
 
 def _foreach_add_scaled(params: list[Tensor], xs: list[Tensor], scales: list[Tensor], alpha: float) -> None:
