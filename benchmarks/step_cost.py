@@ -238,7 +238,7 @@ def main() -> None:
     args = parser.parse_args()
     device = pick_device(args.device)
     preset = args.preset or ("tiny" if args.quick else "16m")
-    batch, seq, steps, warmup = (2, 32, 5, 2) if args.quick else (8, 128, 30, 5)
+    batch, seq, steps, warmup = (2, 32, 5, 2) if args.quick else (8, 128, 60, 5)
     refresh_preset = "small" if args.quick else "720m"
     rank = RANKS[refresh_preset]
     counts = model_matrices(refresh_preset)

@@ -274,21 +274,22 @@ class BatchedLoRDO(LoRDO):
         exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = exp_avg_sq.sqrt().div_(math.sqrt(bc2)).add_(eps)
 
-        # W ← W(1 − ηλ) − η·U, applied without a full-size U: the full-rank term c·X (c = (1−ω)/(s+ε)
-        # per matrix) is one foreach pass over the parameters, back(low) an addmm_ into each parameter.
-        if group["weight_decay"] != 0:
-            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        # W ← W(1 − ηλ) − η·U, applied without a full-size U: back(low) is an addmm_ into each
+        # parameter that also applies the decay (its beta), then the full-rank term c·X
+        # (c = (1−ω)/(s+ε) per matrix) is one foreach pass over the parameters.
+        full, scale = None, None
         if group["qh_placement"] == "outside":
             low = (exp_avg / denom).mul_(omega / bc1)
             if omega != 1.0:
                 scale = (1 - omega) / (denom.mean(dim=(1, 2), keepdim=True) + eps)
                 full = list(v_full.unbind(0)) if group["full_rank_term"] == "error_fed" else grads
-                _foreach_add_scaled(params, full, list(scale.unbind(0)), -lr)
+                if h is not None and full is not grads:
+                    low.sub_(scale * h)  # c·V = c·W − c·back(h)
         else:
             low = g.mul(1 - omega).add_(exp_avg, alpha=omega / bc1).div_(denom)
-        if h is not None and group["qh_placement"] == "outside" and omega != 1.0 and group["full_rank_term"] == "error_fed":
-            low = low - scale * h  # c·V = c·W − c·back(h)
-        _add_back_projected(params, low, basis, side, -lr)
+        _add_back_projected(params, low, basis, side, -lr, decay=1 - lr * group["weight_decay"])
+        if full is not None:
+            _foreach_add_scaled(params, full, list(scale.unbind(0)), -lr)
         if lazy:  # E ← V − back(g) = W − back(h + g): kept as that sum, one rank-r product fewer per step
             self._pending[ident] = (g if h is None else h.add_(g), basis, side)
             return
@@ -326,13 +327,17 @@ def _foreach_add_scaled(params: list[Tensor], xs: list[Tensor], scales: list[Ten
         torch._foreach_add_(params, [(x * c).to(p.dtype) for p, x, c in zip(params, xs, scales)], alpha=alpha)
 
 
-def _add_back_projected(params: list[Tensor], low: Tensor, basis: Tensor, side: Side, alpha: float) -> None:
-    """params[i] += alpha · back(low[i]): one addmm_ per matrix writes into the parameter itself."""
+def _add_back_projected(params: list[Tensor], low: Tensor, basis: Tensor, side: Side, alpha: float,
+                        decay: float = 1.0) -> None:
+    """params[i] ← decay · params[i] + alpha · back(low[i]): one addmm_ per matrix writes into the
+    parameter itself (its beta is the decay: no separate pass over the parameters)."""
     if params[0].dtype != torch.float32:
+        if decay != 1.0:
+            torch._foreach_mul_(params, decay)
         torch._foreach_add_(params, list(_project_back(low, basis, side).to(params[0].dtype).unbind(0)), alpha=alpha)
         return
     for p, x, b in zip(params, low.unbind(0), basis.unbind(0)):
         if side == "right":
-            p.addmm_(x, b, alpha=alpha)
+            p.addmm_(x, b, beta=decay, alpha=alpha)
         else:
-            p.addmm_(b, x, alpha=alpha)
+            p.addmm_(b, x, beta=decay, alpha=alpha)
