@@ -39,6 +39,8 @@ OPTIONS = [
     dict(ef_density=1 / 16),
     dict(ef_density=0.1, ef_decay=0.9, ef_reset=True, proj_method="rsvd"),
     dict(ef_density=0.1, projection_source="local", proj_interval=3),
+    dict(param_dtype=torch.bfloat16),  # bf16 weights: the update in fp32, rounded once into them
+    dict(param_dtype=torch.bfloat16, full_rank_term="gradient", qh_placement="inside"),
 ]
 
 
@@ -69,8 +71,9 @@ def assert_state_close(got: torch.Tensor, want: torch.Tensor, key: str) -> None:
 
 def run(cls, options: dict, steps: int = 9):
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
-    kw = {"lr": 1e-2, "omega": 0.9, "weight_decay": 0.01, **options}
+    dtype = options.get("param_dtype", torch.float32)
+    params = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in SHAPES]
+    kw = {"lr": 1e-2, "omega": 0.9, "weight_decay": 0.01, **{k: v for k, v in options.items() if k != "param_dtype"}}
     opt = cls([{"params": params[:7], "rank": RANK}, {"params": params[7:]}], **kw)
     method = get_projection_method(kw.get("proj_method", "svd"))
     gen = torch.Generator().manual_seed(1)
@@ -87,7 +90,7 @@ def run(cls, options: dict, steps: int = 9):
         if step == 4:
             new_bases(100)  # a new round's bases: moments rotated (or not), E reset (or not)
         for p in params:
-            p.grad = gradient(p.shape, gen)
+            p.grad = gradient(p.shape, gen).to(dtype)
         opt.step()
     opt.sync_state()  # the state as the reference keeps it (BatchedLoRDO holds E lazily within a basis)
     return params, opt
@@ -98,7 +101,11 @@ def test_the_batched_step_equals_the_per_parameter_step(options):
     ref_params, ref = run(LoRDO, options)
     got_params, got = run(BatchedLoRDO, options)
     for a, b in zip(ref_params, got_params):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        if a.dtype == torch.bfloat16:  # one rounding of an fp32 update that may differ in its last bits
+            assert (b != a).float().mean() <= 0.01, "bf16 parameters: more than 1% of the entries differ"
+            assert (b.float() - a.float()).abs().max() <= 2.0**-7 * a.float().abs().max(), "bf16 parameters"
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     for a, b in zip(ref_params, got_params):
         sa, sb = ref.state[a], got.state[b]
         assert sa.keys() == sb.keys()

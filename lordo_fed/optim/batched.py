@@ -6,8 +6,12 @@ on stacks: every low-rank weight of one shape (hence one projection side) in a p
 its error-feedback buffer E, its moments and its basis in one [n, ...] tensor, so projection,
 moments, back-projection and the QH term are a handful of batched kernels per shape, and every
 parameter that is not low-rank takes torch's foreach kernels. Arithmetic is in place where the
-reference allocates, and the update goes straight into the parameters (the full-rank term as
-one foreach `addcmul_`, back(û/d) as an `addmm_` into each), with no full-size temporary.
+reference allocates, and the update goes straight into the parameters with no full-size
+temporary. The two full-size passes of a matrix run one matrix at a time, so that each reads what
+the previous kernel just wrote while it is still in cache (a 16m matrix is 0.25-0.7 MB; the
+stacks are 13 MB): V = G + γE then g = proj(V); and back(û/d) as an `addmm_` into the parameter
+(its beta applies the weight decay) then the full-rank term c·V as an `addcmul_`. On the
+16m CPU benchmark that ordering took the step from 5.8 to 5.4 ms against 3 stacked `bmm`s.
 
 E in fp32 is kept lazily while the basis B stays fixed: its memory holds W and a small h with
 E = W − back(h). A step then forms V = G + γE as W ← γW + G, h ← γh (V = W − back(h)); projects
@@ -246,22 +250,24 @@ class BatchedLoRDO(LoRDO):
             # V = G + γE computed in E's own memory: E is rewritten as V − back(g) below anyway.
             ident = ("ef", tuple(id(p) for p in params))
             h = self._pending[ident][0] if ident in self._pending else None
-            views = self._stacks[ident].views
-            if group["ef_decay"] != 1.0:  # V = G + γE, one pass per matrix (E's memory is the output)
-                for e, grad in zip(views, grads):
-                    torch.add(grad, e, alpha=group["ef_decay"], out=e)
-                if h is not None:
-                    h.mul_(group["ef_decay"])
-            else:
-                torch._foreach_add_(views, grads)
+            # One matrix at a time, so that g = proj(V) reads V while it is still in cache.
+            n, rows, cols = ef.shape
+            g = ef.new_empty((n, rows, basis.shape[1]) if side == "right" else (n, basis.shape[2], cols))
+            decay = group["ef_decay"]
+            for e, grad, b, out in zip(self._stacks[ident].views, grads, basis.unbind(0), g.unbind(0)):
+                torch.add(grad, e, alpha=decay, out=e)  # V = G + γE, one pass
+                torch.mm(e, b.T, out=out) if side == "right" else torch.mm(b.T, e, out=out)
+            if h is not None and decay != 1.0:
+                h.mul_(decay)
             v_full = ef
         else:
             v_full = torch.stack(grads)
             if ef is not None:  # bf16 E: V in fp32 beside it
                 v_full.add_(ef, alpha=group["ef_decay"])
 
-        g = _project(v_full, basis, side)
         lazy = ef is not None and v_full is ef
+        if not lazy:
+            g = _project(v_full, basis, side)
         if not lazy:
             h = None
         if h is not None:
@@ -287,9 +293,7 @@ class BatchedLoRDO(LoRDO):
                     low.sub_(scale * h)  # c·V = c·W − c·back(h)
         else:
             low = g.mul(1 - omega).add_(exp_avg, alpha=omega / bc1).div_(denom)
-        _add_back_projected(params, low, basis, side, -lr, decay=1 - lr * group["weight_decay"])
-        if full is not None:
-            _foreach_add_scaled(params, full, list(scale.unbind(0)), -lr)
+        _apply_update(params, low, basis, side, lr, 1 - lr * group["weight_decay"], full, scale)
         if lazy:  # E ← V − back(g) = W − back(h + g): kept as that sum, one rank-r product fewer per step
             self._pending[ident] = (g if h is None else h.add_(g), basis, side)
             return
@@ -319,25 +323,26 @@ def _zero_step(p: Tensor) -> Tensor:
     return torch.tensor(0.0, dtype=torch.float32)
 
 
-def _foreach_add_scaled(params: list[Tensor], xs: list[Tensor], scales: list[Tensor], alpha: float) -> None:
-    """params[i] += alpha · scales[i] · xs[i], with scales[i] a one-element device tensor (no host sync)."""
-    if params[0].dtype == torch.float32:
-        torch._foreach_addcmul_(params, xs, scales, value=alpha)
-    else:
-        torch._foreach_add_(params, [(x * c).to(p.dtype) for p, x, c in zip(params, xs, scales)], alpha=alpha)
+def _apply_update(params: list[Tensor], low: Tensor, basis: Tensor, side: Side, lr: float, decay: float,
+                  full: list[Tensor] | None, scale: Tensor | None) -> None:
+    """params[i] ← decay · params[i] − lr · back(low[i]) − lr · scale[i] · full[i] (scale[i] a
+    one-element tensor: no host sync; `full` None: no full-rank term).
 
-
-def _add_back_projected(params: list[Tensor], low: Tensor, basis: Tensor, side: Side, alpha: float,
-                        decay: float = 1.0) -> None:
-    """params[i] ← decay · params[i] + alpha · back(low[i]): one addmm_ per matrix writes into the
-    parameter itself (its beta is the decay: no separate pass over the parameters)."""
+    fp32 parameters: one matrix at a time, an addmm_ into the parameter whose beta applies the
+    decay, then the full-rank term while the parameter is still in cache; no full-size temporary.
+    Other dtypes: the update in fp32, then one rounding into the parameter."""
     if params[0].dtype != torch.float32:
+        update = _project_back(low, basis, side)
+        if full is not None:
+            update.add_(torch.stack(full) * scale)
         if decay != 1.0:
             torch._foreach_mul_(params, decay)
-        torch._foreach_add_(params, list(_project_back(low, basis, side).to(params[0].dtype).unbind(0)), alpha=alpha)
+        torch._foreach_add_(params, list(update.to(params[0].dtype).unbind(0)), alpha=-lr)
         return
-    for p, x, b in zip(params, low.unbind(0), basis.unbind(0)):
+    for i, (p, x, b) in enumerate(zip(params, low.unbind(0), basis.unbind(0))):
         if side == "right":
-            p.addmm_(x, b, beta=decay, alpha=alpha)
+            p.addmm_(x, b, beta=decay, alpha=-lr)
         else:
-            p.addmm_(b, x, beta=decay, alpha=alpha)
+            p.addmm_(b, x, beta=decay, alpha=-lr)
+        if full is not None:
+            p.addcmul_(full[i], scale[i], value=-lr)
