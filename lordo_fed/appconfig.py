@@ -132,6 +132,7 @@ FLAT_KEYS: dict[str, str] = {
     "data-plane-insecure": "data_plane.insecure",
     "data-plane-stall-timeout": "data_plane.stall_timeout",
     "data-plane-memory-mb": "data_plane.memory_mb",
+    "data-plane-max-uploads": "data_plane.max_uploads",
 }
 
 

@@ -431,7 +431,7 @@ class LoRDOStrategy(Strategy):
             return
         self.data_plane = DataPlaneServer(self.out_dir / "dataplane_spool", bind=dp.bind, port=dp.port,
                                           advertise=dp.address, tls=dp.tls(), stall_timeout=dp.stall_timeout,
-                                          memory_budget=dp.memory_mb << 20).start()
+                                          memory_budget=dp.memory_mb << 20, max_uploads=dp.max_uploads).start()
 
     def _stop_data_plane(self) -> None:
         if self.data_plane is not None:

@@ -92,6 +92,8 @@ RUN_CONFIG_CASES = [
     ("data-plane-stall-timeout", 0.0, "run-config key 'data-plane-stall-timeout': data_plane.stall_timeout=0.0: "
                                       "expected seconds > 0"),
     ("data-plane-memory-mb", -1, "run-config key 'data-plane-memory-mb': data_plane.memory_mb=-1: expected MB >= 0"),
+    ("data-plane-max-uploads", 0, "run-config key 'data-plane-max-uploads': data_plane.max_uploads=0: expected an "
+     "integer >= 1"),
 ]
 
 

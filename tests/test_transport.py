@@ -320,3 +320,39 @@ def test_a_client_on_the_generated_stubs_interoperates(plane):
                                  pb.UploadChunk(sha256=hashlib.sha256(reply).hexdigest())])
     assert receipt.size == len(reply)
     assert bytes(plane.upload(NODE, 1).buffer()) == reply
+
+
+def test_uploads_beyond_max_uploads_wait_their_turn_past_the_stall_deadline(tmp_path):
+    """`max_uploads` = 1: a second node's upload, its header checked, waits while the first one
+    streams for longer than the stall deadline (1 s), then goes through; never two read at once."""
+    import threading
+
+    with DataPlaneServer(tmp_path / "spool", chunk_bytes=256 << 10, stall_timeout=1.0, max_uploads=1) as server:
+        _, tickets = publish(server)
+        bodies = {NODE: os.urandom(1000), OTHER: os.urandom(1500)}
+        first_reading = threading.Event()
+
+        def slow(node: int):  # 10 bytes, then one every 0.4 s: alive, and 2.4 s in all
+            body, t = bodies[node], tickets[node]
+            yield pb.UploadChunk(token=t.upload_token, node_id=node, size=len(body))
+            yield pb.UploadChunk(data=body[:10])
+            first_reading.set()
+            for i in range(6):
+                time.sleep(0.4)
+                yield pb.UploadChunk(data=body[10 + i:11 + i])
+            yield pb.UploadChunk(data=body[16:], sha256=hashlib.sha256(body).hexdigest())
+
+        results = {}
+        worker = threading.Thread(target=lambda: results.__setitem__(NODE, raw_upload(server, slow(NODE))))
+        worker.start()
+        assert first_reading.wait(10)
+        started = time.monotonic()
+        results[OTHER] = client.upload(tickets[OTHER], OTHER, bodies[OTHER])  # queued behind NODE
+        waited = time.monotonic() - started
+        worker.join(10)
+        assert isinstance(results[NODE], pb.UploadReceipt), results[NODE]
+        assert waited > 1.5, f"the second upload did not wait for the first ({waited:.2f} s)"
+        assert server.peak_active_uploads == 1 and server.active_uploads == 0
+        assert server.take_refusals() == []
+        for node, body in bodies.items():
+            assert bytes(server.upload(node, 1).buffer()) == body

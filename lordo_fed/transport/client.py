@@ -108,16 +108,14 @@ def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: f
 
 
 def _chunks(ticket: pb.Ticket, node_id: int, data: memoryview, step: int, digest) -> Iterator[bytes]:
-    """Header first, then the data, hashed as it goes, then the sha256 (protocol: dataplane.proto;
-    serialized by lordo_fed.transport.framing)."""
+    """The header alone first (token, node, size: the server checks it, and may queue the upload
+    behind others, before any data is sent), then the data, hashed as it goes, then the sha256
+    (protocol: dataplane.proto; serialized by lordo_fed.transport.framing)."""
+    yield pb.UploadChunk(token=ticket.upload_token, node_id=int(node_id), size=len(data)).SerializeToString()
     for offset in range(0, len(data), step):
         piece = data[offset:offset + step]
         digest.update(piece)
-        head = (pb.UploadChunk(token=ticket.upload_token, node_id=int(node_id), size=len(data)) if offset == 0
-                else pb.UploadChunk())
-        yield frame(head, UPLOAD_DATA, piece)
-    if len(data) == 0:
-        yield pb.UploadChunk(token=ticket.upload_token, node_id=int(node_id), size=0).SerializeToString()
+        yield frame(pb.UploadChunk(), UPLOAD_DATA, piece)
     yield pb.UploadChunk(sha256=digest.hexdigest()).SerializeToString()
 
 

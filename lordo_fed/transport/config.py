@@ -31,6 +31,8 @@ class DataPlaneConfig:
     """Seconds a transfer may go without a chunk before the data plane drops it."""
     memory_mb: int = 1024
     """MB of replies the server holds in memory; the rest spill to disk (bounded server memory)."""
+    max_uploads: int = 4
+    """Uploads the server reads at once; later ones wait their turn (memory flat in the number of nodes)."""
 
     def validate(self) -> "DataPlaneConfig":
         if self.mode not in DATA_PLANE_MODES:
@@ -41,6 +43,8 @@ class DataPlaneConfig:
             raise ValueError(f"data_plane.stall_timeout={self.stall_timeout!r}: expected seconds > 0")
         if self.memory_mb < 0:
             raise ValueError(f"data_plane.memory_mb={self.memory_mb!r}: expected MB >= 0")
+        if isinstance(self.max_uploads, bool) or not isinstance(self.max_uploads, int) or self.max_uploads < 1:
+            raise ValueError(f"data_plane.max_uploads={self.max_uploads!r}: expected an integer >= 1")
         if self.certfile and not self.keyfile:
             raise ValueError(f"data_plane.certfile={self.certfile!r} without data_plane.keyfile: expected both "
                              "(TLS) or neither")

@@ -128,16 +128,23 @@ class DataPlaneServer:
     def __init__(self, spool_dir: str | os.PathLike, bind: str = "127.0.0.1", port: int = 0,
                  advertise: str = "", tls: tuple[bytes, bytes] | None = None, stall_timeout: float = 30.0,
                  chunk_bytes: int = CHUNK_BYTES, issuer: TokenIssuer | None = None,
-                 memory_budget: int = 1 << 30):
+                 memory_budget: int = 1 << 30, max_uploads: int = 4):
         """`tls`: (PEM certificate chain, PEM private key), None for plaintext; `advertise`: the
         host nodes dial ('' = the bind host, 127.0.0.1 when binding all interfaces);
         `memory_budget`: bytes of replies held in memory at once, the rest spill to `spool_dir`
         (writing to the page cache runs at ~400 MB/s here, slower than the link: the first replies
-        stay in RAM, and the server's memory stays bounded whatever the number of nodes)."""
+        stay in RAM, and the server's memory stays bounded whatever the number of nodes);
+        `max_uploads`: uploads read at once. The others wait, after their header (token, size)
+        was checked, holding only gRPC's flow-control window: each stream being read costs the
+        server ~45-90 MB of gRPC buffers and allocator arenas at 125m (results.md section 9), so
+        this keeps its memory flat in the number of nodes, at the price of queueing uploads
+        that arrive together (raise it when many nodes upload over slow links of their own)."""
         if not 0 < chunk_bytes <= CHUNK_BYTES:
             raise ValueError(f"chunk_bytes={chunk_bytes}: expected 1..{CHUNK_BYTES}")
         if not stall_timeout > 0:
             raise ValueError(f"stall_timeout={stall_timeout!r}: expected seconds > 0")
+        if not max_uploads >= 1:
+            raise ValueError(f"max_uploads={max_uploads!r}: expected an integer >= 1")
         self.spool_dir = Path(spool_dir)
         self.bind, self.port, self.tls, self.stall_timeout = bind, port, tls, stall_timeout
         self.advertise = advertise or ("127.0.0.1" if bind in ("0.0.0.0", "::", "[::]", "") else bind)
@@ -154,6 +161,11 @@ class DataPlaneServer:
         """The current round's encoded state and the previous one's (a node that fell behind
         still trains the round it was sent, so its own state stays continuous)."""
         self._max_upload = 0
+        self.max_uploads = int(max_uploads)
+        self._upload_slots: asyncio.Semaphore | None = None  # made on the server's event loop
+        self.active_uploads = 0
+        self.peak_active_uploads = 0
+        """Uploads being read now, and the most at once since start (tests, diagnostics)."""
         self._uploads: dict[tuple[int, int], Upload] = {}
         self._arrived = threading.Condition(self._lock)
         """Notified whenever an upload is stored (`wait_for_uploads`)."""
@@ -180,6 +192,7 @@ class DataPlaneServer:
         return self
 
     async def _serve(self) -> int:
+        self._upload_slots = asyncio.Semaphore(self.max_uploads)
         self._server = grpc.aio.server(options=channel_options())
         # The generated servicer's handlers, with the chunks (de)serialized by framing.py: same
         # wire bytes, the payload copied once (the generated stubs interoperate).
@@ -366,7 +379,7 @@ class _Servicer:
 
     async def Upload(self, request_iterator, context: grpc.aio.ServicerContext):
         plane = self.plane
-        node, round_idx, sink = -1, -1, None
+        node, round_idx, slot = -1, -1, False
         try:
             first, first_data = await self._read(context, node, round_idx, 0, None)
             if first is None:
@@ -376,10 +389,40 @@ class _Servicer:
             round_idx = claims.round
             with plane._lock:
                 limit = plane._max_upload
-            declared = first.size
-            if declared <= 0 or declared > limit:
-                raise plane._refuse(node, round_idx, UPLOAD, f"declares {declared} bytes; expected 1..{limit} "
+            if first.size <= 0 or first.size > limit:
+                raise plane._refuse(node, round_idx, UPLOAD, f"declares {first.size} bytes; expected 1..{limit} "
                                     "(the round's largest reply)", grpc.StatusCode.INVALID_ARGUMENT)
+            # A turn among the uploads read at once (`max_uploads`), waited for at most until the
+            # token expires; only a checked header waits.
+            try:
+                await asyncio.wait_for(plane._upload_slots.acquire(), max(0.0, claims.expires - time.time()))
+            except asyncio.TimeoutError:
+                raise plane._refuse(node, round_idx, UPLOAD, "waited for a turn among the uploads read at once "
+                                    f"(data-plane-max-uploads={plane.max_uploads}) until the token expired",
+                                    grpc.StatusCode.DEADLINE_EXCEEDED) from None
+            slot = True
+            with plane._lock:
+                plane.active_uploads += 1
+                plane.peak_active_uploads = max(plane.peak_active_uploads, plane.active_uploads)
+            return await self._receive(context, first, first_data, claims)
+        except _Refused as err:
+            await context.abort(err.code, str(err))
+        except asyncio.CancelledError:
+            plane._refuse(node, round_idx, UPLOAD, "connection lost mid-upload (the node stopped or cancelled)",
+                          grpc.StatusCode.CANCELLED)
+            raise
+        finally:
+            if slot:
+                with plane._lock:
+                    plane.active_uploads -= 1
+                plane._upload_slots.release()
+
+    async def _receive(self, context, first: pb.UploadChunk, first_data, claims) -> pb.UploadReceipt:
+        """The rest of an upload whose header (token, size) checked out: its bytes, stored as they
+        come, and their sha256 (raises _Refused)."""
+        plane = self.plane
+        node, round_idx, declared, sink = first.node_id, claims.round, first.size, None
+        try:
             sink = _Sink(plane, node, round_idx, declared)
             loop = asyncio.get_running_loop()
             received, declared_sha, started = 0, "", time.perf_counter()
@@ -417,12 +460,6 @@ class _Servicer:
             if not current:
                 upload.discard()  # the round closed while this one streamed
             return pb.UploadReceipt(size=received, sha256=sha)
-        except _Refused as err:
-            await context.abort(err.code, str(err))
-        except asyncio.CancelledError:
-            plane._refuse(node, round_idx, UPLOAD, "connection lost mid-upload (the node stopped or cancelled)",
-                          grpc.StatusCode.CANCELLED)
-            raise
         finally:
             if sink is not None:
                 sink.abandon()
