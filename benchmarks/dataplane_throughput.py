@@ -577,7 +577,7 @@ def train(msg: Message, context: Context) -> Message:
     # client/app.py `receive_state`
     data = download(ticket, context.node_id, root, timeout=timeout) if ticket else payload_bytes(msg.content["state"])
     h2, c2 = time.time(), time.process_time()
-    state = decode_global_state(data, expected_model_id="dpbench")
+    state = decode_global_state(data, expected_model_id="dpbench", adopt=isinstance(data, bytearray))  # as run_job
     h3, c3 = time.time(), time.process_time()
     theta = state.params["w"]
     down_ok = theta.numel() == n and samples(theta) == [float(x) for x in cfg["samples"]]

@@ -764,6 +764,46 @@ def test_decoded_tensors_do_not_alias_the_payload(no_fallback):
     assert _outcome_of(got) == _outcome_of(decode_update(encode_update(_update(), MID), MID))
 
 
+@pytest.mark.parametrize("payload_dtype", PAYLOAD_DTYPES)
+def test_adopt_uses_a_writable_buffers_fp32_tensors_in_place(payload_dtype, tmp_path, no_fallback):
+    """adopt=True: fp32 tensors of an aligned span in a writable buffer are views of it (the
+    same values as a copying decode); bf16 wire data and read-only buffers (bytes, a read-only
+    mmap) are copied as without it."""
+    import ctypes
+
+    s = _state()
+    data = bytes(encode_global_state(s, MID, payload_dtype))
+    buf = bytearray(data)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    got = decode_global_state(buf, MID, adopt=True)
+    want = decode_global_state(data, MID)
+    for group in ("params", "projections", "moments"):
+        for name, t in getattr(want, group).items():
+            mine = getattr(got, group)[name]
+            assert torch.equal(mine, t), (group, name)
+            aliased = start <= mine.data_ptr() < start + len(buf)
+            fp32_on_wire = payload_dtype == "fp32" or group == "projections"
+            if mine.numel() and fp32_on_wire:
+                assert aliased, (group, name)
+                mine.add_(0)  # usable in place (most such views are not 4-byte aligned)
+            if not fp32_on_wire:
+                assert not aliased, (group, name)
+    assert any(start <= t.data_ptr() < start + len(buf) for t in got.projections.values())
+    with pytest.raises(BufferError):
+        buf.extend(b"\x00")  # pinned while the tensors live
+    del got, mine  # the last tensor the loop looked at is a view too
+    buf.extend(b"\x00")  # and free again once they are gone
+    for readonly in (data,):
+        copied = decode_global_state(readonly, MID, adopt=True)
+        copied.params["emb.weight"].add_(1.0)  # owned and writable
+    path = tmp_path / "state.bin"
+    path.write_bytes(data)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        from_map = decode_global_state(mm, MID, adopt=True)
+        del from_map
+    assert mm.closed  # nothing kept a view of the read-only mapping
+
+
 def _field(number: int, wire_type: int, payload: bytes) -> bytes:
     key = codec._varint((number << 3) | wire_type)
     return key + (codec._varint(len(payload)) + payload if wire_type == 2 else payload)

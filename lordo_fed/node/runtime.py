@@ -221,7 +221,8 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
     download_started = time.perf_counter()
     received = receive(rt.cfg.round_timeout)
     decode_started = time.perf_counter()
-    state = decode_global_state(received, expected_model_id=rt.model_id)
+    # A download is a buffer of our own: its fp32 tensors are used in place (no copy).
+    state = decode_global_state(received, expected_model_id=rt.model_id, adopt=isinstance(received, bytearray))
     received_bytes = len(received)
     del received
     if state.params_from_seed:
