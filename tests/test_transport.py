@@ -356,3 +356,37 @@ def test_uploads_beyond_max_uploads_wait_their_turn_past_the_stall_deadline(tmp_
         assert server.take_refusals() == []
         for node, body in bodies.items():
             assert bytes(server.upload(node, 1).buffer()) == body
+
+
+def test_upload_buffers_are_reused_within_the_budget(tmp_path):
+    """A discarded upload's buffer serves the next one (no new memory to fault in each round);
+    spares count against the memory budget with the uploads held, and make room when needed."""
+    with DataPlaneServer(tmp_path / "spool", chunk_bytes=256 << 10, memory_budget=4 * MB) as server:
+        _, tickets = publish(server, round_idx=1)
+        first = os.urandom(MB + 3)
+        client.upload(tickets[NODE], NODE, first)
+        got = server.upload(NODE, 1)
+        assert bytes(got.buffer()) == first
+        base = got._base
+        got.discard()
+        assert server._memory_used == 0 and server._spare == [base]
+        _, tickets = publish(server, round_idx=2)
+        second = os.urandom(MB - 100)  # smaller: fits the spare
+        client.upload(tickets[NODE], NODE, second)
+        got = server.upload(NODE, 2)
+        assert got._base is base and bytes(got.buffer()) == second and got.size == len(second)
+        big = os.urandom(2 * MB)  # needs a new buffer: 2 MB + the held 1 MB fit the 4 MB budget
+        client.upload(tickets[OTHER], OTHER, big)
+        other = server.upload(OTHER, 2)
+        assert other.path is None and other._base is not base and bytes(other.buffer()) == big
+        got.discard()
+        other.discard()  # 1 MB + 2 MB spare: within the budget, both kept
+        assert sorted(map(len, server._spare)) == [MB + 3, 2 * MB]
+        _, tickets = publish(server, round_idx=3)
+        huge = os.urandom(2 * MB + 10)  # fits no spare, and not beside them: they are dropped
+        client.upload(tickets[NODE], NODE, huge)
+        got = server.upload(NODE, 3)
+        assert got.path is None and bytes(got.buffer()) == huge
+        assert server._memory_used + sum(map(len, server._spare)) <= server.memory_budget
+        got.discard()
+        assert server._memory_used == 0
