@@ -10,6 +10,7 @@ It treats Δ̄ like a gradient and takes one step of an "outer" optimizer on θ.
 - Average:  θ ← θ − η Δ̄             (η = 1 is plain model averaging, as in FedAvg / Local SGD)
 - QHM:      quasi-hyperbolic momentum (Ma & Yarats 2019), the outer update LoRDO uses
 - Nesterov: SGD with Nesterov momentum, the outer optimizer of DiLoCo
+- MomentumLookAhead ("mla"): HeLoCo's outer step, one per arrival in asynchronous rounds
 
 θ and Δ̄ are `dict[str, Tensor]` with the same keys and shapes (fp32). The optimizers update the
 θ tensors in place under `torch.no_grad()` and keep their state as plain tensors, so that
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-OUTER_NAMES = ("average", "qhm", "nesterov")
+OUTER_NAMES = ("average", "qhm", "nesterov", "mla")
 
 
 # -----------------------------------------------------------------------------
@@ -253,6 +254,41 @@ class Nesterov(OuterOptimizer):
         return f"lr={self.lr}, momentum={self.momentum}"
 
 
+class MomentumLookAhead(OuterOptimizer):
+    """HeLoCo's outer step (Al Asif et al., arXiv 2606.00271, Eqs. 18-19), applied once per
+    arriving (corrected) pseudo-gradient G in asynchronous rounds:
+
+        m ← μ m + (1 − μ) G                     (m starts at 0)
+        θ ← θ − η (G + μ m)
+
+    The same family as QHM (lr η(1 + μ), β = μ, ν = μ / (1 + μ)), written as its authors' code
+    has it so that their settings carry over. Workers start from θ − ημm (`lordo_fed.heloco.
+    look_ahead`); `momentum_buffers()` is what `lordo_fed.heloco.correct` compares an arrival with.
+    """
+
+    name = "mla"
+    _state_prefix = "momentum"
+
+    def __init__(self, lr: float = 0.7, momentum: float = 0.9) -> None:
+        super().__init__()
+        self.lr = _check_lr(lr)
+        self.momentum = _check_unit("momentum", momentum)
+
+    def momentum_buffers(self) -> dict[str, Tensor] | None:
+        """The outer momentum m by parameter name (the live buffers: read, do not modify), None
+        before the first step (HeLoCo's first arrival)."""
+        return self._buffers or None
+
+    def _update(self, params: dict[str, Tensor], delta: dict[str, Tensor]) -> None:
+        for n, p in params.items():
+            g, m = delta[n], self._buffers[n]
+            m.mul_(self.momentum).add_(g, alpha=1.0 - self.momentum)
+            p.add_(g.add(m, alpha=self.momentum), alpha=-self.lr)
+
+    def _hparams(self) -> str:
+        return f"lr={self.lr}, momentum={self.momentum}"
+
+
 # -----------------------------------------------------------------------------
 # config
 
@@ -262,7 +298,7 @@ class OuterConfig:
     """Which outer optimizer the server runs, and its hyperparameters."""
 
     name: str = "average"
-    """Outer optimizer: "average" | "qhm" | "nesterov"."""
+    """Outer optimizer: "average" | "qhm" | "nesterov" | "mla" (HeLoCo's momentum look-ahead)."""
 
     lr: float = 1.0
     """Outer learning rate η (> 0); 1.0 with "average" is plain model averaging."""
@@ -274,7 +310,7 @@ class OuterConfig:
     """QHM immediate-discount ν in [0, 1]: 0 is a plain step, 1 is pure momentum."""
 
     momentum: float = 0.9
-    """Nesterov momentum μ in [0, 1] (DiLoCo uses 0.9, with lr 0.7)."""
+    """Nesterov / momentum look-ahead μ in [0, 1] (DiLoCo and HeLoCo use 0.9, with lr 0.7)."""
 
 
 def build_outer_optimizer(cfg: OuterConfig) -> OuterOptimizer:
@@ -293,4 +329,6 @@ def build_outer_optimizer(cfg: OuterConfig) -> OuterOptimizer:
         return Average(lr=cfg.lr)
     if cfg.name == "qhm":
         return QHM(lr=cfg.lr, beta=cfg.beta, nu=cfg.nu)
+    if cfg.name == "mla":
+        return MomentumLookAhead(lr=cfg.lr, momentum=cfg.momentum)
     return Nesterov(lr=cfg.lr, momentum=cfg.momentum)

@@ -236,7 +236,7 @@ def test_bad_constructor_arguments(make, match):
 @pytest.mark.parametrize(
     "cfg,match",
     [
-        (OuterConfig(name="adam"), r"name='adam'.*\['average', 'qhm', 'nesterov'\]"),
+        (OuterConfig(name="adam"), r"name='adam'.*\['average', 'qhm', 'nesterov', 'mla'\]"),
         (OuterConfig(name="qhm", lr=0.0), r"lr=0\.0.*> 0"),
         (OuterConfig(name="qhm", beta=-0.5), r"beta=-0\.5.*\[0, 1\]"),
         (OuterConfig(name="qhm", nu=1.01), r"nu=1\.01.*\[0, 1\]"),
