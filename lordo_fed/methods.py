@@ -12,6 +12,11 @@ Every method is the same machinery with different choices (shared/docs/ALGORITHM
 | desloc        | Δ / K steps   | AdamW                      | K_u = 3, K_v = 6 rounds    | average  |
 | lordo_global  | Δ / K steps   | LoRDO, server projections  | every round                | `outer`  |
 | lordo_local   | Δ / K steps   | LoRDO, worker projections  | never (bases differ)       | `outer`  |
+| async_diloco  | Δ on arrival  | AdamW                      | never                      | Nesterov, one step per arrival |
+| async_lookahead | Δ on arrival | AdamW                     | never                      | momentum look-ahead; workers pull θ − ημm |
+| heloco        | Δ on arrival  | AdamW                      | never                      | as async_lookahead, Δ corrected against m (lordo_fed.heloco) |
+
+The asynchronous methods (lordo_fed.async_rounds) take `diloco_outer`'s lr and momentum.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 from torch import nn
 
 from lordo_fed.aggregator import Aggregator
+from lordo_fed.async_rounds import AsyncRule
 from lordo_fed.data import TokenShard
 from lordo_fed.model import lowrank_parameter_names
 from lordo_fed.optim.config import InnerConfig, build_inner_optimizer, resolved_proj_method
@@ -37,13 +43,16 @@ class MethodSpec:
     """What makes a method: how workers sync and which of the shared settings it overrides."""
 
     loop: str
-    """'ddp' (gradient all-reduce every step) or 'rounds' (K local steps, then Δ)."""
+    """'ddp' (gradient all-reduce every step), 'rounds' (K local steps, then Δ) or 'async' (Δ applied on arrival)."""
     inner: dict = field(default_factory=dict)
     """Overrides of InnerConfig."""
     sync: tuple[int, int] | None = None
     """(K_u, K_v) moment-sync periods; None keeps the RoundConfig's."""
     diloco_outer: bool = False
     """Use the `diloco_outer` settings (Nesterov) instead of `outer`."""
+    async_rule: AsyncRule | None = None
+    """The server rule of an 'async' method; with look-ahead the outer step is `diloco_outer`'s lr and
+    momentum as a momentum look-ahead step ('mla')."""
 
 
 METHODS: dict[str, MethodSpec] = {
@@ -54,6 +63,12 @@ METHODS: dict[str, MethodSpec] = {
     "desloc": MethodSpec("rounds", {"name": "adamw"}, sync=(3, 6)),
     "lordo_global": MethodSpec("rounds", {"name": "lordo", "projection": "global"}),
     "lordo_local": MethodSpec("rounds", {"name": "lordo", "projection": "local"}, sync=(0, 0)),
+    "async_diloco": MethodSpec("async", {"name": "adamw"}, sync=(0, 0), diloco_outer=True,
+                               async_rule=AsyncRule(look_ahead=False, correct=False)),
+    "async_lookahead": MethodSpec("async", {"name": "adamw"}, sync=(0, 0), diloco_outer=True,
+                                  async_rule=AsyncRule(look_ahead=True, correct=False)),
+    "heloco": MethodSpec("async", {"name": "adamw"}, sync=(0, 0), diloco_outer=True,
+                         async_rule=AsyncRule(look_ahead=True, correct=True)),
 }
 
 
@@ -66,6 +81,7 @@ class MethodSettings:
     inner: InnerConfig
     rounds: RoundConfig
     outer: OuterConfig
+    async_rule: AsyncRule | None = None
 
 
 def resolve_method(name: str, inner: InnerConfig, rounds: RoundConfig, outer: OuterConfig,
@@ -82,7 +98,9 @@ def resolve_method(name: str, inner: InnerConfig, rounds: RoundConfig, outer: Ou
         raise ValueError(f"rounds.sync_ef=True with inner.ef_density={inner.ef_density!r}: averaging E across "
                          "workers needs the whole buffer; expected ef_density=1.0 or sync_ef=False")
     chosen = diloco_outer if (spec.diloco_outer and diloco_outer is not None) else outer
-    return MethodSettings(name, spec.loop, inner, rounds, chosen)
+    if spec.async_rule is not None and spec.async_rule.look_ahead:
+        chosen = dataclasses.replace(chosen, name="mla")
+    return MethodSettings(name, spec.loop, inner, rounds, chosen, spec.async_rule)
 
 
 def lowrank_ranks(model: nn.Module, pattern: str, rank: int, inner_name: str) -> dict[str, int]:

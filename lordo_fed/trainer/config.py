@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List
 
+from lordo_fed.async_rounds import AsyncConfig
 from lordo_fed.config import CommonConfig
 from lordo_fed.methods import METHODS
 
@@ -14,13 +15,16 @@ class TrainConfig(CommonConfig):
     """One reference-trainer invocation: several methods on the same data, model and seed."""
 
     methods: List[str] = field(default_factory=lambda: ["lordo_global", "ddp"])
-    """Methods to run, in order: ddp, lowrank_ddp, diloco, local_adam, desloc, lordo_global, lordo_local."""
+    """Methods to run, in order: ddp, lowrank_ddp, diloco, local_adam, desloc, lordo_global, lordo_local,
+    async_diloco, async_lookahead, heloco."""
     workers: int = 4
     """M: number of workers (data partitions), run in turn."""
     total_steps: int = 128
     """Optimizer steps per worker; every method trains on the same M × batch_size × seq_len × total_steps tokens."""
     progress: bool = True
     """Show a progress bar."""
+    async_rounds: AsyncConfig = field(default_factory=AsyncConfig)
+    """Asynchronous methods: worker speeds on the virtual clock, staleness bound, HeLoCo's settings."""
     diagnostics: bool = False
     """Log the stable rank of each round's averaged pseudo-gradient and its share in the shared subspace,
     and the workers' out-of-subspace share of the update and error-feedback norm (lordo_fed.rounds.DIAGNOSTIC_METRICS)."""
@@ -36,6 +40,7 @@ class TrainConfig(CommonConfig):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected an integer > 0")
         super().validate()
+        self.async_rounds.validate(self.workers)
         if self.total_steps % self.rounds.local_steps:
             raise ValueError(
                 f"total_steps={self.total_steps} is not a multiple of rounds.local_steps={self.rounds.local_steps}: "

@@ -16,15 +16,17 @@ from torch import nn
 from tqdm import tqdm
 
 from lordo_fed.aggregator import fit_projections, initial_projections
+from lordo_fed.async_rounds import AsyncServer, VirtualClock
 from lordo_fed.data import Dataset
 from lordo_fed.evaluation import evaluate
 from lordo_fed.methods import MethodSettings, lowrank_ranks, make_aggregator, make_worker
 from lordo_fed.metrics import optimizer_state_bytes, tensor_bytes
 from lordo_fed.model import build_model, lowrank_parameter_names
+from lordo_fed.outer import build_outer_optimizer
 from lordo_fed.optim import LoRDO
 from lordo_fed.optim.config import resolved_proj_method
 from lordo_fed.projection import get_projection_method
-from lordo_fed.rounds import DIAGNOSTIC_METRICS
+from lordo_fed.rounds import DIAGNOSTIC_METRICS, GlobalState
 from lordo_fed.trainer.config import TrainConfig
 from lordo_fed.worker import Worker
 
@@ -111,10 +113,89 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
             "cum_bytes_sent_per_worker": sent_total, "cum_bytes_received_per_worker": received_total,
             "opt_state_bytes": optimizer_state_bytes(workers[0].optimizer),
             "round_seconds": elapsed, "aggregation_seconds": aggregation_seconds,
+            # on the virtual clock of the asynchronous methods: every round waits for the slowest worker
+            "virtual_time": r * K * max(cfg.async_rounds.speed_of(w) for w in range(cfg.workers)),
         }
         if r % cfg.eval_every == 0 or r == num_rounds:
             record.update(_eval_record(ctx, model, settings, r, r * K, tokens))
         ctx.emit({"method": settings.name, **record})
+    bar.close()
+    return model
+
+
+def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
+    """Asynchronous methods on the virtual clock (lordo_fed.async_rounds): each worker pulls the
+    server's model, trains K steps, and its Δ is applied on arrival, one outer step, in (virtual
+    time, worker id) order; the worker then pulls again. The budget is the synchronous methods'
+    tokens: M x total_steps / K pushes (a fast worker makes more of them than a slow one).
+
+    A worker's K steps depend only on what it pulled and its own state, so they are computed when
+    it pulls and its Δ is held until its arrival time: deterministic whatever the machine.
+    A record every M pushes ("round" = pushes / M): tokens, virtual time, the staleness of the
+    pushes since the last record, replies dropped past `async_rounds.max_staleness`."""
+    cfg, data, acfg = ctx.cfg, ctx.cfg.data, ctx.cfg.async_rounds
+    model, lowrank, ranks = build_components(ctx, settings)
+    if ranks:
+        raise ValueError(f"method {settings.name!r}: asynchronous rounds take a full-rank inner optimizer "
+                         "(async LoRDO is not built yet)")
+    K, M = settings.rounds.local_steps, cfg.workers
+    workers = [make_worker(m, model, settings, ctx.dataset.train_shards[m], lowrank, cfg.total_steps,
+                           data.batch_size, data.seq_len, seed=data.seed) for m in range(M)]
+    with torch.no_grad():
+        params = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+    server = AsyncServer(params, build_outer_optimizer(settings.outer), settings.async_rule, acfg)
+    budget = M * (cfg.total_steps // K)
+    clock, pending, rounds_of = VirtualClock(), {}, [0] * M
+    bar = _progress(ctx, budget * K, settings.name)
+
+    def start(w: int, now: float) -> None:
+        theta, version = server.pull()
+        rounds_of[w] += 1
+        r = rounds_of[w]  # the worker's own round: its schedule position and step count
+        update = workers[w].train_round(GlobalState(round=r, params=theta, opt_step=(r - 1) * K),
+                                        progress=lambda i, loss: bar.update(1))
+        pending[w] = (update, version)
+        clock.start(w, now, K * acfg.speed_of(w))
+
+    for w in range(M):
+        start(w, 0.0)
+    ctx.emit({**_eval_record(ctx, model, settings, 0, 0, 0), "virtual_time": 0.0})
+    processed = tokens = 0
+    window: list = []
+    sent = received = tensor_bytes(params)  # Δ up, θ down: the model size each way per push
+    while processed < budget:
+        t, w = clock.next()
+        update, version = pending.pop(w)
+        arrival = server.push(update.delta, version, w, t)
+        processed += 1
+        tokens += update.tokens
+        window.append((arrival, update.metrics.get("train_loss")))
+        if processed + len(pending) < budget:
+            start(w, t)
+        if processed % M and processed < budget:
+            continue
+        r = -(-processed // M)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(server.params[n])
+        staleness = [a.staleness for a, _ in window]
+        losses = [loss for a, loss in window if loss is not None]
+        record = {
+            "method": settings.name, "round": r, "step": processed * K // M, "tokens": tokens,
+            "train_loss": sum(losses) / len(losses) if losses else None, "virtual_time": t, "pushes": processed,
+            "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
+            "staleness": {str(s): staleness.count(s) for s in sorted(set(staleness))},
+            "pushes_by_worker": [sum(a.worker == m for a, _ in window) for m in range(M)],
+            "dropped": sum(not a.applied for a, _ in window), "outer_steps": server.version,
+            "bytes_sent_per_worker": sent, "bytes_received_per_worker": received,
+            "bytes_sent_per_worker_per_step": sent / K, "bytes_received_per_worker_per_step": received / K,
+            "cum_bytes_sent_per_worker": processed * sent / M, "cum_bytes_received_per_worker": processed * received / M,
+            "opt_state_bytes": optimizer_state_bytes(workers[0].optimizer),
+        }
+        window = []
+        if r % cfg.eval_every == 0 or processed >= budget:
+            record.update(_eval_record(ctx, model, settings, r, processed * K // M, tokens))
+        ctx.emit(record)
     bar.close()
     return model
 
@@ -201,5 +282,5 @@ def _eval_record(ctx: RunContext, model: nn.Module, settings: MethodSettings, r:
 
 def run_method(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     """Dispatch on the method's loop; returns the final global model."""
-    return (run_ddp if settings.loop == "ddp" else run_rounds)(ctx, settings)
+    return {"ddp": run_ddp, "async": run_async}.get(settings.loop, run_rounds)(ctx, settings)
 
