@@ -7,10 +7,15 @@ one outer step (on θ, not on the point the worker pulled) and the worker pulls 
 computed from a model `s` outer steps old has staleness s. The three server rules
 (`AsyncRule`):
 
-- async DiLoCo: G = Δ, the outer optimizer as configured (DiLoCo's Nesterov), workers pull θ;
-- look-ahead: momentum look-ahead steps (`outer=mla`), workers pull θ̄ = θ − ημm;
-- HeLoCo: as look-ahead, with Δ corrected against the momentum and weighted by ρ first
-  (lordo_fed.heloco; Al Asif et al., arXiv 2606.00271).
+- async DiLoCo: G = ρΔ, the outer optimizer as configured (DiLoCo's Nesterov), workers pull θ;
+- look-ahead: G = ρΔ, momentum look-ahead steps (`outer=mla`), workers pull θ̄ = θ − ημm;
+- HeLoCo: as look-ahead, with Δ corrected against the momentum first (lordo_fed.heloco; Al Asif
+  et al., arXiv 2606.00271).
+
+ρ (`AsyncConfig.weight`) is HeLoCo's arrival weight, applied to every method alike: one outer
+step per arrival moves θ M times per "round" where a synchronous round moves it once with the
+mean of M pseudo-gradients, so unweighted arrivals at DiLoCo's outer lr overshoot (the paper
+suggests ρ = 1/√K for K concurrent workers).
 
 `VirtualClock` orders arrivals deterministically: worker w takes K · speeds[w] virtual seconds
 per round, arrivals are processed in (virtual time, worker id) order. The reference trainer
@@ -38,6 +43,8 @@ class AsyncConfig:
 
     speeds: List[float] = field(default_factory=list)
     """Virtual seconds per local step of each worker ([] = 1.0 for all); e.g. [1, 1, 1, 4]: one 4x slower."""
+    weight: float = 1.0
+    """ρ: every arriving Δ is scaled by it before its outer step (HeLoCo's; the paper suggests 1/√K for K workers)."""
     max_staleness: int = 0
     """Drop a reply made from a model more than this many outer steps old (0 = no bound, as HeLoCo's code)."""
     heloco: HeLoCoConfig = field(default_factory=HeLoCoConfig)
@@ -50,6 +57,9 @@ class AsyncConfig:
         for s in self.speeds:
             if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
                 raise ValueError(f"async_rounds.speeds={list(self.speeds)!r}: expected virtual seconds per step > 0")
+        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or not (
+                math.isfinite(self.weight) and self.weight > 0):
+            raise ValueError(f"async_rounds.weight={self.weight!r}: expected a weight > 0")
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ValueError(f"async_rounds.max_staleness={self.max_staleness!r}: expected an integer >= 0 "
                              "(0 = no bound)")
@@ -127,7 +137,11 @@ class AsyncServer:
         bound = self.cfg.max_staleness
         if bound and staleness > bound:
             return Arrival(worker, time, staleness, False, f"staleness {staleness} > max_staleness {bound}")
-        g = correct(delta, self._momentum(), self.cfg.heloco) if self.rule.correct else delta
+        rho = self.cfg.weight
+        if self.rule.correct:
+            g = correct(delta, self._momentum(), self.cfg.heloco, rho)
+        else:
+            g = delta if rho == 1.0 else {n: d * rho for n, d in delta.items()}
         with torch.no_grad():
             self.outer.step(self.params, g)
         self.version += 1

@@ -15,13 +15,14 @@ Eqs. 7-15):
     blend     ‖Δ‖ · u / ‖u‖,  u = (1 − λ) Δ̂ + λ m̂,  λ = min(k_d · (1 − c) · conf, 1)  otherwise
               (Δ itself when ‖u‖ ≤ ε)
 
-and the result, scaled by the arrival weight ρ, is the G of the outer step. A tensor with no
-momentum yet (the first arrival) gives ρΔ. Workers start each round from the look-ahead point
+and the result, scaled by the arrival weight ρ (`rho`; lordo_fed.async_rounds scales every
+asynchronous method's arrivals by it), is the G of the outer step. A tensor with no momentum yet
+(the first arrival) gives ρΔ. Workers start each round from the look-ahead point
 θ̄ = θ − η·μ·m (Eq. 5; `look_ahead`), not θ.
 
 This follows the authors' code (PanocularAI/torchft, torchft/heloco.py at 0b0bae4; the same
 mathematics in PanocularAI/panofabric-engine), as shared/docs/HELOCO.md records it: ρ is a
-constant setting (the paper suggests 1/√K for K concurrent workers; the code defaults to 1),
+constant (the paper suggests 1/√K for K concurrent workers; the code defaults to 1),
 β is computed as above (an older variant, rcloyd/torchft, differs), the cosine is not clamped,
 c = 0 blends, the blend mixes unit vectors and keeps ‖Δ‖, and the result takes Δ's dtype.
 The arithmetic is in fp32. docs/algorithm.md ("Asynchronous rounds") says where this framework
@@ -41,8 +42,6 @@ from torch import Tensor
 class HeLoCoConfig:
     """The correction's settings; defaults are the authors'."""
 
-    rho: float = 1.0
-    """Arrival weight ρ > 0 applied to every corrected Δ (the paper suggests 1/√K for K workers)."""
     c_ok: float = 0.2
     """Cosine with the momentum at or above which Δ passes unchanged."""
     k_s: float = 0.5
@@ -60,12 +59,10 @@ class HeLoCoConfig:
         def bad(name: str, expected: str) -> ValueError:
             return ValueError(f"heloco.{name}={getattr(self, name)!r}: expected {expected}")
 
-        for name in ("rho", "c_ok", "k_s", "k_d", "kappa", "beta_max", "eps"):
+        for name in ("c_ok", "k_s", "k_d", "kappa", "beta_max", "eps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise bad(name, "a finite number")
-        if self.rho <= 0:
-            raise bad("rho", "a weight > 0")
         if not -1.0 <= self.c_ok <= 1.0:
             raise bad("c_ok", "a cosine in [-1, 1]")
         for name in ("k_s", "k_d", "kappa"):
@@ -78,13 +75,13 @@ class HeLoCoConfig:
         return self
 
 
-def correct_tensor(delta: Tensor, momentum: Tensor | None, cfg: HeLoCoConfig) -> Tensor:
+def correct_tensor(delta: Tensor, momentum: Tensor | None, cfg: HeLoCoConfig, rho: float = 1.0) -> Tensor:
     """One tensor's corrected, weighted pseudo-gradient ρ·Δ̂ (module docstring), in Δ's dtype.
 
     No value is read on the host: the case is chosen with `torch.where`, so on a GPU this is a
     handful of kernels and no sync."""
     if momentum is None:
-        return (cfg.rho * delta).to(delta.dtype)
+        return (rho * delta).to(delta.dtype)
     if momentum.shape != delta.shape:
         raise ValueError(f"HeLoCo: momentum of shape {tuple(momentum.shape)} for a pseudo-gradient of shape "
                          f"{tuple(delta.shape)}")
@@ -102,14 +99,16 @@ def correct_tensor(delta: Tensor, momentum: Tensor | None, cfg: HeLoCoConfig) ->
     blended = torch.where(norm_mix > eps, norm_d * mixed / norm_mix.clamp(min=eps), d)  # Eq. 14
     keep = (norm_d < eps) | (norm_m < eps) | (cos >= cfg.c_ok)                           # Eq. 9
     out = torch.where(keep, d, torch.where(cos < 0.0, shrunk, blended))
-    return (cfg.rho * out).to(delta.dtype)
+    return (rho * out).to(delta.dtype)
 
 
-def correct(deltas: dict[str, Tensor], momentum: dict[str, Tensor] | None, cfg: HeLoCoConfig) -> dict[str, Tensor]:
+def correct(deltas: dict[str, Tensor], momentum: dict[str, Tensor] | None, cfg: HeLoCoConfig,
+            rho: float = 1.0) -> dict[str, Tensor]:
     """Every named tensor of one arrival corrected against the momentum of the same name (None,
-    or a name it lacks: the first arrival, ρΔ). Call it before the arrival's own outer step."""
+    or a name it lacks: the first arrival, ρΔ) and weighted by ρ. Call it before the arrival's
+    own outer step."""
     momentum = momentum or {}
-    return {name: correct_tensor(d, momentum.get(name), cfg) for name, d in deltas.items()}
+    return {name: correct_tensor(d, momentum.get(name), cfg, rho) for name, d in deltas.items()}
 
 
 @torch.no_grad()

@@ -40,6 +40,18 @@ def test_staleness_and_the_bound():
     assert server.version == 2 and torch.equal(server.params["w"], torch.full((2,), -2.0))
 
 
+def test_every_rule_weights_its_arrivals_by_rho():
+    """G = ρΔ for async DiLoCo (here with a plain average step: θ moves by −ηρΔ); HeLoCo's first
+    arrival (no momentum) likewise."""
+    server = AsyncServer({"w": torch.zeros(2)}, Average(lr=1.0), AsyncRule(False, False), AsyncConfig(weight=0.25))
+    server.push({"w": torch.tensor([4.0, -8.0])}, 0, 0, 1.0)
+    assert torch.equal(server.params["w"], torch.tensor([-1.0, 2.0]))
+    heloco = AsyncServer({"w": torch.zeros(1)}, MomentumLookAhead(lr=1.0, momentum=0.5), AsyncRule(True, True),
+                         AsyncConfig(weight=0.5))
+    heloco.push({"w": torch.tensor([2.0])}, 0, 0, 1.0)  # G = 1: m = 0.5, θ = −(1 + 0.25)
+    assert torch.equal(heloco.params["w"], torch.tensor([-1.25]))
+
+
 def test_look_ahead_pulls_need_the_look_ahead_step():
     with pytest.raises(ValueError, match="need the momentum look-ahead outer step"):
         AsyncServer({"w": torch.zeros(1)}, Nesterov(), AsyncRule(True, False), AsyncConfig())
@@ -54,6 +66,7 @@ def test_look_ahead_pulls_need_the_look_ahead_step():
     (dict(speeds=[1.0]), r"speeds=\[1.0\]: expected 2 values"),
     (dict(speeds=[1.0, 0.0]), "expected virtual seconds per step > 0"),
     (dict(max_staleness=-1), "max_staleness=-1: expected an integer >= 0"),
+    (dict(weight=0.0), "weight=0.0: expected a weight > 0"),
 ])
 def test_bad_async_settings_are_named(bad, message):
     with pytest.raises(ValueError, match=message):

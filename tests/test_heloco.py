@@ -13,7 +13,7 @@ import torch
 from lordo_fed.heloco import HeLoCoConfig, correct, correct_tensor, look_ahead
 from lordo_fed.outer import MomentumLookAhead, OuterConfig, build_outer_optimizer
 
-CFG = HeLoCoConfig()  # the authors' defaults: ρ 1, c_ok 0.2, k_s 0.5, k_d 1, κ 3, β_max 0.5, ε 1e-8
+CFG = HeLoCoConfig()  # the authors' defaults: c_ok 0.2, k_s 0.5, k_d 1, κ 3, β_max 0.5, ε 1e-8 (and ρ 1)
 
 
 def t(*values: float) -> torch.Tensor:
@@ -23,7 +23,7 @@ def t(*values: float) -> torch.Tensor:
 def test_aligned_passes_unchanged_and_rho_weights_it():
     # Δ = (3, 4), m = (6, 8): c = 1 >= c_ok
     assert torch.equal(correct_tensor(t(3, 4), t(6, 8), CFG), t(3, 4))
-    assert torch.equal(correct_tensor(t(3, 4), t(6, 8), HeLoCoConfig(rho=0.5)), t(1.5, 2))
+    assert torch.equal(correct_tensor(t(3, 4), t(6, 8), CFG, rho=0.5), t(1.5, 2))
     # exactly c_ok passes too: Δ = (0.2, sqrt(0.96)), m = (1, 0) gives c = 0.2
     d = t(0.2, math.sqrt(0.96))
     assert torch.equal(correct_tensor(d, t(1, 0), HeLoCoConfig(c_ok=float(d[0] / d.norm()))), d)
@@ -60,7 +60,7 @@ def test_weakly_aligned_is_blended_toward_the_momentum_keeping_its_norm():
 
 def test_first_arrival_and_degenerate_norms_keep_delta():
     d = t(1, -2, 3)
-    assert torch.equal(correct_tensor(d, None, HeLoCoConfig(rho=0.25)), d * 0.25)  # no momentum yet
+    assert torch.equal(correct_tensor(d, None, CFG, rho=0.25), d * 0.25)  # no momentum yet
     assert torch.equal(correct_tensor(d, torch.zeros(3), CFG), d)  # ‖m‖ < ε
     tiny = t(1e-10, 0, 0)
     assert torch.equal(correct_tensor(tiny, t(-1, 0, 0), CFG), tiny)  # ‖Δ‖ < ε, though anti-aligned
@@ -79,7 +79,7 @@ def test_dtype_shapes_and_names():
 
 
 @pytest.mark.parametrize("field,value,expected", [
-    ("rho", 0.0, "a weight > 0"), ("c_ok", 1.5, "a cosine in [-1, 1]"), ("k_s", -1.0, "a number >= 0"),
+    ("c_ok", 1.5, "a cosine in [-1, 1]"), ("k_s", -1.0, "a number >= 0"),
     ("beta_max", 2.0, "a number in [0, 1]"), ("eps", 0.0, "a number > 0"), ("kappa", float("nan"), "a finite number"),
 ])
 def test_bad_settings_are_named(field, value, expected):
@@ -115,7 +115,7 @@ def test_look_ahead_start_point():
 def test_one_arrival_corrects_against_the_momentum_before_its_own_step():
     """Arrival 1 (no momentum): G = ρΔ1. Arrival 2, anti-aligned with m: corrected against the m
     left by arrival 1, then stepped."""
-    opt, cfg = MomentumLookAhead(lr=1.0, momentum=0.5), HeLoCoConfig(rho=1.0)
+    opt, cfg = MomentumLookAhead(lr=1.0, momentum=0.5), HeLoCoConfig()
     theta = {"w": t(0.0, 0.0)}
     opt.step(theta, correct({"w": t(-1.0, 0.0)}, opt.momentum_buffers(), cfg))
     # m = 0.5·(-1, 0) = (-0.5, 0); θ = −(G + 0.5 m) = −((-1, 0) + (-0.25, 0)) = (1.25, 0)

@@ -83,7 +83,7 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         received_total += tensor_bytes(request.tensors())
         sent_total += max(tensor_bytes(g.tensors()) for g in gradients)
     tokens = 0
-    ctx.emit(_eval_record(ctx, model, settings, 0, 0, 0))
+    ctx.emit({**_eval_record(ctx, model, settings, 0, 0, 0), "virtual_time": 0.0})
     bar = _progress(ctx, num_rounds * K * cfg.workers, settings.name)
     for _ in range(num_rounds):
         state = aggregator.global_state()
@@ -157,9 +157,9 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         pending[w] = (update, version)
         clock.start(w, now, K * acfg.speed_of(w))
 
+    ctx.emit({**_eval_record(ctx, model, settings, 0, 0, 0), "virtual_time": 0.0})  # θ0, before any training
     for w in range(M):
         start(w, 0.0)
-    ctx.emit({**_eval_record(ctx, model, settings, 0, 0, 0), "virtual_time": 0.0})
     processed = tokens = 0
     window: list = []
     sent = received = tensor_bytes(params)  # Δ up, θ down: the model size each way per push
