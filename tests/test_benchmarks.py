@@ -242,3 +242,17 @@ def test_dataplane_throughput_quick(tmp_path):
         assert breakdown[key] >= 0, key
     assert variants["data plane"]["critical_path_s"] == breakdown["critical_path_s"]
     assert len(result["table"]) == 2 + len(variants)
+
+
+def test_async_rounds_quick(tmp_path):
+    """Structure of benchmarks/async_rounds.py --quick: every method trained on the same tokens,
+    the asynchronous ones on the same deterministic schedule (not their quality)."""
+    result = run_quick("async_rounds.py", tmp_path)
+    methods = result["summary"]["methods"]
+    assert set(methods) == {"diloco", "async_diloco", "async_lookahead", "heloco"}
+    assert len({m["final_tokens"] for m in methods.values()}) == 1
+    schedules = {json.dumps([m["staleness"], m["pushes_by_worker"]]) for k, m in methods.items() if k != "diloco"}
+    assert len(schedules) == 1
+    slow = methods["heloco"]["pushes_by_worker"]
+    assert slow[-1] < slow[0]  # the 4x slower worker pushes less often
+    assert (tmp_path / "async_rounds.png").exists()
