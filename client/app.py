@@ -24,7 +24,7 @@ from pathlib import Path
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from lordo_fed.flower import TICKET, UPLOAD_SHA256, explicit_keys, payload_bytes, payload_record
+from lordo_fed.flower import IDENTIFY, TICKET, UPLOAD_SHA256, explicit_keys, payload_bytes, payload_record
 from lordo_fed.node.channel import NODE_WORKER_KEY
 
 PRESETS = Path(__file__).resolve().parents[1] / "examples" / "flower"  # travels in the FAB
@@ -49,6 +49,10 @@ def query(msg: Message, context: Context) -> Message:
 def _handle(kind: str, msg: Message, context: Context) -> Message:
     started = time.perf_counter()
     config = msg.content.config_records.get("config")
+    if kind == "query" and config is not None and config.get(IDENTIFY):
+        # Which partition this node trains: the node config says, no model or data needed.
+        pid = int(context.node_config.get("partition-id", 0))
+        return Message(content=RecordDict({"metrics": MetricRecord({"partition-id": pid})}), reply_to=msg)
     ticket = bytes(config[TICKET]) if config is not None and TICKET in config else b""
     worker = str(context.node_config.get(NODE_WORKER_KEY, ""))
     if worker:

@@ -169,7 +169,7 @@ class Aggregator:
         if gradient.round != 0 or set(gradient.delta) != set(self.ranks) or gradient.tokens <= 0:
             return f"not a gradient reply for round 0 over the low-rank parameters (round {gradient.round})"
         for name, t in gradient.delta.items():
-            problem = _tensor_problem(f"grad/{name}", t, tuple(self.params[name].shape))
+            problem = tensor_problem(f"grad/{name}", t, tuple(self.params[name].shape))
             if problem:
                 return problem
         return None
@@ -230,15 +230,9 @@ class Aggregator:
         """Why `update` must not be applied, or None if it is well-formed."""
         if update.round != self.round:
             return f"reply is for round {update.round}, the server is at round {self.round}"
-        if not (isinstance(update.tokens, int) and update.tokens > 0):
-            return f"tokens={update.tokens!r}: expected a positive integer"
-        missing, extra = set(self.params) - set(update.delta), set(update.delta) - set(self.params)
-        if missing or extra:
-            return f"pseudo-gradient names differ: missing {sorted(missing)}, unexpected {sorted(extra)}"
-        for name, d in update.delta.items():
-            problem = _tensor_problem(f"delta/{name}", d, tuple(self.params[name].shape))
-            if problem:
-                return problem
+        problem = delta_problem(update, self.params)
+        if problem:
+            return problem
         for key, value in update.moments.items():
             try:
                 kind, name = split_moment_key(key)
@@ -248,7 +242,7 @@ class Aggregator:
             if kind not in due or name not in self.params:
                 return f"unexpected moment {key!r} (due this round for {name!r}: {list(due)})"
             shape = tuple(self.params[name].shape) if kind == "ef" else self.expected_moment_shape(name)
-            problem = _tensor_problem(key, value, shape)
+            problem = tensor_problem(key, value, shape)
             if problem:
                 return problem
         return None
@@ -515,7 +509,23 @@ def _refuse_outliers(norms: Sequence[float], reasons: list[str | None], factor: 
                           f"{median:.4g}")
 
 
-def _tensor_problem(label: str, t: Tensor, shape: tuple[int, ...]) -> str | None:
+def delta_problem(update: WorkerUpdate, params: dict[str, Tensor]) -> str | None:
+    """Why a reply's tokens and Δ are unusable against the global `params`, or None: positive
+    integer tokens, a finite floating Δ of every parameter in its shape, no other name."""
+    if isinstance(update.tokens, bool) or not isinstance(update.tokens, int) or update.tokens <= 0:
+        return f"tokens={update.tokens!r}: expected a positive integer"
+    missing, extra = set(params) - set(update.delta), set(update.delta) - set(params)
+    if missing or extra:
+        return f"pseudo-gradient names differ: missing {sorted(missing)}, unexpected {sorted(extra)}"
+    for name, d in update.delta.items():
+        problem = tensor_problem(f"delta/{name}", d, tuple(params[name].shape))
+        if problem:
+            return problem
+    return None
+
+
+def tensor_problem(label: str, t: Tensor, shape: tuple[int, ...]) -> str | None:
+    """Why `t` is not a finite floating tensor of `shape` (a reply screened on arrival), or None."""
     if not isinstance(t, Tensor):
         return f"{label}: expected a tensor, got {type(t).__name__}"
     if tuple(t.shape) != shape:

@@ -33,9 +33,9 @@ class AppConfig(CommonConfig):
     """Where metrics, plots, checkpoints and client state go (give an absolute path: Flower runs the
     app from an installed copy, in its own working directory)."""
     variant: str = "lordo_global"
-    """Method: lordo_global, lordo_local, diloco, local_adam or desloc."""
+    """Method: lordo_global, lordo_local, diloco, local_adam, desloc; asynchronous: async_diloco, async_lookahead, heloco."""
     num_rounds: int = 4
-    """Federated rounds (K local steps each)."""
+    """Federated rounds (K local steps each); asynchronous variants: the same tokens, num_rounds x nodes replies."""
     min_clients: int = 2
     """Replies needed to apply a round; fewer, and the round is skipped (θ unchanged)."""
     round_timeout: float = 600.0
@@ -58,8 +58,8 @@ class AppConfig(CommonConfig):
     """How payloads travel: inside Flower's messages, or over the gRPC data plane beside them."""
 
     def validate(self) -> "AppConfig":
-        if self.variant not in METHODS or METHODS[self.variant].loop != "rounds":
-            allowed = sorted(n for n, s in METHODS.items() if s.loop == "rounds")
+        if self.variant not in METHODS or METHODS[self.variant].loop not in ("rounds", "async"):
+            allowed = sorted(n for n, s in METHODS.items() if s.loop in ("rounds", "async"))
             raise ValueError(f"variant={self.variant!r}: expected one of {allowed}")
         for name in ("num_rounds", "min_clients", "checkpoint_keep"):
             if getattr(self, name) <= 0:
@@ -74,6 +74,9 @@ class AppConfig(CommonConfig):
         if self.client_state not in CLIENT_STATE_STORES:
             raise ValueError(f"client_state={self.client_state!r}: expected one of {CLIENT_STATE_STORES}")
         self.data_plane.validate()
+        if METHODS[self.variant].loop == "async" and self.data_plane.mode == "grpc":
+            raise ValueError(f"data_plane.mode='grpc' with the asynchronous variant {self.variant!r}: not built yet "
+                             "(asynchronous rounds travel inside Flower's messages); expected 'auto' or 'flower'")
         super().validate()
         return self
 
@@ -133,7 +136,14 @@ FLAT_KEYS: dict[str, str] = {
     "data-plane-stall-timeout": "data_plane.stall_timeout",
     "data-plane-memory-mb": "data_plane.memory_mb",
     "data-plane-max-uploads": "data_plane.max_uploads",
+    "async-order": "async_rounds.order",
+    "async-weight": "async_rounds.weight",
+    "async-max-staleness": "async_rounds.max_staleness",
+    "async-speeds": "async_rounds.speeds",
+    "async-local-steps": "async_rounds.local_steps",
 }
+LIST_KEYS: dict[str, type] = {"async-speeds": float, "async-local-steps": int}
+"""Flat keys of list fields, written as comma-separated numbers ('1,1,4'; '' = []), and their item type."""
 
 
 def _get(obj: Any, dotted: str) -> Any:
@@ -145,7 +155,20 @@ def _get(obj: Any, dotted: str) -> Any:
 def flat_defaults() -> dict[str, Any]:
     """The default of every flat key (what pyproject.toml's [tool.flwr.app.config] must hold)."""
     base = AppConfig()
-    return {"preset": "", **{k: _get(base, v) for k, v in FLAT_KEYS.items()}}
+    return {"preset": "", **{k: ("" if k in LIST_KEYS else _get(base, v)) for k, v in FLAT_KEYS.items()}}
+
+
+def _parse_list(key: str, value: str) -> list:
+    """'1, 1, 4' -> [1.0, 1.0, 4.0] (the item type of `LIST_KEYS[key]`); '' -> []."""
+    kind = LIST_KEYS[key]
+    items = [v.strip() for v in value.split(",")] if value.strip() else []
+    try:
+        out = [kind(float(v)) if kind is float else int(v) for v in items]
+    except ValueError:
+        what = "integers" if kind is int else "numbers"
+        raise ValueError(f"run-config key {key!r}={value!r}: expected comma-separated {what} like '1,1,4' "
+                         "(one per partition), or '' for the default") from None
+    return out
 
 
 def load_app_config(run_config: Mapping[str, Any], preset_dir: Path = PRESET_DIR,
@@ -175,7 +198,7 @@ def load_app_config(run_config: Mapping[str, Any], preset_dir: Path = PRESET_DIR
             raise ValueError(f"run-config key {key!r}={value!r}: expected {kind} like the default {default!r}")
         if value == default and key not in explicit:
             continue
-        overrides[FLAT_KEYS[key]] = value
+        overrides[FLAT_KEYS[key]] = _parse_list(key, value) if key in LIST_KEYS else value
     cfg = compose_app_config(str(run_config.get("preset", "")), overrides, preset_dir)
     try:
         return cfg.validate()
@@ -215,6 +238,8 @@ def compose_app_config(preset: str, overrides: Mapping[str, Any], preset_dir: Pa
 def _hydra_value(value: Any) -> str:
     if isinstance(value, str):
         return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if isinstance(value, list):
+        return "[" + ",".join(_hydra_value(v) for v in value) + "]"
     return str(value).lower() if isinstance(value, bool) else repr(value)
 
 

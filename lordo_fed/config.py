@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from lordo_fed.async_rounds import AsyncConfig
 from lordo_fed.data import DataConfig
 from lordo_fed.device import DEVICE_CHOICES
 from lordo_fed.model import ModelConfig, resolve_model_config
@@ -43,6 +44,8 @@ class CommonConfig:
     """Outer optimizer of the round-based methods (LoRDO, Local Adam, DES-LOC)."""
     diloco_outer: OuterConfig = field(default_factory=lambda: OuterConfig(name="nesterov", lr=0.7, momentum=0.9))
     """Outer optimizer of DiLoCo (Nesterov, lr 0.7, momentum 0.9 as in the DiLoCo paper)."""
+    async_rounds: AsyncConfig = field(default_factory=AsyncConfig)
+    """Asynchronous methods: worker speeds and local steps, staleness bound, reply order, HeLoCo's settings."""
 
     def validate(self) -> "CommonConfig":
         """Raise ValueError naming the key, the value and what is allowed."""
@@ -58,6 +61,7 @@ class CommonConfig:
         self.data.validate()
         self.inner.validate()
         self.rounds.validate()
+        self.async_rounds.validate()
         model = resolve_model_config(self.model)
         if model.hf_config_path is None and self.data.seq_len > model.max_seq_len:
             raise ValueError(f"DataConfig.seq_len={self.data.seq_len!r}: expected an int <= the model's max_seq_len="

@@ -20,6 +20,9 @@ UPLOAD_SHA256 = "sha256"
 """Key, in a reply's "upload" ConfigRecord, of the sha256 of what the node put on the data plane."""
 EXPLICIT_KEYS = "explicit-keys"
 """ConfigRecord key of every server message: the run-config keys the user set, comma-separated."""
+IDENTIFY = "identify"
+"""ConfigRecord key of a query message that asks a node only for its partition id (asynchronous
+rounds map partitions to nodes before the first round); the reply's metrics carry `partition-id`."""
 _NUMPY_STYPE = Array(np.zeros(0, dtype=np.uint8)).stype  # how flwr tags np.save-serialized arrays
 
 

@@ -120,6 +120,14 @@ def make_worker(worker_id: int, model: nn.Module, settings: MethodSettings, shar
                   batch_size, seq_len, data_seed=seed)
 
 
+def with_local_steps(settings: MethodSettings, local_steps: int) -> MethodSettings:
+    """`settings` for a worker that runs `local_steps` steps per round (asynchronous methods:
+    `AsyncConfig.local_steps`, or a node's own `local-steps`)."""
+    if local_steps == settings.rounds.local_steps:
+        return settings
+    return dataclasses.replace(settings, rounds=dataclasses.replace(settings.rounds, local_steps=local_steps).validate())
+
+
 def make_aggregator(model: nn.Module, settings: MethodSettings, ranks: dict[str, int], seed: int,
                     outlier_factor: float = 0.0) -> Aggregator:
     """The server side for `settings`: owns projections only under LoRDO-Global."""

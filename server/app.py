@@ -9,6 +9,8 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from lordo_fed.appconfig import load_app_config
+from lordo_fed.methods import METHODS
+from server.async_strategy import AsyncLoRDOStrategy
 from server.strategy import LoRDOStrategy
 
 PRESETS = Path(__file__).resolve().parents[1] / "examples" / "flower"  # travels in the FAB
@@ -34,7 +36,8 @@ def main(grid: Grid, context: Context) -> None:
         import torch
 
         torch.set_num_threads(cfg.threads)
-    strategy = LoRDOStrategy(cfg, explicit)
+    cls = AsyncLoRDOStrategy if METHODS[cfg.variant].loop == "async" else LoRDOStrategy
+    strategy = cls(cfg, explicit)
     strategy.start(grid)
     print(f"lordo-fed: metrics {strategy.out_dir / 'server.jsonl'}, plots {strategy.out_dir / 'val_loss.png'} and "
           f"{strategy.out_dir / 'bytes.png'}, checkpoints {strategy.checkpoint_dir}", flush=True)

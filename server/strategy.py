@@ -235,12 +235,7 @@ class LoRDOStrategy(Strategy):
         if self.aggregator.round == 1:
             self._record({"round": 0, "step": 0, "tokens": 0, **self._evaluate(),
                           "elapsed_seconds": time.perf_counter() - self._started})
-        # The checkpoint's history is the truth: records a crashed run wrote after it are dropped.
-        (self.out_dir / "server.jsonl").unlink(missing_ok=True)
-        writer = MetricsWriter(self.out_dir, "server", tensorboard=self.cfg.tensorboard)
-        for rec in self.history:
-            writer.write(rec)
-        self._writer = writer
+        writer = self._open_writer()
         try:
             if self.aggregator.needs_gradient_init:
                 self._init_projections(grid, timeout)
@@ -273,6 +268,16 @@ class LoRDOStrategy(Strategy):
         log.info("Finished: metrics %s, plots %s, checkpoints %s", self.out_dir / "server.jsonl",
                  self.out_dir / "val_loss.png", self.checkpoint_dir)
         return result
+
+    def _open_writer(self) -> MetricsWriter:
+        """server.jsonl (and TensorBoard) rewritten from the history: the checkpoint's history is
+        the truth, records a crashed run wrote after it are dropped."""
+        (self.out_dir / "server.jsonl").unlink(missing_ok=True)
+        writer = MetricsWriter(self.out_dir, "server", tensorboard=self.cfg.tensorboard)
+        for rec in self.history:
+            writer.write(rec)
+        self._writer = writer
+        return writer
 
     def _finish_round(self, r: int, metrics: MetricRecord | None, seconds: float, aggregation_seconds: float,
                       num_rounds: int) -> None:
@@ -508,10 +513,11 @@ class LoRDOStrategy(Strategy):
         if getattr(self, "_writer", None) is not None:
             self._writer.write(record)
 
-    def _checkpoint(self, r: int) -> None:
+    def _checkpoint(self, r: int, extra: dict | None = None) -> None:
+        """An atomic checkpoint after round `r` (`extra`: more metadata, e.g. the asynchronous schedule)."""
         tensors = {**self.aggregator.state_dict(), **rng_state()}
         meta = {"model_id": self.model_id, "variant": self.cfg.variant, "round": r, "tokens": self.tokens,
-                "cum_bytes": self.cum_bytes, "config": as_dict(self.cfg), "history": self.history}
+                "cum_bytes": self.cum_bytes, "config": as_dict(self.cfg), "history": self.history, **(extra or {})}
         save_checkpoint(self.checkpoint_dir, r, tensors, meta, keep=self.cfg.checkpoint_keep)
 
     def resume(self, path: str) -> None:
@@ -533,6 +539,7 @@ class LoRDOStrategy(Strategy):
         self.aggregator.load_state_dict({k: v for k, v in tensors.items() if not k.startswith("rng/")})
         set_rng_state(tensors)
         self.tokens, self.cum_bytes, self.history = meta["tokens"], meta["cum_bytes"], list(meta["history"])
+        self.resumed_meta = meta
         log.info("resumed from %s at round %d", source, self.aggregator.round)
         saved_rounds = meta.get("config", {}).get("num_rounds")
         if saved_rounds != self.cfg.num_rounds:

@@ -67,6 +67,9 @@ def test_look_ahead_pulls_need_the_look_ahead_step():
     (dict(speeds=[1.0, 0.0]), "expected virtual seconds per step > 0"),
     (dict(max_staleness=-1), "max_staleness=-1: expected an integer >= 0"),
     (dict(weight=0.0), "weight=0.0: expected a weight > 0"),
+    (dict(local_steps=[4]), r"local_steps=\[4\]: expected 2 values"),
+    (dict(local_steps=[4, 0]), "expected integers > 0"),
+    (dict(order="lifo"), "order='lifo': expected one of"),
 ])
 def test_bad_async_settings_are_named(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -126,3 +129,44 @@ def test_heloco_learns_and_is_reproducible(tmp_path):
     lookahead = resolve_method("async_lookahead", cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
     plain = dict(run_async(context(cfg, []), lookahead).named_parameters())
     assert any(not torch.equal(plain[n], theta[n]) for n in theta)
+
+
+def test_per_worker_local_steps_on_the_virtual_clock(tmp_path):
+    """GradSkip's per-node work: worker 1 runs 1 step per round where worker 0 runs 2, both at
+    speed 1, so worker 1 pushes twice as often with half the tokens; the budget is tokens
+    (2 workers x 4 steps), 4 + 2 pushes: worker 0 at t = 2, 4; worker 1 at t = 1, 2, 3, 4, so the
+    records (every 2 pushes) see [w1, w0], [w1, w1], [w0, w1]."""
+    cfg = tiny_config(tmp_path, workers=2, total_steps=4, rounds=RoundConfig(local_steps=2),
+                      async_rounds=AsyncConfig(local_steps=[2, 1]))
+    records: list = []
+    run_async(context(cfg, records), resolve_method("async_diloco", cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer))
+    pushes = [r for r in records if r.get("pushes")]
+    assert [r["pushes_by_worker"] for r in pushes] == [[1, 1], [0, 2], [1, 1]]
+    assert [r["virtual_time"] for r in pushes] == [2.0, 3.0, 4.0]
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    assert pushes[-1]["tokens"] == 8 * tokens and pushes[-1]["step"] == 4
+
+
+def test_node_settings_for_asynchronous_rounds_are_checked(tmp_path):
+    """A node's `slowdown` and `local-steps` (node config) are checked with a message naming them;
+    nodes may run their own local steps only in an asynchronous run; the gRPC data plane does not
+    carry asynchronous rounds yet."""
+    from lordo_fed.appconfig import load_app_config
+    from lordo_fed.node.runtime import Job, runtime_for
+
+    for value in (0.5, "fast", True):
+        with pytest.raises(ValueError, match=f"node config slowdown={value!r}: expected a number >= 1"):
+            Job("train", 1, {}, (), {"slowdown": value}).slowdown
+    assert Job("train", 1, {}, (), {"slowdown": 3}).slowdown == 3.0
+    base = {"model-preset": "tiny", "output-dir": str(tmp_path), "seq-len": 16}
+    sync = Job("train", 7, base, (), {"local-steps": 4})
+    with pytest.raises(ValueError, match="node config local-steps=4: nodes may run their own number of local steps "
+                                         "only with an asynchronous variant"):
+        sync.local_steps(runtime_for(sync))
+    run = {**base, "variant": "heloco", "async-local-steps": "5,6"}
+    assert Job("train", 8, run, (), {"partition-id": 1}).local_steps(runtime_for(Job("train", 8, run, (), {}))) == 6
+    assert Job("train", 8, run, (), {"local-steps": 2}).local_steps(runtime_for(Job("train", 8, run, (), {}))) == 2
+    with pytest.raises(ValueError, match=r"no entry for partition 2"):
+        Job("train", 8, run, (), {"partition-id": 2}).local_steps(runtime_for(Job("train", 8, run, (), {})))
+    with pytest.raises(ValueError, match="data_plane.mode='grpc' with the asynchronous variant 'heloco': not built yet"):
+        load_app_config({"variant": "heloco", "data-plane": "grpc", "data-plane-insecure": True})

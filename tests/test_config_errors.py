@@ -21,7 +21,7 @@ import yaml
 from lordo_fed.appconfig import FLAT_KEYS, PRESET_DIR, load_app_config
 from tests.test_appconfig import pyproject_config
 
-VARIANTS = "['desloc', 'diloco', 'local_adam', 'lordo_global', 'lordo_local']"
+VARIANTS = "['async_diloco', 'async_lookahead', 'desloc', 'diloco', 'heloco', 'local_adam', 'lordo_global', 'lordo_local']"
 MODEL_PRESETS = "tiny, small, 16m, 125m, 360m, 720m, custom"
 OUTLIER = "expected 0 (off) or a finite number >= 1 (a multiple of the round's median pseudo-gradient norm)"
 
@@ -94,6 +94,18 @@ RUN_CONFIG_CASES = [
     ("data-plane-memory-mb", -1, "run-config key 'data-plane-memory-mb': data_plane.memory_mb=-1: expected MB >= 0"),
     ("data-plane-max-uploads", 0, "run-config key 'data-plane-max-uploads': data_plane.max_uploads=0: expected an "
      "integer >= 1"),
+    ("async-order", "fifo", "run-config key 'async-order': async_rounds.order='fifo': expected one of ('arrival', 'virtual')"),
+    ("async-weight", 0.0, "run-config key 'async-weight': async_rounds.weight=0.0: expected a weight > 0"),
+    ("async-max-staleness", -1, "run-config key 'async-max-staleness': async_rounds.max_staleness=-1: expected an "
+                                "integer >= 0 (0 = no bound)"),
+    ("async-speeds", "1,x", "run-config key 'async-speeds'='1,x': expected comma-separated numbers like '1,1,4' (one "
+                            "per partition), or '' for the default"),
+    ("async-speeds", "1,0", "run-config key 'async-speeds': async_rounds.speeds=[1.0, 0.0]: expected virtual seconds "
+                            "per step > 0"),
+    ("async-local-steps", "4,2.5", "run-config key 'async-local-steps'='4,2.5': expected comma-separated integers "
+                                   "like '1,1,4' (one per partition), or '' for the default"),
+    ("async-local-steps", "4,0", "run-config key 'async-local-steps': async_rounds.local_steps=[4, 0]: expected "
+                                 "integers > 0 (local steps per round of each worker)"),
 ]
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import pickle
 import sys
@@ -29,7 +30,7 @@ from lordo_fed.appconfig import PRESET_DIR, AppConfig, load_app_config
 from lordo_fed.codec import decode_global_state, encode_update, model_id
 from lordo_fed.data import TokenShard, load_dataset
 from lordo_fed.device import pick_device
-from lordo_fed.methods import MethodSettings, lowrank_ranks, make_worker, resolve_method
+from lordo_fed.methods import MethodSettings, lowrank_ranks, make_worker, resolve_method, with_local_steps
 from lordo_fed.model import build_model, lowrank_parameter_names
 from lordo_fed.node.store import DiskStore, StateStore
 from lordo_fed.tokenizer import load_tokenizer
@@ -59,6 +60,41 @@ class Job:
     def partition(self) -> tuple[int, int]:
         return int(self.node_config.get("partition-id", 0)), int(self.node_config.get("num-partitions", 1))
 
+    @property
+    def slowdown(self) -> float:
+        """Node config `slowdown` (default 1): this node sleeps after its local steps until a round
+        has taken `slowdown` times as long as they did: a really slow node, for tests and demos."""
+        value = self.node_config.get("slowdown", 1.0)
+        try:
+            factor = float(value)
+        except (TypeError, ValueError):
+            factor = math.nan
+        if isinstance(value, bool) or not (math.isfinite(factor) and factor >= 1.0):
+            raise ValueError(f"node config slowdown={value!r}: expected a number >= 1 (how many times slower this "
+                             "node's rounds are than its local steps)")
+        return factor
+
+    def local_steps(self, rt: "Runtime") -> int:
+        """This node's local steps per round: node config `local-steps`, else the run's
+        `async_rounds.local_steps[partition]`, else K. Only asynchronous methods let nodes differ."""
+        pid, _ = self.partition
+        default = rt.settings.rounds.local_steps
+        value = self.node_config.get("local-steps")
+        if value is None:
+            per_worker = rt.cfg.async_rounds.local_steps
+            if rt.settings.loop != "async" or not per_worker:
+                return default
+            if pid >= len(per_worker):
+                raise ValueError(f"async_rounds.local_steps={list(per_worker)!r} has no entry for partition {pid}: "
+                                 "expected one value per partition")
+            return int(per_worker[pid])
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"node config local-steps={value!r}: expected an integer > 0")
+        if rt.settings.loop != "async" and value != default:
+            raise ValueError(f"node config local-steps={value}: nodes may run their own number of local steps only "
+                             f"with an asynchronous variant (this run's {rt.cfg.variant!r} has K={default} for all)")
+        return value
+
 
 @dataclass
 class Runtime:
@@ -83,9 +119,10 @@ class Runtime:
                 self.shards[partition_id] = load_dataset(data, num_partitions).train_shards[partition_id]
         return self.shards[partition_id]
 
-    def new_worker(self, partition_id: int, shard: TokenShard) -> Worker:
+    def new_worker(self, partition_id: int, shard: TokenShard, local_steps: int | None = None) -> Worker:
         data = self.cfg.data
-        return make_worker(partition_id, self.model, self.settings, shard, self.lowrank, self.cfg.total_steps,
+        settings = with_local_steps(self.settings, local_steps or self.settings.rounds.local_steps)
+        return make_worker(partition_id, self.model, settings, shard, self.lowrank, self.cfg.total_steps,
                            data.batch_size, data.seq_len, seed=data.seed)
 
 
@@ -236,7 +273,8 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
         return encode_update(worker.gradient(state, names), rt.model_id, rt.cfg.payload_dtype), {}
     if job.kind != TRAIN:
         raise ValueError(f"job kind {job.kind!r}: expected {TRAIN!r} or {QUERY!r}")
-    worker, state_source = worker_for_round(rt, store, pid, shard, state.round)
+    worker, state_source = worker_for_round(rt, store, pid, shard, state.round, job.local_steps(rt))
+    slowdown = job.slowdown
     setup_seconds = time.perf_counter() - started
 
     bar = None
@@ -249,6 +287,8 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
     train_seconds = time.perf_counter() - train_started
     if bar:
         bar.close()
+    if slowdown > 1.0:
+        time.sleep((slowdown - 1.0) * train_seconds)
     tensors, meta = worker.flat_state()
     meta = {**meta, "model_id": rt.model_id, "variant": rt.cfg.variant}
     if save_in_background:
@@ -267,6 +307,7 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
         "setup-seconds": setup_seconds, "train-seconds": train_seconds,
         "codec-seconds": decode_seconds + encode_seconds, "download-seconds": decode_started - download_started,
         "fresh-state": int(state_source == "fresh" and state.round > 1),
+        "local-steps": worker.rounds.local_steps, "slowdown": slowdown,
     }
     return sent, metrics
 
@@ -278,14 +319,15 @@ def wait_for_saves() -> None:
 
 
 def worker_for_round(rt: Runtime, store: StateStore, pid: int, shard: TokenShard,
-                      round_idx: int) -> tuple[Worker, str]:
+                      round_idx: int, local_steps: int | None = None) -> tuple[Worker, str]:
     """This partition's worker with its state as of the end of round `round_idx - 1`, and where
     that state came from: 'memory' if this process trained the previous round of the partition,
     else 'store', else 'fresh' (first round, or state lost: positioned at the round's data cursor).
     """
-    if rt.last_round.get(pid) == round_idx - 1 and pid in rt.workers:
+    steps = local_steps or rt.settings.rounds.local_steps
+    if rt.last_round.get(pid) == round_idx - 1 and pid in rt.workers and rt.workers[pid].rounds.local_steps == steps:
         return rt.workers[pid], "memory"
-    worker = rt.new_worker(pid, shard)
+    worker = rt.new_worker(pid, shard, steps)
     saved = store.load(round_idx - 1)  # not the newest: after a server crash it may be round_idx's
     if saved is not None and saved[1].get("round") == round_idx - 1 and saved[1].get("model_id") == rt.model_id \
             and saved[1].get("variant") == rt.cfg.variant:
@@ -297,6 +339,6 @@ def worker_for_round(rt: Runtime, store: StateStore, pid: int, shard: TokenShard
             have = None if saved is None else saved[1].get("round")
             log.warning("partition %d: no worker state for round %d (store has %s); starting it afresh",
                         pid, round_idx - 1, have)
-        worker.cursor = (round_idx - 1) * rt.settings.rounds.local_steps
+        worker.cursor = (round_idx - 1) * steps
     rt.workers[pid] = worker
     return worker, source

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List
 
-from lordo_fed.async_rounds import AsyncConfig
 from lordo_fed.config import CommonConfig
 from lordo_fed.methods import METHODS
 
@@ -23,8 +22,6 @@ class TrainConfig(CommonConfig):
     """Optimizer steps per worker; every method trains on the same M × batch_size × seq_len × total_steps tokens."""
     progress: bool = True
     """Show a progress bar."""
-    async_rounds: AsyncConfig = field(default_factory=AsyncConfig)
-    """Asynchronous methods: worker speeds on the virtual clock, staleness bound, HeLoCo's settings."""
     diagnostics: bool = False
     """Log the stable rank of each round's averaged pseudo-gradient and its share in the shared subspace,
     and the workers' out-of-subspace share of the update and error-feedback norm (lordo_fed.rounds.DIAGNOSTIC_METRICS)."""

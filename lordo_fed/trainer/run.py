@@ -16,10 +16,10 @@ from torch import nn
 from tqdm import tqdm
 
 from lordo_fed.aggregator import fit_projections, initial_projections
-from lordo_fed.async_rounds import AsyncServer, VirtualClock
+from lordo_fed.async_rounds import AsyncServer, VirtualClock, async_record
 from lordo_fed.data import Dataset
 from lordo_fed.evaluation import evaluate
-from lordo_fed.methods import MethodSettings, lowrank_ranks, make_aggregator, make_worker
+from lordo_fed.methods import MethodSettings, lowrank_ranks, make_aggregator, make_worker, with_local_steps
 from lordo_fed.metrics import optimizer_state_bytes, tensor_bytes
 from lordo_fed.model import build_model, lowrank_parameter_names
 from lordo_fed.outer import build_outer_optimizer
@@ -125,11 +125,14 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
 
 def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     """Asynchronous methods on the virtual clock (lordo_fed.async_rounds): each worker pulls the
-    server's model, trains K steps, and its Δ is applied on arrival, one outer step, in (virtual
-    time, worker id) order; the worker then pulls again. The budget is the synchronous methods'
-    tokens: M x total_steps / K pushes (a fast worker makes more of them than a slow one).
+    server's model, trains its local steps, and its Δ is applied on arrival, one outer step, in
+    (virtual time, worker id) order; the worker then pulls again. Worker w runs
+    `async_rounds.local_steps[w]` steps per round (default K) at `speeds[w]` virtual seconds each.
+    The budget is the synchronous methods' tokens: a worker is sent another round while the
+    tokens applied and in flight plus that round's stay within M x total_steps x batch x seq_len
+    (a fast worker makes more rounds than a slow one).
 
-    A worker's K steps depend only on what it pulled and its own state, so they are computed when
+    A worker's steps depend only on what it pulled and its own state, so they are computed when
     it pulls and its Δ is held until its arrival time: deterministic whatever the machine.
     A record every M pushes ("round" = pushes / M): tokens, virtual time, the staleness of the
     pushes since the last record, replies dropped past `async_rounds.max_staleness`."""
@@ -139,23 +142,30 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         raise ValueError(f"method {settings.name!r}: asynchronous rounds take a full-rank inner optimizer "
                          "(async LoRDO is not built yet)")
     K, M = settings.rounds.local_steps, cfg.workers
-    workers = [make_worker(m, model, settings, ctx.dataset.train_shards[m], lowrank, cfg.total_steps,
-                           data.batch_size, data.seq_len, seed=data.seed) for m in range(M)]
+    steps = [acfg.local_steps_of(w, K) for w in range(M)]
+    workers = [make_worker(w, model, with_local_steps(settings, steps[w]), ctx.dataset.train_shards[w], lowrank,
+                           cfg.total_steps, data.batch_size, data.seq_len, seed=data.seed) for w in range(M)]
     with torch.no_grad():
         params = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
     server = AsyncServer(params, build_outer_optimizer(settings.outer), settings.async_rule, acfg)
-    budget = M * (cfg.total_steps // K)
+    step_tokens = data.batch_size * data.seq_len
+    budget = M * cfg.total_steps * step_tokens
     clock, pending, rounds_of = VirtualClock(), {}, [0] * M
-    bar = _progress(ctx, budget * K, settings.name)
+    committed = 0  # tokens applied or in flight
+    bar = _progress(ctx, M * cfg.total_steps, settings.name)
 
     def start(w: int, now: float) -> None:
+        nonlocal committed
+        if committed + steps[w] * step_tokens > budget:
+            return
+        committed += steps[w] * step_tokens
         theta, version = server.pull()
         rounds_of[w] += 1
         r = rounds_of[w]  # the worker's own round: its schedule position and step count
-        update = workers[w].train_round(GlobalState(round=r, params=theta, opt_step=(r - 1) * K),
+        update = workers[w].train_round(GlobalState(round=r, params=theta, opt_step=(r - 1) * steps[w]),
                                         progress=lambda i, loss: bar.update(1))
         pending[w] = (update, version)
-        clock.start(w, now, K * acfg.speed_of(w))
+        clock.start(w, now, acfg.seconds(w, K))
 
     ctx.emit({**_eval_record(ctx, model, settings, 0, 0, 0), "virtual_time": 0.0})  # θ0, before any training
     for w in range(M):
@@ -163,38 +173,30 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     processed = tokens = 0
     window: list = []
     sent = received = tensor_bytes(params)  # Δ up, θ down: the model size each way per push
-    while processed < budget:
+    while pending:
         t, w = clock.next()
         update, version = pending.pop(w)
         arrival = server.push(update.delta, version, w, t)
         processed += 1
         tokens += update.tokens
         window.append((arrival, update.metrics.get("train_loss")))
-        if processed + len(pending) < budget:
-            start(w, t)
-        if processed % M and processed < budget:
+        start(w, t)
+        if processed % M and pending:
             continue
         r = -(-processed // M)
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p.copy_(server.params[n])
-        staleness = [a.staleness for a, _ in window]
-        losses = [loss for a, loss in window if loss is not None]
-        record = {
-            "method": settings.name, "round": r, "step": processed * K // M, "tokens": tokens,
-            "train_loss": sum(losses) / len(losses) if losses else None, "virtual_time": t, "pushes": processed,
-            "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
-            "staleness": {str(s): staleness.count(s) for s in sorted(set(staleness))},
-            "pushes_by_worker": [sum(a.worker == m for a, _ in window) for m in range(M)],
-            "dropped": sum(not a.applied for a, _ in window), "outer_steps": server.version,
-            "bytes_sent_per_worker": sent, "bytes_received_per_worker": received,
-            "bytes_sent_per_worker_per_step": sent / K, "bytes_received_per_worker_per_step": received / K,
-            "cum_bytes_sent_per_worker": processed * sent / M, "cum_bytes_received_per_worker": processed * received / M,
-            "opt_state_bytes": optimizer_state_bytes(workers[0].optimizer),
-        }
+        record = {"method": settings.name, **async_record(window, M, r, tokens, tokens // (M * step_tokens), t,
+                                                           processed, server.version),
+                  "bytes_sent_per_worker": sent, "bytes_received_per_worker": received,
+                  "bytes_sent_per_worker_per_step": sent / K, "bytes_received_per_worker_per_step": received / K,
+                  "cum_bytes_sent_per_worker": processed * sent / M,
+                  "cum_bytes_received_per_worker": processed * received / M,
+                  "opt_state_bytes": optimizer_state_bytes(workers[0].optimizer)}
         window = []
-        if r % cfg.eval_every == 0 or processed >= budget:
-            record.update(_eval_record(ctx, model, settings, r, processed * K // M, tokens))
+        if r % cfg.eval_every == 0 or not pending:
+            record.update(_eval_record(ctx, model, settings, r, record["step"], tokens))
         ctx.emit(record)
     bar.close()
     return model

@@ -1,0 +1,282 @@
+"""Asynchronous rounds over Flower (async DiLoCo, momentum look-ahead, HeLoCo): a node gets its
+next round as soon as its reply is applied, nobody waits for the slowest.
+
+The server side of `lordo_fed.async_rounds` (docs/algorithm.md, "Asynchronous rounds") driven by
+Flower's push/pull messages:
+
+1. Every connected node is asked for its partition id (a query message that needs no model), so
+   the schedule is kept per partition, as the reference trainer keeps it per worker.
+2. Each partition is sent its own round: θ (θ̄ = θ − ημm with look-ahead), its own round number
+   and step count. Its reply is decoded and screened on arrival (schema, model identity, the
+   partition and round it was sent, names, shapes, finiteness; bad replies are dropped with a log
+   line naming the node), then applied with one outer step (`AsyncServer.push`: staleness =
+   outer steps since that node's pull; dropped past `async_rounds.max_staleness`); the node is
+   sent its next round at once.
+3. Replies are applied as they arrive (`async-order='arrival'`) or in the virtual clock's order
+   (`'virtual'`: each partition takes local_steps x speeds[p] virtual seconds per round, exactly the
+   schedule of the reference trainer's `run_async`, whatever the real timing; a test holds the
+   two equal).
+4. The budget is the synchronous run's tokens (num_rounds x nodes x K x batch x seq_len); a record,
+   an evaluation (every eval_every records) and a checkpoint every `nodes` replies.
+
+A node whose message fails (error reply, or no reply within round_timeout) is sent the same round
+again, twice at most, then left out. A resumed run continues from the checkpoint's θ, outer
+momentum and per-partition rounds; work in flight when the server stopped is redone from the
+resumed θ (consistent, not the same schedule as an uninterrupted run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy.result import Result
+
+from lordo_fed.appconfig import AppConfig
+from lordo_fed.async_rounds import Arrival, AsyncServer, VirtualClock, async_record
+from lordo_fed.codec import PayloadError, decode_update, encode_global_state
+from lordo_fed.flower import EXPLICIT_KEYS, IDENTIFY, payload_bytes
+from lordo_fed.metrics import peak_rss_bytes
+from lordo_fed.rounds import GlobalState
+from server.strategy import LoRDOStrategy, _array
+
+log = logging.getLogger("lordo_fed.server")
+MAX_FAILURES = 3
+"""A partition whose message fails this many times in a row is left out of the run."""
+
+
+@dataclass
+class InFlight:
+    """A round sent to a node and not answered yet."""
+
+    node: int
+    round: int
+    version: int
+    """The server's version (outer steps applied) when the node pulled."""
+    tokens: int
+    """Tokens this round commits of the budget."""
+    sent: float
+    """time.monotonic() when it was pushed (the reply deadline counts from it)."""
+
+
+class AsyncLoRDOStrategy(LoRDOStrategy):
+    """Server side of an asynchronous variant (async_diloco, async_lookahead, heloco) over Flower."""
+
+    def __init__(self, cfg: AppConfig, explicit_keys: Iterable[str] = ()):
+        self.resumed_meta: dict = {}
+        super().__init__(cfg, explicit_keys)
+        # θ and the outer optimizer are the aggregator's: its checkpoint format and evaluation serve as they are.
+        self.server = AsyncServer(self.aggregator.params, self.aggregator.outer, self.settings.async_rule,
+                                  cfg.async_rounds)
+        saved = self.resumed_meta.get("async", {})
+        self.server.version = int(saved.get("version", 0))
+        self.pushes = int(saved.get("pushes", 0))
+        self.rounds: dict[int, int] = {int(k): int(v) for k, v in saved.get("rounds", {}).items()}
+        """Partition -> its last round answered."""
+        self.opt_steps: dict[int, int] = {int(k): int(v) for k, v in saved.get("opt_steps", {}).items()}
+        """Partition -> its optimizer step count after that round (what its next message carries)."""
+        self.virtual_time = float(saved.get("virtual_time", 0.0))
+
+    # ----------------------------------------------------------------------------- the loop
+    def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
+              timeout: float | None = None, train_config: ConfigRecord | None = None,
+              evaluate_config: ConfigRecord | None = None, evaluate_fn=None) -> Result:
+        num_rounds = num_rounds or self.cfg.num_rounds
+        timeout = timeout or self.cfg.round_timeout
+        log.info("Starting asynchronous LoRDO strategy (%s order):", self.cfg.async_rounds.order)
+        self.summary()
+        self._started = time.perf_counter()
+        if self.pushes == 0 and not self.history:
+            self._record({"round": 0, "step": 0, "tokens": 0, "pushes": 0, "virtual_time": 0.0, **self._evaluate(),
+                          "elapsed_seconds": 0.0})
+        writer = self._open_writer()
+        self._wait_for_nodes(grid, timeout)
+        nodes = self._identify(grid, timeout)
+        self._run(grid, nodes, num_rounds, timeout)
+        writer.close()
+        self._plot()
+        result = Result()
+        result.arrays = ArrayRecord({n: _array(p) for n, p in self.aggregator.params.items()})
+        log.info("Finished: metrics %s, plots %s, checkpoints %s", self.out_dir / "server.jsonl",
+                 self.out_dir / "val_loss.png", self.checkpoint_dir)
+        return result
+
+    def _identify(self, grid: Grid, timeout: float) -> dict[int, int]:
+        """Partition id -> node id of every connected node (a second node with a partition
+        already taken is left out, with a warning)."""
+        config = ConfigRecord({IDENTIFY: 1, EXPLICIT_KEYS: self.explicit_keys})
+        messages = [Message(content=RecordDict({"config": config}), dst_node_id=n, message_type=MessageType.QUERY)
+                    for n in sorted(grid.get_node_ids())]
+        nodes: dict[int, int] = {}
+        for msg in sorted(self._receive(grid, self._push(grid, messages), timeout, 0),
+                          key=lambda m: m.metadata.src_node_id):
+            node = msg.metadata.src_node_id
+            if msg.has_error():
+                log.warning("node %d did not say which partition it trains (%s); left out", node, msg.error.reason)
+                continue
+            pid = int(msg.content["metrics"]["partition-id"])
+            if pid in nodes:
+                log.warning("node %d also trains partition %d (node %d has it); left out", node, pid, nodes[pid])
+                continue
+            nodes[pid] = node
+        if len(nodes) < self.cfg.min_clients:
+            raise RuntimeError(f"{len(nodes)} nodes with distinct partitions < min_clients={self.cfg.min_clients}")
+        self.cfg.async_rounds.check_workers(nodes)
+        log.info("asynchronous rounds over partitions %s", {p: nodes[p] for p in sorted(nodes)})
+        return nodes
+
+    def _run(self, grid: Grid, nodes: dict[int, int], num_rounds: int, timeout: float) -> None:
+        acfg, K = self.cfg.async_rounds, self.cfg.rounds.local_steps
+        data = self.cfg.data
+        M, step_tokens = len(nodes), data.batch_size * data.seq_len
+        budget = M * num_rounds * K * step_tokens
+        virtual = acfg.order == "virtual"
+        server = self.server
+        clock = VirtualClock()
+        inflight: dict[int, InFlight] = {}
+        by_message: dict[str, int] = {}
+        arrived: OrderedDict[int, Message] = OrderedDict()
+        failures = {p: 0 for p in nodes}
+        window: list[tuple[Arrival, float | None]] = []
+        fresh: list[int] = []  # partitions whose node found no state of the previous round (logged by the node)
+        sizes = {"sent": 0, "received": 0}
+        committed = self.tokens  # tokens applied (or dropped) so far; in-flight rounds are added
+
+        def dispatch(pid: int, now: float) -> None:
+            nonlocal committed
+            steps = acfg.local_steps_of(pid, K)
+            if committed + steps * step_tokens > budget:
+                return
+            r = self.rounds.get(pid, 0) + 1
+            theta, version = server.pull()
+            state = GlobalState(round=r, params=theta, opt_step=self.opt_steps.get(pid, 0))
+            state = self._without_theta0(state)
+            payload = encode_global_state(state, self.model_id, self.cfg.payload_dtype)
+            sizes["sent"] = len(payload)
+            ids = self._push(grid, self._outgoing(r, payload, [nodes[pid]], MessageType.TRAIN))
+            if not ids:
+                log.warning("partition %d: the message to node %d was not accepted; left out", pid, nodes[pid])
+                return
+            committed += steps * step_tokens
+            (mid,) = ids
+            by_message[mid] = pid
+            inflight[pid] = InFlight(nodes[pid], r, version, steps * step_tokens, time.monotonic())
+            clock.start(pid, now, acfg.seconds(pid, K))
+
+        def fail(pid: int, reason: str, now: float) -> None:
+            nonlocal committed
+            flight = inflight.pop(pid)
+            clock.remove(pid)
+            committed -= flight.tokens
+            failures[pid] += 1
+            left = failures[pid] >= MAX_FAILURES or flight.node not in set(grid.get_node_ids())
+            log.warning("partition %d (node %d) round %d: %s; %s", pid, flight.node, flight.round, reason,
+                        "left out of the run" if left else "sending the round again")
+            if not left:
+                dispatch(pid, now)
+
+        def apply(pid: int, msg: Message) -> None:
+            flight = inflight.pop(pid)
+            t = clock.remove(pid)
+            self.virtual_time = max(self.virtual_time, t if t is not None else self.virtual_time)
+            who = f"node {flight.node} (partition {pid})"
+            try:
+                payload = payload_bytes(msg.content["update"])
+                sizes["received"] = len(payload)
+                update = decode_update(payload, expected_model_id=self.model_id)
+                reason = server.check(update, pid, flight.round)
+            except (PayloadError, ValueError, KeyError) as err:
+                update, reason = None, str(err)
+            if reason is not None:
+                # It did reach us: the node kept its round's state, its next round follows on.
+                log.warning("push %d: dropped reply of %s: %s", self.pushes + 1, who, reason)
+                arrival = Arrival(pid, self.virtual_time, server.version - flight.version, False, reason)
+                loss = None
+            else:
+                arrival = server.push(update.delta, flight.version, pid, self.virtual_time)
+                if not arrival.applied:
+                    log.warning("push %d: dropped reply of %s: %s", self.pushes + 1, who, arrival.reason)
+                else:
+                    self._theta_is_seeded = False
+                self.opt_steps[pid] = update.opt_step
+                self.tokens += update.tokens
+                loss = update.metrics.get("train_loss")
+                metrics = msg.content.metric_records.get("metrics")
+                if metrics is not None and metrics.get("fresh-state", 0):
+                    fresh.append(pid)
+            failures[pid] = 0
+            self.rounds[pid] = flight.round
+            self.pushes += 1
+            window.append((arrival, loss))
+            dispatch(pid, self.virtual_time)
+            if self.pushes % M == 0 or not inflight:
+                self._finish_record(window, M, max(nodes) + 1, num_rounds, sizes, virtual, len(fresh))
+                window.clear()
+                fresh.clear()
+
+        for pid in sorted(nodes):
+            if pid not in inflight:
+                dispatch(pid, self.virtual_time)
+        start = time.monotonic()
+        while inflight:
+            got = list(grid.pull_messages(list(by_message)))
+            for msg in sorted(got, key=lambda m: by_message.get(m.metadata.reply_to_message_id, -1)):
+                pid = by_message.pop(msg.metadata.reply_to_message_id, None)
+                if pid is not None:
+                    arrived[pid] = msg
+            progressed = False
+            while True:
+                if virtual:
+                    head = clock.peek()
+                    pid = head[1] if head is not None and head[1] in arrived else None
+                else:
+                    pid = next(iter(arrived), None)
+                if pid is None:
+                    break
+                msg = arrived.pop(pid)
+                if msg.has_error():
+                    fail(pid, f"error reply: {msg.error.reason}", self.virtual_time)
+                else:
+                    apply(pid, msg)
+                progressed = True
+            now = time.monotonic()
+            for pid, flight in list(inflight.items()):
+                if pid not in arrived and now - flight.sent > timeout:
+                    by_message = {m: p for m, p in by_message.items() if p != pid}
+                    fail(pid, f"no reply within the round deadline ({timeout:.0f}s)", self.virtual_time)
+            if not progressed:
+                time.sleep(0.02 if now - start < 1.0 else 0.05)
+        if window:
+            self._finish_record(window, M, max(nodes) + 1, num_rounds, sizes, virtual, len(fresh))
+
+    def _finish_record(self, window: list, M: int, width: int, num_rounds: int, sizes: dict, virtual: bool,
+                       fresh: int) -> None:
+        """A record of the last `M` pushes, an evaluation when due, a checkpoint."""
+        data = self.cfg.data
+        r = -(-self.pushes // M)
+        step = self.tokens // (M * data.batch_size * data.seq_len)
+        record = async_record(window, width, r, self.tokens, step, self.virtual_time, self.pushes, self.server.version)
+        if not virtual:
+            del record["virtual_time"]  # arrival order: real time is elapsed_seconds
+        self.cum_bytes += len(window) * (sizes["sent"] + sizes["received"])
+        record.update({
+            "bytes_sent_per_client": sizes["sent"], "bytes_received_per_client": sizes["received"],
+            "cum_bytes_per_client": self.cum_bytes / M, "server_peak_rss_bytes": peak_rss_bytes(),
+            "clients_fresh_state": fresh,
+            "elapsed_seconds": time.perf_counter() - self._started,
+        })
+        if r % self.cfg.eval_every == 0 or r >= num_rounds:
+            record.update(self._evaluate())
+        self._record(record)
+        self.aggregator.round = r + 1
+        self._checkpoint(r, {"async": {"version": self.server.version, "pushes": self.pushes,
+                                       "rounds": self.rounds, "opt_steps": self.opt_steps,
+                                       "virtual_time": self.virtual_time}})
+        log.info("round %d (%d pushes): %s", r, self.pushes,
+                 {k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()})
