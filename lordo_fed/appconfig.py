@@ -33,7 +33,8 @@ class AppConfig(CommonConfig):
     """Where metrics, plots, checkpoints and client state go (give an absolute path: Flower runs the
     app from an installed copy, in its own working directory)."""
     variant: str = "lordo_global"
-    """Method: lordo_global, lordo_local, diloco, local_adam, desloc; asynchronous: async_diloco, async_lookahead, heloco."""
+    """Method: lordo_global, lordo_local, diloco, local_adam, desloc; asynchronous: async_diloco, async_lookahead, heloco,
+    async_lordo, heloco_lordo."""
     num_rounds: int = 4
     """Federated rounds (K local steps each); asynchronous variants: the same tokens, num_rounds x nodes replies."""
     min_clients: int = 2

@@ -34,9 +34,10 @@ import torch
 from torch import Tensor
 
 from lordo_fed.heloco import HeLoCoConfig, correct, look_ahead
-from lordo_fed.rounds import WorkerUpdate
+from lordo_fed.optim.bias import restep
+from lordo_fed.rounds import WorkerUpdate, split_moment_key
 from lordo_fed.outer import MomentumLookAhead, OuterOptimizer
-from lordo_fed.aggregator import delta_problem
+from lordo_fed.aggregator import Aggregator, delta_problem, fit_projections, tensor_problem
 
 
 ASYNC_ORDERS = ("arrival", "virtual")
@@ -156,58 +157,180 @@ class Arrival:
     reason: str = ""
 
 
+@dataclass
+class Pull:
+    """What a worker starts a round from, and what the server needs to know of it at the push."""
+
+    params: dict[str, Tensor]
+    """θ̄ (look-ahead) or θ, as copies."""
+    version: int
+    """Outer steps applied when it was pulled (staleness = version at the push − this)."""
+    projections: dict[str, Tensor] = field(default_factory=dict)
+    """Async LoRDO: the shared projections of basis `basis`."""
+    moments: dict[str, Tensor] = field(default_factory=dict)
+    """Async LoRDO: the server's averaged moments, in that basis, at step count `opt_step`."""
+    opt_step: int | None = None
+    """Async LoRDO: the shared step count the worker aligns its moments to (None: its own)."""
+    basis: int = 0
+    """Async LoRDO: which basis (refits so far) the worker trains in."""
+
+
 class AsyncServer:
     """The global model under asynchronous pushes: θ (fp32), the outer optimizer, a version
-    counter (outer steps applied), and the rule. Flower-free; the reference trainer drives it."""
+    counter (outer steps applied), the rule and, for async LoRDO, the shared projections and
+    averaged moments (`lowrank`). Flower-free; the reference trainer and the Flower strategy
+    drive it.
 
-    def __init__(self, params: dict[str, Tensor], outer: OuterOptimizer, rule: AsyncRule, cfg: AsyncConfig):
+    Async LoRDO (docs/algorithm.md, "Asynchronous LoRDO"): a pull carries the current basis P_b
+    and the averaged moments in it; a push's moments, made in the basis its worker pulled, are
+    rotated into the current one with LDAdam's rule (the bases a pending pull still uses are
+    kept), moved to the shared step count, and blended into the averaged moments with weight
+    1/M (an average over arrivals standing in for the mean over M workers, with server memory
+    flat in M); the applied updates G of the low-rank matrices are summed and P is refitted to
+    their top-r subspace every M arrivals (one synchronous round's worth), the averaged moments
+    rotated into the new basis. HeLoCo's correction acts on the full-size Δ only and composes.
+    """
+
+    def __init__(self, params: dict[str, Tensor], outer: OuterOptimizer, rule: AsyncRule, cfg: AsyncConfig,
+                 lowrank: Aggregator | None = None, workers: int = 1):
         if rule.look_ahead and not isinstance(outer, MomentumLookAhead):
             raise ValueError(f"look-ahead pulls need the momentum look-ahead outer step (outer name 'mla'), not "
                              f"{outer.name!r}")
+        if lowrank is not None and (lowrank.params is not params or lowrank.projection is None):
+            raise ValueError("async LoRDO: the low-rank state must be an Aggregator that owns the projections over "
+                             "these very parameters")
         self.params = params
         self.outer, self.rule, self.cfg = outer, rule, cfg
+        self.lowrank, self.workers = lowrank, int(workers)
         self.version = 0
         """Outer steps applied so far."""
+        self.basis = 0
+        """Async LoRDO: refits of the shared projections so far."""
+        self.accumulated: dict[str, Tensor] = {}
+        """Async LoRDO: Σ G of the low-rank matrices since the last refit."""
+        self.since_refit = 0
+        self._bases: dict[int, dict[str, Tensor]] = {}  # older bases a pending pull still trains in
+        self._held: dict[int, int] = {}  # basis -> pulls not pushed (or released) yet
 
     def _momentum(self) -> dict[str, Tensor] | None:
         return self.outer.momentum_buffers() if isinstance(self.outer, MomentumLookAhead) else None
 
-    def pull(self) -> tuple[dict[str, Tensor], int]:
-        """(the model a worker starts from: θ̄ or θ, as copies; the version it is)."""
+    def pull(self) -> Pull:
+        """The model a worker starts from (θ̄ or θ, as copies), its version and, for async LoRDO,
+        the shared basis and averaged moments (a pull must end in `push` or `release`)."""
         if self.rule.look_ahead:
             outer = self.outer
-            return look_ahead(self.params, self._momentum(), outer.lr, outer.momentum), self.version
-        return {n: p.clone() for n, p in self.params.items()}, self.version
+            theta = look_ahead(self.params, self._momentum(), outer.lr, outer.momentum)
+        else:
+            theta = {n: p.clone() for n, p in self.params.items()}
+        agg = self.lowrank
+        if agg is None:
+            return Pull(theta, self.version)
+        self._held[self.basis] = self._held.get(self.basis, 0) + 1
+        return Pull(theta, self.version, dict(agg.projections), dict(agg.moments), agg.opt_step, self.basis)
+
+    def release(self, pull: Pull) -> None:
+        """A pull that will not be pushed (its message failed): its basis need not be kept for it."""
+        if self.lowrank is None or pull.basis not in self._held:
+            return
+        self._held[pull.basis] -= 1
+        if not self._held[pull.basis]:
+            del self._held[pull.basis]
+            self._bases.pop(pull.basis, None)
 
     def check(self, update: WorkerUpdate, worker: int, round_idx: int) -> str | None:
         """Why a reply must not be applied, or None: it must be the round `round_idx` of `worker`
-        it answers, carry positive tokens and a finite Δ of every parameter in its shape, and no
-        optimizer states (asynchronous methods average none)."""
+        it answers, carry positive tokens and a finite Δ of every parameter in its shape, and
+        optimizer moments only under async LoRDO, each in its low-rank (or full) shape."""
         if update.worker_id != worker or update.round != round_idx:
             return (f"reply is for partition {update.worker_id} round {update.round}, the server sent partition "
                     f"{worker} round {round_idx}")
         problem = delta_problem(update, self.params)
         if problem:
             return problem
-        if update.moments:
-            return f"unexpected optimizer states {sorted(update.moments)[:3]}: asynchronous methods average none"
+        if update.moments and self.lowrank is None:
+            return f"unexpected optimizer states {sorted(update.moments)[:3]}: this method averages none"
+        for key, value in update.moments.items():
+            try:
+                kind, name = split_moment_key(key)
+            except ValueError as err:
+                return str(err)
+            if kind == "ef" or name not in self.params:
+                return f"unexpected optimizer state {key!r}"
+            problem = tensor_problem(key, value, self.lowrank.expected_moment_shape(name))
+            if problem:
+                return problem
         return None
 
-    def push(self, delta: dict[str, Tensor], pulled_version: int, worker: int, time: float) -> Arrival:
-        """Apply one worker's Δ (or drop it past the staleness bound); one outer step."""
-        staleness = self.version - pulled_version
+    def push(self, update: WorkerUpdate, pull: Pull, time: float) -> Arrival:
+        """Apply one worker's reply to the round it pulled (or drop it past the staleness bound):
+        one outer step on Δ and, for async LoRDO, its moments into the averaged ones."""
+        staleness = self.version - pull.version
         bound = self.cfg.max_staleness
-        if bound and staleness > bound:
-            return Arrival(worker, time, staleness, False, f"staleness {staleness} > max_staleness {bound}")
-        rho = self.cfg.weight
-        if self.rule.correct:
-            g = correct(delta, self._momentum(), self.cfg.heloco, rho)
-        else:
-            g = delta if rho == 1.0 else {n: d * rho for n, d in delta.items()}
-        with torch.no_grad():
-            self.outer.step(self.params, g)
-        self.version += 1
-        return Arrival(worker, time, staleness, True)
+        try:
+            if bound and staleness > bound:
+                return Arrival(update.worker_id, time, staleness, False,
+                               f"staleness {staleness} > max_staleness {bound}")
+            rho = self.cfg.weight
+            if self.rule.correct:
+                g = correct(update.delta, self._momentum(), self.cfg.heloco, rho)
+            else:
+                g = update.delta if rho == 1.0 else {n: d * rho for n, d in update.delta.items()}
+            with torch.no_grad():
+                self.outer.step(self.params, g)
+                if self.lowrank is not None:
+                    self._merge_lowrank(update, pull, g)
+            self.version += 1
+            return Arrival(update.worker_id, time, staleness, True)
+        finally:
+            self.release(pull)
+
+    def _merge_lowrank(self, update: WorkerUpdate, pull: Pull, g: dict[str, Tensor]) -> None:
+        agg = self.lowrank
+        betas, bias = agg.round_betas(), agg.bias_correction
+        count = max(agg.opt_step, update.opt_step)  # the shared step count from now on
+        mine = {k: restep(v, split_moment_key(k)[0], agg.opt_step, count, betas, bias) for k, v in agg.moments.items()}
+        agg.opt_step = count
+        theirs = {k: restep(v.float(), split_moment_key(k)[0], update.opt_step, count, betas, bias)
+                  for k, v in update.moments.items()}
+        if pull.basis != self.basis and agg.rotate:
+            theirs = agg._rotate(theirs, self._bases[pull.basis], agg.projections)
+        a = 1.0 / self.workers
+        for k, v in theirs.items():
+            mine[k] = v.clone() if k not in mine else mine[k] * (1.0 - a) + v * a
+        agg.moments = mine
+        for n in agg.ranks:
+            acc = self.accumulated.get(n)
+            self.accumulated[n] = g[n].float().clone() if acc is None else acc.add_(g[n])
+        self.since_refit += 1
+        if self.since_refit >= self.workers:
+            self._refit()
+
+    def _refit(self) -> None:
+        """P ← top-r subspace of the summed updates; the averaged moments rotated into it."""
+        agg = self.lowrank
+        new = fit_projections(self.accumulated, agg.ranks, agg.projection, agg.seed + 7919 * (self.basis + 1),
+                              agg.fit_device)
+        if agg.rotate:
+            agg.moments = agg._rotate(agg.moments, agg.projections, new)
+        if self._held.get(self.basis):
+            self._bases[self.basis] = agg.projections
+        agg.projections = new
+        self.basis += 1
+        self.accumulated, self.since_refit = {}, 0
+
+    def state_dict(self) -> tuple[dict[str, Tensor], dict]:
+        """What a checkpoint needs beyond the aggregator's (θ, outer state, projections, moments,
+        step count): the async LoRDO accumulator as tensors, the counters as JSON values."""
+        return ({f"async_acc/{n}": t.clone() for n, t in self.accumulated.items()},
+                {"version": self.version, "basis": self.basis, "since_refit": self.since_refit})
+
+    def load_state_dict(self, tensors: dict[str, Tensor], meta: dict) -> None:
+        self.version = int(meta.get("version", 0))
+        self.basis = int(meta.get("basis", 0))
+        self.since_refit = int(meta.get("since_refit", 0))
+        self.accumulated = {k.removeprefix("async_acc/"): v.float().clone() for k, v in tensors.items()
+                            if k.startswith("async_acc/")}
 
 
 def async_record(window: list[tuple[Arrival, float | None]], workers: int, round_idx: int, tokens: int, step: int,

@@ -15,6 +15,8 @@ Every method is the same machinery with different choices (shared/docs/ALGORITHM
 | async_diloco  | Δ on arrival  | AdamW                      | never                      | Nesterov, one step per arrival |
 | async_lookahead | Δ on arrival | AdamW                     | never                      | momentum look-ahead; workers pull θ − ημm |
 | heloco        | Δ on arrival  | AdamW                      | never                      | as async_lookahead, Δ corrected against m (lordo_fed.heloco) |
+| async_lordo   | Δ on arrival  | LoRDO, server projections  | blended on arrival (rotated from the worker's basis) | momentum look-ahead |
+| heloco_lordo  | Δ on arrival  | LoRDO, server projections  | as async_lordo             | as heloco |
 
 The asynchronous methods (lordo_fed.async_rounds) take `diloco_outer`'s lr and momentum.
 """
@@ -69,6 +71,10 @@ METHODS: dict[str, MethodSpec] = {
                                   async_rule=AsyncRule(look_ahead=True, correct=False)),
     "heloco": MethodSpec("async", {"name": "adamw"}, sync=(0, 0), diloco_outer=True,
                          async_rule=AsyncRule(look_ahead=True, correct=True)),
+    "async_lordo": MethodSpec("async", {"name": "lordo", "projection": "global"}, diloco_outer=True,
+                              async_rule=AsyncRule(look_ahead=True, correct=False)),
+    "heloco_lordo": MethodSpec("async", {"name": "lordo", "projection": "global"}, diloco_outer=True,
+                               async_rule=AsyncRule(look_ahead=True, correct=True)),
 }
 
 
@@ -97,6 +103,9 @@ def resolve_method(name: str, inner: InnerConfig, rounds: RoundConfig, outer: Ou
     if rounds.sync_ef and inner.name == "lordo" and inner.error_feedback and inner.ef_density < 1.0:
         raise ValueError(f"rounds.sync_ef=True with inner.ef_density={inner.ef_density!r}: averaging E across "
                          "workers needs the whole buffer; expected ef_density=1.0 or sync_ef=False")
+    if spec.loop == "async" and rounds.sync_ef:
+        raise ValueError(f"rounds.sync_ef=True with the asynchronous method {name!r}: error feedback stays on the "
+                         "workers in asynchronous rounds; expected sync_ef=False")
     chosen = diloco_outer if (spec.diloco_outer and diloco_outer is not None) else outer
     if spec.async_rule is not None and spec.async_rule.look_ahead:
         chosen = dataclasses.replace(chosen, name="mla")

@@ -1,4 +1,4 @@
-"""Asynchronous rounds over Flower (async DiLoCo, momentum look-ahead, HeLoCo): a node gets its
+"""Asynchronous rounds over Flower (async DiLoCo, momentum look-ahead, HeLoCo, async LoRDO): a node gets its
 next round as soon as its reply is applied, nobody waits for the slowest.
 
 The server side of `lordo_fed.async_rounds` (docs/algorithm.md, "Asynchronous rounds") driven by
@@ -39,7 +39,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy.result import Result
 
 from lordo_fed.appconfig import AppConfig
-from lordo_fed.async_rounds import Arrival, AsyncServer, VirtualClock, async_record
+from lordo_fed.async_rounds import Arrival, AsyncServer, Pull, VirtualClock, async_record
 from lordo_fed.codec import PayloadError, decode_update, encode_global_state
 from lordo_fed.flower import EXPLICIT_KEYS, IDENTIFY, payload_bytes
 from lordo_fed.metrics import peak_rss_bytes
@@ -57,8 +57,8 @@ class InFlight:
 
     node: int
     round: int
-    version: int
-    """The server's version (outer steps applied) when the node pulled."""
+    pull: Pull
+    """What the node was sent (the server's version then; async LoRDO: the basis it trains in)."""
     tokens: int
     """Tokens this round commits of the budget."""
     sent: float
@@ -66,16 +66,21 @@ class InFlight:
 
 
 class AsyncLoRDOStrategy(LoRDOStrategy):
-    """Server side of an asynchronous variant (async_diloco, async_lookahead, heloco) over Flower."""
+    """Server side of an asynchronous variant (async_diloco, async_lookahead, heloco, async_lordo,
+    heloco_lordo) over Flower."""
 
     def __init__(self, cfg: AppConfig, explicit_keys: Iterable[str] = ()):
         self.resumed_meta: dict = {}
+        self.resumed_tensors: dict = {}
         super().__init__(cfg, explicit_keys)
-        # θ and the outer optimizer are the aggregator's: its checkpoint format and evaluation serve as they are.
-        self.server = AsyncServer(self.aggregator.params, self.aggregator.outer, self.settings.async_rule,
-                                  cfg.async_rounds)
+        # θ, the outer optimizer and (async LoRDO) the shared projections and averaged moments are
+        # the aggregator's: its checkpoint format and evaluation serve as they are.
+        agg = self.aggregator
+        self.server = AsyncServer(agg.params, agg.outer, self.settings.async_rule, cfg.async_rounds,
+                                  lowrank=agg if agg.projection is not None else None)
         saved = self.resumed_meta.get("async", {})
-        self.server.version = int(saved.get("version", 0))
+        self.server.load_state_dict(self.resumed_tensors, saved)
+        self.resumed_tensors = {}
         self.pushes = int(saved.get("pushes", 0))
         self.rounds: dict[int, int] = {int(k): int(v) for k, v in saved.get("rounds", {}).items()}
         """Partition -> its last round answered."""
@@ -98,6 +103,8 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
         writer = self._open_writer()
         self._wait_for_nodes(grid, timeout)
         nodes = self._identify(grid, timeout)
+        if self.aggregator.needs_gradient_init:  # async LoRDO-Global: the round-1 bases from the gradients at θ0
+            self._init_projections(grid, timeout)
         self._run(grid, nodes, num_rounds, timeout)
         writer.close()
         self._plot()
@@ -138,6 +145,7 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
         budget = M * num_rounds * K * step_tokens
         virtual = acfg.order == "virtual"
         server = self.server
+        server.workers = M  # async LoRDO: the moments' blend weight 1/M and a refit every M replies
         clock = VirtualClock()
         inflight: dict[int, InFlight] = {}
         by_message: dict[str, int] = {}
@@ -154,24 +162,27 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
             if committed + steps * step_tokens > budget:
                 return
             r = self.rounds.get(pid, 0) + 1
-            theta, version = server.pull()
-            state = GlobalState(round=r, params=theta, opt_step=self.opt_steps.get(pid, 0))
+            pull = server.pull()
+            state = GlobalState(round=r, params=pull.params, projections=pull.projections, moments=pull.moments,
+                                opt_step=self.opt_steps.get(pid, 0) if pull.opt_step is None else pull.opt_step)
             state = self._without_theta0(state)
             payload = encode_global_state(state, self.model_id, self.cfg.payload_dtype)
             sizes["sent"] = len(payload)
             ids = self._push(grid, self._outgoing(r, payload, [nodes[pid]], MessageType.TRAIN))
             if not ids:
+                server.release(pull)
                 log.warning("partition %d: the message to node %d was not accepted; left out", pid, nodes[pid])
                 return
             committed += steps * step_tokens
             (mid,) = ids
             by_message[mid] = pid
-            inflight[pid] = InFlight(nodes[pid], r, version, steps * step_tokens, time.monotonic())
+            inflight[pid] = InFlight(nodes[pid], r, pull, steps * step_tokens, time.monotonic())
             clock.start(pid, now, acfg.seconds(pid, K))
 
         def fail(pid: int, reason: str, now: float) -> None:
             nonlocal committed
             flight = inflight.pop(pid)
+            server.release(flight.pull)
             clock.remove(pid)
             committed -= flight.tokens
             failures[pid] += 1
@@ -196,10 +207,11 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
             if reason is not None:
                 # It did reach us: the node kept its round's state, its next round follows on.
                 log.warning("push %d: dropped reply of %s: %s", self.pushes + 1, who, reason)
-                arrival = Arrival(pid, self.virtual_time, server.version - flight.version, False, reason)
+                server.release(flight.pull)
+                arrival = Arrival(pid, self.virtual_time, server.version - flight.pull.version, False, reason)
                 loss = None
             else:
-                arrival = server.push(update.delta, flight.version, pid, self.virtual_time)
+                arrival = server.push(update, flight.pull, self.virtual_time)
                 if not arrival.applied:
                     log.warning("push %d: dropped reply of %s: %s", self.pushes + 1, who, arrival.reason)
                 else:
@@ -275,8 +287,8 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
             record.update(self._evaluate())
         self._record(record)
         self.aggregator.round = r + 1
-        self._checkpoint(r, {"async": {"version": self.server.version, "pushes": self.pushes,
-                                       "rounds": self.rounds, "opt_steps": self.opt_steps,
-                                       "virtual_time": self.virtual_time}})
+        tensors, counters = self.server.state_dict()
+        self._checkpoint(r, {"async": {**counters, "pushes": self.pushes, "rounds": self.rounds,
+                                       "opt_steps": self.opt_steps, "virtual_time": self.virtual_time}}, tensors)
         log.info("round %d (%d pushes): %s", r, self.pushes,
                  {k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()})

@@ -513,9 +513,10 @@ class LoRDOStrategy(Strategy):
         if getattr(self, "_writer", None) is not None:
             self._writer.write(record)
 
-    def _checkpoint(self, r: int, extra: dict | None = None) -> None:
-        """An atomic checkpoint after round `r` (`extra`: more metadata, e.g. the asynchronous schedule)."""
-        tensors = {**self.aggregator.state_dict(), **rng_state()}
+    def _checkpoint(self, r: int, extra: dict | None = None, extra_tensors: dict | None = None) -> None:
+        """An atomic checkpoint after round `r` (`extra`, `extra_tensors`: more metadata and tensors,
+        e.g. the asynchronous schedule's)."""
+        tensors = {**self.aggregator.state_dict(), **rng_state(), **(extra_tensors or {})}
         meta = {"model_id": self.model_id, "variant": self.cfg.variant, "round": r, "tokens": self.tokens,
                 "cum_bytes": self.cum_bytes, "config": as_dict(self.cfg), "history": self.history, **(extra or {})}
         save_checkpoint(self.checkpoint_dir, r, tensors, meta, keep=self.cfg.checkpoint_keep)
@@ -540,6 +541,7 @@ class LoRDOStrategy(Strategy):
         set_rng_state(tensors)
         self.tokens, self.cum_bytes, self.history = meta["tokens"], meta["cum_bytes"], list(meta["history"])
         self.resumed_meta = meta
+        self.resumed_tensors = {k: v for k, v in tensors.items() if k.startswith("async_acc/")}
         log.info("resumed from %s at round %d", source, self.aggregator.round)
         saved_rounds = meta.get("config", {}).get("num_rounds")
         if saved_rounds != self.cfg.num_rounds:

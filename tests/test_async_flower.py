@@ -53,10 +53,12 @@ def flower_theta(out: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
 
 
-@pytest.mark.parametrize("variant", ["heloco", "async_diloco"])
+@pytest.mark.parametrize("variant", ["heloco", "async_diloco", "heloco_lordo"])
 def test_virtual_order_simulation_matches_the_reference_trainer(tmp_path, variant):
     """Three partitions, one 3x slower, one with its own local steps (per-node work): the Flower
-    server applies the replies in the reference trainer's order, to the same θ."""
+    server applies the replies in the reference trainer's order, to the same θ; for async LoRDO
+    with HeLoCo's correction too (round-0 gradient bases, moments blended, rotated out of stale
+    bases, bases refitted every 3 replies)."""
     run_config = tiny_run_config(tmp_path, variant=variant, **{
         "num-server-rounds": 3, "min-clients": 3, "async-order": "virtual", "async-speeds": "1,1,3",
         "async-local-steps": "3,2,3", "async-weight": 0.5})
@@ -77,15 +79,17 @@ def test_virtual_order_simulation_matches_the_reference_trainer(tmp_path, varian
 
 
 def test_async_resume_continues_from_the_checkpoint(tmp_path):
-    """A second run with `resume` continues the asynchronous schedule: θ, outer momentum, pushes and
+    """A second run with `resume` continues the asynchronous schedule: θ, outer momentum, the shared
+    bases, averaged moments and the updates summed since the last refit (async LoRDO), pushes and
     each partition's round from the checkpoint; the nodes find their own state (none fresh)."""
     env = flower_env(tmp_path)
     out = tmp_path / "out"
-    config = {"variant": "heloco", "async-order": "virtual", "async-speeds": "1,2"}
+    config = {"variant": "heloco_lordo", "async-order": "virtual", "async-speeds": "1,2"}
     run_simulation(APP, env, 2, tiny_run_config(tmp_path, **config), timeout=240, check=True)
     first = server_records(out)
     meta = load_checkpoint(out / "checkpoints")[1]
     assert meta["async"]["pushes"] == 4 and meta["async"]["rounds"] == {"0": 3, "1": 1}
+    assert meta["async"]["basis"] == 2 and meta["async"]["since_refit"] == 0
     proc = run_simulation(APP, env, 2, tiny_run_config(tmp_path, **config, **{
         "num-server-rounds": 3, "resume": str(out / "checkpoints")}), timeout=240, check=True)
     assert "resumed from" in proc.stdout

@@ -21,7 +21,8 @@ import yaml
 from lordo_fed.appconfig import FLAT_KEYS, PRESET_DIR, load_app_config
 from tests.test_appconfig import pyproject_config
 
-VARIANTS = "['async_diloco', 'async_lookahead', 'desloc', 'diloco', 'heloco', 'local_adam', 'lordo_global', 'lordo_local']"
+VARIANTS = ("['async_diloco', 'async_lookahead', 'async_lordo', 'desloc', 'diloco', 'heloco', 'heloco_lordo', "
+            "'local_adam', 'lordo_global', 'lordo_local']")
 MODEL_PRESETS = "tiny, small, 16m, 125m, 360m, 720m, custom"
 OUTLIER = "expected 0 (off) or a finite number >= 1 (a multiple of the round's median pseudo-gradient norm)"
 

@@ -15,7 +15,7 @@ class TrainConfig(CommonConfig):
 
     methods: List[str] = field(default_factory=lambda: ["lordo_global", "ddp"])
     """Methods to run, in order: ddp, lowrank_ddp, diloco, local_adam, desloc, lordo_global, lordo_local,
-    async_diloco, async_lookahead, heloco."""
+    async_diloco, async_lookahead, heloco, async_lordo, heloco_lordo."""
     workers: int = 4
     """M: number of workers (data partitions), run in turn."""
     total_steps: int = 128

@@ -138,16 +138,17 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     pushes since the last record, replies dropped past `async_rounds.max_staleness`."""
     cfg, data, acfg = ctx.cfg, ctx.cfg.data, ctx.cfg.async_rounds
     model, lowrank, ranks = build_components(ctx, settings)
-    if ranks:
-        raise ValueError(f"method {settings.name!r}: asynchronous rounds take a full-rank inner optimizer "
-                         "(async LoRDO is not built yet)")
     K, M = settings.rounds.local_steps, cfg.workers
     steps = [acfg.local_steps_of(w, K) for w in range(M)]
     workers = [make_worker(w, model, with_local_steps(settings, steps[w]), ctx.dataset.train_shards[w], lowrank,
                            cfg.total_steps, data.batch_size, data.seq_len, seed=data.seed) for w in range(M)]
-    with torch.no_grad():
-        params = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
-    server = AsyncServer(params, build_outer_optimizer(settings.outer), settings.async_rule, acfg)
+    # θ, the outer step and (async LoRDO) the shared projections and averaged moments: the aggregator's
+    aggregator = make_aggregator(model, settings, ranks, seed=cfg.seed)
+    if aggregator.needs_gradient_init:
+        request = aggregator.gradient_request()
+        aggregator.init_projections([w.gradient(request, sorted(ranks)) for w in workers])
+    server = AsyncServer(aggregator.params, aggregator.outer, settings.async_rule, acfg,
+                         lowrank=aggregator if aggregator.projection is not None else None, workers=M)
     step_tokens = data.batch_size * data.seq_len
     budget = M * cfg.total_steps * step_tokens
     clock, pending, rounds_of = VirtualClock(), {}, [0] * M
@@ -159,12 +160,13 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         if committed + steps[w] * step_tokens > budget:
             return
         committed += steps[w] * step_tokens
-        theta, version = server.pull()
+        pull = server.pull()
         rounds_of[w] += 1
-        r = rounds_of[w]  # the worker's own round: its schedule position and step count
-        update = workers[w].train_round(GlobalState(round=r, params=theta, opt_step=(r - 1) * steps[w]),
-                                        progress=lambda i, loss: bar.update(1))
-        pending[w] = (update, version)
+        r = rounds_of[w]  # the worker's own round: its schedule position (and, but for LoRDO, its step count)
+        state = GlobalState(round=r, params=pull.params, projections=pull.projections, moments=pull.moments,
+                            opt_step=(r - 1) * steps[w] if pull.opt_step is None else pull.opt_step)
+        update = workers[w].train_round(state, progress=lambda i, loss: bar.update(1))
+        pending[w] = (update, pull, tensor_bytes(state.tensors()))
         clock.start(w, now, acfg.seconds(w, K))
 
     ctx.emit({**_eval_record(ctx, model, settings, 0, 0, 0), "virtual_time": 0.0})  # θ0, before any training
@@ -172,11 +174,13 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         start(w, 0.0)
     processed = tokens = 0
     window: list = []
-    sent = received = tensor_bytes(params)  # Δ up, θ down: the model size each way per push
+    cum_sent = cum_received = 0  # over all workers: each push's reply (up) and the state it was made from (down)
     while pending:
         t, w = clock.next()
-        update, version = pending.pop(w)
-        arrival = server.push(update.delta, version, w, t)
+        update, pull, received = pending.pop(w)
+        sent = tensor_bytes(update.tensors())
+        cum_sent, cum_received = cum_sent + sent, cum_received + received
+        arrival = server.push(update, pull, t)
         processed += 1
         tokens += update.tokens
         window.append((arrival, update.metrics.get("train_loss")))
@@ -191,8 +195,7 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
                                                            processed, server.version),
                   "bytes_sent_per_worker": sent, "bytes_received_per_worker": received,
                   "bytes_sent_per_worker_per_step": sent / K, "bytes_received_per_worker_per_step": received / K,
-                  "cum_bytes_sent_per_worker": processed * sent / M,
-                  "cum_bytes_received_per_worker": processed * received / M,
+                  "cum_bytes_sent_per_worker": cum_sent / M, "cum_bytes_received_per_worker": cum_received / M,
                   "opt_state_bytes": optimizer_state_bytes(workers[0].optimizer)}
         window = []
         if r % cfg.eval_every == 0 or not pending:
