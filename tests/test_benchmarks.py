@@ -245,14 +245,20 @@ def test_dataplane_throughput_quick(tmp_path):
 
 
 def test_async_rounds_quick(tmp_path):
-    """Structure of benchmarks/async_rounds.py --quick: every method trained on the same tokens,
-    the asynchronous ones on the same deterministic schedule (not their quality)."""
+    """Structure of benchmarks/async_rounds.py --quick: on IID and non-IID data every method trained
+    on the same tokens, the asynchronous ones on the same deterministic schedule (not their
+    quality), async LoRDO's pushes carrying more bytes than async DiLoCo's (moments, bases)."""
     result = run_quick("async_rounds.py", tmp_path)
-    methods = result["summary"]["methods"]
-    assert set(methods) == {"diloco", "async_diloco", "async_lookahead", "heloco"}
-    assert len({m["final_tokens"] for m in methods.values()}) == 1
-    schedules = {json.dumps([m["staleness"], m["pushes_by_worker"]]) for k, m in methods.items() if k != "diloco"}
-    assert len(schedules) == 1
-    slow = methods["heloco"]["pushes_by_worker"]
-    assert slow[-1] < slow[0]  # the 4x slower worker pushes less often
+    assert set(result["settings"]) == {"iid", "non_iid"}
+    for summary in result["settings"].values():
+        methods = summary["methods"]
+        assert set(methods) == {"diloco", "async_diloco", "async_lookahead", "heloco", "lordo_global", "async_lordo",
+                                "heloco_lordo"}
+        assert len({m["final_tokens"] for m in methods.values()}) == 1
+        schedules = {json.dumps([m["staleness"], m["pushes_by_worker"]]) for k, m in methods.items()
+                     if k not in ("diloco", "lordo_global")}
+        assert len(schedules) == 1
+        slow = methods["heloco"]["pushes_by_worker"]
+        assert slow[-1] < slow[0]  # the 4x slower worker pushes less often
+        assert methods["async_lordo"]["bytes_per_worker"] > methods["async_diloco"]["bytes_per_worker"]
     assert (tmp_path / "async_rounds.png").exists()
