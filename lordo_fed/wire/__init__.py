@@ -1,0 +1,1 @@
+"""What crosses the network: compression codecs (lordo_fed.wire.compress)."""

@@ -1,0 +1,378 @@
+"""Compression codecs for tensors on the wire: blockwise quantisation, chunked top-k, their
+composition, and the error feedback that carries each compression's residual into the next round.
+
+- **Blockwise quantisation** (`quantize` / `dequantize`): the flattened tensor is cut into blocks of
+  `block` values, each with one positive scale s = absmax / L, and every value is rounded to the
+  nearest level: int8 q ∈ [−127, 127] and int4 q ∈ [−7, 7] (value q·s), 2-bit q ∈ {−3, −1, 1, 3}
+  (value q·s/3: no zero level, for the top-k values below, which are never small). Codes are
+  packed 8 / bits per byte. An all-zero block gets the smallest normal fp32 as its scale, so every
+  scale on the wire is finite and > 0 (a receiver refuses the rest).
+- **Chunked top-k** (`topk` / `densify`): the flattened tensor is cut into chunks of `chunk`
+  values and each keeps its k largest magnitudes (the tail chunk of n mod chunk values keeps
+  ceil(k · tail / chunk)), indices sorted within the chunk and packed in 12 bits when chunk ≤ 4096
+  (16 when ≤ 65536): SparseLoCo's layout (Sarfi et al. 2025, "Communication-Efficient Language
+  Model Training Scales Reliably and Robustly"), where top-k of 1–3% per chunk with 2-bit values
+  and error feedback loses nothing against DiLoCo.
+- **Composition**: a `CodecSpec` names a raw, a quantised, a top-k or a top-k-with-quantised-
+  values encoding; `encode` returns an `Encoded` whose byte fields are what a wire tensor
+  carries, `decode` rebuilds the fp32 tensor and refuses what cannot have come from `encode`
+  (`CompressionError`, naming the tensor and the problem).
+- **Error feedback** (`ErrorFeedback`): e ← e + x; c = C(e); e ← e − D(c): what a compression
+  leaves out of one round is sent in a later one (Seide et al. 2014; Karimireddy et al. 2019).
+
+Everything is plain torch on whatever device the tensor lives on, one pass per tensor; the
+simple reference of each codec (a loop per block or chunk) lives in tests/test_compress.py as
+its oracle.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+from torch import Tensor
+
+QUANT_BITS = (8, 4, 2)
+_LEVELS = {8: 127, 4: 7, 2: 3}
+"""Largest integer level per bit width (2-bit codes are the odd levels −3, −1, 1, 3)."""
+_TINY = torch.finfo(torch.float32).tiny
+"""Scale of an all-zero block: every scale on the wire is finite and > 0."""
+
+
+class CompressionError(ValueError):
+    """A compressed tensor that cannot have come from `encode`: what and why."""
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """How one tensor is compressed: 'raw' (fp32), 'quant' (blockwise, `bits`, `block`), 'topk'
+    (`density` of each `chunk`, values fp32 or, with `bits`, quantised with one scale per chunk)."""
+
+    kind: str = "raw"
+    """'raw', 'quant' or 'topk'."""
+    bits: int = 0
+    """Quantised values: 8, 4 or 2 (0 = fp32 values; 'quant' needs one)."""
+    block: int = 64
+    """'quant': values per scale."""
+    chunk: int = 4096
+    """'topk': values per chunk."""
+    density: float = 0.03
+    """'topk': the share of each chunk kept (k = max(1, round(density · chunk)))."""
+
+    def validate(self) -> "CodecSpec":
+        if self.kind not in ("raw", "quant", "topk"):
+            raise ValueError(f"codec kind={self.kind!r}: expected 'raw', 'quant' or 'topk'")
+        if self.kind == "quant" and self.bits not in QUANT_BITS:
+            raise ValueError(f"codec 'quant' bits={self.bits!r}: expected one of {QUANT_BITS}")
+        if self.kind == "topk" and self.bits not in (0, *QUANT_BITS):
+            raise ValueError(f"codec 'topk' bits={self.bits!r}: expected 0 (fp32 values) or one of {QUANT_BITS}")
+        if not (isinstance(self.block, int) and self.block >= 1):
+            raise ValueError(f"codec block={self.block!r}: expected an integer >= 1")
+        if not (isinstance(self.chunk, int) and 1 <= self.chunk <= 65536):
+            raise ValueError(f"codec chunk={self.chunk!r}: expected an integer in [1, 65536]")
+        if not (0.0 < self.density <= 1.0):
+            raise ValueError(f"codec density={self.density!r}: expected a share in (0, 1]")
+        return self
+
+    @property
+    def k(self) -> int:
+        return max(1, min(self.chunk, round(self.density * self.chunk)))
+
+
+@dataclass
+class Encoded:
+    """A compressed tensor as it crosses the wire: `data` holds the (packed) values, `scales` the
+    fp32 block scales, `indices` the packed top-k positions."""
+
+    spec: CodecSpec
+    numel: int
+    data: bytes
+    scales: bytes = b""
+    indices: bytes = b""
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data) + len(self.scales) + len(self.indices)
+
+
+# ----------------------------------------------------------------------------- bit packing
+def pack(codes: Tensor, bits: int) -> bytes:
+    """Non-negative integer codes (< 2**bits) packed little-endian, 8 / bits per byte for 2, 4 and
+    8 bits, two per three bytes for 12, two bytes each for 16."""
+    c = codes.reshape(-1).to("cpu", torch.int32)
+    if bits in (2, 4, 8):
+        per = 8 // bits
+        pad = (-c.numel()) % per
+        if pad:
+            c = torch.cat([c, c.new_zeros(pad)])
+        c = c.view(-1, per)
+        shifts = torch.arange(per, dtype=torch.int32) * bits
+        return (c << shifts).sum(dim=1).to(torch.uint8).numpy().tobytes()
+    if bits == 12:
+        if c.numel() % 2:
+            c = torch.cat([c, c.new_zeros(1)])
+        a, b = c[0::2], c[1::2]
+        out = torch.stack([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], dim=1)
+        return out.to(torch.uint8).numpy().tobytes()
+    if bits == 16:
+        return c.to(torch.int32).numpy().astype("<u2").tobytes()
+    raise ValueError(f"pack: bits={bits}: expected 2, 4, 8, 12 or 16")
+
+
+def unpack(data: bytes, bits: int, count: int) -> Tensor:
+    """The first `count` codes of `pack(codes, bits)`, as int64; CompressionError if the bytes
+    are not exactly what `count` codes take."""
+    expected = packed_size(count, bits)
+    if len(data) != expected:
+        raise CompressionError(f"{len(data)} bytes of {bits}-bit codes, expected {expected} for {count} codes")
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64) if data else torch.zeros(0, dtype=torch.int64)
+    if bits in (2, 4, 8):
+        per = 8 // bits
+        shifts = torch.arange(per, dtype=torch.int64) * bits
+        return ((raw.view(-1, 1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:count]
+    if bits == 12:
+        t = raw.view(-1, 3)
+        a = t[:, 0] | ((t[:, 1] & 0xF) << 8)
+        b = (t[:, 1] >> 4) | (t[:, 2] << 4)
+        return torch.stack([a, b], dim=1).reshape(-1)[:count]
+    if bits == 16:
+        t = raw.view(-1, 2)
+        return (t[:, 0] | (t[:, 1] << 8))[:count]
+    raise ValueError(f"unpack: bits={bits}: expected 2, 4, 8, 12 or 16")
+
+
+def packed_size(count: int, bits: int) -> int:
+    """Bytes `pack` writes for `count` codes of `bits` bits."""
+    if bits == 12:
+        return 3 * math.ceil(count / 2)
+    if bits == 16:
+        return 2 * count
+    return math.ceil(count * bits / 8)
+
+
+def index_bits(chunk: int) -> int:
+    """Bits per packed top-k index for chunks of `chunk` values."""
+    return 12 if chunk <= 4096 else 16
+
+
+# ----------------------------------------------------------------------------- quantisation
+def quantize(x: Tensor, bits: int, block: int) -> tuple[Tensor, Tensor]:
+    """(codes, scales): the flattened `x` in blocks of `block`, one fp32 scale each, codes as
+    non-negative integers (q + L for int8/int4, (q + 3) / 2 for 2-bit) ready to `pack`."""
+    flat = x.detach().reshape(-1).float()
+    n = flat.numel()
+    nblocks = math.ceil(n / block)
+    padded = torch.nn.functional.pad(flat, (0, nblocks * block - n)).view(nblocks, block)
+    level = _LEVELS[bits]
+    scales = (padded.abs().amax(dim=1) / level).clamp_min(_TINY)
+    q = padded / scales[:, None]
+    if bits == 2:  # nearest of the odd levels −3, −1, 1, 3
+        codes = ((q.clamp(-3.0, 3.0) + 3.0) / 2.0).round().clamp(0, 3)
+    else:
+        codes = q.round().clamp(-level, level) + level
+    return codes.reshape(-1)[:n].to(torch.int64), scales
+
+
+def dequantize(codes: Tensor, scales: Tensor, bits: int, block: int, numel: int) -> Tensor:
+    """The fp32 values of `quantize`'s output (flat, `numel` long)."""
+    level = _LEVELS[bits]
+    q = codes.to(torch.float32) * 2.0 - 3.0 if bits == 2 else codes.to(torch.float32) - level
+    nblocks = scales.numel()
+    q = torch.nn.functional.pad(q, (0, nblocks * block - numel)).view(nblocks, block)
+    values = q * (scales[:, None] / (3.0 if bits == 2 else 1.0))
+    return values.reshape(-1)[:numel]
+
+
+# ----------------------------------------------------------------------------- top-k
+def chunk_layout(numel: int, chunk: int, k: int) -> tuple[int, int, int, int]:
+    """(full chunks, k per full chunk, tail length, k of the tail) for `numel` values."""
+    full, tail = divmod(numel, chunk)
+    k = min(k, chunk)
+    k_tail = min(tail, max(1, math.ceil(k * tail / chunk))) if tail else 0
+    return full, k, tail, k_tail
+
+
+def topk(x: Tensor, chunk: int, k: int) -> tuple[Tensor, Tensor]:
+    """(positions, values): per chunk of the flattened `x`, its k largest magnitudes, positions
+    within the chunk in increasing order; the full chunks first, then the tail's."""
+    flat = x.detach().reshape(-1).float()
+    full, k, tail, k_tail = chunk_layout(flat.numel(), chunk, k)
+    positions, values = [], []
+    if full:
+        body = flat[:full * chunk].view(full, chunk)
+        idx = body.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+        positions.append(idx.reshape(-1))
+        values.append(body.gather(1, idx).reshape(-1))
+    if tail:
+        rest = flat[full * chunk:]
+        idx = rest.abs().topk(k_tail, sorted=False).indices.sort().values
+        positions.append(idx)
+        values.append(rest[idx])
+    if not positions:
+        return torch.zeros(0, dtype=torch.int64, device=flat.device), flat.new_zeros(0)
+    return torch.cat(positions), torch.cat(values)
+
+
+def densify(positions: Tensor, values: Tensor, numel: int, chunk: int, k: int) -> Tensor:
+    """The flat fp32 tensor with `values` at `positions` (as `topk` laid them out), zeros elsewhere."""
+    full, k, tail, k_tail = chunk_layout(numel, chunk, k)
+    offsets = torch.cat([torch.arange(full, dtype=torch.int64).repeat_interleave(k) * chunk,
+                         torch.full((k_tail,), full * chunk, dtype=torch.int64)]).to(positions.device)
+    out = torch.zeros(numel, dtype=torch.float32, device=values.device)
+    out[positions + offsets] = values.float()
+    return out
+
+
+def _check_positions(positions: Tensor, numel: int, chunk: int, k: int, label: str) -> None:
+    """Every position inside its chunk, strictly increasing within it (so none repeats)."""
+    full, k, tail, k_tail = chunk_layout(numel, chunk, k)
+    if full:
+        body = positions[:full * k].view(full, k)
+        if bool((body >= chunk).any()):
+            raise CompressionError(f"{label}: a top-k index >= chunk size {chunk}")
+        if k > 1 and not bool((body[:, 1:] > body[:, :-1]).all()):
+            raise CompressionError(f"{label}: top-k indices repeated or out of order within a chunk")
+    if tail:
+        rest = positions[full * k:]
+        if bool((rest >= tail).any()):
+            raise CompressionError(f"{label}: a top-k index >= the last chunk's {tail} values")
+        if k_tail > 1 and not bool((rest[1:] > rest[:-1]).all()):
+            raise CompressionError(f"{label}: top-k indices repeated or out of order in the last chunk")
+
+
+# ----------------------------------------------------------------------------- encode / decode
+def encode(x: Tensor, spec: CodecSpec) -> Encoded:
+    """`x` compressed per `spec` (`decode(encode(x, s), ...)` is what the receiver gets)."""
+    n = x.numel()
+    if spec.kind == "raw":
+        return Encoded(spec, n, x.detach().reshape(-1).float().cpu().numpy().astype("<f4").tobytes())
+    if spec.kind == "quant":
+        codes, scales = quantize(x, spec.bits, spec.block)
+        return Encoded(spec, n, pack(codes, spec.bits), _f32(scales))
+    positions, values = topk(x, spec.chunk, spec.k)
+    indices = pack(positions, index_bits(spec.chunk))
+    if not spec.bits:
+        return Encoded(spec, n, _f32(values), indices=indices)
+    codes, scales = _quantize_groups(values, spec.bits, _value_groups(n, spec))
+    return Encoded(spec, n, pack(codes, spec.bits), _f32(scales), indices)
+
+
+def decode(enc: Encoded, label: str = "tensor") -> Tensor:
+    """The flat fp32 tensor an `Encoded` stands for; CompressionError (naming `label`) for byte
+    counts that do not match the spec and numel, non-finite or non-positive scales, top-k
+    indices out of range or repeated, non-finite values."""
+    spec, n = enc.spec, enc.numel
+    if n < 0:
+        raise CompressionError(f"{label}: numel={n}")
+    try:
+        if spec.kind == "raw":
+            if len(enc.data) != 4 * n:
+                raise CompressionError(f"{len(enc.data)} bytes of fp32 values, expected {4 * n}")
+            out = torch.frombuffer(bytearray(enc.data), dtype=torch.float32) if n else torch.zeros(0)
+            return _finite(out, label)
+        if spec.kind == "quant":
+            nblocks = math.ceil(n / spec.block)
+            scales = _scales(enc.scales, nblocks)
+            codes = unpack(enc.data, spec.bits, n)
+            return dequantize(codes, scales, spec.bits, spec.block, n)
+        full, k, tail, k_tail = chunk_layout(n, spec.chunk, spec.k)
+        count = full * k + k_tail
+        positions = unpack(enc.indices, index_bits(spec.chunk), count)
+        _check_positions(positions, n, spec.chunk, spec.k, label)
+        if not spec.bits:
+            if len(enc.data) != 4 * count:
+                raise CompressionError(f"{len(enc.data)} bytes of top-k values, expected {4 * count}")
+            values = _finite(torch.frombuffer(bytearray(enc.data), dtype=torch.float32) if count else torch.zeros(0),
+                             label)
+        else:
+            groups = _value_groups(n, spec)
+            scales = _scales(enc.scales, groups[0] + (1 if groups[2] else 0))
+            codes = unpack(enc.data, spec.bits, count)
+            values = _dequantize_groups(codes, scales, spec.bits, groups)
+        return densify(positions, values, n, spec.chunk, spec.k)
+    except CompressionError as err:
+        if str(err).startswith(label):
+            raise
+        raise CompressionError(f"{label}: {err}") from None
+
+
+def roundtrip(x: Tensor, spec: CodecSpec) -> Tensor:
+    """What the receiver of `encode(x, spec)` reconstructs, shaped like `x`."""
+    return decode(encode(x, spec)).view_as(x).to(x.device)
+
+
+def _f32(t: Tensor) -> bytes:
+    return t.detach().float().cpu().numpy().astype("<f4").tobytes()
+
+
+def _scales(data: bytes, count: int) -> Tensor:
+    if len(data) != 4 * count:
+        raise CompressionError(f"{len(data)} bytes of scales, expected {4 * count}")
+    scales = torch.frombuffer(bytearray(data), dtype=torch.float32) if count else torch.zeros(0)
+    if not bool(torch.isfinite(scales).all()) or bool((scales <= 0).any()):
+        raise CompressionError("a block scale is NaN, infinite, zero or negative")
+    return scales
+
+
+def _finite(t: Tensor, label: str) -> Tensor:
+    if not bool(torch.isfinite(t).all()):
+        raise CompressionError(f"{label}: contains NaN or Inf")
+    return t
+
+
+def _value_groups(numel: int, spec: CodecSpec) -> tuple[int, int, int]:
+    """Top-k values share one scale per chunk: (full chunks, k of each, k of the tail)."""
+    full, k, _, k_tail = chunk_layout(numel, spec.chunk, spec.k)
+    return full, k, k_tail
+
+
+def _quantize_groups(values: Tensor, bits: int, groups: tuple[int, int, int]) -> tuple[Tensor, Tensor]:
+    """`quantize` with one scale per chunk's top-k values (the tail's as one more block)."""
+    full, k, k_tail = groups
+    parts = [quantize(values[:full * k], bits, k)] if full else []
+    if k_tail:
+        parts.append(quantize(values[full * k:], bits, k_tail))
+    if not parts:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0)
+    return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
+
+
+def _dequantize_groups(codes: Tensor, scales: Tensor, bits: int, groups: tuple[int, int, int]) -> Tensor:
+    full, k, k_tail = groups
+    parts = [dequantize(codes[:full * k], scales[:full], bits, k, full * k)] if full else []
+    if k_tail:
+        parts.append(dequantize(codes[full * k:], scales[full:], bits, k_tail, k_tail))
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+# ----------------------------------------------------------------------------- error feedback
+class ErrorFeedback:
+    """Per-name residual buffers of a lossy codec: `compress(name, x)` encodes x + e and keeps
+    e ← x + e − decode(...), so that nothing a round leaves out is lost (it travels later).
+
+    The buffers are fp32 on x's device, created at first use; `state_dict` / `load_state_dict`
+    carry them with the client's state between rounds (their bytes count in the memory table)."""
+
+    def __init__(self) -> None:
+        self.residual: dict[str, Tensor] = {}
+
+    def compress(self, name: str, x: Tensor, spec: CodecSpec) -> tuple[Encoded, Tensor]:
+        """(the encoding of x + e, what the receiver decodes from it, shaped like x)."""
+        e = self.residual.get(name)
+        target = x.detach().float() if e is None else e.add_(x.detach().float())
+        enc = encode(target, spec)
+        sent = decode(enc, name).view_as(x).to(target.device)
+        self.residual[name] = target.sub_(sent) if e is not None else target - sent
+        return enc, sent
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {f"ef_wire/{k}": v for k, v in self.residual.items()}
+
+    def load_state_dict(self, sd: Mapping[str, Tensor]) -> None:
+        self.residual = {k.removeprefix("ef_wire/"): v.float().clone() for k, v in sd.items()
+                         if k.startswith("ef_wire/")}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.residual.values())
