@@ -75,6 +75,7 @@ from torch import Tensor
 
 from lordo_fed.rounds import GlobalState, WorkerUpdate
 from lordo_fed.v1 import wire_pb2 as pb
+from lordo_fed.wire.compress import CodecSpec, CompressionError, Encoded, decode as decode_compressed, describe, part_sizes, split_payload
 
 SCHEMA = "lordo_fed.v1"
 """Wire-format version; a breaking change means a new `lordo_fed.v2` package and schema."""
@@ -89,6 +90,11 @@ _PAYLOAD_TYPES = (bytes, bytearray, memoryview, mmap.mmap)
 
 GLOBAL_STATE_SCHEMA = f"{SCHEMA}.GlobalState"
 UPDATE_SCHEMA = f"{SCHEMA}.WorkerUpdate"
+SCHEMA_V2 = "lordo_fed.v2"
+"""The schema of payloads that carry compressed tensors (codecs QUANT, TOPK, TOPK_QUANT; the
+same messages: see proto/lordo_fed/v1/wire.proto). A v1-only receiver refuses them by this string."""
+_COMPRESSED = {"quant": pb.QUANT, "topk": pb.TOPK}
+_COMPRESSED_CODECS = frozenset({pb.QUANT, pb.TOPK, pb.TOPK_QUANT})
 
 
 class PayloadError(ValueError):
@@ -161,7 +167,8 @@ def tensors_nbytes(msg, payload_dtype: str = "fp32") -> int:
         return sum(t.nbytes for group in (msg.delta, msg.moments) for t in group)
     if isinstance(msg, (GlobalState, WorkerUpdate)):
         _check_payload_dtype(payload_dtype)
-        return sum(t.numel() * _wire_itemsize(t, "fp32" if name.startswith("proj/") else payload_dtype)
+        return sum(t.nbytes if isinstance(t, Encoded) else
+                   t.numel() * _wire_itemsize(t, "fp32" if name.startswith("proj/") else payload_dtype)
                    for name, t in msg.tensors().items())
     raise TypeError(f"tensors_nbytes: expected a GlobalState or WorkerUpdate, got {type(msg).__name__}")
 
@@ -194,6 +201,23 @@ def _wire_form(name: str, t: Tensor, payload_dtype: str, where: str) -> tuple[Te
                      f"(floating tensors, int64 and int32 only)")
 
 
+def _codec_fields(enc: Encoded) -> tuple[int, dict[int, int]]:
+    """(Codec enum value, {Tensor field number: value} of bits/block/chunk/topk) of an Encoded."""
+    spec = enc.spec
+    if spec.kind == "raw":
+        return pb.RAW, {}
+    if spec.kind == "quant":
+        return pb.QUANT, {7: spec.bits, 8: spec.block}
+    return (pb.TOPK_QUANT if spec.bits else pb.TOPK), {**({7: spec.bits} if spec.bits else {}), 9: spec.chunk,
+                                                        10: spec.k}
+
+
+def _schema_of(groups: Iterable[Mapping[str, object]], kind: str) -> str:
+    """v2 when any tensor travels compressed, else v1 (what every v1 receiver reads)."""
+    compressed = any(isinstance(t, Encoded) and t.spec.kind != "raw" for g in groups for t in g.values())
+    return f"{SCHEMA_V2 if compressed else SCHEMA}.{kind}"
+
+
 # ---------------------------------------------------------------------------------------------
 # encoding: the protobuf reference (the oracle of the tests; not used on the hot path)
 
@@ -204,6 +228,17 @@ def _le_bytes(arr: np.ndarray) -> bytes:
 
 
 def _fill_tensor(out: pb.Tensor, name: str, t: Tensor, payload_dtype: str, where: str) -> None:
+    if isinstance(t, Encoded):
+        codec, fields = _codec_fields(t)
+        out.name = name
+        out.shape.extend(int(d) for d in t.shape)
+        out.dtype, out.codec = pb.FLOAT32, codec
+        data = t.payload()
+        out.nbytes = len(data)
+        out.data = data
+        for number, value in fields.items():
+            setattr(out, pb.Tensor.DESCRIPTOR.fields_by_number[number].name, value)
+        return
     t, dtype, codec, _ = _wire_form(name, t, payload_dtype, where)
     if t.device.type != "cpu":
         t = t.cpu()
@@ -231,8 +266,8 @@ def _encode_global_state_reference(state: GlobalState, model_id: str, payload_dt
     """The protobuf-message encoder (tensor -> bytes -> message field -> SerializeToString: ~4
     payload-sized copies). Kept as the oracle that `encode_global_state` must match byte for byte."""
     _check_payload_dtype(payload_dtype)
-    msg = pb.GlobalState(schema=GLOBAL_STATE_SCHEMA, model_id=model_id, round=int(state.round),
-                         opt_step=int(state.opt_step))
+    msg = pb.GlobalState(schema=_schema_of((state.params, state.moments), "GlobalState"), model_id=model_id,
+                         round=int(state.round), opt_step=int(state.opt_step))
     _fill_group(msg.params, state.params, payload_dtype, "GlobalState.params")
     _fill_group(msg.projections, state.projections, "fp32", "GlobalState.projections")
     _fill_group(msg.moments, state.moments, payload_dtype, "GlobalState.moments")
@@ -245,7 +280,8 @@ def _encode_update_reference(update: WorkerUpdate, model_id: str, payload_dtype:
     """The protobuf-message encoder of a WorkerUpdate (the oracle of `encode_update`). Map entries
     (metrics) come out in upb's hash order, or in upb's sort order with `deterministic`."""
     _check_payload_dtype(payload_dtype)
-    msg = pb.WorkerUpdate(schema=UPDATE_SCHEMA, model_id=model_id, round=int(update.round),
+    msg = pb.WorkerUpdate(schema=_schema_of((update.delta, update.moments), "WorkerUpdate"), model_id=model_id,
+                          round=int(update.round),
                           worker_id=int(update.worker_id), tokens=int(update.tokens),
                           opt_step=int(update.opt_step))
     _fill_group(msg.delta, update.delta, payload_dtype, "WorkerUpdate.delta")
@@ -322,8 +358,34 @@ class _Plan:
         self.size += len(piece) if isinstance(piece, bytes) else len(piece.head) + piece.nbytes
 
 
+def _plan_encoded(plan: _Plan, field: int, name: str, enc: Encoded, where: str) -> None:
+    """A compressed tensor: its header, its bytes as they are, then its codec fields (7-10 come
+    after `data` in field order, as SerializeToString writes them)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: tensor name {name!r} must be a non-empty string")
+    codec, fields = _codec_fields(enc)
+    data = enc.payload()
+    nbytes = len(data)
+    body = bytearray(_string_field(1, name))
+    if enc.shape:
+        dims = b"".join(_varint(int(d)) for d in enc.shape)
+        body += _key(2, _WT_LEN) + _varint(len(dims)) + dims
+    body += _key(3, _WT_VARINT) + _varint(pb.FLOAT32) + _key(4, _WT_VARINT) + _varint(codec)
+    if nbytes:
+        body += _key(5, _WT_VARINT) + _varint(nbytes) + _key(6, _WT_LEN) + _varint(nbytes)
+    trailer = b"".join(_key(number, _WT_VARINT) + _varint(value) for number, value in sorted(fields.items()) if value)
+    head = _key(field, _WT_LEN) + _varint(len(body) + nbytes + len(trailer)) + bytes(body)
+    words = torch.frombuffer(bytearray(data), dtype=torch.uint8) if nbytes else torch.zeros(0, dtype=torch.uint8)
+    plan.add(_TensorPiece(head, words, torch.uint8, nbytes))
+    if trailer:
+        plan.add(trailer)
+
+
 def _plan_group(plan: _Plan, field: int, tensors: Mapping[str, Tensor], payload_dtype: str, where: str) -> None:
     for name, t in tensors.items():
+        if isinstance(t, Encoded):
+            _plan_encoded(plan, field, name, t, where)
+            continue
         t, dtype, codec, wire = _wire_form(name, t, payload_dtype, where)
         nbytes = t.numel() * _WIRE_NP[(dtype, codec)].itemsize
         body = bytearray(_string_field(1, name))
@@ -349,7 +411,7 @@ def _global_state_plan(state: GlobalState, model_id: str, payload_dtype: str) ->
     if not isinstance(model_id, str):
         raise TypeError(f"model_id: expected a str, got {type(model_id).__name__}")
     plan = _Plan()
-    plan.add(_string_field(1, GLOBAL_STATE_SCHEMA) + _string_field(2, model_id)
+    plan.add(_string_field(1, _schema_of((state.params, state.moments), "GlobalState")) + _string_field(2, model_id)
              + _int64_field(3, int(state.round), "GlobalState.round")
              + _int64_field(4, int(state.opt_step), "GlobalState.opt_step"))
     _plan_group(plan, 5, state.params, payload_dtype, "GlobalState.params")
@@ -367,7 +429,7 @@ def _update_plan(update: WorkerUpdate, model_id: str, payload_dtype: str) -> _Pl
     if not isinstance(model_id, str):
         raise TypeError(f"model_id: expected a str, got {type(model_id).__name__}")
     plan = _Plan()
-    plan.add(_string_field(1, UPDATE_SCHEMA) + _string_field(2, model_id)
+    plan.add(_string_field(1, _schema_of((update.delta, update.moments), "WorkerUpdate")) + _string_field(2, model_id)
              + _int64_field(3, int(update.round), "WorkerUpdate.round")
              + _int64_field(4, int(update.worker_id), "WorkerUpdate.worker_id")
              + _int64_field(5, int(update.tokens), "WorkerUpdate.tokens")
@@ -581,7 +643,11 @@ def _parse(cls, data, kind: str, payload_size: int | None = None):
     return msg
 
 
-def _check_header(msg, kind: str, expected_schema: str, expected_model_id: str | None) -> None:
+def _check_header(msg, kind: str, expected_schema: str, expected_model_id: str | None) -> bool:
+    """Schema, wire types and model identity; returns whether the payload is v2 (compressed
+    codecs allowed)."""
+    if msg.schema == f"{SCHEMA_V2}.{kind}":
+        expected_schema = msg.schema
     if msg.schema != expected_schema:
         if not msg.schema:
             raise PayloadError(f"{kind}: the payload carries no schema version (received '', "
@@ -590,13 +656,14 @@ def _check_header(msg, kind: str, expected_schema: str, expected_model_id: str |
         other = UPDATE_SCHEMA if expected_schema == GLOBAL_STATE_SCHEMA else GLOBAL_STATE_SCHEMA
         if msg.schema == other:
             hint = f" (a {other.rsplit('.', 1)[1]} where a {kind} was expected)"
-        raise PayloadError(f"{kind}: schema {msg.schema!r} received, expected {expected_schema!r}"
-                           f"{hint}")
+        raise PayloadError(f"{kind}: schema {msg.schema!r} received, expected {expected_schema!r} "
+                           f"(or '{SCHEMA_V2}.{kind}' with compressed tensors){hint}")
     _check_wire_types(msg, kind)
     if expected_model_id is not None and msg.model_id != expected_model_id:
         raise PayloadError(f"{kind}: model_id {msg.model_id!r} received, expected "
                            f"{expected_model_id!r}: the payload is for another model "
                            f"(parameter names or shapes differ)")
+    return msg.schema.startswith(SCHEMA_V2 + ".")
 
 
 def _check_counts(kind: str, **fields: int) -> None:
@@ -622,21 +689,37 @@ def _check_wire_types(msg, label: str) -> None:
                                f"declared type{what}")
 
 
-def _check_tensor_meta(t: pb.Tensor, where: str) -> tuple[int, ...]:
-    """Everything but len(data), from the message fields alone: returns the shape."""
+def _spec_of(t: pb.Tensor) -> CodecSpec:
+    """The compression spec a v2 tensor declares (its codec fields, as sent)."""
+    if t.codec == pb.QUANT:
+        return CodecSpec("quant", bits=t.bits, block=t.block)
+    return CodecSpec("topk", bits=t.bits if t.codec == pb.TOPK_QUANT else 0, chunk=t.chunk, density=1.0, topk=t.topk)
+
+
+def _check_tensor_meta(t: pb.Tensor, where: str, v2: bool = False,
+                       codecs: frozenset[CodecSpec] | None = None) -> tuple[int, ...]:
+    """Everything but len(data), from the message fields alone: returns the shape. Compressed
+    codecs only in a v2 payload, and only those in `codecs` (what this receiver configured)."""
     label = f"{where}[{t.name!r}]"
     _check_wire_types(t, label)
     if t.dtype not in _DTYPE_INFO:
         raise PayloadError(f"{label}: unknown dtype enum value {_enum_name(pb.DType, t.dtype)} "
                            f"(known: {', '.join(pb.DType.Name(d) for d in _DTYPE_INFO)})")
-    if t.codec not in (pb.RAW, pb.BF16_BITS):
+    known = (pb.RAW, pb.BF16_BITS, *sorted(_COMPRESSED_CODECS)) if v2 else (pb.RAW, pb.BF16_BITS)
+    if t.codec not in known:
         raise PayloadError(f"{label}: unknown codec enum value {_enum_name(pb.Codec, t.codec)} "
-                           f"(known: RAW, BF16_BITS)")
-    codecs, _ = _DTYPE_INFO[t.dtype]
-    if t.codec not in codecs:
+                           f"(known: {', '.join(pb.Codec.Name(c) for c in known)})"
+                           + ("" if v2 or t.codec not in _COMPRESSED_CODECS else
+                              f"; compressed codecs come in {SCHEMA_V2} payloads only"))
+    compressed = t.codec in _COMPRESSED_CODECS
+    codecs_of_dtype = _DTYPE_INFO[t.dtype][0] | (_COMPRESSED_CODECS if t.dtype == pb.FLOAT32 else frozenset())
+    if t.codec not in codecs_of_dtype:
         raise PayloadError(f"{label}: codec {pb.Codec.Name(t.codec)} does not fit dtype "
                            f"{pb.DType.Name(t.dtype)} (allowed: "
-                           f"{', '.join(sorted(pb.Codec.Name(c) for c in codecs))})")
+                           f"{', '.join(sorted(pb.Codec.Name(c) for c in codecs_of_dtype))})")
+    if not compressed and (t.bits or t.block or t.chunk or t.topk):
+        raise PayloadError(f"{label}: codec {pb.Codec.Name(t.codec)} with compression fields set (bits={t.bits}, "
+                           f"block={t.block}, chunk={t.chunk}, topk={t.topk})")
     shape = tuple(t.shape)
     for d in shape:
         if not isinstance(d, int) or isinstance(d, bool):
@@ -645,6 +728,21 @@ def _check_tensor_meta(t: pb.Tensor, where: str) -> tuple[int, ...]:
             raise PayloadError(f"{label}: shape {list(shape)} has a negative dimension {d}")
     if t.nbytes < 0:
         raise PayloadError(f"{label}: negative declared size nbytes={t.nbytes}")
+    if compressed:
+        spec = _spec_of(t)
+        try:
+            spec.validate()
+        except ValueError as err:
+            raise PayloadError(f"{label}: {err}") from None
+        if codecs is None or spec not in codecs:
+            configured = ", ".join(sorted(describe(c) for c in codecs or ())) or "none"
+            raise PayloadError(f"{label}: codec {describe(spec)} is not one this receiver configured "
+                               f"(configured: {configured})")
+        expected = sum(part_sizes(spec, math.prod(shape)))
+        if t.nbytes != expected:
+            raise PayloadError(f"{label}: declared size nbytes={t.nbytes} does not match shape {list(shape)} "
+                               f"with codec {describe(spec)} = {expected}")
+        return shape
     itemsize = _WIRE_NP[(t.dtype, t.codec)].itemsize
     expected = math.prod(shape) * itemsize
     if t.nbytes != expected:
@@ -654,7 +752,8 @@ def _check_tensor_meta(t: pb.Tensor, where: str) -> tuple[int, ...]:
     return shape
 
 
-def _check_group(group: Iterable[pb.Tensor], where: str) -> list[tuple[int, ...]]:
+def _check_group(group: Iterable[pb.Tensor], where: str, v2: bool = False,
+                 codecs: frozenset[CodecSpec] | None = None) -> list[tuple[int, ...]]:
     seen: set[str] = set()
     shapes = []
     for t in group:
@@ -663,7 +762,7 @@ def _check_group(group: Iterable[pb.Tensor], where: str) -> list[tuple[int, ...]
         if t.name in seen:
             raise PayloadError(f"{where}[{t.name!r}]: duplicate tensor name")
         seen.add(t.name)
-        shapes.append(_check_tensor_meta(t, where))
+        shapes.append(_check_tensor_meta(t, where, v2, codecs))
     return shapes
 
 
@@ -681,6 +780,13 @@ def _build_tensor(t: pb.Tensor, shape: tuple[int, ...], where: str, data=None, a
         relation = "larger than" if len(data) > t.nbytes else "smaller than"
         raise PayloadError(f"{where}[{t.name!r}]: payload {relation} its declared size "
                            f"({len(data)} bytes of data, nbytes={t.nbytes})")
+    if t.codec in _COMPRESSED_CODECS:  # checked against this receiver's codecs and the sizes already
+        label = f"{where}[{t.name!r}]"
+        try:
+            enc = split_payload(_spec_of(t), math.prod(shape), data, shape)
+            return decode_compressed(enc, label).view(shape)
+        except CompressionError as err:
+            raise PayloadError(str(err) if str(err).startswith(label) else f"{label}: {err}") from None
     wire = np.frombuffer(data, dtype=_WIRE_NP[(t.dtype, t.codec)])
     if t.codec == pb.BF16_BITS:
         # bf16 -> fp32 is exact: the 16 bits are the top half of the fp32 word.
@@ -704,15 +810,16 @@ def _decode_group(group, shapes: list[tuple[int, ...]], where: str, spans: list[
 
 def _finish_global_state(msg: pb.GlobalState, expected_model_id: str | None,
                          spans: dict[int, list[tuple[int, int]]] | None = None,
-                         view: memoryview | None = None, adopt: bool = False) -> GlobalState:
+                         view: memoryview | None = None, adopt: bool = False,
+                         codecs: frozenset[CodecSpec] | None = None) -> GlobalState:
     """Validate a parsed GlobalState and build its tensors: from each `data` field (protobuf
     path) or from the data spans the scanner found in `view` (fast path, keyed by field number)."""
     kind = "GlobalState"
-    _check_header(msg, kind, GLOBAL_STATE_SCHEMA, expected_model_id)
+    v2 = _check_header(msg, kind, GLOBAL_STATE_SCHEMA, expected_model_id)
     _check_counts(kind, round=msg.round, opt_step=msg.opt_step)
     groups = [(msg.params, f"{kind}.params", 5), (msg.projections, f"{kind}.projections", 6),
               (msg.moments, f"{kind}.moments", 7)]
-    shapes = [_check_group(g, where) for g, where, _ in groups]
+    shapes = [_check_group(g, where, v2 and field != 6, codecs) for g, where, field in groups]
     params, projections, moments = (
         _decode_group(g, s, where, None if spans is None else spans[field], view, adopt)
         for (g, where, field), s in zip(groups, shapes))
@@ -724,14 +831,15 @@ def _finish_global_state(msg: pb.GlobalState, expected_model_id: str | None,
 
 def _finish_update(msg: pb.WorkerUpdate, expected_model_id: str | None,
                    spans: dict[int, list[tuple[int, int]]] | None = None,
-                   view: memoryview | None = None, adopt: bool = False) -> WorkerUpdate:
+                   view: memoryview | None = None, adopt: bool = False,
+                   codecs: frozenset[CodecSpec] | None = None) -> WorkerUpdate:
     """Validate a parsed WorkerUpdate and build its tensors (see `_finish_global_state`)."""
     kind = "WorkerUpdate"
-    _check_header(msg, kind, UPDATE_SCHEMA, expected_model_id)
+    v2 = _check_header(msg, kind, UPDATE_SCHEMA, expected_model_id)
     _check_counts(kind, round=msg.round, worker_id=msg.worker_id, tokens=msg.tokens,
                   opt_step=msg.opt_step)
     groups = [(msg.delta, f"{kind}.delta", 7), (msg.moments, f"{kind}.moments", 8)]
-    shapes = [_check_group(g, where) for g, where, _ in groups]
+    shapes = [_check_group(g, where, v2, codecs) for g, where, _ in groups]
     delta, moments = (_decode_group(g, s, where, None if spans is None else spans[field], view, adopt)
                       for (g, where, field), s in zip(groups, shapes))
     return WorkerUpdate(worker_id=int(msg.worker_id), round=int(msg.round), delta=delta,
@@ -739,16 +847,18 @@ def _finish_update(msg: pb.WorkerUpdate, expected_model_id: str | None,
                         metrics={str(k): float(v) for k, v in msg.metrics.items()})
 
 
-def _decode_global_state_reference(data, expected_model_id: str | None = None) -> GlobalState:
+def _decode_global_state_reference(data, expected_model_id: str | None = None,
+                                   codecs: frozenset[CodecSpec] | None = None) -> GlobalState:
     """The protobuf path: parse the whole payload into a message (a copy of it), then copy each
     tensor out of its `data` field. The oracle of the tests, and the fallback of
     `decode_global_state` for wire forms its scanner leaves to protobuf."""
-    return _finish_global_state(_parse(pb.GlobalState, data, "GlobalState"), expected_model_id)
+    return _finish_global_state(_parse(pb.GlobalState, data, "GlobalState"), expected_model_id, codecs=codecs)
 
 
-def _decode_update_reference(data, expected_model_id: str | None = None) -> WorkerUpdate:
+def _decode_update_reference(data, expected_model_id: str | None = None,
+                             codecs: frozenset[CodecSpec] | None = None) -> WorkerUpdate:
     """The protobuf path of `decode_update` (see `_decode_global_state_reference`)."""
-    return _finish_update(_parse(pb.WorkerUpdate, data, "WorkerUpdate"), expected_model_id)
+    return _finish_update(_parse(pb.WorkerUpdate, data, "WorkerUpdate"), expected_model_id, codecs=codecs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -883,17 +993,19 @@ def _scan(view: memoryview, kind: str) -> tuple[bytes, dict[int, list[tuple[int,
     return b"".join(pieces), spans
 
 
-def _decode(data, kind: str, cls, finish, reference, expected_model_id: str | None, adopt: bool = False):
+def _decode(data, kind: str, cls, finish, reference, expected_model_id: str | None, adopt: bool = False,
+            codecs: Iterable[CodecSpec] | None = None):
     view = _byte_view(data, kind)
+    codecs = None if codecs is None else frozenset(c.canonical() for c in codecs)
     try:
         skeleton, spans = _scan(view, kind)
     except _Irregular:
-        return reference(view, expected_model_id)
+        return reference(view, expected_model_id, codecs)
     msg = _parse(cls, skeleton, kind, payload_size=view.nbytes)
     groups = {f.number: getattr(msg, f.name) for f in cls.DESCRIPTOR.fields if f.number in spans}
     if any(len(groups[field]) != len(found) for field, found in spans.items()):  # pragma: no cover
-        return reference(view, expected_model_id)  # cannot happen: one element per occurrence
-    return finish(msg, expected_model_id, spans, view, adopt)
+        return reference(view, expected_model_id, codecs)  # cannot happen: one element per occurrence
+    return finish(msg, expected_model_id, spans, view, adopt, codecs)
 
 
 def _release_views_on_error(decode):
@@ -902,7 +1014,7 @@ def _release_views_on_error(decode):
     resize the buffer it decoded from (an mmap refuses to close while a view of it is alive)."""
 
     @functools.wraps(decode)
-    def wrapper(data, expected_model_id: str | None = None, **options):
+    def wrapper(data, expected_model_id: str | None = None, **options):  # noqa: ANN001
         try:
             return decode(data, expected_model_id, **options)
         except BaseException as exc:
@@ -913,26 +1025,32 @@ def _release_views_on_error(decode):
 
 
 @_release_views_on_error
-def decode_global_state(data: Buffer, expected_model_id: str | None = None, adopt: bool = False) -> GlobalState:
+def decode_global_state(data: Buffer, expected_model_id: str | None = None, adopt: bool = False,
+                        codecs: Iterable[CodecSpec] | None = None) -> GlobalState:
     """Parse and validate a GlobalState payload; floating tensors come back fp32 on the CPU.
 
     `data` is bytes, a bytearray, a memoryview or an mmap (a spooled file): it is read in place,
     never copied whole; each tensor is copied once out of it into memory the tensor owns.
     `adopt=True`, for a writable buffer the caller hands over (a node's download): fp32 tensors
     are views of it instead, no copy (and, in a fresh process, no second 4 KiB page fault per
-    page: 0.5 s per 200 MB on these VMs); the buffer lives as long as any of them."""
+    page: 0.5 s per 200 MB on these VMs); the buffer lives as long as any of them.
+    `codecs`: the compression specs this receiver configured (lordo_fed.wire.compress); a
+    compressed tensor of any other spec is refused (None: none, v1 codecs only). A compressed
+    tensor decodes to fp32 in memory of its own, at most as many bytes as the configured codecs
+    expand the payload to."""
     return _decode(data, "GlobalState", pb.GlobalState, _finish_global_state,
-                   _decode_global_state_reference, expected_model_id, adopt)
+                   _decode_global_state_reference, expected_model_id, adopt, codecs)
 
 
 @_release_views_on_error
-def decode_update(data: Buffer, expected_model_id: str | None = None, adopt: bool = False) -> WorkerUpdate:
+def decode_update(data: Buffer, expected_model_id: str | None = None, adopt: bool = False,
+                  codecs: Iterable[CodecSpec] | None = None) -> WorkerUpdate:
     """Parse and validate a WorkerUpdate payload; floating tensors come back fp32 on the CPU.
 
-    Accepts bytes, bytearray, memoryview or mmap, read in place; `adopt` as in
+    Accepts bytes, bytearray, memoryview or mmap, read in place; `adopt` and `codecs` as in
     `decode_global_state`."""
     return _decode(data, "WorkerUpdate", pb.WorkerUpdate, _finish_update,
-                   _decode_update_reference, expected_model_id, adopt)
+                   _decode_update_reference, expected_model_id, adopt, codecs)
 
 
 @contextlib.contextmanager

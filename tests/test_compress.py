@@ -204,3 +204,81 @@ def test_bad_specs_are_named():
                           (CodecSpec("topk", density=0.0), "density=0.0"), (CodecSpec("topk", chunk=70000), "chunk=70000")]:
         with pytest.raises(ValueError, match=message):
             spec.validate()
+
+
+# ----------------------------------------------------------------------------- on the wire (lordo_fed.codec)
+def compressed_update():
+    from lordo_fed.rounds import WorkerUpdate
+
+    torch.manual_seed(4)
+    specs = {"delta": CodecSpec("topk", bits=2, chunk=1024, density=0.03), "moment": CodecSpec("quant", bits=4, block=32)}
+    x, m = torch.randn(64, 48), torch.rand(8, 48)
+    update = WorkerUpdate(1, 2, {"w": encode(x, specs["delta"]), "norm": torch.randn(48)},
+                          {"exp_avg_sq/w": encode(m, specs["moment"])}, 100, 7, {"train_loss": 1.5})
+    return update, specs, x, m
+
+
+def test_compressed_tensors_round_trip_the_wire_as_protobuf_writes_them():
+    from lordo_fed.codec import (_decode_update_reference, _encode_update_reference, decode_update, encode_update,
+                                 tensors_nbytes)
+    from lordo_fed.v1 import wire_pb2 as pb
+
+    update, specs, x, m = compressed_update()
+    data = encode_update(update, "mid")
+    assert data == _encode_update_reference(update, "mid", deterministic=True)
+    msg = pb.WorkerUpdate.FromString(data)
+    assert msg.schema == "lordo_fed.v2.WorkerUpdate"
+    assert (msg.delta[0].codec, msg.delta[0].bits, msg.delta[0].chunk, msg.delta[0].topk) == (pb.TOPK_QUANT, 2, 1024, 31)
+    assert (msg.moments[0].codec, msg.moments[0].bits, msg.moments[0].block) == (pb.QUANT, 4, 32)
+    assert tensors_nbytes(update) == tensors_nbytes(msg) < 4 * (x.numel() + m.numel()) / 5
+    for decoded in (decode_update(data, "mid", codecs=specs.values()),
+                    _decode_update_reference(data, "mid", codecs=frozenset(s.canonical() for s in specs.values()))):
+        assert torch.equal(decoded.delta["w"], decode(encode(x, specs["delta"])).view(64, 48))
+        assert torch.equal(decoded.moments["exp_avg_sq/w"], decode(encode(m, specs["moment"])).view(8, 48))
+        assert torch.equal(decoded.delta["norm"], update.delta["norm"])
+    plain = dataclasses_replace(update, delta={"norm": update.delta["norm"]}, moments={})
+    assert pb.WorkerUpdate.FromString(encode_update(plain, "mid")).schema == "lordo_fed.v1.WorkerUpdate"
+
+
+def dataclasses_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
+
+
+def tampered(edit) -> bytes:
+    from lordo_fed.codec import encode_update
+    from lordo_fed.v1 import wire_pb2 as pb
+
+    update, _, _, _ = compressed_update()
+    msg = pb.WorkerUpdate.FromString(encode_update(update, "mid"))
+    edit(msg)
+    return msg.SerializeToString()
+
+
+def _repeat_first_index(msg) -> None:
+    t = msg.delta[0]
+    values = len(t.data) - 3 * ((31 * 3 + 1) // 2)  # codes and scales, then 12-bit indices of 93 entries
+    idx = unpack(t.data[values:], 12, 93)
+    idx[1] = idx[0]
+    t.data = t.data[:values] + pack(idx, 12)
+
+
+@pytest.mark.parametrize("edit,reason", [
+    (lambda msg: setattr(msg, "schema", "lordo_fed.v1.WorkerUpdate"), "compressed codecs come in lordo_fed.v2 payloads only"),
+    (lambda msg: setattr(msg.delta[1], "bits", 8), "codec RAW with compression fields set"),
+    (lambda msg: setattr(msg.delta[0], "topk", 40), "codec top-k 40/1024 2-bit is not one this receiver configured"),
+    (lambda msg: setattr(msg.delta[0], "chunk", 0), "codec chunk=0: expected an integer in [1, 65536]"),
+    (lambda msg: setattr(msg.moments[0], "bits", 3), "codec 'quant' bits=3"),
+    (lambda msg: setattr(msg.delta[0], "nbytes", msg.delta[0].nbytes + 1), "does not match shape [64, 48] with codec"),
+    (lambda msg: setattr(msg.delta[0], "data", msg.delta[0].data + b"\0"), "payload larger than its declared size"),
+    (_repeat_first_index, "WorkerUpdate.delta['w']: top-k indices repeated or out of order"),
+    (lambda msg: setattr(msg.moments[0], "data", msg.moments[0].data[:-4] + b"\0\0\xc0\x7f"),
+     "WorkerUpdate.moments['exp_avg_sq/w']: a block scale is NaN"),
+])
+def test_hostile_compressed_payloads_are_refused_with_a_reason(edit, reason):
+    from lordo_fed.codec import PayloadError, decode_update
+
+    _, specs, _, _ = compressed_update()
+    with pytest.raises(PayloadError, match=reason.replace("[", r"\[").replace("(", r"\(")):
+        decode_update(tampered(edit), "mid", codecs=specs.values())

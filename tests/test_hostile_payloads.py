@@ -316,7 +316,7 @@ def test_extra_tensors_are_dropped(tmp_path, caplog, good_only, where, reason):
 
 
 @pytest.mark.parametrize("schema,reason", [
-    ("lordo_fed.v2.WorkerUpdate", "schema 'lordo_fed.v2.WorkerUpdate' received, expected 'lordo_fed.v1.WorkerUpdate'"),
+    ("lordo_fed.v3.WorkerUpdate", "schema 'lordo_fed.v3.WorkerUpdate' received, expected 'lordo_fed.v1.WorkerUpdate'"),
     ("lordo_fed.v1.GlobalState", "(a GlobalState where a WorkerUpdate was expected)"),
     ("", "the payload carries no schema version"),
 ])
@@ -325,6 +325,19 @@ def test_wrong_schema_version_is_dropped(tmp_path, caplog, good_only, schema, re
         return tamper(encode(s, make_update(s, HOSTILE_PARTITION, r)), lambda msg: setattr(msg, "schema", schema))
 
     check_dropped(tmp_path, caplog, good_only, hostile, reason)
+
+
+def test_a_compressed_codec_the_server_did_not_configure_is_dropped(tmp_path, caplog, good_only):
+    """A v2 payload whose Δ travels top-k compressed, to a server configured for plain tensors."""
+    from lordo_fed.wire.compress import CodecSpec, encode as compress
+
+    def hostile(s, r):
+        u = make_update(s, HOSTILE_PARTITION, r)
+        name = next(iter(u.delta))
+        u.delta[name] = compress(u.delta[name], CodecSpec("topk", bits=2, chunk=64, density=0.25))
+        return encode(s, u)
+
+    check_dropped(tmp_path, caplog, good_only, hostile, "is not one this receiver configured (configured: none)")
 
 
 def test_payload_larger_than_its_declared_size_is_dropped(tmp_path, caplog, good_only):

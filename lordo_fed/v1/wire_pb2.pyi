@@ -20,6 +20,9 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_UNSPECIFIED: _ClassVar[Codec]
     RAW: _ClassVar[Codec]
     BF16_BITS: _ClassVar[Codec]
+    QUANT: _ClassVar[Codec]
+    TOPK: _ClassVar[Codec]
+    TOPK_QUANT: _ClassVar[Codec]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 BFLOAT16: DType
@@ -28,22 +31,33 @@ INT32: DType
 CODEC_UNSPECIFIED: Codec
 RAW: Codec
 BF16_BITS: Codec
+QUANT: Codec
+TOPK: Codec
+TOPK_QUANT: Codec
 
 class Tensor(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "codec", "nbytes", "data")
+    __slots__ = ("name", "shape", "dtype", "codec", "nbytes", "data", "bits", "block", "chunk", "topk")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
     codec: Codec
     nbytes: int
     data: bytes
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., nbytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    bits: int
+    block: int
+    chunk: int
+    topk: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., nbytes: _Optional[int] = ..., data: _Optional[bytes] = ..., bits: _Optional[int] = ..., block: _Optional[int] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ...) -> None: ...
 
 class GlobalState(_message.Message):
     __slots__ = ("schema", "model_id", "round", "opt_step", "params", "projections", "moments", "params_from_seed")

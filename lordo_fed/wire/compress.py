@@ -60,6 +60,8 @@ class CodecSpec:
     """'topk': values per chunk."""
     density: float = 0.03
     """'topk': the share of each chunk kept (k = max(1, round(density · chunk)))."""
+    topk: int = 0
+    """'topk': entries kept per chunk, when given (0 = from `density`; what a receiver reads off the wire)."""
 
     def validate(self) -> "CodecSpec":
         if self.kind not in ("raw", "quant", "topk"):
@@ -74,27 +76,80 @@ class CodecSpec:
             raise ValueError(f"codec chunk={self.chunk!r}: expected an integer in [1, 65536]")
         if not (0.0 < self.density <= 1.0):
             raise ValueError(f"codec density={self.density!r}: expected a share in (0, 1]")
+        if not (isinstance(self.topk, int) and 0 <= self.topk <= self.chunk):
+            raise ValueError(f"codec topk={self.topk!r}: expected 0 (from density) or 1..chunk={self.chunk}")
         return self
 
     @property
     def k(self) -> int:
-        return max(1, min(self.chunk, round(self.density * self.chunk)))
+        """Entries kept per full chunk."""
+        return self.topk if self.topk else max(1, min(self.chunk, round(self.density * self.chunk)))
+
+    def canonical(self) -> "CodecSpec":
+        """The spec as a receiver reads it off the wire (only the fields the kind uses; k explicit):
+        what a receiver's set of configured codecs holds."""
+        if self.kind == "raw":
+            return CodecSpec("raw")
+        if self.kind == "quant":
+            return CodecSpec("quant", bits=self.bits, block=self.block)
+        return CodecSpec("topk", bits=self.bits, chunk=self.chunk, density=1.0, topk=self.k)
 
 
 @dataclass
 class Encoded:
     """A compressed tensor as it crosses the wire: `data` holds the (packed) values, `scales` the
-    fp32 block scales, `indices` the packed top-k positions."""
+    fp32 block scales, `indices` the packed top-k positions; `shape` the tensor's."""
 
     spec: CodecSpec
     numel: int
     data: bytes
     scales: bytes = b""
     indices: bytes = b""
+    shape: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
         return len(self.data) + len(self.scales) + len(self.indices)
+
+    def payload(self) -> bytes:
+        """The bytes of a wire tensor's `data` field: data, scales, indices, in that order."""
+        return self.data + self.scales + self.indices
+
+
+def part_sizes(spec: CodecSpec, numel: int) -> tuple[int, int, int]:
+    """(data, scales, indices) bytes of `numel` values encoded per `spec`: what a receiver
+    expects before it reads anything."""
+    if spec.kind == "raw":
+        return 4 * numel, 0, 0
+    if spec.kind == "quant":
+        return packed_size(numel, spec.bits), 4 * math.ceil(numel / spec.block), 0
+    full, k, _, k_tail = chunk_layout(numel, spec.chunk, spec.k)
+    count = full * k + k_tail
+    indices = packed_size(count, index_bits(spec.chunk))
+    if not spec.bits:
+        return 4 * count, 0, indices
+    return packed_size(count, spec.bits), 4 * (full + (1 if k_tail else 0)), indices
+
+
+def split_payload(spec: CodecSpec, numel: int, payload, shape: tuple[int, ...] = ()) -> Encoded:
+    """The `Encoded` whose `payload()` is `payload` (sizes from `part_sizes`; CompressionError
+    when the length differs)."""
+    sizes = part_sizes(spec, numel)
+    if len(payload) != sum(sizes):
+        raise CompressionError(f"{len(payload)} bytes, expected {sum(sizes)} for {numel} values of codec "
+                               f"{describe(spec)}")
+    a, b = sizes[0], sizes[0] + sizes[1]
+    view = memoryview(payload)
+    return Encoded(spec, numel, bytes(view[:a]), bytes(view[a:b]), bytes(view[b:]), shape)
+
+
+def describe(spec: CodecSpec) -> str:
+    """A short name of a spec for messages: raw, int8/64, top-k 123/4096, top-k 123/4096 2-bit."""
+    if spec.kind == "raw":
+        return "raw"
+    if spec.kind == "quant":
+        return f"int{spec.bits}/{spec.block}"
+    return f"top-k {spec.k}/{spec.chunk}" + (f" {spec.bits}-bit" if spec.bits else "")
 
 
 # ----------------------------------------------------------------------------- bit packing
@@ -245,18 +300,18 @@ def _check_positions(positions: Tensor, numel: int, chunk: int, k: int, label: s
 # ----------------------------------------------------------------------------- encode / decode
 def encode(x: Tensor, spec: CodecSpec) -> Encoded:
     """`x` compressed per `spec` (`decode(encode(x, s), ...)` is what the receiver gets)."""
-    n = x.numel()
+    n, shape = x.numel(), tuple(x.shape)
     if spec.kind == "raw":
-        return Encoded(spec, n, x.detach().reshape(-1).float().cpu().numpy().astype("<f4").tobytes())
+        return Encoded(spec, n, _f32(x), shape=shape)
     if spec.kind == "quant":
         codes, scales = quantize(x, spec.bits, spec.block)
-        return Encoded(spec, n, pack(codes, spec.bits), _f32(scales))
+        return Encoded(spec, n, pack(codes, spec.bits), _f32(scales), shape=shape)
     positions, values = topk(x, spec.chunk, spec.k)
     indices = pack(positions, index_bits(spec.chunk))
     if not spec.bits:
-        return Encoded(spec, n, _f32(values), indices=indices)
+        return Encoded(spec, n, _f32(values), indices=indices, shape=shape)
     codes, scales = _quantize_groups(values, spec.bits, _value_groups(n, spec))
-    return Encoded(spec, n, pack(codes, spec.bits), _f32(scales), indices)
+    return Encoded(spec, n, pack(codes, spec.bits), _f32(scales), indices, shape)
 
 
 def decode(enc: Encoded, label: str = "tensor") -> Tensor:
