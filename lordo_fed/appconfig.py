@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from lordo_fed.codec import PAYLOAD_DTYPES
 from lordo_fed.config import CommonConfig
 from lordo_fed.methods import METHODS
 from lordo_fed.transport.config import DataPlaneConfig
@@ -41,8 +40,6 @@ class AppConfig(CommonConfig):
     """Replies needed to apply a round; fewer, and the round is skipped (θ unchanged)."""
     round_timeout: float = 600.0
     """Seconds to wait for the replies of a round; later replies are excluded from it."""
-    payload_dtype: str = "fp32"
-    """Precision of floating tensors on the wire: 'fp32' or 'bf16' (bit-viewed)."""
     resume: str = ""
     """Checkpoint to resume from: a round JSON or a checkpoint directory ('' = start fresh)."""
     checkpoint_keep: int = 2
@@ -67,8 +64,6 @@ class AppConfig(CommonConfig):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected an integer > 0")
         if not self.round_timeout > 0:
             raise ValueError(f"round_timeout={self.round_timeout!r}: expected seconds > 0")
-        if self.payload_dtype not in PAYLOAD_DTYPES:
-            raise ValueError(f"payload_dtype={self.payload_dtype!r}: expected one of {PAYLOAD_DTYPES}")
         if not (self.outlier_factor == 0 or (math.isfinite(self.outlier_factor) and self.outlier_factor >= 1)):
             raise ValueError(f"outlier_factor={self.outlier_factor!r}: expected 0 (off) or a finite number >= 1 "
                              f"(a multiple of the round's median pseudo-gradient norm)")

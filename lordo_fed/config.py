@@ -12,6 +12,7 @@ from lordo_fed.model import ModelConfig, resolve_model_config
 from lordo_fed.optim.config import InnerConfig
 from lordo_fed.outer import OuterConfig, build_outer_optimizer
 from lordo_fed.rounds import RoundConfig
+from lordo_fed.wire.payload import payload_codecs
 
 
 @dataclass
@@ -44,6 +45,8 @@ class CommonConfig:
     """Outer optimizer of the round-based methods (LoRDO, Local Adam, DES-LOC)."""
     diloco_outer: OuterConfig = field(default_factory=lambda: OuterConfig(name="nesterov", lr=0.7, momentum=0.9))
     """Outer optimizer of DiLoCo (Nesterov, lr 0.7, momentum 0.9 as in the DiLoCo paper)."""
+    payload_dtype: str = "fp32"
+    """How tensors cross the wire: 'fp32', 'bf16' (bit-viewed), or a compressed preset 'int8', 'int4', 'topk2bit' (lordo_fed.wire.payload)."""
     async_rounds: AsyncConfig = field(default_factory=AsyncConfig)
     """Asynchronous methods: worker speeds and local steps, staleness bound, reply order, HeLoCo's settings."""
 
@@ -62,6 +65,7 @@ class CommonConfig:
         self.inner.validate()
         self.rounds.validate()
         self.async_rounds.validate()
+        payload_codecs(self.payload_dtype)
         model = resolve_model_config(self.model)
         if model.hf_config_path is None and self.data.seq_len > model.max_seq_len:
             raise ValueError(f"DataConfig.seq_len={self.data.seq_len!r}: expected an int <= the model's max_seq_len="

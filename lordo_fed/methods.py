@@ -37,6 +37,7 @@ from lordo_fed.optim.config import InnerConfig, build_inner_optimizer, resolved_
 from lordo_fed.outer import OuterConfig, build_outer_optimizer
 from lordo_fed.projection import get_projection_method
 from lordo_fed.rounds import RoundConfig
+from lordo_fed.wire.payload import payload_codecs
 from lordo_fed.worker import Worker
 
 
@@ -121,12 +122,13 @@ def lowrank_ranks(model: nn.Module, pattern: str, rank: int, inner_name: str) ->
 
 
 def make_worker(worker_id: int, model: nn.Module, settings: MethodSettings, shard: TokenShard, lowrank: list[str],
-                total_steps: int, batch_size: int, seq_len: int, seed: int) -> Worker:
-    """A worker with its own inner optimizer over (possibly shared) `model`."""
+                total_steps: int, batch_size: int, seq_len: int, seed: int, payload: str = "fp32") -> Worker:
+    """A worker with its own inner optimizer over (possibly shared) `model`; `payload` the run's
+    `payload_dtype` (a compressed preset compresses what the worker sends: lordo_fed.wire.payload)."""
     optimizer = build_inner_optimizer(model, settings.inner, lowrank, seed=seed,
                                       local_steps=settings.rounds.local_steps)
     return Worker(worker_id, model, optimizer, shard, settings.inner, settings.rounds, total_steps,
-                  batch_size, seq_len, data_seed=seed)
+                  batch_size, seq_len, data_seed=seed, payload=payload_codecs(payload))
 
 
 def with_local_steps(settings: MethodSettings, local_steps: int) -> MethodSettings:

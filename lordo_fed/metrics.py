@@ -215,6 +215,8 @@ def tensor_bytes(tensors: Tensor | Mapping | list | tuple) -> int:
     """
     if isinstance(tensors, Tensor):
         return tensors.numel() * tensors.element_size()
+    if hasattr(tensors, "spec") and hasattr(tensors, "nbytes"):  # a compressed tensor (lordo_fed.wire.compress.Encoded)
+        return int(tensors.nbytes)
     if isinstance(tensors, Mapping):
         return sum(tensor_bytes(v) for v in tensors.values())
     if isinstance(tensors, (list, tuple)):

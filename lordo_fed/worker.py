@@ -26,6 +26,8 @@ from lordo_fed.optim.lordo import EF_DTYPES
 from lordo_fed.optim.config import InnerConfig, apply_phase, lr_at, set_lr
 from lordo_fed.rounds import (DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, RoundConfig, WorkerUpdate, moment_key,
                               split_moment_key)
+from lordo_fed.wire.compress import ErrorFeedback, encode
+from lordo_fed.wire.payload import PayloadCodecs
 
 ProgressFn = Callable[[int, Tensor], None]
 """Called after every local step with its index and its loss, a device tensor (reading it is a
@@ -47,6 +49,7 @@ class Worker:
         batch_size: int,
         seq_len: int,
         data_seed: int = 0,
+        payload: PayloadCodecs | None = None,
     ):
         self.worker_id = worker_id
         self.model = model
@@ -61,6 +64,10 @@ class Worker:
         self.cursor = 0  # index of the next batch of this shard: the whole data-loader state
         self.params = dict(model.named_parameters())
         self.device = next(model.parameters()).device
+        self.payload = payload
+        """Compressed payloads (lordo_fed.wire.payload): Δ sent with error feedback, moments quantised."""
+        self.wire_ef = ErrorFeedback()
+        """What compression left out of Δ so far, per parameter (sent in later rounds)."""
 
     # ----------------------------------------------------------------------------- one round
     def train_round(self, state: GlobalState, progress: ProgressFn | None = None) -> WorkerUpdate:
@@ -81,11 +88,15 @@ class Worker:
         delta = to_host(self.params)  # θ after K steps, then Δ = θ_ref − θ in its memory: −θ + θ_ref
         for n, d in delta.items():
             d.neg_().add_(theta_ref[n])
+        moments = self.due_moments(state.round)
+        if self.payload is not None:  # what crosses the wire: compressed, Δ's residual kept for later rounds
+            delta = {n: self.wire_ef.compress(n, d, self.payload.delta)[0] for n, d in delta.items()}
+            moments = {k: encode(v, self.payload.moments) for k, v in moments.items()}
         return WorkerUpdate(
             worker_id=self.worker_id,
             round=state.round,
             delta=delta,
-            moments=self.due_moments(state.round),
+            moments=moments,
             tokens=len(losses) * self.batch_size * self.seq_len,
             opt_step=self.opt_step(),
             metrics={"train_loss": sum(losses) / len(losses), "train_loss_last": losses[-1],
@@ -228,23 +239,31 @@ class Worker:
         return max(steps, default=0)
 
     def state_dict(self) -> dict:
-        """What stays on the worker between rounds: optimizer (EF buffer, moments not due) and data cursor."""
-        return {"optimizer": self.optimizer.state_dict(), "cursor": torch.tensor(self.cursor)}
+        """What stays on the worker between rounds: optimizer (EF buffer, moments not due), data
+        cursor and, with a compressed payload, Δ's compression residual."""
+        return {"optimizer": self.optimizer.state_dict(), "cursor": torch.tensor(self.cursor),
+                "wire_ef": self.wire_ef.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
         self.optimizer.load_state_dict(sd["optimizer"])
         self.cursor = int(sd["cursor"])
+        self.wire_ef.load_state_dict(sd.get("wire_ef", {}))
 
     def flat_state(self) -> tuple[dict[str, Tensor], dict]:
         """`state_dict()` as flat named tensors plus JSON-able metadata (safetensors, Flower records)."""
         sd = self.optimizer.state_dict()
         tensors = {f"opt/{pid}/{key}": value for pid, st in sd["state"].items() for key, value in st.items()}
+        tensors.update(self.wire_ef.state_dict())  # "wire_ef/<param>"
         return tensors, {"param_groups": sd["param_groups"], "cursor": self.cursor}
 
     def load_flat_state(self, tensors: dict[str, Tensor], meta: dict) -> None:
         state: dict[int, dict[str, Tensor]] = {}
+        wire_ef = {}
         for key, value in tensors.items():
+            if key.startswith("wire_ef/"):
+                wire_ef[key] = value
+                continue
             _, pid, name = key.split("/", 2)
             state.setdefault(int(pid), {})[name] = value
         self.load_state_dict({"optimizer": {"state": state, "param_groups": meta["param_groups"]},
-                              "cursor": meta["cursor"]})
+                              "cursor": meta["cursor"], "wire_ef": wire_ef})

@@ -44,6 +44,7 @@ from lordo_fed.codec import PayloadError, decode_update, encode_global_state
 from lordo_fed.flower import EXPLICIT_KEYS, IDENTIFY, payload_bytes
 from lordo_fed.metrics import peak_rss_bytes
 from lordo_fed.rounds import GlobalState
+from lordo_fed.wire.payload import wire_dtype
 from server.strategy import LoRDOStrategy, _array
 
 log = logging.getLogger("lordo_fed.server")
@@ -166,7 +167,7 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
             state = GlobalState(round=r, params=pull.params, projections=pull.projections, moments=pull.moments,
                                 opt_step=self.opt_steps.get(pid, 0) if pull.opt_step is None else pull.opt_step)
             state = self._without_theta0(state)
-            payload = encode_global_state(state, self.model_id, self.cfg.payload_dtype)
+            payload = encode_global_state(state, self.model_id, wire_dtype(self.cfg.payload_dtype))
             sizes["sent"] = len(payload)
             ids = self._push(grid, self._outgoing(r, payload, [nodes[pid]], MessageType.TRAIN))
             if not ids:
@@ -200,7 +201,7 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
             try:
                 payload = payload_bytes(msg.content["update"])
                 sizes["received"] = len(payload)
-                update = decode_update(payload, expected_model_id=self.model_id)
+                update = decode_update(payload, expected_model_id=self.model_id, codecs=self.codecs)
                 reason = server.check(update, pid, flight.round)
             except (PayloadError, ValueError, KeyError) as err:
                 update, reason = None, str(err)

@@ -44,6 +44,7 @@ from lordo_fed.metrics import MetricsWriter, peak_rss_bytes, plot_curves
 from lordo_fed.model import build_model
 from lordo_fed.rounds import GlobalState, ReplyRef, WorkerUpdate
 from lordo_fed.transport.server import DataPlaneServer
+from lordo_fed.wire.payload import receiver_codecs, wire_dtype
 
 log = logging.getLogger("lordo_fed.server")
 
@@ -105,6 +106,8 @@ class LoRDOStrategy(Strategy):
         # The largest reply a node may upload: Δ plus at most three full-size states (u, v, E) in
         # fp32, and room for names and metrics. A bigger upload is refused before it is stored.
         self.max_upload = 4 * 4 * sum(p.numel() for p in self.model.parameters()) + (1 << 20)
+        self.codecs = receiver_codecs(cfg.payload_dtype)
+        """The compressed codecs replies may use: those of the run's payload preset (none for fp32/bf16)."""
         if cfg.resume:
             self.resume(cfg.resume)
 
@@ -134,7 +137,7 @@ class LoRDOStrategy(Strategy):
         if state.round != server_round:
             raise RuntimeError(f"aggregator is at round {state.round}, asked to configure {server_round}")
         encode_started = time.perf_counter()
-        data = encode_global_state(state, self.model_id, self.cfg.payload_dtype)
+        data = encode_global_state(state, self.model_id, wire_dtype(self.cfg.payload_dtype))
         self._round_log = RoundLog(sent_bytes=len(data), encode_seconds=time.perf_counter() - encode_started)
         return data
 
@@ -326,7 +329,7 @@ class LoRDOStrategy(Strategy):
         client returns its gradient at θ0, the round-1 projections are fitted to their mean."""
         self._wait_for_nodes(grid, timeout)
         data = encode_global_state(self._without_theta0(self.aggregator.gradient_request()), self.model_id,
-                                   self.cfg.payload_dtype)
+                                   wire_dtype(self.cfg.payload_dtype))
         messages = self._outgoing(0, data, grid.get_node_ids(), MessageType.QUERY)
         self.fit_initial_projections(self._receive(grid, self._push(grid, messages), timeout, 0), len(data))
 
@@ -380,7 +383,7 @@ class LoRDOStrategy(Strategy):
                         source = upload.buffer
                     payload = source()
                     size = len(payload)
-                    update = decode_update(payload, expected_model_id=self.model_id)
+                    update = decode_update(payload, expected_model_id=self.model_id, codecs=self.codecs)
                     del payload
                     reason, norm = check(update)
                 except (PayloadError, ValueError, KeyError) as err:
@@ -389,7 +392,8 @@ class LoRDOStrategy(Strategy):
                     continue
                 finally:
                     rl.decode_seconds += time.perf_counter() - decode_started
-                ref = ReplyRef.of(update, load=lambda source=source: decode_update(source(), self.model_id))
+                ref = ReplyRef.of(update, load=lambda source=source: decode_update(source(), self.model_id,
+                                                                                    codecs=self.codecs))
                 del update
                 entries.append((f"{who} (partition {ref.worker_id})", ref, size, msg.content.get("metrics", MetricRecord()),
                                 reason, norm))

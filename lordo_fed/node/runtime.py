@@ -34,6 +34,7 @@ from lordo_fed.methods import MethodSettings, lowrank_ranks, make_worker, resolv
 from lordo_fed.model import build_model, lowrank_parameter_names
 from lordo_fed.node.store import DiskStore, StateStore
 from lordo_fed.tokenizer import load_tokenizer
+from lordo_fed.wire.payload import wire_dtype
 from lordo_fed.worker import Worker
 
 log = logging.getLogger("lordo_fed.client")
@@ -123,7 +124,7 @@ class Runtime:
         data = self.cfg.data
         settings = with_local_steps(self.settings, local_steps or self.settings.rounds.local_steps)
         return make_worker(partition_id, self.model, settings, shard, self.lowrank, self.cfg.total_steps,
-                           data.batch_size, data.seq_len, seed=data.seed)
+                           data.batch_size, data.seq_len, seed=data.seed, payload=self.cfg.payload_dtype)
 
 
 
@@ -270,7 +271,7 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
         worker, _ = worker_for_round(rt, store, pid, shard, 1)
         names = sorted(lowrank_ranks(rt.model, rt.cfg.model.lowrank_pattern, rt.settings.inner.rank,
                                      rt.settings.inner.name))
-        return encode_update(worker.gradient(state, names), rt.model_id, rt.cfg.payload_dtype), {}
+        return encode_update(worker.gradient(state, names), rt.model_id, wire_dtype(rt.cfg.payload_dtype)), {}
     if job.kind != TRAIN:
         raise ValueError(f"job kind {job.kind!r}: expected {TRAIN!r} or {QUERY!r}")
     worker, state_source = worker_for_round(rt, store, pid, shard, state.round, job.local_steps(rt))
@@ -299,7 +300,7 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
     rt.last_round[pid] = state.round
 
     encode_started = time.perf_counter()
-    sent = encode_update(update, rt.model_id, rt.cfg.payload_dtype)
+    sent = encode_update(update, rt.model_id, wire_dtype(rt.cfg.payload_dtype))
     encode_seconds = time.perf_counter() - encode_started
     metrics = {
         **update.metrics, "partition-id": pid, "tokens": update.tokens, "bytes-received": received_bytes,

@@ -7,6 +7,7 @@ federated app computes. Bytes on the wire are counted from the tensors actually 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -26,7 +27,8 @@ from lordo_fed.outer import build_outer_optimizer
 from lordo_fed.optim import LoRDO
 from lordo_fed.optim.config import resolved_proj_method
 from lordo_fed.projection import get_projection_method
-from lordo_fed.rounds import DIAGNOSTIC_METRICS, GlobalState
+from lordo_fed.rounds import DIAGNOSTIC_METRICS, GlobalState, WorkerUpdate
+from lordo_fed.wire.compress import decoded
 from lordo_fed.trainer.config import TrainConfig
 from lordo_fed.worker import Worker
 
@@ -66,7 +68,7 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     K = settings.rounds.local_steps
     workers = [
         make_worker(m, model, settings, ctx.dataset.train_shards[m], lowrank, cfg.total_steps,
-                    data.batch_size, data.seq_len, seed=data.seed)
+                    data.batch_size, data.seq_len, seed=data.seed, payload=cfg.payload_dtype)
         for m in range(cfg.workers)
     ]
     aggregator = make_aggregator(model, settings, ranks, seed=cfg.seed)
@@ -90,7 +92,8 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         received = tensor_bytes(state.tensors())
         started = time.perf_counter()
         updates = [w.train_round(state, progress=lambda i, loss: bar.update(1)) for w in workers]
-        sent = max(tensor_bytes(u.tensors()) for u in updates)
+        sent = max(tensor_bytes(u.tensors()) for u in updates)  # compressed tensors by their encoded bytes
+        updates = [as_received(u) for u in updates]
         aggregation_started = time.perf_counter()
         result = aggregator.aggregate(updates)
         elapsed = time.perf_counter() - started
@@ -141,7 +144,8 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     K, M = settings.rounds.local_steps, cfg.workers
     steps = [acfg.local_steps_of(w, K) for w in range(M)]
     workers = [make_worker(w, model, with_local_steps(settings, steps[w]), ctx.dataset.train_shards[w], lowrank,
-                           cfg.total_steps, data.batch_size, data.seq_len, seed=data.seed) for w in range(M)]
+                           cfg.total_steps, data.batch_size, data.seq_len, seed=data.seed, payload=cfg.payload_dtype)
+               for w in range(M)]
     # θ, the outer step and (async LoRDO) the shared projections and averaged moments: the aggregator's
     aggregator = make_aggregator(model, settings, ranks, seed=cfg.seed)
     if aggregator.needs_gradient_init:
@@ -166,7 +170,7 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         state = GlobalState(round=r, params=pull.params, projections=pull.projections, moments=pull.moments,
                             opt_step=(r - 1) * steps[w] if pull.opt_step is None else pull.opt_step)
         update = workers[w].train_round(state, progress=lambda i, loss: bar.update(1))
-        pending[w] = (update, pull, tensor_bytes(state.tensors()))
+        pending[w] = (update, pull, tensor_bytes(state.tensors()))  # the update as sent: its bytes are counted
         clock.start(w, now, acfg.seconds(w, K))
 
     ctx.emit({**_eval_record(ctx, model, settings, 0, 0, 0), "virtual_time": 0.0})  # θ0, before any training
@@ -179,6 +183,7 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         t, w = clock.next()
         update, pull, received = pending.pop(w)
         sent = tensor_bytes(update.tensors())
+        update = as_received(update)
         cum_sent, cum_received = cum_sent + sent, cum_received + received
         arrival = server.push(update, pull, t)
         processed += 1
@@ -203,6 +208,12 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         ctx.emit(record)
     bar.close()
     return model
+
+
+def as_received(update: WorkerUpdate) -> WorkerUpdate:
+    """`update` as the server decodes it: compressed tensors (a compressed `payload_dtype`)
+    replaced by their decoded values, exactly what a Flower server aggregates."""
+    return dataclasses.replace(update, delta=decoded(update.delta), moments=decoded(update.moments))
 
 
 def run_ddp(ctx: RunContext, settings: MethodSettings) -> nn.Module:

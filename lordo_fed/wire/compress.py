@@ -353,6 +353,12 @@ def decode(enc: Encoded, label: str = "tensor") -> Tensor:
         raise CompressionError(f"{label}: {err}") from None
 
 
+def decoded(tensors: Mapping[str, Tensor | Encoded]) -> dict[str, Tensor]:
+    """`tensors` with every `Encoded` replaced by what its receiver decodes (shaped as sent):
+    what the reference trainer aggregates, the same values a Flower server decodes."""
+    return {k: decode(v, k).view(v.shape) if isinstance(v, Encoded) else v for k, v in tensors.items()}
+
+
 def roundtrip(x: Tensor, spec: CodecSpec) -> Tensor:
     """What the receiver of `encode(x, spec)` reconstructs, shaped like `x`."""
     return decode(encode(x, spec)).view_as(x).to(x.device)
@@ -423,11 +429,11 @@ class ErrorFeedback:
         return enc, sent
 
     def state_dict(self) -> dict[str, Tensor]:
-        return {f"ef_wire/{k}": v for k, v in self.residual.items()}
+        return {f"wire_ef/{k}": v for k, v in self.residual.items()}
 
     def load_state_dict(self, sd: Mapping[str, Tensor]) -> None:
-        self.residual = {k.removeprefix("ef_wire/"): v.float().clone() for k, v in sd.items()
-                         if k.startswith("ef_wire/")}
+        self.residual = {k.removeprefix("wire_ef/"): v.float().clone() for k, v in sd.items()
+                         if k.startswith("wire_ef/")}
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.residual.values())
