@@ -19,6 +19,7 @@ next. `aggregate(list)` is that same path over in-memory refs, so both give bit-
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from lordo_fed.metrics import stable_rank
 from lordo_fed.optim.bias import restep
 from lordo_fed.optim.rotation import rotate_moments
 from lordo_fed.outer import OuterOptimizer
+from lordo_fed.wire.compress import Encoded, decode, encode
+from lordo_fed.wire.payload import PayloadCodecs
 from lordo_fed.projection import ProjectionMethod, project, projection_side
 from lordo_fed.rounds import (DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, ReplyRef, RoundConfig, WorkerUpdate,
                               moment_key, split_moment_key)
@@ -124,7 +127,8 @@ class Aggregator:
                  outlier_factor: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  bias_correction: bool = True, rotate: bool = True, init_projection: str = "random",
                  diagnostics: bool = False, switch_step: int = 0,
-                 switch_betas: tuple[float, float] = (0.999, 0.999), fit_device: torch.device | str | None = None):
+                 switch_betas: tuple[float, float] = (0.999, 0.999), fit_device: torch.device | str | None = None,
+                 payload: PayloadCodecs | None = None):
         self.params = {n: p.detach().float().clone() for n, p in params.items()}
         self.ranks = dict(ranks)
         self.rounds = rounds
@@ -147,12 +151,65 @@ class Aggregator:
             if projection is not None and init_projection == "random" else {}
         )
         self.moments: dict[str, Tensor] = {}
+        self.payload = payload
+        """A compressed payload preset (lordo_fed.wire.payload): moments sent quantised and, with
+        its `down` codec, θ as the compressed change of the clients' copy."""
+        self.client_params: dict[str, Tensor] | None = (
+            {n: p.clone() for n, p in self.params.items()} if payload is not None and payload.down is not None else None)
+        """θ_c, what every worker that applied every round's state holds (θ0 at first): the server
+        keeps it exactly, so that both sides add the same decoded change to the same tensors."""
+        self._resync_all = False
+        """θ_c unknown (resumed from a checkpoint without it): the next state carries θ whole."""
+        self._encoded: tuple[int, GlobalState] | None = None
+        """The compressed state of a round, encoded once (the round number changes with θ)."""
 
     # ----------------------------------------------------------------------------- state out
     def global_state(self) -> GlobalState:
-        """What every worker is sent for the current round."""
-        return GlobalState(round=self.round, params=self.params, projections=self.projections,
-                           moments=self.moments, opt_step=self.opt_step)
+        """What every worker is sent for the current round: with a compressed downlink, from
+        round 2 on, the change of the clients' copy (`params_delta`) instead of θ."""
+        if self.payload is None:
+            return GlobalState(round=self.round, params=self.params, projections=self.projections,
+                               moments=self.moments, opt_step=self.opt_step)
+        if self._encoded is None or self._encoded[0] != self.round:
+            moments = {k: encode(v, self.payload.moments) for k, v in self.moments.items()}
+            params, delta = (self._downlink(), True) if self.downlink_due() else (self.params, False)
+            self._encoded = (self.round, GlobalState(round=self.round, params=params, projections=self.projections,
+                                                     moments=moments, opt_step=self.opt_step, params_delta=delta))
+        return self._encoded[1]
+
+    def resync_state(self) -> GlobalState:
+        """This round's state with θ_c whole (what a worker that missed a round is sent): the
+        clients' copy as the other workers hold it once they applied `global_state()`."""
+        return dataclasses.replace(self.global_state(), params=self.client_copy(), params_delta=False)
+
+    def client_copy(self) -> dict[str, Tensor]:
+        """θ_c after this round's state is applied (θ itself without a compressed downlink)."""
+        if self.client_params is None:
+            return self.params
+        if not self.downlink_due():
+            return {n: p.clone() for n, p in self.params.items()}
+        change = self.global_state().params
+        return {n: self.client_params[n] + decode(e, n).view(e.shape) for n, e in change.items()}
+
+    def downlink_due(self) -> bool:
+        """Whether this round's state carries θ as the compressed change of the clients' copy."""
+        return self.client_params is not None and self.round > 1 and not self._resync_all
+
+    def _downlink(self) -> dict[str, Encoded]:
+        """θ − θ_c per parameter, compressed (deterministic: the same bytes every call)."""
+        return {n: encode(self.params[n] - self.client_params[n], self.payload.down) for n in self.params}
+
+    def _commit_downlink(self) -> None:
+        """The round's state went out: θ_c becomes what the workers hold now."""
+        if self.client_params is not None:
+            self.client_params = self.client_copy()
+            self._resync_all = False
+
+    def skip_round(self) -> None:
+        """The round is given up (too few usable replies): θ and the states stay, the round counter
+        moves on, and the clients' copy keeps what this round's state told them."""
+        self._commit_downlink()
+        self.round += 1
 
     @property
     def needs_gradient_init(self) -> bool:
@@ -325,6 +382,7 @@ class Aggregator:
         delta = {n: delta_sums[n] for n in self.params}
         moments = {k: moment_sums[k] for k in moment_norms}
 
+        self._commit_downlink()  # before θ moves: the change the workers applied this round
         self.outer.step(self.params, delta)
         diagnostics = self._diagnostics(delta) if self.diagnostics else {}
         self.opt_step = opt_step
@@ -428,6 +486,8 @@ class Aggregator:
         sd.update({f"outer/{k}": v for k, v in self.outer.state_dict().items()})
         sd.update({f"proj/{k}": v for k, v in self.projections.items()})
         sd.update({f"moment/{k}": v for k, v in self.moments.items()})
+        if self.client_params is not None:
+            sd.update({f"client/{k}": v for k, v in self.client_params.items()})
         sd["counter/round"] = torch.tensor(self.round)
         sd["counter/opt_step"] = torch.tensor(self.opt_step)
         return sd
@@ -449,6 +509,14 @@ class Aggregator:
         self.moments = {k: v.clone() for k, v in part("moment/").items()}
         self.round = int(sd["counter/round"])
         self.opt_step = int(sd["counter/opt_step"])
+        self._encoded = None
+        if self.client_params is not None:
+            client = part("client/")
+            if set(client) == set(self.params):
+                self.client_params = {n: t.float().clone() for n, t in client.items()}
+            else:  # a checkpoint of a run without the compressed downlink: every worker gets θ whole once
+                self.client_params = {n: p.clone() for n, p in self.params.items()}
+                self._resync_all = True
 
 
 def delta_norm(update: WorkerUpdate) -> float:

@@ -212,9 +212,9 @@ def _codec_fields(enc: Encoded) -> tuple[int, dict[int, int]]:
                                                         10: spec.k}
 
 
-def _schema_of(groups: Iterable[Mapping[str, object]], kind: str) -> str:
-    """v2 when any tensor travels compressed, else v1 (what every v1 receiver reads)."""
-    compressed = any(isinstance(t, Encoded) and t.spec.kind != "raw" for g in groups for t in g.values())
+def _schema_of(groups: Iterable[Mapping[str, object]], kind: str, v2_fields: bool = False) -> str:
+    """v2 when any tensor travels compressed or a v2 field is set, else v1 (what every v1 receiver reads)."""
+    compressed = v2_fields or any(isinstance(t, Encoded) and t.spec.kind != "raw" for g in groups for t in g.values())
     return f"{SCHEMA_V2 if compressed else SCHEMA}.{kind}"
 
 
@@ -266,12 +266,13 @@ def _encode_global_state_reference(state: GlobalState, model_id: str, payload_dt
     """The protobuf-message encoder (tensor -> bytes -> message field -> SerializeToString: ~4
     payload-sized copies). Kept as the oracle that `encode_global_state` must match byte for byte."""
     _check_payload_dtype(payload_dtype)
-    msg = pb.GlobalState(schema=_schema_of((state.params, state.moments), "GlobalState"), model_id=model_id,
+    msg = pb.GlobalState(schema=_schema_of((state.params, state.moments), "GlobalState", state.params_delta), model_id=model_id,
                          round=int(state.round), opt_step=int(state.opt_step))
     _fill_group(msg.params, state.params, payload_dtype, "GlobalState.params")
     _fill_group(msg.projections, state.projections, "fp32", "GlobalState.projections")
     _fill_group(msg.moments, state.moments, payload_dtype, "GlobalState.moments")
     msg.params_from_seed = bool(state.params_from_seed)
+    msg.params_delta = bool(state.params_delta)
     return msg.SerializeToString(deterministic=deterministic)
 
 
@@ -411,7 +412,7 @@ def _global_state_plan(state: GlobalState, model_id: str, payload_dtype: str) ->
     if not isinstance(model_id, str):
         raise TypeError(f"model_id: expected a str, got {type(model_id).__name__}")
     plan = _Plan()
-    plan.add(_string_field(1, _schema_of((state.params, state.moments), "GlobalState")) + _string_field(2, model_id)
+    plan.add(_string_field(1, _schema_of((state.params, state.moments), "GlobalState", state.params_delta)) + _string_field(2, model_id)
              + _int64_field(3, int(state.round), "GlobalState.round")
              + _int64_field(4, int(state.opt_step), "GlobalState.opt_step"))
     _plan_group(plan, 5, state.params, payload_dtype, "GlobalState.params")
@@ -421,6 +422,8 @@ def _global_state_plan(state: GlobalState, model_id: str, payload_dtype: str) ->
     _plan_group(plan, 7, state.moments, payload_dtype, "GlobalState.moments")
     if state.params_from_seed:
         plan.add(_key(8, _WT_VARINT) + _varint(1))
+    if state.params_delta:
+        plan.add(_key(9, _WT_VARINT) + _varint(1))
     return _finish_plan(plan, "GlobalState")
 
 
@@ -825,8 +828,12 @@ def _finish_global_state(msg: pb.GlobalState, expected_model_id: str | None,
         for (g, where, field), s in zip(groups, shapes))
     if msg.params_from_seed and params:
         raise PayloadError(f"{kind}: params_from_seed is set but {len(params)} parameter tensors came too")
+    if msg.params_delta and (msg.params_from_seed or not v2):
+        raise PayloadError(f"{kind}: params_delta is set " + ("with params_from_seed" if msg.params_from_seed else
+                                                              f"in a {SCHEMA} payload (a {SCHEMA_V2} field)"))
     return GlobalState(round=int(msg.round), params=params, projections=projections,
-                       moments=moments, opt_step=int(msg.opt_step), params_from_seed=bool(msg.params_from_seed))
+                       moments=moments, opt_step=int(msg.opt_step), params_from_seed=bool(msg.params_from_seed),
+                       params_delta=bool(msg.params_delta))
 
 
 def _finish_update(msg: pb.WorkerUpdate, expected_model_id: str | None,

@@ -140,8 +140,10 @@ def with_local_steps(settings: MethodSettings, local_steps: int) -> MethodSettin
 
 
 def make_aggregator(model: nn.Module, settings: MethodSettings, ranks: dict[str, int], seed: int,
-                    outlier_factor: float = 0.0) -> Aggregator:
-    """The server side for `settings`: owns projections only under LoRDO-Global."""
+                    outlier_factor: float = 0.0, payload: str = "fp32") -> Aggregator:
+    """The server side for `settings`: owns projections only under LoRDO-Global; with a
+    compressed `payload` preset of a round-based method, sends the moments quantised and θ as the
+    compressed change of the clients' copy (asynchronous methods: each pull carries θ whole)."""
     inner = settings.inner
     server_projections = inner.name == "lordo" and inner.projection == "global" and bool(ranks)
     with torch.no_grad():
@@ -153,4 +155,5 @@ def make_aggregator(model: nn.Module, settings: MethodSettings, ranks: dict[str,
         seed=seed, outlier_factor=outlier_factor, betas=tuple(inner.betas), bias_correction=inner.bias_correction,
         rotate=inner.rotate, init_projection=inner.init_projection, switch_step=inner.switch_step,
         switch_betas=tuple(inner.switch_betas), fit_device=device if device.type != "cpu" else None,
+        payload=payload_codecs(payload) if settings.loop == "rounds" else None,
     )

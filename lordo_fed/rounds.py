@@ -93,6 +93,9 @@ class GlobalState:
     """Inner-optimizer steps taken so far (bias correction of loaded moments)."""
     params_from_seed: bool = False
     """`params` is empty: θ is the seeded initialisation θ0, which the receiver builds itself."""
+    params_delta: bool = False
+    """`params` is the change of the clients' copy of θ since round `round` − 1 (a compressed
+    downlink, lordo_fed.wire.payload): add it to the copy held from that round."""
 
     def tensors(self) -> dict[str, Tensor]:
         """Everything that crosses the wire downstream, one flat dict (for byte counts)."""

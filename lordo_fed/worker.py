@@ -26,12 +26,16 @@ from lordo_fed.optim.lordo import EF_DTYPES
 from lordo_fed.optim.config import InnerConfig, apply_phase, lr_at, set_lr
 from lordo_fed.rounds import (DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, RoundConfig, WorkerUpdate, moment_key,
                               split_moment_key)
-from lordo_fed.wire.compress import ErrorFeedback, encode
+from lordo_fed.wire.compress import ErrorFeedback, decoded, encode
 from lordo_fed.wire.payload import PayloadCodecs
 
 ProgressFn = Callable[[int, Tensor], None]
 """Called after every local step with its index and its loss, a device tensor (reading it is a
 host sync: a progress bar should only count)."""
+
+
+class ResyncNeeded(ValueError):
+    """The server sent θ as a change to a copy this worker does not hold (it missed a round)."""
 
 
 class Worker:
@@ -68,6 +72,10 @@ class Worker:
         """Compressed payloads (lordo_fed.wire.payload): Δ sent with error feedback, moments quantised."""
         self.wire_ef = ErrorFeedback()
         """What compression left out of Δ so far, per parameter (sent in later rounds)."""
+        self.client_params: dict[str, Tensor] | None = None
+        """With a compressed downlink: θ_c, the copy of θ the server's changes are added to (host fp32)."""
+        self.client_round = 0
+        """The round whose state `client_params` is."""
 
     # ----------------------------------------------------------------------------- one round
     def train_round(self, state: GlobalState, progress: ProgressFn | None = None) -> WorkerUpdate:
@@ -75,10 +83,10 @@ class Worker:
         first_step = (state.round - 1) * self.rounds.local_steps
         # the hyperparameters the received moments were made with (the two-phase recipe)
         apply_phase(self.optimizer, self.inner, first_step - 1, reset=False)
-        self.load_global_state(state)
-        # θ at the start of the round, for Δ: the received host tensors as the parameters hold
-        # them (no clone of the model on the device; the same values, p having been copied from them).
-        theta_ref = {n: state.params[n].to(device="cpu", dtype=p.dtype) for n, p in self.params.items()}
+        start = self.load_global_state(state)
+        # θ at the start of the round, for Δ: the host tensors the parameters were loaded from
+        # (no clone of the model on the device; the same values, p having been copied from them).
+        theta_ref = {n: start[n].to(device="cpu", dtype=p.dtype) for n, p in self.params.items()}
         if isinstance(self.optimizer, LoRDO):
             self.optimizer.update_split.clear()
         losses = self.local_steps(first_step, self.rounds.local_steps, progress)
@@ -162,7 +170,7 @@ class Worker:
 
     # ----------------------------------------------------------------------------- state in
     @torch.no_grad()
-    def load_global_state(self, state: GlobalState) -> None:
+    def load_global_state(self, state: GlobalState) -> dict[str, Tensor]:
         """θ ← global θ; step counts ← the shared one; new projections (rotating local moments);
         then the averaged moments.
 
@@ -172,12 +180,18 @@ class Worker:
         state of its own adopts received moments only when both of them came: a first moment
         without its second would be used with v = 0 under the shared count, and its first
         update would explode. Such a parameter starts afresh (u = v = 0, step 0), as a new
-        optimizer would, and its moments are rescaled when it reports them."""
+        optimizer would, and its moments are rescaled when it reports them.
+
+        With a compressed downlink (`state.params_delta`) the state carries the change of the
+        clients' copy θ_c since the previous round: it is added to the copy this worker holds,
+        which must be that round's (else `ResyncNeeded`: the server sends θ_c whole next time).
+        Returns θ as loaded (host tensors, by name)."""
         missing = set(self.params) - set(state.params)
         if missing:
             raise ValueError(f"global state lacks parameters {sorted(missing)}")
+        theta = self._client_theta(state)
         for name, p in self.params.items():
-            p.copy_(state.params[name])
+            p.copy_(theta[name])
         self.align_step_counts(state.opt_step)
         if state.projections:
             if not isinstance(self.optimizer, LoRDO):
@@ -185,7 +199,7 @@ class Worker:
             for name, stored in state.projections.items():
                 self.optimizer.set_projection(self.params[name], stored)
         received: dict[str, dict[str, Tensor]] = {}
-        for key, value in state.moments.items():
+        for key, value in decoded(state.moments).items():
             kind, name = split_moment_key(key)
             received.setdefault(name, {})[kind] = value
         for name, kinds in received.items():
@@ -202,6 +216,27 @@ class Worker:
                 st["step"] = torch.tensor(float(state.opt_step))
             for kind, value in kinds.items():
                 st[kind] = value.to(device=self.device, dtype=torch.float32).clone()
+        return theta
+
+    def _client_theta(self, state: GlobalState) -> dict[str, Tensor]:
+        """θ to start the round from: `state.params`, or θ_c plus the change it carries."""
+        tracks = self.payload is not None and self.payload.down is not None
+        if state.params_delta:
+            if self.client_params is None or self.client_round != state.round - 1:
+                held = "no copy" if self.client_params is None else f"the copy of round {self.client_round}"
+                raise ResyncNeeded(f"round {state.round}: the server sent θ as a change to round {state.round - 1}'s "
+                                   f"copy, this worker holds {held}: it needs θ whole (sent to a worker whose last "
+                                   "reply did not reach the server)")
+            for name, change in decoded(state.params).items():
+                self.client_params[name].add_(change.float())
+            self.client_round = state.round
+            return self.client_params
+        theta = decoded(state.params)
+        if tracks:
+            self.client_params = {n: t.detach().to("cpu", torch.float32).clone() for n, t in theta.items()}
+            self.client_round = state.round
+            return self.client_params
+        return theta
 
     def align_step_counts(self, step: int) -> None:
         """Bring every parameter's optimizer state to `step` steps, its moments rescaled so their
@@ -240,30 +275,40 @@ class Worker:
 
     def state_dict(self) -> dict:
         """What stays on the worker between rounds: optimizer (EF buffer, moments not due), data
-        cursor and, with a compressed payload, Δ's compression residual."""
+        cursor and, with a compressed payload, Δ's compression residual and the clients' copy θ_c."""
         return {"optimizer": self.optimizer.state_dict(), "cursor": torch.tensor(self.cursor),
-                "wire_ef": self.wire_ef.state_dict()}
+                "wire_ef": self.wire_ef.state_dict(),
+                "client": {} if self.client_params is None else dict(self.client_params),
+                "client_round": torch.tensor(self.client_round)}
 
     def load_state_dict(self, sd: dict) -> None:
         self.optimizer.load_state_dict(sd["optimizer"])
         self.cursor = int(sd["cursor"])
         self.wire_ef.load_state_dict(sd.get("wire_ef", {}))
+        client = sd.get("client") or {}
+        self.client_params = {n: t.float().clone() for n, t in client.items()} or None
+        self.client_round = int(sd.get("client_round", 0))
 
     def flat_state(self) -> tuple[dict[str, Tensor], dict]:
         """`state_dict()` as flat named tensors plus JSON-able metadata (safetensors, Flower records)."""
         sd = self.optimizer.state_dict()
         tensors = {f"opt/{pid}/{key}": value for pid, st in sd["state"].items() for key, value in st.items()}
         tensors.update(self.wire_ef.state_dict())  # "wire_ef/<param>"
-        return tensors, {"param_groups": sd["param_groups"], "cursor": self.cursor}
+        tensors.update({f"client/{n}": t for n, t in (self.client_params or {}).items()})
+        return tensors, {"param_groups": sd["param_groups"], "cursor": self.cursor, "client_round": self.client_round}
 
     def load_flat_state(self, tensors: dict[str, Tensor], meta: dict) -> None:
         state: dict[int, dict[str, Tensor]] = {}
-        wire_ef = {}
+        wire_ef, client = {}, {}
         for key, value in tensors.items():
             if key.startswith("wire_ef/"):
                 wire_ef[key] = value
                 continue
+            if key.startswith("client/"):
+                client[key.removeprefix("client/")] = value
+                continue
             _, pid, name = key.split("/", 2)
             state.setdefault(int(pid), {})[name] = value
         self.load_state_dict({"optimizer": {"state": state, "param_groups": meta["param_groups"]},
-                              "cursor": meta["cursor"], "wire_ef": wire_ef})
+                              "cursor": meta["cursor"], "wire_ef": wire_ef, "client": client,
+                              "client_round": meta.get("client_round", 0)})

@@ -71,6 +71,8 @@ class RoundLog:
     """Data plane: seconds each reply took to stream in (first to last byte)."""
     clientapp_torch: int = 0
     """Replies whose ClientApp process imported torch (0 when every node has a node worker)."""
+    replied: set[int] = field(default_factory=set)
+    """Nodes whose reply arrived (not an error reply): they hold this round's copy of θ."""
 
 
 class LoRDOStrategy(Strategy):
@@ -91,7 +93,7 @@ class LoRDOStrategy(Strategy):
         self.model = build_model(cfg.model, dataset.vocab_size).to(self.device)
         ranks = lowrank_ranks(self.model, cfg.model.lowrank_pattern, self.settings.inner.rank, self.settings.inner.name)
         self.aggregator = make_aggregator(self.model, self.settings, ranks, seed=cfg.seed,
-                                          outlier_factor=cfg.outlier_factor)
+                                          outlier_factor=cfg.outlier_factor, payload=cfg.payload_dtype)
         self.model_id = model_id(dict(self.model.named_parameters()))
         self.checkpoint_dir = self.out_dir / "checkpoints"
         self.history: list[dict] = []
@@ -103,6 +105,9 @@ class LoRDOStrategy(Strategy):
         """Rounds whose messages went out ahead of their state: message id -> node id."""
         self._theta_is_seeded = not cfg.resume
         """θ is still θ0, the seeded init every client builds itself: it is not sent (until a round is applied)."""
+        self._acked: set[int] | None = None
+        """Nodes whose reply to the last round arrived (None: any node, e.g. after a resume): with
+        a compressed downlink the others are sent θ_c whole."""
         # The largest reply a node may upload: Δ plus at most three full-size states (u, v, E) in
         # fp32, and room for names and metrics. A bigger upload is refused before it is stored.
         self.max_upload = 4 * 4 * sum(p.numel() for p in self.model.parameters()) + (1 << 20)
@@ -128,8 +133,20 @@ class LoRDOStrategy(Strategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        """One message per connected node, all carrying the same encoded global state."""
-        return self._outgoing(server_round, self._encode_round(server_round), grid.get_node_ids(), MessageType.TRAIN)
+        """One message per connected node, all carrying the same encoded global state; with a
+        compressed downlink, a node that did not reply last round (it may not hold the clients'
+        copy of θ the state's change applies to) gets θ_c whole instead, inside the message."""
+        nodes = list(grid.get_node_ids())
+        data = self._encode_round(server_round)
+        if not self.aggregator.downlink_due() or self._acked is None:
+            return self._outgoing(server_round, data, nodes, MessageType.TRAIN)
+        resync = [n for n in nodes if n not in self._acked]
+        messages = self._outgoing(server_round, data, [n for n in nodes if n in self._acked], MessageType.TRAIN)
+        if resync:
+            log.info("round %d: nodes %s get θ whole (no reply from them last round)", server_round, resync)
+            whole = encode_global_state(self.aggregator.resync_state(), self.model_id, wire_dtype(self.cfg.payload_dtype))
+            messages += self._flower_messages(server_round, whole, resync, MessageType.TRAIN)
+        return messages
 
     def _encode_round(self, server_round: int) -> bytearray:
         """The round's global state, encoded once for every node; starts the round's log."""
@@ -170,13 +187,17 @@ class LoRDOStrategy(Strategy):
         fetch it from the gRPC data plane, with the tokens of this node and round."""
         node_ids = list(node_ids)
         if self.data_plane is None:
-            record = payload_record(data)
-            config = ConfigRecord({"round": round_idx, EXPLICIT_KEYS: self.explicit_keys})
-            return [Message(content=RecordDict({"state": record, "config": config}), dst_node_id=n,
-                            message_type=message_type) for n in node_ids]
+            return self._flower_messages(round_idx, data, node_ids, message_type)
         tickets = self.data_plane.publish(round_idx, data, node_ids, ttl=self.cfg.round_timeout + 60,
                                           max_upload=self.max_upload)
         return self._ticket_messages(round_idx, tickets, message_type)
+
+    def _flower_messages(self, round_idx: int, data: bytes, node_ids: Iterable[int], message_type: str) -> list[Message]:
+        """One message per node with the encoded state inside it (Flower's own data plane)."""
+        record = payload_record(data)
+        config = ConfigRecord({"round": round_idx, EXPLICIT_KEYS: self.explicit_keys})
+        return [Message(content=RecordDict({"state": record, "config": config}), dst_node_id=n,
+                        message_type=message_type) for n in node_ids]
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Decode and check every reply, drop bad ones with a reason, aggregate the rest.
@@ -190,6 +211,13 @@ class LoRDOStrategy(Strategy):
         skipped (θ, outer state, projections, moments unchanged; the round counter moves on).
         """
         rl = self._round_log
+        try:
+            return self._aggregate_train(server_round, replies, rl)
+        finally:
+            self._acked = set(rl.replied)  # these nodes hold this round's copy of θ
+
+    def _aggregate_train(self, server_round: int, replies: Iterable[Message],
+                         rl: RoundLog) -> tuple[ArrayRecord | None, MetricRecord | None]:
         with self._screened_refs(replies, server_round, f"round {server_round}", self.aggregator.check_reply,
                                  self.aggregator.screen_round, rl) as usable:
             refs = []
@@ -207,7 +235,7 @@ class LoRDOStrategy(Strategy):
             if len(refs) < self.cfg.min_clients:
                 log.warning("round %d: %d usable replies < min_clients=%d; round skipped, global state unchanged",
                             server_round, len(refs), self.cfg.min_clients)
-                self.aggregator.round += 1  # the next round is a new attempt with the same θ
+                self.aggregator.skip_round()  # the next round is a new attempt with the same θ
                 return None, MetricRecord({"clients-ok": len(refs)})
             result = self.aggregator.aggregate_refs(refs)
         self._theta_is_seeded = False
@@ -251,7 +279,7 @@ class LoRDOStrategy(Strategy):
                     ids = self._push(grid, list(self.configure_train(r, ArrayRecord(), ConfigRecord(), grid)))
                 else:  # the nodes hold this round's tickets already: publish its state
                     ids.update(self._publish_announced(r, grid, set(ids.values())))
-                if self.data_plane is not None and r < num_rounds:
+                if self.data_plane is not None and r < num_rounds and self.aggregator.client_params is None:
                     # Round r+1's messages go out now (tickets; its state is published later):
                     # each SuperNode takes its next message as soon as it replied to this one,
                     # so Flower's polling and process start overlap this round's work.
@@ -371,6 +399,7 @@ class LoRDOStrategy(Strategy):
                     rl.dropped[who] = f"error reply: {msg.error.reason}"
                     log.warning("%s: %s failed: %s", phase, who, msg.error.reason)
                     continue
+                rl.replied.add(msg.metadata.src_node_id)
                 decode_started = time.perf_counter()
                 try:
                     if self.data_plane is None:
@@ -415,7 +444,7 @@ class LoRDOStrategy(Strategy):
         """`state` without θ while θ is still the seeded θ0 (both sides derive it: not sent)."""
         if not self._theta_is_seeded:
             return state
-        return dataclasses.replace(state, params={}, params_from_seed=True)
+        return dataclasses.replace(state, params={}, params_from_seed=True, params_delta=False)
 
     def _upload_of(self, msg: Message, round_idx: int):
         """The data-plane upload a reply vouches for (its sha256 must match); ValueError naming

@@ -333,3 +333,48 @@ def test_a_workers_compression_residual_travels_with_its_state(tmp_path):
     again.load_flat_state(tensors, meta)
     assert all(torch.equal(again.wire_ef.residual[n], worker.wire_ef.residual[n]) for n in params)
     assert any(float(r.abs().sum()) > 0 for r in again.wire_ef.residual.values())
+
+
+def test_server_and_workers_agree_bit_for_bit_on_the_clients_copy(tmp_path):
+    """A compressed downlink (int8 change of θ_c): after every round the aggregator's θ_c and every
+    worker's are equal bit for bit; a worker that missed a round refuses the change (ResyncNeeded)
+    and, sent θ_c whole, holds the same copy again."""
+    from lordo_fed.data import load_dataset
+    from lordo_fed.methods import make_aggregator, make_worker, resolve_method
+    from lordo_fed.model import build_model
+    from lordo_fed.rounds import RoundConfig
+    from lordo_fed.worker import ResyncNeeded
+    from tests.test_trainer import tiny_config
+
+    cfg = tiny_config(tmp_path, workers=3, rounds=RoundConfig(local_steps=2), payload_dtype="int8")
+    data = load_dataset(cfg.data, 3)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, data.vocab_size)
+    settings = resolve_method("diloco", cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
+    workers = [make_worker(m, model, settings, data.train_shards[m], [], 12, 4, 32, seed=0, payload="int8")
+               for m in range(3)]
+    agg = make_aggregator(model, settings, {}, seed=0, payload="int8")
+    from lordo_fed.trainer.run import as_received
+
+    for r in range(1, 5):
+        state = agg.global_state()
+        assert state.params_delta == (r > 1)
+        if r > 1:
+            assert all(isinstance(t, Encoded) for t in state.params.values())
+        active = workers if r != 2 else workers[:2]  # worker 2 misses round 2
+        if r == 3:
+            with pytest.raises(ResyncNeeded, match="round 3: the server sent θ as a change to round 2's copy, this "
+                                                   "worker holds the copy of round 1"):
+                workers[2].train_round(state)
+            updates = [w.train_round(state) for w in workers[:2]] + [workers[2].train_round(agg.resync_state())]
+        else:
+            updates = [w.train_round(state) for w in active]
+        if r == 4:  # the copy the workers now hold misses θ by at most half an int8 level of the change
+            copy = agg.client_copy()
+            for n in agg.params:
+                change = (agg.params[n] - agg.client_params[n]).abs().max()
+                assert float((agg.params[n] - copy[n]).abs().max()) <= float(change) / 254 * (1 + 1e-5) + 1e-12
+        agg.aggregate([as_received(u) for u in updates])
+        for w in active if r != 3 else workers:
+            assert w.client_round == r
+            assert all(torch.equal(w.client_params[n], agg.client_params[n]) for n in agg.params), (r, w.worker_id)

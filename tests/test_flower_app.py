@@ -135,8 +135,10 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
 def test_deployment_on_both_data_planes_matches_the_reference_and_bad_configs_stop(tmp_path):
     """A real SuperLink and two SuperNodes: the payloads over the gRPC data plane (plaintext,
     explicitly insecure) and inside Flower's messages end at the same θ as the reference trainer,
-    bit for bit (round 1's θ0 built by the clients from the seed, not sent); bad values stop a
-    run before round 1 with a message naming them."""
+    bit for bit (round 1's θ0 built by the clients from the seed, not sent), and so do compressed
+    payloads over the data plane (topk2bit: Δ up with error feedback, θ down as the int8 change of
+    the clients' copy, which each node keeps in its state); bad values stop a run before round 1
+    with a message naming them."""
     with Deployment(tmp_path, num_nodes=2) as dep:
         bad = dep.run(APP, tiny_run_config(tmp_path, omega=1.5, **{"output-dir": str(tmp_path / "bad")}), timeout=120)
         assert "run-config key 'omega': inner.omega=1.5: expected a number in [0, 1]" in bad.stdout
@@ -146,27 +148,34 @@ def test_deployment_on_both_data_planes_matches_the_reference_and_bad_configs_st
         assert not (tmp_path / "no_tls" / "server.jsonl").exists()
 
         thetas = {}
-        for plane in ("grpc", "flower"):
+        for plane in ("grpc", "flower", "grpc-topk2bit"):
             out = tmp_path / plane
-            dep.run(APP, tiny_run_config(tmp_path, **{"output-dir": str(out), "data-plane": plane,
-                                                      "data-plane-insecure": plane == "grpc"}),
+            extra = {"payload-dtype": "topk2bit"} if plane.endswith("topk2bit") else {}
+            dep.run(APP, tiny_run_config(tmp_path, **{"output-dir": str(out), "data-plane": plane.split("-")[0],
+                                                      "data-plane-insecure": plane.startswith("grpc"), **extra}),
                     timeout=240, check=True)
             records = server_records(out)
             assert [r["round"] for r in records] == [0, 1, 2]
             assert all(r["clients_ok"] == 2 and r["clients_missing"] == 0 for r in records[1:])
             assert records[-1]["val_loss"] < records[0]["val_loss"]
-            assert ("upload_seconds" in records[1]) == (plane == "grpc")
+            assert ("upload_seconds" in records[1]) == plane.startswith("grpc")
             tensors, _ = load_checkpoint(out / "checkpoints")
             thetas[plane] = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
-            # θ0 is the seeded init both sides build: round 1 sends no θ, round 2 sends θ.
+            # θ0 is the seeded init both sides build: round 1 sends no θ, round 2 sends θ (topk2bit:
+            # the int8 change of the clients' copy, about a quarter of it).
             theta_bytes = 4 * sum(t.numel() for t in thetas[plane].values())
-            assert records[1]["bytes_sent_per_client"] < theta_bytes <= records[2]["bytes_sent_per_client"], records
+            if extra:
+                assert records[1]["bytes_sent_per_client"] < theta_bytes / 4 < records[2]["bytes_sent_per_client"]
+                assert records[2]["bytes_sent_per_client"] < theta_bytes / 2, records
+            else:
+                assert records[1]["bytes_sent_per_client"] < theta_bytes <= records[2]["bytes_sent_per_client"], records
         assert not list((tmp_path / "grpc" / "dataplane_spool").glob("*")), "spooled replies left behind"
         pids = dep.all_pids()
     from tests.flower_harness import alive
 
     assert not alive(pids)
-    reference = reference_theta(tiny_run_config(tmp_path), workers=2)
     for plane, theta in thetas.items():
+        extra = {"payload-dtype": "topk2bit"} if plane.endswith("topk2bit") else {}
+        reference = reference_theta(tiny_run_config(tmp_path, **extra), workers=2)
         worst = max((theta[n] - reference[n]).abs().max().item() for n in reference)
         assert worst == 0.0, f"{plane}: max |θ_deployment − θ_reference| = {worst}"

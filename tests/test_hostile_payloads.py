@@ -340,6 +340,29 @@ def test_a_compressed_codec_the_server_did_not_configure_is_dropped(tmp_path, ca
     check_dropped(tmp_path, caplog, good_only, hostile, "is not one this receiver configured (configured: none)")
 
 
+def test_a_node_that_missed_a_round_gets_the_clients_copy_whole(tmp_path):
+    """A compressed downlink (payload int8): round 2 sends the nodes that replied to round 1 the
+    int8 change of the clients' copy θ_c, and a node that did not (it may not hold round 1's
+    copy) θ_c whole, inside its message; both end with the same copy, the server's."""
+    from lordo_fed.codec import decode_global_state
+    from lordo_fed.flower import payload_bytes
+    from lordo_fed.wire.payload import downlink_codecs
+
+    s = new_strategy(tmp_path / "out", **{"payload-dtype": "int8"})
+    before = {n: t.clone() for n, t in s.aggregator.client_params.items()}
+    messages = s.configure_train(ROUND, ArrayRecord(), ConfigRecord(), NodeIds([*GOOD, HOSTILE_NODE]))
+    states = {m.metadata.dst_node_id: decode_global_state(payload_bytes(m.content["state"]), s.model_id,
+                                                          codecs=downlink_codecs("int8")) for m in messages}
+    assert set(states) == {*GOOD, HOSTILE_NODE}
+    copy = s.aggregator.client_copy()
+    for node in GOOD:
+        assert states[node].params_delta
+        assert all(torch.equal(before[n] + states[node].params[n], copy[n]) for n in copy)
+    whole = states[HOSTILE_NODE]
+    assert not whole.params_delta and all(torch.equal(whole.params[n], copy[n]) for n in copy)
+    assert any(not torch.equal(copy[n], s.aggregator.params[n]) for n in copy)  # the copy lags θ (int8)
+
+
 def test_payload_larger_than_its_declared_size_is_dropped(tmp_path, caplog, good_only):
     def hostile(s, r):
         def grow(msg):

@@ -34,7 +34,7 @@ from lordo_fed.methods import MethodSettings, lowrank_ranks, make_worker, resolv
 from lordo_fed.model import build_model, lowrank_parameter_names
 from lordo_fed.node.store import DiskStore, StateStore
 from lordo_fed.tokenizer import load_tokenizer
-from lordo_fed.wire.payload import wire_dtype
+from lordo_fed.wire.payload import downlink_codecs, wire_dtype
 from lordo_fed.worker import Worker
 
 log = logging.getLogger("lordo_fed.client")
@@ -260,7 +260,8 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
     received = receive(rt.cfg.round_timeout)
     decode_started = time.perf_counter()
     # A download is a buffer of our own: its fp32 tensors are used in place (no copy).
-    state = decode_global_state(received, expected_model_id=rt.model_id, adopt=isinstance(received, bytearray))
+    state = decode_global_state(received, expected_model_id=rt.model_id, adopt=isinstance(received, bytearray),
+                                codecs=downlink_codecs(rt.cfg.payload_dtype))
     received_bytes = len(received)
     del received
     if state.params_from_seed:

@@ -71,7 +71,7 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
                     data.batch_size, data.seq_len, seed=data.seed, payload=cfg.payload_dtype)
         for m in range(cfg.workers)
     ]
-    aggregator = make_aggregator(model, settings, ranks, seed=cfg.seed)
+    aggregator = make_aggregator(model, settings, ranks, seed=cfg.seed, payload=cfg.payload_dtype)
     aggregator.diagnostics = cfg.diagnostics
     for w in workers:
         if isinstance(w.optimizer, LoRDO):

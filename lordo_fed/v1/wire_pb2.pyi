@@ -60,7 +60,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., nbytes: _Optional[int] = ..., data: _Optional[bytes] = ..., bits: _Optional[int] = ..., block: _Optional[int] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ...) -> None: ...
 
 class GlobalState(_message.Message):
-    __slots__ = ("schema", "model_id", "round", "opt_step", "params", "projections", "moments", "params_from_seed")
+    __slots__ = ("schema", "model_id", "round", "opt_step", "params", "projections", "moments", "params_from_seed", "params_delta")
     SCHEMA_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class GlobalState(_message.Message):
     PROJECTIONS_FIELD_NUMBER: _ClassVar[int]
     MOMENTS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FROM_SEED_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_DELTA_FIELD_NUMBER: _ClassVar[int]
     schema: str
     model_id: str
     round: int
@@ -77,7 +78,8 @@ class GlobalState(_message.Message):
     projections: _containers.RepeatedCompositeFieldContainer[Tensor]
     moments: _containers.RepeatedCompositeFieldContainer[Tensor]
     params_from_seed: bool
-    def __init__(self, schema: _Optional[str] = ..., model_id: _Optional[str] = ..., round: _Optional[int] = ..., opt_step: _Optional[int] = ..., params: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., projections: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., moments: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., params_from_seed: _Optional[bool] = ...) -> None: ...
+    params_delta: bool
+    def __init__(self, schema: _Optional[str] = ..., model_id: _Optional[str] = ..., round: _Optional[int] = ..., opt_step: _Optional[int] = ..., params: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., projections: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., moments: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., params_from_seed: _Optional[bool] = ..., params_delta: _Optional[bool] = ...) -> None: ...
 
 class WorkerUpdate(_message.Message):
     __slots__ = ("schema", "model_id", "round", "worker_id", "tokens", "opt_step", "delta", "moments", "metrics")

@@ -1,16 +1,19 @@
 """Payload presets: which codec each kind of tensor of a round travels with (`payload_dtype`).
 
-| preset      | Δ (error feedback on the worker)        | moments            | the rest  |
-|-------------|-----------------------------------------|--------------------|-----------|
-| fp32, bf16  | raw                                     | raw                | raw       |
-| int8        | int8, one scale per 64 values           | int8 / 64          | fp32      |
-| int4        | int4 / 32                               | int8 / 64          | fp32      |
-| topk2bit    | top-k 3% of each 4096, 2-bit values     | int8 / 64          | fp32      |
+| preset      | Δ up (error feedback on the worker)     | moments (both ways) | θ down                            |
+|-------------|-----------------------------------------|---------------------|-----------------------------------|
+| fp32, bf16  | raw                                     | raw                 | raw                               |
+| int8        | int8, one scale per 64 values           | int8 / 64           | int8 / 64 change of the clients' copy |
+| int4        | int4 / 32                               | int8 / 64           | int8 / 64 change                  |
+| topk2bit    | top-k 3% of each 4096, 2-bit values     | int8 / 64           | int8 / 64 change                  |
 
-"The rest" is θ (downstream), the shared bases (they must stay orthonormal) and integer tensors.
 Δ's compression residual is kept on the worker and added to the next round's Δ (error feedback,
 lordo_fed.wire.compress.ErrorFeedback); the moments are states, not increments, and are sent
-quantised as they are. A receiver accepts exactly the specs of the run's preset (`codecs`).
+quantised as they are. Downstream the server keeps the clients' copy θ_c of θ (deterministic) and
+sends the compressed change θ − θ_c, which both sides add to θ_c (lordo_fed.aggregator): what the
+change leaves out stays in θ − θ_c and goes with a later round. The shared bases travel fp32 (they
+must stay orthonormal), integer tensors raw. A receiver accepts exactly the specs of the run's
+preset (`receiver_codecs`, `downlink_codecs`).
 """
 
 from __future__ import annotations
@@ -28,18 +31,24 @@ class PayloadCodecs:
     delta: CodecSpec
     """Pseudo-gradients, with error feedback of the residual on the worker."""
     moments: CodecSpec
-    """Synced optimizer moments (low-rank and full-size)."""
+    """Synced optimizer moments (low-rank and full-size), both ways."""
+    down: CodecSpec | None = None
+    """θ downstream, as the change of the clients' copy (None: θ raw)."""
 
     def specs(self) -> frozenset[CodecSpec]:
-        """What a receiver of this preset's payloads configures (`lordo_fed.codec.decode_*`'s `codecs`)."""
+        """What the server configures for replies (`lordo_fed.codec.decode_update`'s `codecs`)."""
         return frozenset(s.canonical() for s in (self.delta, self.moments))
+
+    def down_specs(self) -> frozenset[CodecSpec]:
+        """What a worker configures for the server's states (`decode_global_state`'s `codecs`)."""
+        return frozenset(s.canonical() for s in (self.moments, self.down) if s is not None)
 
 
 _INT8 = CodecSpec("quant", bits=8, block=64)
 PRESETS: dict[str, PayloadCodecs] = {
-    "int8": PayloadCodecs(delta=_INT8, moments=_INT8),
-    "int4": PayloadCodecs(delta=CodecSpec("quant", bits=4, block=32), moments=_INT8),
-    "topk2bit": PayloadCodecs(delta=CodecSpec("topk", bits=2, chunk=4096, density=0.03), moments=_INT8),
+    "int8": PayloadCodecs(delta=_INT8, moments=_INT8, down=_INT8),
+    "int4": PayloadCodecs(delta=CodecSpec("quant", bits=4, block=32), moments=_INT8, down=_INT8),
+    "topk2bit": PayloadCodecs(delta=CodecSpec("topk", bits=2, chunk=4096, density=0.03), moments=_INT8, down=_INT8),
 }
 PAYLOADS = (*PAYLOAD_DTYPES, *PRESETS)
 """Every value `payload_dtype` takes."""
@@ -61,6 +70,12 @@ def wire_dtype(name: str) -> str:
 
 
 def receiver_codecs(name: str) -> frozenset[CodecSpec] | None:
-    """The compressed specs a receiver of preset `name` accepts (None: none)."""
+    """The compressed specs a server of preset `name` accepts in replies (None: none)."""
     codecs = payload_codecs(name)
     return None if codecs is None else codecs.specs()
+
+
+def downlink_codecs(name: str) -> frozenset[CodecSpec] | None:
+    """The compressed specs a worker of preset `name` accepts in the server's states (None: none)."""
+    codecs = payload_codecs(name)
+    return None if codecs is None else codecs.down_specs()
