@@ -15,7 +15,7 @@ until it has trained the same tokens), the staleness of the pushes, pushes per w
 schedule is deterministic (lordo_fed.async_rounds.VirtualClock): the figures do not depend on this
 machine's speed.
 
-    python benchmarks/async_rounds.py            # small preset, 128 steps per worker (~25 min on 2 cores)
+    python benchmarks/async_rounds.py            # small preset, 128 steps per worker (~33 min on 2 cores)
     python benchmarks/async_rounds.py --quick    # tiny preset, a few pushes (seconds)
 Writes benchmarks/results/async_rounds.json and async_rounds.png.
 """
