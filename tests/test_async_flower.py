@@ -4,8 +4,9 @@ trainer's virtual clock, and a deployment on 127.0.0.1 with one really slowed no
 - Parity: `async-order='virtual'` applies replies in the virtual clock's order, so a Flower run and
   `run_async` on the same settings apply the same Δs in the same order from the same pulls: the
   same θ (fp32, one thread: max |Δθ| ≤ 1e-5), the same staleness and pushes per worker.
-- Deployment: two SuperNodes, one with `slowdown=4` in its node config (it sleeps after its local
-  steps); `async-order='arrival'`: the fast node makes more rounds than the slow one and the slow
+- Deployment: two SuperNodes, one with `slowdown=20` in its node config (it sleeps after its local
+  steps until its round took 20 times as long: a few seconds, against Flower's ~3 s per message
+  here); `async-order='arrival'`: the fast node makes more rounds than the slow one and the slow
   one's replies are stale, the budget of tokens is kept and the loss goes down.
 """
 
@@ -103,10 +104,10 @@ def test_async_resume_continues_from_the_checkpoint(tmp_path):
 
 
 def test_deployment_with_a_slowed_node(tmp_path):
-    """A real SuperLink and two SuperNodes, node 2 four times slower (node config `slowdown=4`):
-    replies are applied as they arrive; the fast node trains more rounds, the slow node's replies
-    are stale; the run keeps the synchronous run's token budget."""
-    with Deployment(tmp_path, num_nodes=2, node_configs=[{}, {"slowdown": 4.0}]) as dep:
+    """A real SuperLink and two SuperNodes, node 2 slowed (node config `slowdown=20`): replies are
+    applied as they arrive; the fast node trains more rounds, the slow node's replies are stale;
+    the run keeps the synchronous run's token budget."""
+    with Deployment(tmp_path, num_nodes=2, node_configs=[{}, {"slowdown": 20.0}]) as dep:
         run_config = tiny_run_config(tmp_path, variant="heloco", **{"num-server-rounds": 4, "async-weight": 0.7})
         dep.run(APP, run_config, timeout=300, check=True)
     records = server_records(tmp_path / "out")
