@@ -171,7 +171,7 @@ class Aggregator:
             return GlobalState(round=self.round, params=self.params, projections=self.projections,
                                moments=self.moments, opt_step=self.opt_step)
         if self._encoded is None or self._encoded[0] != self.round:
-            moments = {k: encode(v, self.payload.moments) for k, v in self.moments.items()}
+            moments = self.payload.encode_moments(self.moments)
             params, delta = (self._downlink(), True) if self.downlink_due() else (self.params, False)
             self._encoded = (self.round, GlobalState(round=self.round, params=params, projections=self.projections,
                                                      moments=moments, opt_step=self.opt_step, params_delta=delta))

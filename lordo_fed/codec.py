@@ -207,7 +207,7 @@ def _codec_fields(enc: Encoded) -> tuple[int, dict[int, int]]:
     if spec.kind == "raw":
         return pb.RAW, {}
     if spec.kind == "quant":
-        return pb.QUANT, {7: spec.bits, 8: spec.block}
+        return pb.QUANT, {7: spec.bits, 8: spec.block, **({11: 1} if spec.sqrt else {})}
     return (pb.TOPK_QUANT if spec.bits else pb.TOPK), {**({7: spec.bits} if spec.bits else {}), 9: spec.chunk,
                                                         10: spec.k}
 
@@ -237,7 +237,8 @@ def _fill_tensor(out: pb.Tensor, name: str, t: Tensor, payload_dtype: str, where
         out.nbytes = len(data)
         out.data = data
         for number, value in fields.items():
-            setattr(out, pb.Tensor.DESCRIPTOR.fields_by_number[number].name, value)
+            name = pb.Tensor.DESCRIPTOR.fields_by_number[number].name
+            setattr(out, name, bool(value) if name == "sqrt" else value)
         return
     t, dtype, codec, _ = _wire_form(name, t, payload_dtype, where)
     if t.device.type != "cpu":
@@ -695,7 +696,7 @@ def _check_wire_types(msg, label: str) -> None:
 def _spec_of(t: pb.Tensor) -> CodecSpec:
     """The compression spec a v2 tensor declares (its codec fields, as sent)."""
     if t.codec == pb.QUANT:
-        return CodecSpec("quant", bits=t.bits, block=t.block)
+        return CodecSpec("quant", bits=t.bits, block=t.block, sqrt=bool(t.sqrt))
     return CodecSpec("topk", bits=t.bits if t.codec == pb.TOPK_QUANT else 0, chunk=t.chunk, density=1.0, topk=t.topk)
 
 
@@ -720,9 +721,9 @@ def _check_tensor_meta(t: pb.Tensor, where: str, v2: bool = False,
         raise PayloadError(f"{label}: codec {pb.Codec.Name(t.codec)} does not fit dtype "
                            f"{pb.DType.Name(t.dtype)} (allowed: "
                            f"{', '.join(sorted(pb.Codec.Name(c) for c in codecs_of_dtype))})")
-    if not compressed and (t.bits or t.block or t.chunk or t.topk):
+    if not compressed and (t.bits or t.block or t.chunk or t.topk or t.sqrt):
         raise PayloadError(f"{label}: codec {pb.Codec.Name(t.codec)} with compression fields set (bits={t.bits}, "
-                           f"block={t.block}, chunk={t.chunk}, topk={t.topk})")
+                           f"block={t.block}, chunk={t.chunk}, topk={t.topk}, sqrt={t.sqrt})")
     shape = tuple(t.shape)
     for d in shape:
         if not isinstance(d, int) or isinstance(d, bool):

@@ -26,7 +26,7 @@ from lordo_fed.optim.lordo import EF_DTYPES
 from lordo_fed.optim.config import InnerConfig, apply_phase, lr_at, set_lr
 from lordo_fed.rounds import (DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, RoundConfig, WorkerUpdate, moment_key,
                               split_moment_key)
-from lordo_fed.wire.compress import ErrorFeedback, decoded, encode
+from lordo_fed.wire.compress import ErrorFeedback, decoded
 from lordo_fed.wire.payload import PayloadCodecs
 
 ProgressFn = Callable[[int, Tensor], None]
@@ -99,7 +99,7 @@ class Worker:
         moments = self.due_moments(state.round)
         if self.payload is not None:  # what crosses the wire: compressed, Δ's residual kept for later rounds
             delta = {n: self.wire_ef.compress(n, d, self.payload.delta)[0] for n, d in delta.items()}
-            moments = {k: encode(v, self.payload.moments) for k, v in moments.items()}
+            moments = self.payload.encode_moments(moments)
         return WorkerUpdate(
             worker_id=self.worker_id,
             round=state.round,

@@ -378,3 +378,47 @@ def test_server_and_workers_agree_bit_for_bit_on_the_clients_copy(tmp_path):
         for w in active if r != 3 else workers:
             assert w.client_round == r
             assert all(torch.equal(w.client_params[n], agg.client_params[n]) for n in agg.params), (r, w.worker_id)
+
+
+def test_second_moments_quantise_their_square_roots_rounded_up():
+    """Blockwise int8 of v itself zeroes most of a realistic second moment (its values span
+    decades within a block) and Adam's m / √v̂ explodes; through √v rounded up, v̂ ≥ v everywhere,
+    no positive v decodes to 0, and the step m̂ / √v̂ stays within Adam's own bound (|m| ≤ √v)."""
+    torch.manual_seed(5)
+    g = torch.randn(100_000) * torch.exp(torch.randn(100_000) * 1.5) * 1e-3
+    v, m = g.square(), 0.3 * g
+    plain = decode(encode(v, CodecSpec("quant", bits=8, block=64)))
+    assert float((plain == 0).float().mean()) > 0.5  # the hazard, measured: 74% zeroed
+    spec = CodecSpec("quant", bits=8, block=64, sqrt=True)
+    v_hat = decode(encode(v, spec))
+    assert bool((v_hat >= v).all()) and bool((v_hat > 0).all())
+    m_hat = decode(encode(m, CodecSpec("quant", bits=8, block=64)))
+    step = m_hat / (v_hat.sqrt() + 1e-8)
+    assert float(step.abs().max()) < 1.0 and float((m / (v.sqrt() + 1e-8)).abs().max()) <= 0.3 + 1e-6
+    # √v̂ overshoots √v by at most one level of its block
+    s, s_hat = v[:96000].sqrt().view(-1, 64), v_hat[:96000].sqrt().view(-1, 64)
+    assert bool(((s_hat - s) <= s.amax(dim=1, keepdim=True) / 127 * (1 + 1e-5)).all())
+
+
+def test_a_second_moment_on_the_wire_carries_its_sqrt_flag():
+    from lordo_fed.codec import PayloadError, _encode_update_reference, decode_update, encode_update
+    from lordo_fed.rounds import WorkerUpdate
+    from lordo_fed.v1 import wire_pb2 as pb
+    from lordo_fed.wire.payload import PRESETS
+
+    codecs = PRESETS["int8"]
+    v = torch.rand(8, 48) ** 4
+    update = WorkerUpdate(0, 1, {"w": torch.zeros(8, 48)}, codecs.encode_moments({"exp_avg_sq/w": v}), 4, 1)
+    data = encode_update(update, "mid")
+    assert data == _encode_update_reference(update, "mid", deterministic=True)
+    assert pb.WorkerUpdate.FromString(data).moments[0].sqrt
+    got = decode_update(data, "mid", codecs=codecs.specs()).moments["exp_avg_sq/w"]
+    assert bool((got >= v).all()) and torch.equal(got, decode(encode(v, codecs.moment_spec("exp_avg_sq/w"))).view(8, 48))
+    msg = pb.WorkerUpdate.FromString(data)
+    msg.delta[0].sqrt = True  # on a RAW tensor
+    with pytest.raises(PayloadError, match="codec RAW with compression fields set"):
+        decode_update(msg.SerializeToString(), "mid", codecs=codecs.specs())
+    msg = pb.WorkerUpdate.FromString(data)
+    msg.moments[0].sqrt = False  # a spec this receiver did not configure
+    with pytest.raises(PayloadError, match="codec int8/64 is not one this receiver configured"):
+        decode_update(msg.SerializeToString(), "mid", codecs={codecs.moment_spec("exp_avg_sq/w")})

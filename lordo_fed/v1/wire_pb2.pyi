@@ -36,7 +36,7 @@ TOPK: Codec
 TOPK_QUANT: Codec
 
 class Tensor(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "codec", "nbytes", "data", "bits", "block", "chunk", "topk")
+    __slots__ = ("name", "shape", "dtype", "codec", "nbytes", "data", "bits", "block", "chunk", "topk", "sqrt")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class Tensor(_message.Message):
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
+    SQRT_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
@@ -57,7 +58,8 @@ class Tensor(_message.Message):
     block: int
     chunk: int
     topk: int
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., nbytes: _Optional[int] = ..., data: _Optional[bytes] = ..., bits: _Optional[int] = ..., block: _Optional[int] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ...) -> None: ...
+    sqrt: bool
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., nbytes: _Optional[int] = ..., data: _Optional[bytes] = ..., bits: _Optional[int] = ..., block: _Optional[int] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ..., sqrt: _Optional[bool] = ...) -> None: ...
 
 class GlobalState(_message.Message):
     __slots__ = ("schema", "model_id", "round", "opt_step", "params", "projections", "moments", "params_from_seed", "params_delta")

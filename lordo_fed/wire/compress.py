@@ -39,6 +39,9 @@ _LEVELS = {8: 127, 4: 7, 2: 3}
 """Largest integer level per bit width (2-bit codes are the odd levels −3, −1, 1, 3)."""
 _TINY = torch.finfo(torch.float32).tiny
 """Scale of an all-zero block: every scale on the wire is finite and > 0."""
+_UP = 1e-6
+"""Relative margin of rounding up (`quantize(up=True)`): well above fp32's rounding of a division
+and a product (6e-8 each), so that the decoded value is never below the original."""
 
 
 class CompressionError(ValueError):
@@ -62,6 +65,9 @@ class CodecSpec:
     """'topk': the share of each chunk kept (k = max(1, round(density · chunk)))."""
     topk: int = 0
     """'topk': entries kept per chunk, when given (0 = from `density`; what a receiver reads off the wire)."""
+    sqrt: bool = False
+    """'quant' of a second moment v ≥ 0: √v is quantised, rounded up, and squared back, so v̂ ≥ v
+    and a positive v never becomes 0 (Adam divides by √v̂: a zeroed v makes its step explode)."""
 
     def validate(self) -> "CodecSpec":
         if self.kind not in ("raw", "quant", "topk"):
@@ -78,6 +84,8 @@ class CodecSpec:
             raise ValueError(f"codec density={self.density!r}: expected a share in (0, 1]")
         if not (isinstance(self.topk, int) and 0 <= self.topk <= self.chunk):
             raise ValueError(f"codec topk={self.topk!r}: expected 0 (from density) or 1..chunk={self.chunk}")
+        if self.sqrt and self.kind != "quant":
+            raise ValueError(f"codec sqrt=True with kind={self.kind!r}: only 'quant' quantises square roots")
         return self
 
     @property
@@ -91,7 +99,7 @@ class CodecSpec:
         if self.kind == "raw":
             return CodecSpec("raw")
         if self.kind == "quant":
-            return CodecSpec("quant", bits=self.bits, block=self.block)
+            return CodecSpec("quant", bits=self.bits, block=self.block, sqrt=self.sqrt)
         return CodecSpec("topk", bits=self.bits, chunk=self.chunk, density=1.0, topk=self.k)
 
 
@@ -148,7 +156,7 @@ def describe(spec: CodecSpec) -> str:
     if spec.kind == "raw":
         return "raw"
     if spec.kind == "quant":
-        return f"int{spec.bits}/{spec.block}"
+        return f"{'sqrt-' if spec.sqrt else ''}int{spec.bits}/{spec.block}"
     return f"top-k {spec.k}/{spec.chunk}" + (f" {spec.bits}-bit" if spec.bits else "")
 
 
@@ -213,20 +221,24 @@ def index_bits(chunk: int) -> int:
 
 
 # ----------------------------------------------------------------------------- quantisation
-def quantize(x: Tensor, bits: int, block: int) -> tuple[Tensor, Tensor]:
+def quantize(x: Tensor, bits: int, block: int, up: bool = False) -> tuple[Tensor, Tensor]:
     """(codes, scales): the flattened `x` in blocks of `block`, one fp32 scale each, codes as
-    non-negative integers (q + L for int8/int4, (q + 3) / 2 for 2-bit) ready to `pack`."""
+    non-negative integers (q + L for int8/int4, (q + 3) / 2 for 2-bit) ready to `pack`; with `up`
+    (int8/int4 of values ≥ 0) rounded up instead of to the nearest level."""
     flat = x.detach().reshape(-1).float()
     n = flat.numel()
     nblocks = math.ceil(n / block)
     padded = torch.nn.functional.pad(flat, (0, nblocks * block - n)).view(nblocks, block)
     level = _LEVELS[bits]
     scales = (padded.abs().amax(dim=1) / level).clamp_min(_TINY)
+    if up:  # room above the largest value, so that rounding up never needs a level past L
+        scales = scales * (1 + _UP)
     q = padded / scales[:, None]
     if bits == 2:  # nearest of the odd levels −3, −1, 1, 3
         codes = ((q.clamp(-3.0, 3.0) + 3.0) / 2.0).round().clamp(0, 3)
     else:
-        codes = q.round().clamp(-level, level) + level
+        # up: a relative nudge before ceil, so that fp32 rounding of x / s never lands one level low
+        codes = ((q * (1 + _UP)).ceil() if up else q.round()).clamp(-level, level) + level
     return codes.reshape(-1)[:n].to(torch.int64), scales
 
 
@@ -304,7 +316,8 @@ def encode(x: Tensor, spec: CodecSpec) -> Encoded:
     if spec.kind == "raw":
         return Encoded(spec, n, _f32(x), shape=shape)
     if spec.kind == "quant":
-        codes, scales = quantize(x, spec.bits, spec.block)
+        values = x.detach().float().clamp_min(0).sqrt() if spec.sqrt else x
+        codes, scales = quantize(values, spec.bits, spec.block, up=spec.sqrt)
         return Encoded(spec, n, pack(codes, spec.bits), _f32(scales), shape=shape)
     positions, values = topk(x, spec.chunk, spec.k)
     indices = pack(positions, index_bits(spec.chunk))
@@ -331,7 +344,12 @@ def decode(enc: Encoded, label: str = "tensor") -> Tensor:
             nblocks = math.ceil(n / spec.block)
             scales = _scales(enc.scales, nblocks)
             codes = unpack(enc.data, spec.bits, n)
-            return dequantize(codes, scales, spec.bits, spec.block, n)
+            values = dequantize(codes, scales, spec.bits, spec.block, n)
+            if spec.sqrt:
+                if bool((values < 0).any()):
+                    raise CompressionError("a negative square root of a second moment")
+                return values.square()
+            return values
         full, k, tail, k_tail = chunk_layout(n, spec.chunk, spec.k)
         count = full * k + k_tail
         positions = unpack(enc.indices, index_bits(spec.chunk), count)
