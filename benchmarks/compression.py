@@ -1,0 +1,258 @@
+"""Compressed payloads (issue 14): bytes on the wire, the perplexity they cost, and whether they
+pay for their encoding time.
+
+1. **bytes**: LoRDO-Global's steady-state round (every sync period passed) for 16m, 125m and 720m
+   with the GPT-2 vocabulary, K = 8, 32, 128, each payload preset (`lordo_fed.wire.payload`) and
+   `dense_sync_factor` F = 1 and 4. The round's two messages are built with the model's true
+   shapes, every compressed tensor laid out as the codec lays it out (a compressed tensor's size
+   depends on its shape and codec only, `part_sizes`, tested against `encode`), serialized with
+   `lordo_fed.codec` and measured with len(): up (Δ, the due moments) and down (θ or its change,
+   the bases, the averaged moments), per worker per step, and the ratio to fp32 DDP (a gradient of
+   4 bytes per parameter up and the averaged one down, every step). fp32 messages over protobuf's
+   2 GiB limit (720m) are counted by their tensor bytes.
+2. **time**: one round's encoding and decoding at 125m on this CPU (the worker compresses Δ with
+   error feedback and its moments and encodes the reply, the server decodes it; the server encodes
+   the downlink, the worker decodes it), against the time the bytes it saves take on a 1 Gb/s link.
+3. **quality**: LoRDO-Global on `examples/reference/quality_cpu.yaml` (small preset, M = 4,
+   rank 16) at K = 8 for 32 rounds, each compressed preset against fp32, seeds 0 and 1.
+
+    python benchmarks/compression.py                 # all three (~40 min on 2 cores)
+    python benchmarks/compression.py --parts bytes,time
+    python benchmarks/compression.py --quick         # 16m bytes at K = 32, tiny time and quality
+Writes benchmarks/results/compression.json and compression.png.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from lordo_fed import codec
+from lordo_fed.methods import resolve_method
+from lordo_fed.optim.config import InnerConfig
+from lordo_fed.outer import OuterConfig
+from lordo_fed.rounds import GlobalState, RoundConfig, WorkerUpdate
+from lordo_fed.wire.compress import Encoded, ErrorFeedback, encode, part_sizes
+from lordo_fed.wire.payload import PAYLOADS, payload_codecs, receiver_codecs, downlink_codecs, wire_dtype
+
+try:
+    from benchmarks.common import GPT2_VOCAB, RANKS, make_parser, new_figure, png_path, result_header, write_json
+    from benchmarks.communication import ModelShapes, _sync_period
+except ImportError:  # run as `python benchmarks/compression.py`
+    from common import GPT2_VOCAB, RANKS, make_parser, new_figure, png_path, result_header, write_json
+    from communication import ModelShapes, _sync_period
+
+ROOT = Path(__file__).resolve().parents[1]
+LINK_BYTES_PER_S = 1e9 / 8
+"""A 1 Gb/s link."""
+QUALITY = ["model.preset=small", "rounds.local_steps=8", "total_steps=256", "eval_every=4"]
+"""32 rounds of K = 8 on quality_cpu.yaml's small preset (M = 4, rank 16; 1.05 M tokens)."""
+
+
+def layout(spec, shape: tuple[int, ...]) -> Encoded:
+    """A compressed tensor of `shape` as the codec lays it out (zero bytes of the right sizes)."""
+    n = math.prod(shape)
+    a, b, c = part_sizes(spec, n)
+    return Encoded(spec, n, bytes(a), bytes(b), bytes(c), tuple(shape))
+
+
+def round_messages(ms: ModelShapes, payload: str, k: int, factor: int, t: int) -> tuple[WorkerUpdate, GlobalState]:
+    """LoRDO-Global's reply and next state in round t, as they travel with `payload`."""
+    settings = resolve_method("lordo_global", InnerConfig(rank=ms.rank), RoundConfig(local_steps=k, dense_sync_factor=factor),
+                              OuterConfig())
+    rounds = settings.rounds
+    codecs = payload_codecs(payload)
+    params = ms.params()
+    up_moments, down_moments = ms.moments(rounds, t, True), ms.moments(rounds, t - 1, True)
+    if codecs is not None:
+        delta = {n: layout(codecs.delta, p.shape) for n, p in params.items()}
+        up_moments = {key: layout(codecs.moment_spec(key), v.shape) for key, v in up_moments.items()}
+        down_moments = {key: layout(codecs.moment_spec(key), v.shape) for key, v in down_moments.items()}
+        theta = {n: layout(codecs.down, p.shape) for n, p in params.items()}
+    else:
+        delta, theta = params, params
+    update = WorkerUpdate(worker_id=0, round=t, delta=delta, moments=up_moments, tokens=4096 * k, opt_step=t * k,
+                          metrics={"train_loss": 3.0, "train_loss_last": 3.0, "lr": 1e-3})
+    state = GlobalState(round=t, params=theta, projections=ms.projections("svd"), moments=down_moments,
+                        opt_step=(t - 1) * k, params_delta=codecs is not None)
+    return update, state
+
+
+def message_bytes(msg, ms: ModelShapes, payload: str) -> tuple[int, bool]:
+    """(len of the serialized message, whether it was counted by tensor bytes: over 2 GiB)."""
+    dtype = wire_dtype(payload)
+    if codec.tensors_nbytes(msg, dtype) > 2 ** 31 - (64 << 20):
+        return codec.tensors_nbytes(msg, dtype), True
+    data = (codec.encode_update(msg, ms.model_id, dtype) if isinstance(msg, WorkerUpdate)
+            else codec.encode_global_state(msg, ms.model_id, dtype))
+    return len(data), False
+
+
+def bytes_table(presets: list[str], ks: list[int], factors: list[int], payloads: list[str]) -> list[dict]:
+    rows = []
+    for preset in presets:
+        ms = ModelShapes(preset, GPT2_VOCAB, RANKS[preset])
+        ddp = 2 * 4 * ms.num_params  # fp32 gradient up and down, per step
+        for factor in factors:
+            for k in ks:
+                settings = RoundConfig(local_steps=k, dense_sync_factor=factor)
+                cycle = _sync_period(settings)
+                for payload in payloads:
+                    up = down = 0.0
+                    estimated = False
+                    for t in range(cycle + 1, 2 * cycle + 1):
+                        update, state = round_messages(ms, payload, k, factor, t)
+                        n_up, e_up = message_bytes(update, ms, payload)
+                        n_down, e_down = message_bytes(state, ms, payload)
+                        up, down, estimated = up + n_up, down + n_down, estimated or e_up or e_down
+                    up, down = up / cycle, down / cycle
+                    per_step = (up + down) / k
+                    rows.append({"preset": preset, "params": ms.num_params, "K": k, "dense_sync_factor": factor,
+                                 "payload": payload, "up_bytes_per_round": up, "down_bytes_per_round": down,
+                                 "bytes_per_step": per_step, "ddp_fp32_bytes_per_step": ddp,
+                                 "reduction_vs_ddp_fp32": ddp / per_step, "tensor_bytes_only": estimated})
+        del ms
+    return rows
+
+
+def time_round(preset: str, payloads: list[str]) -> list[dict]:
+    """Encode + decode of one round's messages with real tensors (random values), per payload."""
+    ms = ModelShapes(preset, GPT2_VOCAB, RANKS[preset])
+    rounds = RoundConfig(local_steps=32)
+    params = ms.params()
+    moments = ms.moments(rounds, 2, True)
+    projections = ms.projections("svd")
+    rows = []
+    base = None
+    for payload in payloads:
+        codecs = payload_codecs(payload)
+        dtype = wire_dtype(payload)
+        t0 = time.perf_counter()
+        if codecs is not None:  # the worker: Δ with error feedback, the moments quantised
+            ef = ErrorFeedback()
+            delta = {n: ef.compress(n, p, codecs.delta)[0] for n, p in params.items()}
+            up_moments = codecs.encode_moments(moments)
+        else:
+            delta, up_moments = params, moments
+        up = codec.encode_update(WorkerUpdate(0, 2, delta, up_moments, 4096, 64), ms.model_id, dtype)
+        t1 = time.perf_counter()
+        codec.decode_update(up, ms.model_id, codecs=receiver_codecs(payload))
+        t2 = time.perf_counter()
+        if codecs is not None:  # the server: θ's change and the averaged moments
+            theta = {n: encode(p, codecs.down) for n, p in params.items()}
+            down_moments = codecs.encode_moments(moments)
+        else:
+            theta, down_moments = params, moments
+        down = codec.encode_global_state(GlobalState(2, theta, projections, down_moments, 64, params_delta=codecs is not None),
+                                         ms.model_id, dtype)
+        t3 = time.perf_counter()
+        codec.decode_global_state(down, ms.model_id, codecs=downlink_codecs(payload))
+        t4 = time.perf_counter()
+        row = {"preset": preset, "payload": payload, "up_bytes": len(up), "down_bytes": len(down),
+               "worker_encode_s": t1 - t0, "server_decode_s": t2 - t1, "server_encode_s": t3 - t2,
+               "worker_decode_s": t4 - t3}
+        row["codec_s"] = row["worker_encode_s"] + row["server_decode_s"] + row["server_encode_s"] + row["worker_decode_s"]
+        if base is None:
+            base = row
+        saved = (base["up_bytes"] - len(up)) + (base["down_bytes"] - len(down))
+        row["link_seconds_saved_1gbps"] = saved / LINK_BYTES_PER_S
+        row["extra_codec_s"] = row["codec_s"] - base["codec_s"]
+        row["pays_for_itself"] = row["link_seconds_saved_1gbps"] >= row["extra_codec_s"]
+        rows.append(row)
+        del up, down
+    return rows
+
+
+def quality(payloads: list[str], seeds: list[int], quick: bool, work: Path) -> list[dict]:
+    rows = []
+    for seed in seeds:
+        for payload in payloads:
+            out = work / f"{payload}_s{seed}"
+            overrides = (["model.preset=tiny", "total_steps=8", "rounds.local_steps=2", "data.seq_len=32",
+                          "eval_batches=2", "inner.warmup_steps=2", "eval_every=1"] if quick else QUALITY)
+            cmd = [sys.executable, "-m", "lordo_fed.trainer.cli", "--config-dir", str(ROOT / "examples" / "reference"),
+                   "--config-name", "quality_cpu", f"out_dir={out}", "progress=false", "methods=[lordo_global]",
+                   "diagnostics=false", f"seed={seed}", f"payload_dtype={payload}", *overrides]
+            started = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+            if proc.returncode != 0:
+                raise RuntimeError(f"lordo-train failed ({payload}, seed {seed}):\n{proc.stderr[-3000:]}")
+            records = [json.loads(line) for line in (out / "lordo_global.jsonl").read_text().splitlines()]
+            evals = [r for r in records if "val_loss" in r]
+            rows.append({"payload": payload, "seed": seed, "val_loss": evals[-1]["val_loss"],
+                         "val_ppl": math.exp(evals[-1]["val_loss"]), "rounds": records[-1]["round"],
+                         "tokens": records[-1]["tokens"],
+                         "bytes_per_worker": records[-1]["cum_bytes_sent_per_worker"] + records[-1]["cum_bytes_received_per_worker"],
+                         "curve": [{"tokens": r["tokens"], "val_loss": r["val_loss"]} for r in evals],
+                         "seconds": time.perf_counter() - started})
+    for r in rows:
+        ref = next(x for x in rows if x["seed"] == r["seed"] and x["payload"] == "fp32")
+        r["ppl_vs_fp32"] = r["val_ppl"] / ref["val_ppl"] - 1.0
+        r["bytes_vs_fp32"] = ref["bytes_per_worker"] / r["bytes_per_worker"]
+    return rows
+
+
+def plot(result: dict, path: Path) -> None:
+    fig = new_figure(13, 4.5)
+    ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    rows = [r for r in result.get("bytes", []) if r["dense_sync_factor"] == 1]
+    for (preset, payload) in sorted({(r["preset"], r["payload"]) for r in rows}):
+        pts = sorted((r["K"], r["reduction_vs_ddp_fp32"]) for r in rows if (r["preset"], r["payload"]) == (preset, payload))
+        ax1.plot([k for k, _ in pts], [x for _, x in pts], marker=".", label=f"{preset} {payload}")
+    ax1.axhline(200, color="grey", lw=0.8, ls="--")
+    ax1.set(xscale="log", yscale="log", xlabel="K", ylabel="x fewer bytes than fp32 DDP per step",
+            title="LoRDO-Global payload presets (GPT-2 vocabulary, F = 1)")
+    ax1.legend(fontsize=7)
+    for r in result.get("quality", []):
+        ax2.plot([p["tokens"] / 1e6 for p in r["curve"]], [p["val_loss"] for p in r["curve"]],
+                 ls="-" if r["seed"] == 0 else ":", label=f"{r['payload']} seed {r['seed']}")
+    ax2.set(xlabel="tokens (M)", ylabel="validation loss", title="quality (small preset, K = 8, 32 rounds)")
+    if result.get("quality"):
+        ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    parser = make_parser("compression", __doc__, "16m bytes at K = 32, tiny time and quality (seconds)")
+    parser.add_argument("--parts", default="bytes,time,quality", help="comma-separated: bytes, time, quality")
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    started = time.perf_counter()
+    payloads = list(PAYLOADS)
+    result = {**result_header("compression", args.quick, {"payloads": payloads, "parts": sorted(parts)})}
+    if "bytes" in parts:
+        presets, ks, factors = (["16m"], [32], [1]) if args.quick else (["16m", "125m", "720m"], [8, 32, 128], [1, 4])
+        result["bytes"] = bytes_table(presets, ks, factors, payloads)
+        write_json({**result, "seconds": time.perf_counter() - started}, args.out)  # each part kept as it ends
+    if "time" in parts:
+        result["time"] = time_round("tiny" if args.quick else "125m", payloads)
+        write_json({**result, "seconds": time.perf_counter() - started}, args.out)
+    if "quality" in parts:
+        with tempfile.TemporaryDirectory() as tmp:
+            result["quality"] = quality(payloads if not args.quick else ["fp32", "int8"], [0] if args.quick else [0, 1],
+                                        args.quick, Path(tmp))
+    result["seconds"] = time.perf_counter() - started
+    out = write_json(result, args.out)
+    plot(result, png_path(out))
+    for r in result.get("bytes", []):
+        print(f"{r['preset']:5} K={r['K']:<4} F={r['dense_sync_factor']} {r['payload']:9} up {r['up_bytes_per_round'] / 1e6:9.1f} MB "
+              f"down {r['down_bytes_per_round'] / 1e6:9.1f} MB  {r['reduction_vs_ddp_fp32']:7.1f}x fewer than fp32 DDP")
+    for r in result.get("time", []):
+        print(f"time {r['preset']} {r['payload']:9} codec {r['codec_s']:6.2f} s (extra {r['extra_codec_s']:+6.2f} s), "
+              f"1 Gb/s link time saved {r['link_seconds_saved_1gbps']:6.2f} s")
+    for r in result.get("quality", []):
+        print(f"quality {r['payload']:9} seed {r['seed']}: val ppl {r['val_ppl']:.3f} ({r['ppl_vs_fp32']:+.2%} vs fp32), "
+              f"{r['bytes_vs_fp32']:.1f}x fewer bytes")
+    print(f"wrote {out} and {png_path(out)}")
+
+
+if __name__ == "__main__":
+    main()
