@@ -262,3 +262,21 @@ def test_async_rounds_quick(tmp_path):
         assert slow[-1] < slow[0]  # the 4x slower worker pushes less often
         assert methods["async_lordo"]["bytes_per_worker"] > methods["async_diloco"]["bytes_per_worker"]
     assert (tmp_path / "async_rounds.png").exists()
+
+
+def test_compression_quick(tmp_path):
+    """Structure of benchmarks/compression.py --quick: the presets' serialized bytes at 16m against
+    fp32 DDP (fp32 LoRDO-Global equal to communication.py's 12x, every compressed preset fewer
+    bytes than bf16), encode/decode time and a tiny quality run (not its figures' quality)."""
+    result = run_quick("compression.py", tmp_path)
+    by = {r["payload"]: r for r in result["bytes"]}
+    assert set(by) == {"fp32", "bf16", "int8", "int4", "topk2bit"}
+    assert round(by["fp32"]["reduction_vs_ddp_fp32"]) == 12
+    assert by["fp32"]["reduction_vs_ddp_fp32"] < by["bf16"]["reduction_vs_ddp_fp32"] < by["int8"]["reduction_vs_ddp_fp32"]
+    assert by["int8"]["up_bytes_per_round"] > by["int4"]["up_bytes_per_round"] > by["topk2bit"]["up_bytes_per_round"]
+    times = {r["payload"]: r for r in result["time"]}
+    assert all(times[p]["up_bytes"] < times["fp32"]["up_bytes"] for p in ("int8", "int4", "topk2bit"))
+    assert all(r["codec_s"] > 0 for r in result["time"])
+    quality = {r["payload"]: r for r in result["quality"]}
+    assert set(quality) == {"fp32", "int8"} and quality["int8"]["bytes_vs_fp32"] > 1.5
+    assert (tmp_path / "compression.png").exists()
