@@ -164,8 +164,10 @@ def describe(spec: CodecSpec) -> str:
 def pack(codes: Tensor, bits: int) -> bytes:
     """Non-negative integer codes (< 2**bits) packed little-endian, 8 / bits per byte for 2, 4 and
     8 bits, two per three bytes for 12, two bytes each for 16."""
+    if bits == 8:  # one code per byte: no shifts
+        return codes.reshape(-1).to("cpu", torch.uint8).numpy().tobytes()
     c = codes.reshape(-1).to("cpu", torch.int32)
-    if bits in (2, 4, 8):
+    if bits in (2, 4):
         per = 8 // bits
         pad = (-c.numel()) % per
         if pad:
@@ -185,13 +187,15 @@ def pack(codes: Tensor, bits: int) -> bytes:
 
 
 def unpack(data: bytes, bits: int, count: int) -> Tensor:
-    """The first `count` codes of `pack(codes, bits)`, as int64; CompressionError if the bytes
-    are not exactly what `count` codes take."""
+    """The first `count` codes of `pack(codes, bits)` (uint8 for 8 bits, else int64);
+    CompressionError if the bytes are not exactly what `count` codes take."""
     expected = packed_size(count, bits)
     if len(data) != expected:
         raise CompressionError(f"{len(data)} bytes of {bits}-bit codes, expected {expected} for {count} codes")
+    if bits == 8:  # the bytes are the codes
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64) if data else torch.zeros(0, dtype=torch.int64)
-    if bits in (2, 4, 8):
+    if bits in (2, 4):
         per = 8 // bits
         shifts = torch.arange(per, dtype=torch.int64) * bits
         return ((raw.view(-1, 1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:count]
@@ -223,7 +227,7 @@ def index_bits(chunk: int) -> int:
 # ----------------------------------------------------------------------------- quantisation
 def quantize(x: Tensor, bits: int, block: int, up: bool = False) -> tuple[Tensor, Tensor]:
     """(codes, scales): the flattened `x` in blocks of `block`, one fp32 scale each, codes as
-    non-negative integers (q + L for int8/int4, (q + 3) / 2 for 2-bit) ready to `pack`; with `up`
+    uint8 (q + L for int8/int4, (q + 3) / 2 for 2-bit) ready to `pack`; with `up`
     (int8/int4 of values ≥ 0) rounded up instead of to the nearest level."""
     flat = x.detach().reshape(-1).float()
     n = flat.numel()
@@ -235,11 +239,11 @@ def quantize(x: Tensor, bits: int, block: int, up: bool = False) -> tuple[Tensor
         scales = scales * (1 + _UP)
     q = padded / scales[:, None]
     if bits == 2:  # nearest of the odd levels −3, −1, 1, 3
-        codes = ((q.clamp(-3.0, 3.0) + 3.0) / 2.0).round().clamp(0, 3)
+        codes = q.clamp_(-3.0, 3.0).add_(3.0).div_(2.0).round_().clamp_(0, 3)
     else:
         # up: a relative nudge before ceil, so that fp32 rounding of x / s never lands one level low
-        codes = ((q * (1 + _UP)).ceil() if up else q.round()).clamp(-level, level) + level
-    return codes.reshape(-1)[:n].to(torch.int64), scales
+        codes = (q.mul_(1 + _UP).ceil_() if up else q.round_()).clamp_(-level, level).add_(level)
+    return codes.reshape(-1)[:n].to(torch.uint8), scales
 
 
 def dequantize(codes: Tensor, scales: Tensor, bits: int, block: int, numel: int) -> Tensor:
