@@ -1022,7 +1022,7 @@ def _release_views_on_error(decode):
     resize the buffer it decoded from (an mmap refuses to close while a view of it is alive)."""
 
     @functools.wraps(decode)
-    def wrapper(data, expected_model_id: str | None = None, **options):  # noqa: ANN001
+    def wrapper(data, expected_model_id: str | None = None, **options):
         try:
             return decode(data, expected_model_id, **options)
         except BaseException as exc:

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lordo_fed.wire.compress import Encoded
+
 # -----------------------------------------------------------------------------
 # JSONL (+ TensorBoard) writer
 
@@ -215,8 +217,8 @@ def tensor_bytes(tensors: Tensor | Mapping | list | tuple) -> int:
     """
     if isinstance(tensors, Tensor):
         return tensors.numel() * tensors.element_size()
-    if hasattr(tensors, "spec") and hasattr(tensors, "nbytes"):  # a compressed tensor (lordo_fed.wire.compress.Encoded)
-        return int(tensors.nbytes)
+    if isinstance(tensors, Encoded):  # a compressed tensor: its bytes as encoded
+        return tensors.nbytes
     if isinstance(tensors, Mapping):
         return sum(tensor_bytes(v) for v in tensors.values())
     if isinstance(tensors, (list, tuple)):

@@ -64,6 +64,8 @@ class InFlight:
     """Tokens this round commits of the budget."""
     sent: float
     """time.monotonic() when it was pushed (the reply deadline counts from it)."""
+    nbytes: int
+    """Bytes of the state it was sent."""
 
 
 class AsyncLoRDOStrategy(LoRDOStrategy):
@@ -177,7 +179,7 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
             committed += steps * step_tokens
             (mid,) = ids
             by_message[mid] = pid
-            inflight[pid] = InFlight(nodes[pid], r, pull, steps * step_tokens, time.monotonic())
+            inflight[pid] = InFlight(nodes[pid], r, pull, steps * step_tokens, time.monotonic(), len(payload))
             clock.start(pid, now, acfg.seconds(pid, K))
 
         def fail(pid: int, reason: str, now: float) -> None:
@@ -196,11 +198,13 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
         def apply(pid: int, msg: Message) -> None:
             flight = inflight.pop(pid)
             t = clock.remove(pid)
-            self.virtual_time = max(self.virtual_time, t if t is not None else self.virtual_time)
+            if t is not None:  # its scheduled arrival on the virtual clock (arrival order: never earlier)
+                self.virtual_time = max(self.virtual_time, t)
             who = f"node {flight.node} (partition {pid})"
             try:
                 payload = payload_bytes(msg.content["update"])
                 sizes["received"] = len(payload)
+                self.cum_bytes += flight.nbytes + len(payload)  # this push's state down and reply up
                 update = decode_update(payload, expected_model_id=self.model_id, codecs=self.codecs)
                 reason = server.check(update, pid, flight.round)
             except (PayloadError, ValueError, KeyError) as err:
@@ -277,7 +281,6 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
         record = async_record(window, width, r, self.tokens, step, self.virtual_time, self.pushes, self.server.version)
         if not virtual:
             del record["virtual_time"]  # arrival order: real time is elapsed_seconds
-        self.cum_bytes += len(window) * (sizes["sent"] + sizes["received"])
         record.update({
             "bytes_sent_per_client": sizes["sent"], "bytes_received_per_client": sizes["received"],
             "cum_bytes_per_client": self.cum_bytes / M, "server_peak_rss_bytes": peak_rss_bytes(),
