@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import time
 
 import grpc
 
@@ -47,10 +48,19 @@ def run_on_node_worker(address: str, kind: str, run_id: int, run_config: dict, e
     job = pb.NodeJob(kind=kind, run_id=int(run_id), run_config_json=json.dumps(dict(run_config)),
                      explicit_keys=list(explicit), node_config_json=json.dumps(dict(node_config)),
                      node_id=int(node_id), ticket=bytes(ticket), payload=bytes(payload), presets_dir=presets_dir)
-    with grpc.insecure_channel(check_local(address), options=OPTIONS) as channel:
-        try:
-            # wait_for_ready: a worker being restarted (it imports torch first) is waited for, up
-            # to the round's deadline, instead of failing the round at once.
-            return pb_grpc.NodeWorkerStub(channel).Run(job, timeout=timeout, wait_for_ready=True)
-        except grpc.RpcError as err:
-            raise NodeWorkerError(f"node worker at {address}: {err.code().name}: {err.details()}") from err
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for attempt in (1, 2):
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        with grpc.insecure_channel(check_local(address), options=OPTIONS) as channel:
+            try:
+                # wait_for_ready: a worker being restarted (it imports torch first) is waited for, up
+                # to the round's deadline, instead of failing the round at once.
+                return pb_grpc.NodeWorkerStub(channel).Run(job, timeout=left, wait_for_ready=True)
+            except grpc.RpcError as err:
+                # The worker died during the job (killed, restarted): the job runs again on the new
+                # one, once, within the same deadline; a round's job is repeatable (the worker state
+                # is stored per round, and the data plane's tickets stay valid until it ends).
+                if attempt == 1 and err.code() == grpc.StatusCode.UNAVAILABLE:
+                    continue
+                raise NodeWorkerError(f"node worker at {address}: {err.code().name}: {err.details()}") from err
+    raise AssertionError("unreachable")
