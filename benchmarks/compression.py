@@ -14,9 +14,10 @@ pay for their encoding time.
    error feedback and its moments and encodes the reply, the server decodes it; the server encodes
    the downlink, the worker decodes it), against the time the bytes it saves take on a 1 Gb/s link.
 3. **quality**: LoRDO-Global on `examples/reference/quality_cpu.yaml` (small preset, M = 4,
-   rank 16) at K = 8 for 32 rounds, each compressed preset against fp32, seeds 0 and 1.
+   rank 16) at K = 8 for 32 rounds, each compressed preset against fp32, seeds 0 and 1; fp32 and
+   int8 also with the full-size moments synced every 4th round (`dense_sync_factor` = 4).
 
-    python benchmarks/compression.py                 # all three (~15 min on 2 cores)
+    python benchmarks/compression.py                 # all three (~35 min on 2 cores)
     python benchmarks/compression.py --parts bytes,time
     python benchmarks/compression.py --quick         # 16m bytes at K = 32, tiny time and quality
 Writes benchmarks/results/compression.json and compression.png.
@@ -39,6 +40,8 @@ from lordo_fed.methods import resolve_method
 from lordo_fed.optim.config import InnerConfig
 from lordo_fed.outer import OuterConfig
 from lordo_fed.rounds import GlobalState, RoundConfig, WorkerUpdate
+from lordo_fed.projection import projection_side
+from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import Encoded, ErrorFeedback, encode, part_sizes
 from lordo_fed.wire.payload import PAYLOADS, payload_codecs, receiver_codecs, downlink_codecs, wire_dtype
 
@@ -71,15 +74,19 @@ def round_messages(ms: ModelShapes, payload: str, k: int, factor: int, t: int) -
     codecs = payload_codecs(payload)
     params = ms.params()
     up_moments, down_moments = ms.moments(rounds, t, True), ms.moments(rounds, t - 1, True)
+    coords = {}
     if codecs is not None:
-        delta = {n: layout(codecs.delta, p.shape) for n, p in params.items()}
+        # a `lowrank+` preset: the matrices with a shared basis send coordinates (r x q or p x r) and a residual
+        delta = {n: layout(codecs.delta_spec(n), p.shape) for n, p in params.items()}
+        if codecs.lowrank is not None:
+            coords = {n: layout(codecs.lowrank, ms.moment_shape(n, True)) for n in ms.ranks}
         up_moments = {key: layout(codecs.moment_spec(key), v.shape) for key, v in up_moments.items()}
         down_moments = {key: layout(codecs.moment_spec(key), v.shape) for key, v in down_moments.items()}
         theta = {n: layout(codecs.down, p.shape) for n, p in params.items()}
     else:
         delta, theta = params, params
     update = WorkerUpdate(worker_id=0, round=t, delta=delta, moments=up_moments, tokens=4096 * k, opt_step=t * k,
-                          metrics={"train_loss": 3.0, "train_loss_last": 3.0, "lr": 1e-3})
+                          metrics={"train_loss": 3.0, "train_loss_last": 3.0, "lr": 1e-3}, coords=coords)
     state = GlobalState(round=t, params=theta, projections=ms.projections("svd"), moments=down_moments,
                         opt_step=(t - 1) * k, params_delta=codecs is not None)
     return update, state
@@ -158,15 +165,25 @@ def _time_once(preset: str, payload: str) -> dict:
     codecs = payload_codecs(payload)
     dtype = wire_dtype(payload)
     t0 = time.perf_counter()
-    if codecs is not None:  # the worker: Δ with error feedback, the moments quantised
+    bases = {n: (b, projection_side(ms.shapes[n])) for n, b in projections.items()}
+    coords = {}
+    if codecs is not None:  # the worker: Δ with error feedback (a `lowrank+` preset: coordinates + residual), the moments quantised
         ef = ErrorFeedback()
-        delta = {n: ef.compress(n, p, codecs.delta)[0] for n, p in params.items()}
+        delta = {}
+        for n, p in params.items():
+            if codecs.lowrank is not None and n in bases:
+                delta[n], coords[n] = ef.compress_split(n, p, codecs.delta,
+                                                        lambda t, b=bases[n]: lowrank.split(t, *b, codecs.lowrank))
+            else:
+                delta[n] = ef.compress(n, p, codecs.delta_spec(n))[0]
         up_moments = codecs.encode_moments(moments)
     else:
         delta, up_moments = params, moments
-    up = codec.encode_update(WorkerUpdate(0, 2, delta, up_moments, 4096, 64), ms.model_id, dtype)
+    up = codec.encode_update(WorkerUpdate(0, 2, delta, up_moments, 4096, 64, coords=coords), ms.model_id, dtype)
     t1 = time.perf_counter()
-    codec.decode_update(up, ms.model_id, codecs=receiver_codecs(payload))
+    received = codec.decode_update(up, ms.model_id, codecs=receiver_codecs(payload))
+    for n, c in received.coords.items():  # the server rebuilds Δ = P·Ĉ + R̂
+        lowrank.join(received.delta[n], c, *bases[n])
     t2 = time.perf_counter()
     if codecs is not None:  # the server: θ's change and the averaged moments
         theta = {n: encode(p, codecs.down) for n, p in params.items()}
@@ -183,30 +200,36 @@ def _time_once(preset: str, payload: str) -> dict:
             "worker_decode_s": t4 - t3}
 
 
-def quality(payloads: list[str], seeds: list[int], quick: bool, work: Path) -> list[dict]:
+def quality(payloads: list[str], seeds: list[int], quick: bool, work: Path, factors: tuple[int, ...] = (1,)) -> list[dict]:
+    """Each payload at `dense_sync_factor` 1, and fp32 and int8 also at each other factor in
+    `factors` (how quantised moments compose with syncing the full-size ones less often); every
+    row against fp32 at the same seed and factor."""
+    cases = [(p, 1) for p in payloads] + [(p, f) for f in factors if f != 1 for p in ("fp32", "int8") if p in payloads]
     rows = []
     for seed in seeds:
-        for payload in payloads:
-            out = work / f"{payload}_s{seed}"
+        for payload, factor in cases:
+            out = work / f"{payload}_F{factor}_s{seed}"
             overrides = (["model.preset=tiny", "total_steps=8", "rounds.local_steps=2", "data.seq_len=32",
                           "eval_batches=2", "inner.warmup_steps=2", "eval_every=1"] if quick else QUALITY)
             cmd = [sys.executable, "-m", "lordo_fed.trainer.cli", "--config-dir", str(ROOT / "examples" / "reference"),
                    "--config-name", "quality_cpu", f"out_dir={out}", "progress=false", "methods=[lordo_global]",
-                   "diagnostics=false", f"seed={seed}", f"payload_dtype={payload}", *overrides]
+                   "diagnostics=false", f"seed={seed}", f"payload_dtype={payload}",
+                   f"rounds.dense_sync_factor={factor}", *overrides]
             started = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if proc.returncode != 0:
-                raise RuntimeError(f"lordo-train failed ({payload}, seed {seed}):\n{proc.stderr[-3000:]}")
+                raise RuntimeError(f"lordo-train failed ({payload}, F={factor}, seed {seed}):\n{proc.stderr[-3000:]}")
             records = [json.loads(line) for line in (out / "lordo_global.jsonl").read_text().splitlines()]
             evals = [r for r in records if "val_loss" in r]
-            rows.append({"payload": payload, "seed": seed, "val_loss": evals[-1]["val_loss"],
+            rows.append({"payload": payload, "dense_sync_factor": factor, "seed": seed, "val_loss": evals[-1]["val_loss"],
                          "val_ppl": math.exp(evals[-1]["val_loss"]), "rounds": records[-1]["round"],
                          "tokens": records[-1]["tokens"],
                          "bytes_per_worker": records[-1]["cum_bytes_sent_per_worker"] + records[-1]["cum_bytes_received_per_worker"],
                          "curve": [{"tokens": r["tokens"], "val_loss": r["val_loss"]} for r in evals],
                          "seconds": time.perf_counter() - started})
     for r in rows:
-        ref = next(x for x in rows if x["seed"] == r["seed"] and x["payload"] == "fp32")
+        ref = next(x for x in rows if x["seed"] == r["seed"] and x["payload"] == "fp32"
+                   and x["dense_sync_factor"] == r["dense_sync_factor"])
         r["ppl_vs_fp32"] = r["val_ppl"] / ref["val_ppl"] - 1.0
         r["bytes_vs_fp32"] = ref["bytes_per_worker"] / r["bytes_per_worker"]
     return rows
@@ -224,6 +247,8 @@ def plot(result: dict, path: Path) -> None:
             title="LoRDO-Global payload presets (GPT-2 vocabulary, F = 1)")
     ax1.legend(fontsize=7)
     for r in result.get("quality", []):
+        if r["dense_sync_factor"] != 1:
+            continue
         ax2.plot([p["tokens"] / 1e6 for p in r["curve"]], [p["val_loss"] for p in r["curve"]],
                  ls="-" if r["seed"] == 0 else ":", label=f"{r['payload']} seed {r['seed']}")
     ax2.set(xlabel="tokens (M)", ylabel="validation loss", title="quality (small preset, K = 8, 32 rounds)")
@@ -251,18 +276,18 @@ def main() -> None:
     if "quality" in parts:
         with tempfile.TemporaryDirectory() as tmp:
             result["quality"] = quality(payloads if not args.quick else ["fp32", "int8"], [0] if args.quick else [0, 1],
-                                        args.quick, Path(tmp))
+                                        args.quick, Path(tmp), factors=(1,) if args.quick else (1, 4))
     result["seconds"] = time.perf_counter() - started
     out = write_json(result, args.out)
     plot(result, png_path(out))
     for r in result.get("bytes", []):
-        print(f"{r['preset']:5} K={r['K']:<4} F={r['dense_sync_factor']} {r['payload']:9} up {r['up_bytes_per_round'] / 1e6:9.1f} MB "
+        print(f"{r['preset']:5} K={r['K']:<4} F={r['dense_sync_factor']} {r['payload']:16} up {r['up_bytes_per_round'] / 1e6:9.1f} MB "
               f"down {r['down_bytes_per_round'] / 1e6:9.1f} MB  {r['reduction_vs_ddp_fp32']:7.1f}x fewer than fp32 DDP")
     for r in result.get("time", []):
-        print(f"time {r['preset']} {r['payload']:9} codec {r['codec_s']:6.2f} s (extra {r['extra_codec_s']:+6.2f} s), "
+        print(f"time {r['preset']} {r['payload']:16} codec {r['codec_s']:6.2f} s (extra {r['extra_codec_s']:+6.2f} s), "
               f"1 Gb/s link time saved {r['link_seconds_saved_1gbps']:6.2f} s")
     for r in result.get("quality", []):
-        print(f"quality {r['payload']:9} seed {r['seed']}: val ppl {r['val_ppl']:.3f} ({r['ppl_vs_fp32']:+.2%} vs fp32), "
+        print(f"quality {r['payload']:16} F={r['dense_sync_factor']} seed {r['seed']}: val ppl {r['val_ppl']:.3f} ({r['ppl_vs_fp32']:+.2%} vs fp32), "
               f"{r['bytes_vs_fp32']:.1f}x fewer bytes")
     print(f"wrote {out} and {png_path(out)}")
 

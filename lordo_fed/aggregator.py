@@ -32,6 +32,7 @@ from lordo_fed.metrics import stable_rank
 from lordo_fed.optim.bias import restep
 from lordo_fed.optim.rotation import rotate_moments
 from lordo_fed.outer import OuterOptimizer
+from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import Encoded, decode, encode
 from lordo_fed.wire.payload import PayloadCodecs
 from lordo_fed.projection import ProjectionMethod, project, projection_side
@@ -287,7 +288,7 @@ class Aggregator:
         """Why `update` must not be applied, or None if it is well-formed."""
         if update.round != self.round:
             return f"reply is for round {update.round}, the server is at round {self.round}"
-        problem = delta_problem(update, self.params)
+        problem = delta_problem(update, self.params) or self._coords_problem(update)
         if problem:
             return problem
         for key, value in update.moments.items():
@@ -303,6 +304,36 @@ class Aggregator:
             if problem:
                 return problem
         return None
+
+    def coords_expected(self) -> list[str]:
+        """The parameters whose Δ comes as coordinates in this round's shared basis plus a residual
+        (a `lowrank+` payload preset, lordo_fed.wire.lowrank): every one with a shared basis."""
+        if self.payload is None or self.payload.lowrank is None or self.projection is None:
+            return []
+        return sorted(self.projections)
+
+    def _coords_problem(self, update: WorkerUpdate) -> str | None:
+        """Why a reply's low-rank coordinates are unusable: exactly `coords_expected()`, each
+        finite and in its low-rank shape (the shape of its moments)."""
+        expected = self.coords_expected()
+        missing, extra = set(expected) - set(update.coords), set(update.coords) - set(expected)
+        if missing or extra:
+            why = "" if expected else " (this run's payload sends no coordinates)"
+            return f"low-rank coordinates differ: missing {sorted(missing)}, unexpected {sorted(extra)}{why}"
+        for name, c in update.coords.items():
+            problem = tensor_problem(f"coords/{name}", c, self.expected_moment_shape(name))
+            if problem:
+                return problem
+        return None
+
+    def _bases(self) -> dict[str, tuple[Tensor, str]]:
+        """The round's shared bases (fp32, CPU) and sides of `coords_expected()`, to rebuild Δ."""
+        out = {}
+        for name in self.coords_expected():
+            shape = tuple(self.params[name].shape)
+            side = projection_side(shape)
+            out[name] = (self.projection.basis(self.projections[name], shape, side).float().cpu(), side)
+        return out
 
     def check_reply(self, update: WorkerUpdate) -> tuple[str | None, float]:
         """`check()` and ||Δ|| of one reply: everything screening needs from its tensors, so a
@@ -377,8 +408,9 @@ class Aggregator:
                         for key in sorted({k for r in refs for k in r.moment_keys})}
         delta_sums: dict[str, Tensor] = {}
         moment_sums: dict[str, Tensor] = {}
+        bases = self._bases()
         for ref, w in zip(refs, weights):
-            self._accumulate(ref, w, self.params, delta_sums, moment_sums, moment_norms, opt_step)
+            self._accumulate(ref, w, self.params, delta_sums, moment_sums, moment_norms, opt_step, bases)
         delta = {n: delta_sums[n] for n in self.params}
         moments = {k: moment_sums[k] for k in moment_norms}
 
@@ -408,12 +440,13 @@ class Aggregator:
 
     def _accumulate(self, ref: ReplyRef, weight: float, names: Iterable[str], delta_sums: dict[str, Tensor],
                     moment_sums: dict[str, Tensor] | None = None, moment_norms: Mapping[str, float] | None = None,
-                    opt_step: int = 0) -> None:
+                    opt_step: int = 0, bases: Mapping[str, tuple[Tensor, str]] | None = None) -> None:
         """Load one reply and add it into the accumulators: Δ of each of `names` with weight w_m;
         each moment it carries with w_m / (Σ w of the replies carrying it), first moved from the
         reply's step count to the shared one S (a worker that joined late or lost its state has
         fewer steps; rescaling keeps its bias-corrected moments, `lordo_fed.optim.bias`); E as
-        it is.
+        it is. A Δ sent as coordinates in this round's shared basis plus a residual (`bases`, a
+        `lowrank+` preset) is first rebuilt, P·Ĉ + R̂ (lordo_fed.wire.lowrank.join).
 
         Its own function so that the loaded reply, and every tensor of it, is released when it
         returns, before the caller loads the next one."""
@@ -423,7 +456,10 @@ class Aggregator:
             raise ValueError(f"round {self.round}: the reply loaded for worker {ref.worker_id} is not the one "
                              f"screened: {problem}")
         for name in names:
-            _add_weighted(delta_sums, name, update.delta[name], weight)
+            d = update.delta[name]
+            if bases and name in update.coords:
+                d = lowrank.join(d, update.coords[name], *bases[name])
+            _add_weighted(delta_sums, name, d, weight)
         if moment_sums is None:  # round-0 gradients: Δ only
             return
         betas = self.round_betas()
@@ -520,8 +556,10 @@ class Aggregator:
 
 
 def delta_norm(update: WorkerUpdate) -> float:
-    """||Δ|| of a reply over all its parameters: what the outlier rule compares."""
-    return math.sqrt(sum(float(d.square().sum()) for d in update.delta.values()))
+    """||Δ|| of a reply over all its parameters: what the outlier rule compares (with low-rank
+    coordinates, ||C||² counts for ||P·C||², the basis being orthonormal)."""
+    return math.sqrt(sum(float(d.square().sum()) for group in (update.delta, update.coords)
+                         for d in group.values()))
 
 
 def _check_refs(refs: Sequence[ReplyRef], round_idx: int) -> None:

@@ -164,7 +164,7 @@ def tensors_nbytes(msg, payload_dtype: str = "fp32") -> int:
     if isinstance(msg, pb.GlobalState):
         return sum(t.nbytes for group in (msg.params, msg.projections, msg.moments) for t in group)
     if isinstance(msg, pb.WorkerUpdate):
-        return sum(t.nbytes for group in (msg.delta, msg.moments) for t in group)
+        return sum(t.nbytes for group in (msg.delta, msg.moments, msg.delta_coords) for t in group)
     if isinstance(msg, (GlobalState, WorkerUpdate)):
         _check_payload_dtype(payload_dtype)
         return sum(t.nbytes if isinstance(t, Encoded) else
@@ -282,7 +282,8 @@ def _encode_update_reference(update: WorkerUpdate, model_id: str, payload_dtype:
     """The protobuf-message encoder of a WorkerUpdate (the oracle of `encode_update`). Map entries
     (metrics) come out in upb's hash order, or in upb's sort order with `deterministic`."""
     _check_payload_dtype(payload_dtype)
-    msg = pb.WorkerUpdate(schema=_schema_of((update.delta, update.moments), "WorkerUpdate"), model_id=model_id,
+    msg = pb.WorkerUpdate(schema=_schema_of((update.delta, update.moments), "WorkerUpdate", bool(update.coords)),
+                          model_id=model_id,
                           round=int(update.round),
                           worker_id=int(update.worker_id), tokens=int(update.tokens),
                           opt_step=int(update.opt_step))
@@ -290,6 +291,7 @@ def _encode_update_reference(update: WorkerUpdate, model_id: str, payload_dtype:
     _fill_group(msg.moments, update.moments, payload_dtype, "WorkerUpdate.moments")
     for key, value in update.metrics.items():
         msg.metrics[str(key)] = float(value)
+    _fill_group(msg.delta_coords, update.coords, payload_dtype, "WorkerUpdate.delta_coords")
     return msg.SerializeToString(deterministic=deterministic)
 
 
@@ -433,7 +435,8 @@ def _update_plan(update: WorkerUpdate, model_id: str, payload_dtype: str) -> _Pl
     if not isinstance(model_id, str):
         raise TypeError(f"model_id: expected a str, got {type(model_id).__name__}")
     plan = _Plan()
-    plan.add(_string_field(1, _schema_of((update.delta, update.moments), "WorkerUpdate")) + _string_field(2, model_id)
+    plan.add(_string_field(1, _schema_of((update.delta, update.moments), "WorkerUpdate", bool(update.coords)))
+             + _string_field(2, model_id)
              + _int64_field(3, int(update.round), "WorkerUpdate.round")
              + _int64_field(4, int(update.worker_id), "WorkerUpdate.worker_id")
              + _int64_field(5, int(update.tokens), "WorkerUpdate.tokens")
@@ -451,6 +454,7 @@ def _update_plan(update: WorkerUpdate, model_id: str, payload_dtype: str) -> _Pl
         entry = (_key(1, _WT_LEN) + _varint(len(raw)) + raw + _key(2, _WT_FIXED64)
                  + struct.pack("<d", metrics[key]))
         plan.add(_key(9, _WT_LEN) + _varint(len(entry)) + entry)
+    _plan_group(plan, 10, update.coords, payload_dtype, "WorkerUpdate.delta_coords")
     return _finish_plan(plan, "WorkerUpdate")
 
 
@@ -846,13 +850,16 @@ def _finish_update(msg: pb.WorkerUpdate, expected_model_id: str | None,
     v2 = _check_header(msg, kind, UPDATE_SCHEMA, expected_model_id)
     _check_counts(kind, round=msg.round, worker_id=msg.worker_id, tokens=msg.tokens,
                   opt_step=msg.opt_step)
-    groups = [(msg.delta, f"{kind}.delta", 7), (msg.moments, f"{kind}.moments", 8)]
+    if len(msg.delta_coords) and not v2:
+        raise PayloadError(f"{kind}: delta_coords in a {SCHEMA} payload (a {SCHEMA_V2} field)")
+    groups = [(msg.delta, f"{kind}.delta", 7), (msg.moments, f"{kind}.moments", 8),
+              (msg.delta_coords, f"{kind}.delta_coords", 10)]
     shapes = [_check_group(g, where, v2, codecs) for g, where, _ in groups]
-    delta, moments = (_decode_group(g, s, where, None if spans is None else spans[field], view, adopt)
-                      for (g, where, field), s in zip(groups, shapes))
+    delta, moments, coords = (_decode_group(g, s, where, None if spans is None else spans[field], view, adopt)
+                              for (g, where, field), s in zip(groups, shapes))
     return WorkerUpdate(worker_id=int(msg.worker_id), round=int(msg.round), delta=delta,
                         moments=moments, tokens=int(msg.tokens), opt_step=int(msg.opt_step),
-                        metrics={str(k): float(v) for k, v in msg.metrics.items()})
+                        metrics={str(k): float(v) for k, v in msg.metrics.items()}, coords=coords)
 
 
 def _decode_global_state_reference(data, expected_model_id: str | None = None,
@@ -888,7 +895,7 @@ def _decode_update_reference(data, expected_model_id: str | None = None,
 # values, packed shapes, map entries) are copied into the skeleton unchanged, so protobuf
 # validates them there. Unknown fields are ignored on both paths.
 
-_TENSOR_FIELDS = {"GlobalState": frozenset({5, 6, 7}), "WorkerUpdate": frozenset({7, 8})}
+_TENSOR_FIELDS = {"GlobalState": frozenset({5, 6, 7}), "WorkerUpdate": frozenset({7, 8, 10})}
 _KNOWN_FIELDS = {"GlobalState": frozenset(pb.GlobalState.DESCRIPTOR.fields_by_number),
                  "WorkerUpdate": frozenset(pb.WorkerUpdate.DESCRIPTOR.fields_by_number)}
 _KNOWN_TENSOR_FIELDS = frozenset(pb.Tensor.DESCRIPTOR.fields_by_number)

@@ -37,7 +37,7 @@ from lordo_fed.optim.config import InnerConfig, build_inner_optimizer, resolved_
 from lordo_fed.outer import OuterConfig, build_outer_optimizer
 from lordo_fed.projection import get_projection_method
 from lordo_fed.rounds import RoundConfig
-from lordo_fed.wire.payload import payload_codecs
+from lordo_fed.wire.payload import check_payload_method, payload_codecs
 from lordo_fed.worker import Worker
 
 
@@ -146,6 +146,7 @@ def make_aggregator(model: nn.Module, settings: MethodSettings, ranks: dict[str,
     compressed change of the clients' copy (asynchronous methods: each pull carries θ whole)."""
     inner = settings.inner
     server_projections = inner.name == "lordo" and inner.projection == "global" and bool(ranks)
+    check_payload_method(payload, server_projections, asynchronous=settings.loop != "rounds")
     with torch.no_grad():
         params = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
     device = next(model.parameters()).device  # the model's device fits the projections (a GPU if any)

@@ -123,11 +123,15 @@ class WorkerUpdate:
     """Its inner-optimizer step count after the round."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Train loss and the like."""
+    coords: dict[str, Tensor] = field(default_factory=dict)
+    """A low-rank payload preset (lordo_fed.wire.lowrank): per low-rank parameter, the coordinates
+    C of its Δ in the round's shared basis P; its Δ is then P·C + `delta[name]` (the residual)."""
 
     def tensors(self) -> dict[str, Tensor]:
         """Everything that crosses the wire upstream, one flat dict (for byte counts)."""
         out = {f"delta/{k}": v for k, v in self.delta.items()}
         out.update(self.moments)
+        out.update({f"coords/{k}": v for k, v in self.coords.items()})
         return out
 
 

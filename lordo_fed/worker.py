@@ -24,9 +24,11 @@ from lordo_fed.optim.bias import restep, restep_state
 from lordo_fed.optim.ef_compress import ef_values
 from lordo_fed.optim.lordo import EF_DTYPES
 from lordo_fed.optim.config import InnerConfig, apply_phase, lr_at, set_lr
+from lordo_fed.projection import projection_side
 from lordo_fed.rounds import (DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, RoundConfig, WorkerUpdate, moment_key,
                               split_moment_key)
-from lordo_fed.wire.compress import ErrorFeedback, decoded
+from lordo_fed.wire import lowrank
+from lordo_fed.wire.compress import Encoded, ErrorFeedback, decoded
 from lordo_fed.wire.payload import PayloadCodecs
 
 ProgressFn = Callable[[int, Tensor], None]
@@ -97,8 +99,9 @@ class Worker:
         for n, d in delta.items():
             d.neg_().add_(theta_ref[n])
         moments = self.due_moments(state.round)
+        coords: dict[str, Encoded] = {}
         if self.payload is not None:  # what crosses the wire: compressed, Δ's residual kept for later rounds
-            delta = {n: self.wire_ef.compress(n, d, self.payload.delta)[0] for n, d in delta.items()}
+            delta, coords = self.compress_delta(delta, list(state.projections))
             moments = self.payload.encode_moments(moments)
         return WorkerUpdate(
             worker_id=self.worker_id,
@@ -109,7 +112,24 @@ class Worker:
             opt_step=self.opt_step(),
             metrics={"train_loss": sum(losses) / len(losses), "train_loss_last": losses[-1],
                      "lr": self.optimizer.param_groups[0]["lr"], **self.diagnostics()},
+            coords=coords,
         )
+
+    def compress_delta(self, delta: dict[str, Tensor], shared: list[str]) -> tuple[dict[str, Encoded], dict[str, Encoded]]:
+        """(Δ, coordinates) as the payload preset sends them, with error feedback: with a `lowrank+`
+        preset, each matrix of `shared` (the round's shared bases) as its coordinates in that
+        basis plus the compressed residual (lordo_fed.wire.lowrank), the rest compressed whole."""
+        codecs = self.payload
+        out, coords = {}, {}
+        for name, d in delta.items():
+            if codecs.lowrank is not None and name in shared:
+                basis = self.optimizer.basis(self.params[name]).detach().to("cpu", torch.float32)
+                side = projection_side(d.shape)
+                out[name], coords[name] = self.wire_ef.compress_split(
+                    name, d, codecs.delta, lambda t, b=basis, s=side: lowrank.split(t, b, s, codecs.lowrank))
+            else:
+                out[name] = self.wire_ef.compress(name, d, codecs.delta_spec(name))[0]
+        return out, coords
 
     def diagnostics(self) -> dict[str, float]:
         """`DIAGNOSTIC_METRICS` of the round just trained (empty unless the optimizer tracks them)."""

@@ -832,7 +832,7 @@ WIRE_EDGE_CASES = {
     "data first": _update_with(_GOOD_TENSOR[4] + b"".join(_GOOD_TENSOR[:4])),
     "unknown fields everywhere": _update_with(
         b"".join(_GOOD_TENSOR) + _field(7, 0, b"\x96\x01") + _field(99, 2, b"junk") + _field(12, 5, b"abcd")
-        + _field(13, 1, b"12345678"), extra=_field(10, 2, b"x" * 300) + _field(2 ** 29 - 1, 0, b"\x00")),
+        + _field(13, 1, b"12345678"), extra=_field(11, 2, b"x" * 300) + _field(2 ** 29 - 1, 0, b"\x00")),
     "data as varint": _update_with(b"".join(_GOOD_TENSOR[:4]) + _field(6, 0, b"\x05")),
     "data as varint and bytes": _update_with(b"".join(_GOOD_TENSOR) + _field(6, 0, b"\x05")),
     "shape as fixed64": _update_with(b"".join(_GOOD_TENSOR) + _field(2, 1, struct.pack("<d", 1.0))),

@@ -213,7 +213,8 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
 def as_received(update: WorkerUpdate) -> WorkerUpdate:
     """`update` as the server decodes it: compressed tensors (a compressed `payload_dtype`)
     replaced by their decoded values, exactly what a Flower server aggregates."""
-    return dataclasses.replace(update, delta=decoded(update.delta), moments=decoded(update.moments))
+    return dataclasses.replace(update, delta=decoded(update.delta), moments=decoded(update.moments),
+                               coords=decoded(update.coords))
 
 
 def run_ddp(ctx: RunContext, settings: MethodSettings) -> nn.Module:

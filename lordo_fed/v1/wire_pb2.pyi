@@ -84,7 +84,7 @@ class GlobalState(_message.Message):
     def __init__(self, schema: _Optional[str] = ..., model_id: _Optional[str] = ..., round: _Optional[int] = ..., opt_step: _Optional[int] = ..., params: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., projections: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., moments: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., params_from_seed: _Optional[bool] = ..., params_delta: _Optional[bool] = ...) -> None: ...
 
 class WorkerUpdate(_message.Message):
-    __slots__ = ("schema", "model_id", "round", "worker_id", "tokens", "opt_step", "delta", "moments", "metrics")
+    __slots__ = ("schema", "model_id", "round", "worker_id", "tokens", "opt_step", "delta", "moments", "metrics", "delta_coords")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class WorkerUpdate(_message.Message):
     DELTA_FIELD_NUMBER: _ClassVar[int]
     MOMENTS_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_COORDS_FIELD_NUMBER: _ClassVar[int]
     schema: str
     model_id: str
     round: int
@@ -110,4 +111,5 @@ class WorkerUpdate(_message.Message):
     delta: _containers.RepeatedCompositeFieldContainer[Tensor]
     moments: _containers.RepeatedCompositeFieldContainer[Tensor]
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, schema: _Optional[str] = ..., model_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[int] = ..., tokens: _Optional[int] = ..., opt_step: _Optional[int] = ..., delta: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., moments: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    delta_coords: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, schema: _Optional[str] = ..., model_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[int] = ..., tokens: _Optional[int] = ..., opt_step: _Optional[int] = ..., delta: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., moments: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., delta_coords: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...

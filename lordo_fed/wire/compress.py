@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -449,6 +449,18 @@ class ErrorFeedback:
         sent = decode(enc, name).view_as(x).to(target.device)
         self.residual[name] = target.sub_(sent) if e is not None else target - sent
         return enc, sent
+
+    def compress_split(self, name: str, x: Tensor, spec: CodecSpec,
+                       split: Callable[[Tensor], tuple[Encoded, Tensor]]) -> tuple[Encoded, Encoded]:
+        """(the residual's encoding, the coordinates' encoding) of x + e cut by `split` into
+        coordinates and a residual R (`lordo_fed.wire.lowrank.split`, which already folds the
+        coordinates' rounding into R); R is encoded per `spec` and e ← R − decode(...)."""
+        e = self.residual.get(name)
+        target = x.detach().float() if e is None else e.add_(x.detach().float())
+        coords, residual = split(target)
+        enc = encode(residual, spec)
+        self.residual[name] = residual.sub_(decode(enc, name).view_as(residual).to(residual.device))
+        return enc, coords
 
     def state_dict(self) -> dict[str, Tensor]:
         return {f"wire_ef/{k}": v for k, v in self.residual.items()}

@@ -5,9 +5,11 @@
 | fp32, bf16  | raw                                     | raw                 | raw                               |
 | int8        | int8, one scale per 64 values           | int8 / 64 (v: √v)   | int8 / 64 change of the clients' copy |
 | int4        | int4 / 32                               | int8 / 64           | int8 / 64 change                  |
-| topk2bit    | top-k 3% of each 4096, 2-bit values     | int8 / 64           | int8 / 64 change                  |
+| topk2bit    | blocks' matrices: top-k 3% of each 4096, 2-bit values; embedding and norms int8 / 64 | int8 / 64 | int8 / 64 change |
+| lowrank+topk2bit | low-rank matrices: coordinates in the round's shared basis int8 / 64 + the residual as topk2bit; the rest as topk2bit | int8 / 64 | int8 / 64 change |
 
-Δ's compression residual is kept on the worker and added to the next round's Δ (error feedback,
+The `lowrank+` presets need shared bases (LoRDO-Global; lordo_fed.wire.lowrank). Δ's compression
+residual is kept on the worker and added to the next round's Δ (error feedback,
 lordo_fed.wire.compress.ErrorFeedback); the moments are states, not increments, and are sent
 quantised as they are, the second moment v through its square root rounded up (v̂ ≥ v: blockwise
 int8 of v itself zeroes 74% of a realistic v and multiplies Adam's largest step by 10^6). Downstream the server keeps the clients' copy θ_c of θ (deterministic) and
@@ -20,12 +22,14 @@ preset (`receiver_codecs`, `downlink_codecs`).
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
 from torch import Tensor
 
 from lordo_fed.codec import PAYLOAD_DTYPES
+from lordo_fed.model import DEFAULT_LOWRANK_PATTERN
 from lordo_fed.wire.compress import CodecSpec, Encoded, encode
 
 
@@ -39,6 +43,21 @@ class PayloadCodecs:
     """Synced optimizer moments (low-rank and full-size), both ways."""
     down: CodecSpec | None = None
     """θ downstream, as the change of the clients' copy (None: θ raw)."""
+    lowrank: CodecSpec | None = None
+    """Coordinates of a low-rank matrix's Δ in the round's shared basis (None: Δ whole); its
+    residual then travels with `delta` (lordo_fed.wire.lowrank)."""
+    dense: CodecSpec | None = None
+    """Δ of the parameters outside the blocks' matrices (the embedding, norm gains: names not
+    matching `DEFAULT_LOWRANK_PATTERN`), when not `delta` (None: `delta`)."""
+
+    def delta_spec(self, name: str) -> CodecSpec:
+        """The codec of Δ (or its residual) of parameter `name`: `dense` outside the blocks' matrices.
+
+        Top-k keeps 3% of a tensor a round and error feedback delivers the rest over ~1/3% rounds:
+        for the tied embedding (every row's logit moves every step) and the norm gains (4 of 128
+        entries a round) that delay cost the top-k presets most of their perplexity gap (measured,
+        docs/results.md section 12), for a small share of the bytes."""
+        return self.dense if self.dense is not None and not _BLOCK_MATRIX.search(name) else self.delta
 
     def moment_spec(self, key: str) -> CodecSpec:
         """The codec of moment `key` ('<kind>/<param>'): second moments quantise their square roots,
@@ -53,7 +72,8 @@ class PayloadCodecs:
 
     def specs(self) -> frozenset[CodecSpec]:
         """What the server configures for replies (`lordo_fed.codec.decode_update`'s `codecs`)."""
-        return frozenset(s.canonical() for s in (self.delta, self.moments, self.moment_spec("exp_avg_sq/")))
+        return frozenset(s.canonical() for s in (self.delta, self.moments, self.moment_spec("exp_avg_sq/"),
+                                                 self.lowrank, self.dense) if s is not None)
 
     def down_specs(self) -> frozenset[CodecSpec]:
         """What a worker configures for the server's states (`decode_global_state`'s `codecs`)."""
@@ -61,11 +81,14 @@ class PayloadCodecs:
                          if s is not None)
 
 
+_BLOCK_MATRIX = re.compile(DEFAULT_LOWRANK_PATTERN)
 _INT8 = CodecSpec("quant", bits=8, block=64)
+_TOPK2BIT = CodecSpec("topk", bits=2, chunk=4096, density=0.03)
 PRESETS: dict[str, PayloadCodecs] = {
     "int8": PayloadCodecs(delta=_INT8, moments=_INT8, down=_INT8),
     "int4": PayloadCodecs(delta=CodecSpec("quant", bits=4, block=32), moments=_INT8, down=_INT8),
-    "topk2bit": PayloadCodecs(delta=CodecSpec("topk", bits=2, chunk=4096, density=0.03), moments=_INT8, down=_INT8),
+    "topk2bit": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8, down=_INT8, dense=_INT8),
+    "lowrank+topk2bit": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8, down=_INT8, lowrank=_INT8, dense=_INT8),
 }
 PAYLOADS = (*PAYLOAD_DTYPES, *PRESETS)
 """Every value `payload_dtype` takes."""
@@ -96,3 +119,18 @@ def downlink_codecs(name: str) -> frozenset[CodecSpec] | None:
     """The compressed specs a worker of preset `name` accepts in the server's states (None: none)."""
     codecs = payload_codecs(name)
     return None if codecs is None else codecs.down_specs()
+
+
+def check_payload_method(name: str, shared_bases: bool, asynchronous: bool = False) -> None:
+    """Refuse a `lowrank+` preset (ValueError naming it) where no shared basis exists to send Δ's
+    coordinates in: methods other than LoRDO-Global, and asynchronous rounds (a stale reply's
+    basis is not the server's)."""
+    codecs = payload_codecs(name)
+    if codecs is None or codecs.lowrank is None:
+        return
+    if asynchronous:
+        raise ValueError(f"payload_dtype={name!r}: low-rank Δ needs the round's shared basis, which asynchronous "
+                         "rounds do not have (a reply trained in an older one); use 'int8', 'int4' or 'topk2bit'")
+    if not shared_bases:
+        raise ValueError(f"payload_dtype={name!r}: low-rank Δ is sent in the round's shared basis, which only "
+                         "LoRDO-Global (method 'lordo_global', with low-rank matrices) has; use 'topk2bit' otherwise")
