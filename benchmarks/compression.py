@@ -25,6 +25,7 @@ Writes benchmarks/results/compression.json and compression.png.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -59,10 +60,17 @@ QUALITY = ["model.preset=small", "rounds.local_steps=8", "total_steps=256", "eva
 """32 rounds of K = 8 on quality_cpu.yaml's small preset (M = 4, rank 16; 1.05 M tokens)."""
 
 
+ROW_SHARE = 1.0
+"""Row-sparse presets: the share of the embedding's rows a round sends (data-dependent: `--row-share`)."""
+
+
 def layout(spec, shape: tuple[int, ...]) -> Encoded:
-    """A compressed tensor of `shape` as the codec lays it out (zero bytes of the right sizes)."""
+    """A compressed tensor of `shape` as the codec lays it out (zero bytes of the right sizes);
+    a row-sparse one with `ROW_SHARE` of its rows."""
     n = math.prod(shape)
-    a, b, c = part_sizes(spec, n)
+    if spec.kind == "rows":
+        spec = dataclasses.replace(spec, topk=round(ROW_SHARE * shape[0]))
+    a, b, c = part_sizes(spec, n, tuple(shape))
     return Encoded(spec, n, bytes(a), bytes(b), bytes(c), tuple(shape))
 
 
@@ -77,7 +85,7 @@ def round_messages(ms: ModelShapes, payload: str, k: int, factor: int, t: int) -
     coords = {}
     if codecs is not None:
         # a `lowrank+` preset: the matrices with a shared basis send coordinates (r x q or p x r) and a residual
-        delta = {n: layout(codecs.delta_spec(n), p.shape) for n, p in params.items()}
+        delta = {n: layout(codecs.delta_spec(n, tuple(p.shape)), p.shape) for n, p in params.items()}
         if codecs.lowrank is not None:
             coords = {n: layout(codecs.lowrank, ms.moment_shape(n, True)) for n in ms.ranks}
         up_moments = {key: layout(codecs.moment_spec(key), v.shape) for key, v in up_moments.items()}
@@ -124,7 +132,8 @@ def bytes_table(presets: list[str], ks: list[int], factors: list[int], payloads:
                     rows.append({"preset": preset, "params": ms.num_params, "K": k, "dense_sync_factor": factor,
                                  "payload": payload, "up_bytes_per_round": up, "down_bytes_per_round": down,
                                  "bytes_per_step": per_step, "ddp_fp32_bytes_per_step": ddp,
-                                 "reduction_vs_ddp_fp32": ddp / per_step, "tensor_bytes_only": estimated})
+                                 "reduction_vs_ddp_fp32": ddp / per_step, "tensor_bytes_only": estimated,
+                                 **({"row_share": ROW_SHARE} if "rows" in payload else {})})
         del ms
     return rows
 
@@ -175,7 +184,7 @@ def _time_once(preset: str, payload: str) -> dict:
                 delta[n], coords[n] = ef.compress_split(n, p, codecs.delta,
                                                         lambda t, b=bases[n]: lowrank.split(t, *b, codecs.lowrank))
             else:
-                delta[n] = ef.compress(n, p, codecs.delta_spec(n))[0]
+                delta[n] = ef.compress(n, p, codecs.delta_spec(n, tuple(p.shape)))[0]
         up_moments = codecs.encode_moments(moments)
     else:
         delta, up_moments = params, moments
@@ -259,12 +268,17 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
+    global ROW_SHARE
     parser = make_parser("compression", __doc__, "16m bytes at K = 32, tiny time and quality (seconds)")
     parser.add_argument("--parts", default="bytes,time,quality", help="comma-separated: bytes, time, quality")
+    parser.add_argument("--payloads", default="", help="comma-separated presets (default: all; quality needs fp32 in it)")
+    parser.add_argument("--row-share", type=float, default=ROW_SHARE,
+                        help="row-sparse presets, bytes part: the share of the embedding's rows sent per round")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     started = time.perf_counter()
-    payloads = list(PAYLOADS)
+    payloads = args.payloads.split(",") if args.payloads else list(PAYLOADS)
+    ROW_SHARE = args.row_share
     result = {**result_header("compression", args.quick, {"payloads": payloads, "parts": sorted(parts)})}
     if "bytes" in parts:
         presets, ks, factors = (["16m"], [32], [1]) if args.quick else (["16m", "125m", "720m"], [8, 32, 128], [1, 4])

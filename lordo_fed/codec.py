@@ -94,7 +94,7 @@ SCHEMA_V2 = "lordo_fed.v2"
 """The schema of payloads that carry compressed tensors (codecs QUANT, TOPK, TOPK_QUANT; the
 same messages: see proto/lordo_fed/v1/wire.proto). A v1-only receiver refuses them by this string."""
 _COMPRESSED = {"quant": pb.QUANT, "topk": pb.TOPK}
-_COMPRESSED_CODECS = frozenset({pb.QUANT, pb.TOPK, pb.TOPK_QUANT})
+_COMPRESSED_CODECS = frozenset({pb.QUANT, pb.TOPK, pb.TOPK_QUANT, pb.ROWS})
 
 
 class PayloadError(ValueError):
@@ -208,6 +208,8 @@ def _codec_fields(enc: Encoded) -> tuple[int, dict[int, int]]:
         return pb.RAW, {}
     if spec.kind == "quant":
         return pb.QUANT, {7: spec.bits, 8: spec.block, **({11: 1} if spec.sqrt else {})}
+    if spec.kind == "rows":
+        return pb.ROWS, {**({7: spec.bits} if spec.bits else {}), 10: spec.topk}
     return (pb.TOPK_QUANT if spec.bits else pb.TOPK), {**({7: spec.bits} if spec.bits else {}), 9: spec.chunk,
                                                         10: spec.k}
 
@@ -701,6 +703,8 @@ def _spec_of(t: pb.Tensor) -> CodecSpec:
     """The compression spec a v2 tensor declares (its codec fields, as sent)."""
     if t.codec == pb.QUANT:
         return CodecSpec("quant", bits=t.bits, block=t.block, sqrt=bool(t.sqrt))
+    if t.codec == pb.ROWS:
+        return CodecSpec("rows", bits=t.bits, topk=t.topk)
     return CodecSpec("topk", bits=t.bits if t.codec == pb.TOPK_QUANT else 0, chunk=t.chunk, density=1.0, topk=t.topk)
 
 
@@ -742,11 +746,14 @@ def _check_tensor_meta(t: pb.Tensor, where: str, v2: bool = False,
             spec.validate()
         except ValueError as err:
             raise PayloadError(f"{label}: {err}") from None
-        if codecs is None or spec not in codecs:
+        if codecs is None or spec.canonical() not in codecs:
             configured = ", ".join(sorted(describe(c) for c in codecs or ())) or "none"
             raise PayloadError(f"{label}: codec {describe(spec)} is not one this receiver configured "
                                f"(configured: {configured})")
-        expected = sum(part_sizes(spec, math.prod(shape)))
+        try:
+            expected = sum(part_sizes(spec, math.prod(shape), shape))
+        except CompressionError as err:
+            raise PayloadError(f"{label}: {err}") from None
         if t.nbytes != expected:
             raise PayloadError(f"{label}: declared size nbytes={t.nbytes} does not match shape {list(shape)} "
                                f"with codec {describe(spec)} = {expected}")

@@ -128,7 +128,7 @@ class Worker:
                 out[name], coords[name] = self.wire_ef.compress_split(
                     name, d, codecs.delta, lambda t, b=basis, s=side: lowrank.split(t, b, s, codecs.lowrank))
             else:
-                out[name] = self.wire_ef.compress(name, d, codecs.delta_spec(name))[0]
+                out[name] = self.wire_ef.compress(name, d, codecs.delta_spec(name, tuple(d.shape)))[0]
         return out, coords
 
     def diagnostics(self) -> dict[str, float]:

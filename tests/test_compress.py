@@ -422,3 +422,105 @@ def test_a_second_moment_on_the_wire_carries_its_sqrt_flag():
     msg.moments[0].sqrt = False  # a spec this receiver did not configure
     with pytest.raises(PayloadError, match="codec int8/64 is not one this receiver configured"):
         decode_update(msg.SerializeToString(), "mid", codecs={codecs.moment_spec("exp_avg_sq/w")})
+
+
+# ----------------------------------------------------------------------------- row-sparse (embeddings)
+def test_row_sparse_keeps_the_rows_over_the_threshold():
+    """Against a loop over rows: the kept rows are exactly those with ‖row‖ >= threshold x the
+    largest, in increasing order; fp32 values exact, int8 within half a level of each row's scale;
+    every other row decodes to 0; an all-zero tensor keeps none."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(40, 24, generator=g) * torch.rand(40, 1, generator=g) ** 3  # rows of very different norms
+    norms = [float(r.norm()) for r in x]
+    expected = [i for i, n in enumerate(norms) if n >= 0.2 * max(norms)]
+    assert 0 < len(expected) < 40
+    for bits in (0, 8, 4):
+        enc = encode(x, CodecSpec("rows", bits=bits, threshold=0.2))
+        assert enc.spec.topk == len(expected)
+        assert unpack(enc.indices, 16, len(expected)).tolist() == expected
+        out = decode(enc).view(40, 24)
+        for i in range(40):
+            if i not in expected:
+                assert float(out[i].abs().max()) == 0.0
+            elif bits == 0:
+                assert torch.equal(out[i], x[i])
+            else:
+                level = {8: 127, 4: 7}[bits]
+                assert float((out[i] - x[i]).abs().max()) <= 0.5 * float(x[i].abs().max()) / level * (1 + 1e-5)
+    assert encode(torch.zeros(5, 3), CodecSpec("rows", bits=8)).spec.topk == 0
+    assert torch.equal(decode(encode(torch.zeros(5, 3), CodecSpec("rows", bits=8))), torch.zeros(15))
+
+
+def test_row_sparse_with_error_feedback_sends_every_row_eventually():
+    """A small row left out accumulates in the residual until it qualifies: Σ sent + e = r·x."""
+    x = torch.ones(6, 4)
+    x[0] *= 10.0
+    ef = ErrorFeedback()
+    spec = CodecSpec("rows", bits=0, threshold=0.5)
+    total, sent_rows = torch.zeros(6, 4), set()
+    for r in range(1, 9):
+        _, sent = ef.compress("emb", x, spec)
+        total += sent
+        sent_rows |= {i for i in range(6) if float(sent[i].abs().sum()) > 0}
+        torch.testing.assert_close(total + ef.residual["emb"], r * x, rtol=0, atol=1e-5)
+    assert sent_rows == set(range(6))
+
+
+def row_sparse_hostile_cases() -> list[tuple[str, Encoded, str]]:
+    x = torch.randn(10, 8, generator=torch.Generator().manual_seed(9)) * torch.linspace(0.1, 1, 10)[:, None]
+    good = encode(x, CodecSpec("rows", bits=8, threshold=0.6))
+    k = good.spec.topk
+    assert 2 <= k < 10
+    idx = unpack(good.indices, 16, k)
+
+    def with_rows(rows: torch.Tensor, count: int = k) -> Encoded:
+        spec = dataclasses_replace(good.spec, topk=count)
+        return Encoded(spec, 80, good.data, good.scales, pack(rows, 16), (10, 8))
+
+    repeated, beyond = idx.clone(), idx.clone()
+    repeated[1] = repeated[0]
+    beyond[-1] = 10
+    zero_scale = torch.frombuffer(bytearray(good.scales), dtype=torch.float32).clone()
+    zero_scale[0] = 0.0
+    return [
+        ("repeated row", with_rows(repeated), "row indices repeated or out of order"),
+        ("row past the end", with_rows(beyond), "a row index >= the tensor's 10 rows"),
+        ("more rows than the tensor", Encoded(dataclasses_replace(good.spec, topk=11), 80, b"", b"", b"", (10, 8)),
+         "11 rows declared, the tensor has 10"),
+        ("zero scale", Encoded(good.spec, 80, good.data, zero_scale.numpy().tobytes(), good.indices, (10, 8)),
+         "zero or negative"),
+        ("short codes", Encoded(good.spec, 80, good.data[:-1], good.scales, good.indices, (10, 8)), "bytes of 8-bit codes"),
+        ("not 2-D", Encoded(good.spec, 80, good.data, good.scales, good.indices, (80,)), "needs a 2-D shape"),
+    ]
+
+
+@pytest.mark.parametrize("case", row_sparse_hostile_cases(), ids=lambda c: c[0])
+def test_hostile_row_sparse_encodings_are_refused_with_a_reason(case):
+    _, enc, reason = case
+    with pytest.raises(CompressionError, match=reason):
+        decode(enc, label="delta/tok_emb.weight")
+
+
+def test_row_sparse_tensors_cross_the_wire():
+    """Codec ROWS with its row count in `topk`: both encoders agree, both decoders return the
+    same tensor, the receiver's configured spec is the kind and value bits only (the count and
+    threshold are the sender's), and a count that does not match the bytes is refused."""
+    from lordo_fed.codec import PayloadError, _decode_update_reference, _encode_update_reference, decode_update, encode_update
+    from lordo_fed.rounds import WorkerUpdate
+    from lordo_fed.v1 import wire_pb2 as pb
+
+    x = torch.randn(300, 16, generator=torch.Generator().manual_seed(10)) * torch.linspace(0, 1, 300)[:, None]
+    spec = CodecSpec("rows", bits=8, threshold=0.5)
+    update = WorkerUpdate(1, 2, {"emb": encode(x, spec)}, {}, 100, 7)
+    data = encode_update(update, "mid")
+    assert data == _encode_update_reference(update, "mid", deterministic=True)
+    msg = pb.WorkerUpdate.FromString(data)
+    assert (msg.delta[0].codec, msg.delta[0].bits, msg.delta[0].topk) == (pb.ROWS, 8, update.delta["emb"].spec.topk)
+    for got in (decode_update(data, "mid", codecs=[CodecSpec("rows", bits=8, threshold=0.9)]),
+                _decode_update_reference(data, "mid", codecs=frozenset({CodecSpec("rows", bits=8)}))):
+        assert torch.equal(got.delta["emb"], decode(encode(x, spec)).view(300, 16))
+    with pytest.raises(PayloadError, match="is not one this receiver configured"):
+        decode_update(data, "mid", codecs=[CodecSpec("rows", bits=4)])
+    msg.delta[0].topk += 1
+    with pytest.raises(PayloadError, match="does not match shape"):
+        decode_update(msg.SerializeToString(), "mid", codecs=[spec])

@@ -64,16 +64,16 @@ EF_OPTIONS = {"sync-ef": True, "ef-reset": True, "ef-decay": 0.8, "full-rank-ter
 
 @pytest.mark.parametrize("variant,extra", [("lordo_global", {}), ("lordo_global", {"dense-sync-factor": 2}),
                                            ("lordo_global", EF_OPTIONS), ("diloco", {}), ("desloc", {}),
-                                           ("lordo_global", {"payload-dtype": "lowrank+topk2bit"})])
+                                           ("lordo_global", {"payload-dtype": "lowrank+topk2bit+rows"})])
 def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     """Baselines run through the same app by config: DiLoCo (AdamW, Nesterov outer, no state
     sync) and DES-LOC (AdamW, states averaged at their own periods); LoRDO-Global also with the
     embedding's and norms' moments averaged every second round only (dense-sync-factor=2), and
     with the error-feedback options and the two-phase switch (E crosses the wire both ways; the
-    switch at step 4 falls inside round 2); and with compressed payloads (`lowrank+topk2bit`: the
-    matrices' Δ as int8 coordinates in the round's shared basis plus a top-k 2-bit residual, the
-    other parameters top-k 2-bit, with error feedback on the clients; moments int8), which the server
-    decodes with the run's codecs and rebuilds."""
+    switch at step 4 falls inside round 2); and with compressed payloads (`lowrank+topk2bit+rows`:
+    the matrices' Δ as int8 coordinates in the round's shared basis plus a top-k 2-bit residual, the
+    embedding row-sparse int8, the norms int8, with error feedback on the clients; moments int8),
+    which the server decodes with the run's codecs and rebuilds."""
     run_config = tiny_run_config(tmp_path, variant=variant, **extra)
     env = flower_env(tmp_path)
     proc = run_simulation(APP, env, num_supernodes=2, run_config=run_config, timeout=240, check=True,
@@ -97,7 +97,7 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     assert records[-1]["tokens"] == 2 * 2 * 3 * 4 * 32
     if "dense-sync-factor" in extra:  # round 1 sends the low-rank moments only, round 2 the full-size ones too
         assert records[1]["bytes_received_per_client"] < records[2]["bytes_received_per_client"]
-    if extra.get("payload-dtype") == "lowrank+topk2bit":  # Δ: r·max(p, q) bytes + ~3% x (2 + 12) bits, moments 8 bits
+    if extra.get("payload-dtype") == "lowrank+topk2bit+rows":  # Δ: r·max(p, q) bytes + ~3% x (2 + 12) bits, moments 8 bits
         plain = 4 * sum(t.numel() for t in reference.values())
         assert all(r["bytes_received_per_client"] < plain / 2 for r in records[1:]), records
     if extra.get("sync-ef"):  # each reply carries Δ of every parameter and E of every low-rank matrix

@@ -23,6 +23,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     QUANT: _ClassVar[Codec]
     TOPK: _ClassVar[Codec]
     TOPK_QUANT: _ClassVar[Codec]
+    ROWS: _ClassVar[Codec]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 BFLOAT16: DType
@@ -34,6 +35,7 @@ BF16_BITS: Codec
 QUANT: Codec
 TOPK: Codec
 TOPK_QUANT: Codec
+ROWS: Codec
 
 class Tensor(_message.Message):
     __slots__ = ("name", "shape", "dtype", "codec", "nbytes", "data", "bits", "block", "chunk", "topk", "sqrt")

@@ -13,8 +13,12 @@ composition, and the error feedback that carries each compression's residual int
   (16 when ≤ 65536): SparseLoCo's layout (Sarfi et al. 2025, "Communication-Efficient Language
   Model Training Scales Reliably and Robustly"), where top-k of 1–3% per chunk with 2-bit values
   and error feedback loses nothing against DiLoCo.
-- **Composition**: a `CodecSpec` names a raw, a quantised, a top-k or a top-k-with-quantised-
-  values encoding; `encode` returns an `Encoded` whose byte fields are what a wire tensor
+- **Row-sparse** (`kind='rows'`, for an embedding): of a 2-D tensor, only the rows whose L2 norm
+  is at least `threshold` x the largest row's, their values fp32 or int8 / int4 with one scale
+  per row, their row indices packed in 16 bits (32 past 65536 rows). With error feedback the rows
+  left out accumulate until they qualify.
+- **Composition**: a `CodecSpec` names a raw, a quantised, a top-k, a top-k-with-quantised-
+  values or a row-sparse encoding; `encode` returns an `Encoded` whose byte fields are what a wire tensor
   carries, `decode` rebuilds the fp32 tensor and refuses what cannot have come from `encode`
   (`CompressionError`, naming the tensor and the problem).
 - **Error feedback** (`ErrorFeedback`): e ← e + x; c = C(e); e ← e − D(c): what a compression
@@ -27,6 +31,7 @@ its oracle.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -35,6 +40,8 @@ import torch
 from torch import Tensor
 
 QUANT_BITS = (8, 4, 2)
+ROW_BITS = (0, 8, 4)
+"""Values of a row-sparse tensor: fp32 (0), int8 or int4, one scale per row."""
 _LEVELS = {8: 127, 4: 7, 2: 3}
 """Largest integer level per bit width (2-bit codes are the odd levels −3, −1, 1, 3)."""
 _TINY = torch.finfo(torch.float32).tiny
@@ -51,10 +58,11 @@ class CompressionError(ValueError):
 @dataclass(frozen=True)
 class CodecSpec:
     """How one tensor is compressed: 'raw' (fp32), 'quant' (blockwise, `bits`, `block`), 'topk'
-    (`density` of each `chunk`, values fp32 or, with `bits`, quantised with one scale per chunk)."""
+    (`density` of each `chunk`, values fp32 or, with `bits`, quantised with one scale per chunk),
+    'rows' (the rows of a 2-D tensor at least `threshold` x the largest row's norm)."""
 
     kind: str = "raw"
-    """'raw', 'quant' or 'topk'."""
+    """'raw', 'quant', 'topk' or 'rows'."""
     bits: int = 0
     """Quantised values: 8, 4 or 2 (0 = fp32 values; 'quant' needs one)."""
     block: int = 64
@@ -64,14 +72,25 @@ class CodecSpec:
     density: float = 0.03
     """'topk': the share of each chunk kept (k = max(1, round(density · chunk)))."""
     topk: int = 0
-    """'topk': entries kept per chunk, when given (0 = from `density`; what a receiver reads off the wire)."""
+    """'topk': entries kept per chunk, when given (0 = from `density`; what a receiver reads off the wire).
+    'rows': the rows one encoding kept (set by `encode`, read off the wire)."""
+    threshold: float = 0.1
+    """'rows': keep the rows whose L2 norm is at least this share of the largest row's (0 < t <= 1)."""
     sqrt: bool = False
     """'quant' of a second moment v ≥ 0: √v is quantised, rounded up, and squared back, so v̂ ≥ v
     and a positive v never becomes 0 (Adam divides by √v̂: a zeroed v makes its step explode)."""
 
     def validate(self) -> "CodecSpec":
-        if self.kind not in ("raw", "quant", "topk"):
-            raise ValueError(f"codec kind={self.kind!r}: expected 'raw', 'quant' or 'topk'")
+        if self.kind not in ("raw", "quant", "topk", "rows"):
+            raise ValueError(f"codec kind={self.kind!r}: expected 'raw', 'quant', 'topk' or 'rows'")
+        if self.kind == "rows":
+            if self.bits not in ROW_BITS:
+                raise ValueError(f"codec 'rows' bits={self.bits!r}: expected one of {ROW_BITS} (0 = fp32 values)")
+            if not (0.0 < self.threshold <= 1.0):
+                raise ValueError(f"codec 'rows' threshold={self.threshold!r}: expected a share in (0, 1]")
+            if not (isinstance(self.topk, int) and self.topk >= 0):
+                raise ValueError(f"codec 'rows' topk={self.topk!r}: expected the number of rows kept, >= 0")
+            return self
         if self.kind == "quant" and self.bits not in QUANT_BITS:
             raise ValueError(f"codec 'quant' bits={self.bits!r}: expected one of {QUANT_BITS}")
         if self.kind == "topk" and self.bits not in (0, *QUANT_BITS):
@@ -100,6 +119,8 @@ class CodecSpec:
             return CodecSpec("raw")
         if self.kind == "quant":
             return CodecSpec("quant", bits=self.bits, block=self.block, sqrt=self.sqrt)
+        if self.kind == "rows":  # the rows kept and the threshold are the sender's choice, per tensor
+            return CodecSpec("rows", bits=self.bits)
         return CodecSpec("topk", bits=self.bits, chunk=self.chunk, density=1.0, topk=self.k)
 
 
@@ -124,11 +145,16 @@ class Encoded:
         return self.data + self.scales + self.indices
 
 
-def part_sizes(spec: CodecSpec, numel: int) -> tuple[int, int, int]:
-    """(data, scales, indices) bytes of `numel` values encoded per `spec`: what a receiver
-    expects before it reads anything."""
+def part_sizes(spec: CodecSpec, numel: int, shape: tuple[int, ...] = ()) -> tuple[int, int, int]:
+    """(data, scales, indices) bytes of `numel` values (of `shape`, which 'rows' needs) encoded
+    per `spec`: what a receiver expects before it reads anything."""
     if spec.kind == "raw":
         return 4 * numel, 0, 0
+    if spec.kind == "rows":
+        nrows, row_len = _row_shape(shape, numel)
+        values = spec.topk * row_len
+        data = packed_size(values, spec.bits) if spec.bits else 4 * values
+        return data, 4 * spec.topk if spec.bits else 0, packed_size(spec.topk, row_index_bits(nrows))
     if spec.kind == "quant":
         return packed_size(numel, spec.bits), 4 * math.ceil(numel / spec.block), 0
     full, k, _, k_tail = chunk_layout(numel, spec.chunk, spec.k)
@@ -142,7 +168,7 @@ def part_sizes(spec: CodecSpec, numel: int) -> tuple[int, int, int]:
 def split_payload(spec: CodecSpec, numel: int, payload, shape: tuple[int, ...] = ()) -> Encoded:
     """The `Encoded` whose `payload()` is `payload` (sizes from `part_sizes`; CompressionError
     when the length differs)."""
-    sizes = part_sizes(spec, numel)
+    sizes = part_sizes(spec, numel, shape)
     if len(payload) != sum(sizes):
         raise CompressionError(f"{len(payload)} bytes, expected {sum(sizes)} for {numel} values of codec "
                                f"{describe(spec)}")
@@ -157,6 +183,8 @@ def describe(spec: CodecSpec) -> str:
         return "raw"
     if spec.kind == "quant":
         return f"{'sqrt-' if spec.sqrt else ''}int{spec.bits}/{spec.block}"
+    if spec.kind == "rows":
+        return "rows" + (f" {spec.topk}" if spec.topk else "") + (f" int{spec.bits}" if spec.bits else " fp32")
     return f"top-k {spec.k}/{spec.chunk}" + (f" {spec.bits}-bit" if spec.bits else "")
 
 
@@ -183,7 +211,9 @@ def pack(codes: Tensor, bits: int) -> bytes:
         return out.to(torch.uint8).numpy().tobytes()
     if bits == 16:
         return c.to(torch.int32).numpy().astype("<u2").tobytes()
-    raise ValueError(f"pack: bits={bits}: expected 2, 4, 8, 12 or 16")
+    if bits == 32:
+        return codes.reshape(-1).to("cpu", torch.int64).numpy().astype("<u4").tobytes()
+    raise ValueError(f"pack: bits={bits}: expected 2, 4, 8, 12, 16 or 32")
 
 
 def unpack(data: bytes, bits: int, count: int) -> Tensor:
@@ -207,21 +237,36 @@ def unpack(data: bytes, bits: int, count: int) -> Tensor:
     if bits == 16:
         t = raw.view(-1, 2)
         return (t[:, 0] | (t[:, 1] << 8))[:count]
-    raise ValueError(f"unpack: bits={bits}: expected 2, 4, 8, 12 or 16")
+    if bits == 32:
+        t = raw.view(-1, 4)
+        return (t[:, 0] | (t[:, 1] << 8) | (t[:, 2] << 16) | (t[:, 3] << 24))[:count]
+    raise ValueError(f"unpack: bits={bits}: expected 2, 4, 8, 12, 16 or 32")
 
 
 def packed_size(count: int, bits: int) -> int:
     """Bytes `pack` writes for `count` codes of `bits` bits."""
     if bits == 12:
         return 3 * math.ceil(count / 2)
-    if bits == 16:
-        return 2 * count
+    if bits in (16, 32):
+        return bits // 8 * count
     return math.ceil(count * bits / 8)
 
 
 def index_bits(chunk: int) -> int:
     """Bits per packed top-k index for chunks of `chunk` values."""
     return 12 if chunk <= 4096 else 16
+
+
+def row_index_bits(nrows: int) -> int:
+    """Bits per packed row index of a row-sparse tensor of `nrows` rows."""
+    return 16 if nrows <= 65536 else 32
+
+
+def _row_shape(shape: tuple[int, ...], numel: int) -> tuple[int, int]:
+    """(rows, values per row) of a row-sparse tensor; CompressionError unless it is 2-D."""
+    if len(shape) != 2 or math.prod(shape) != numel:
+        raise CompressionError(f"the row-sparse codec needs a 2-D shape, got {list(shape)} for {numel} values")
+    return int(shape[0]), int(shape[1])
 
 
 # ----------------------------------------------------------------------------- quantisation
@@ -319,6 +364,8 @@ def encode(x: Tensor, spec: CodecSpec) -> Encoded:
     n, shape = x.numel(), tuple(x.shape)
     if spec.kind == "raw":
         return Encoded(spec, n, _f32(x), shape=shape)
+    if spec.kind == "rows":
+        return _encode_rows(x, spec)
     if spec.kind == "quant":
         values = x.detach().float().clamp_min(0).sqrt() if spec.sqrt else x
         codes, scales = quantize(values, spec.bits, spec.block, up=spec.sqrt)
@@ -344,6 +391,8 @@ def decode(enc: Encoded, label: str = "tensor") -> Tensor:
                 raise CompressionError(f"{len(enc.data)} bytes of fp32 values, expected {4 * n}")
             out = torch.frombuffer(bytearray(enc.data), dtype=torch.float32) if n else torch.zeros(0)
             return _finite(out, label)
+        if spec.kind == "rows":
+            return _decode_rows(enc, label)
         if spec.kind == "quant":
             nblocks = math.ceil(n / spec.block)
             scales = _scales(enc.scales, nblocks)
@@ -384,6 +433,48 @@ def decoded(tensors: Mapping[str, Tensor | Encoded]) -> dict[str, Tensor]:
 def roundtrip(x: Tensor, spec: CodecSpec) -> Tensor:
     """What the receiver of `encode(x, spec)` reconstructs, shaped like `x`."""
     return decode(encode(x, spec)).view_as(x).to(x.device)
+
+
+def _encode_rows(x: Tensor, spec: CodecSpec) -> Encoded:
+    """The rows of 2-D `x` whose L2 norm is >= threshold x the largest (none when x is 0)."""
+    if x.dim() != 2:
+        raise ValueError(f"the row-sparse codec needs a 2-D tensor, got shape {list(x.shape)}")
+    rows = x.detach().float()
+    norms = rows.norm(dim=1)
+    top = float(norms.max()) if rows.shape[0] else 0.0
+    kept = ((norms >= spec.threshold * top) & (norms > 0)).nonzero().squeeze(1)  # increasing
+    values = rows[kept]
+    sent = dataclasses.replace(spec, topk=int(kept.numel()))
+    indices = pack(kept, row_index_bits(rows.shape[0]))
+    if not spec.bits:
+        return Encoded(sent, x.numel(), _f32(values), indices=indices, shape=tuple(x.shape))
+    codes, scales = quantize(values, spec.bits, max(1, rows.shape[1]))  # one scale per row
+    return Encoded(sent, x.numel(), pack(codes, spec.bits), _f32(scales), indices, tuple(x.shape))
+
+
+def _decode_rows(enc: Encoded, label: str) -> Tensor:
+    spec = enc.spec
+    nrows, row_len = _row_shape(tuple(enc.shape), enc.numel)
+    count = spec.topk
+    if count > nrows:
+        raise CompressionError(f"{count} rows declared, the tensor has {nrows}")
+    kept = unpack(enc.indices, row_index_bits(nrows), count)
+    if count and int(kept.max()) >= nrows:
+        raise CompressionError(f"a row index >= the tensor's {nrows} rows")
+    if count > 1 and not bool((kept[1:] > kept[:-1]).all()):
+        raise CompressionError("row indices repeated or out of order")
+    if spec.bits:
+        scales = _scales(enc.scales, count)
+        values = dequantize(unpack(enc.data, spec.bits, count * row_len), scales, spec.bits, max(1, row_len),
+                            count * row_len)
+    else:
+        if len(enc.data) != 4 * count * row_len:
+            raise CompressionError(f"{len(enc.data)} bytes of row values, expected {4 * count * row_len}")
+        values = _finite(torch.frombuffer(bytearray(enc.data), dtype=torch.float32) if count * row_len
+                         else torch.zeros(0), label)
+    out = torch.zeros(nrows, row_len)
+    out[kept.long()] = values.view(count, row_len)
+    return out.reshape(-1)
 
 
 def _f32(t: Tensor) -> bytes:

@@ -7,6 +7,7 @@
 | int4        | int4 / 32                               | int8 / 64           | int8 / 64 change                  |
 | topk2bit    | blocks' matrices: top-k 3% of each 4096, 2-bit values; embedding and norms int8 / 64 | int8 / 64 | int8 / 64 change |
 | lowrank+topk2bit | low-rank matrices: coordinates in the round's shared basis int8 / 64 + the residual as topk2bit; the rest as topk2bit | int8 / 64 | int8 / 64 change |
+| lowrank+topk2bit+rows | as lowrank+topk2bit, the embedding row-sparse: the rows whose change is ≥ 10% of the largest row's, int8 per row | int8 / 64 | int8 / 64 change |
 
 The `lowrank+` presets need shared bases (LoRDO-Global; lordo_fed.wire.lowrank). Δ's compression
 residual is kept on the worker and added to the next round's Δ (error feedback,
@@ -49,15 +50,20 @@ class PayloadCodecs:
     dense: CodecSpec | None = None
     """Δ of the parameters outside the blocks' matrices (the embedding, norm gains: names not
     matching `DEFAULT_LOWRANK_PATTERN`), when not `delta` (None: `delta`)."""
+    rows: CodecSpec | None = None
+    """Δ of the 2-D parameters outside the blocks' matrices (the embedding), row-sparse (None: `dense`)."""
 
-    def delta_spec(self, name: str) -> CodecSpec:
-        """The codec of Δ (or its residual) of parameter `name`: `dense` outside the blocks' matrices.
+    def delta_spec(self, name: str, shape: tuple[int, ...]) -> CodecSpec:
+        """The codec of Δ (or its residual) of parameter `name` of `shape`: `delta` for the blocks'
+        matrices; outside them `rows` for a 2-D one (the embedding) and `dense` for the rest.
 
         Top-k keeps 3% of a tensor a round and error feedback delivers the rest over ~1/3% rounds:
         for the tied embedding (every row's logit moves every step) and the norm gains (4 of 128
         entries a round) that delay cost the top-k presets most of their perplexity gap (measured,
         docs/results.md section 12), for a small share of the bytes."""
-        return self.dense if self.dense is not None and not _BLOCK_MATRIX.search(name) else self.delta
+        if self.dense is None or _BLOCK_MATRIX.search(name):
+            return self.delta
+        return self.rows if self.rows is not None and len(shape) == 2 else self.dense
 
     def moment_spec(self, key: str) -> CodecSpec:
         """The codec of moment `key` ('<kind>/<param>'): second moments quantise their square roots,
@@ -73,7 +79,7 @@ class PayloadCodecs:
     def specs(self) -> frozenset[CodecSpec]:
         """What the server configures for replies (`lordo_fed.codec.decode_update`'s `codecs`)."""
         return frozenset(s.canonical() for s in (self.delta, self.moments, self.moment_spec("exp_avg_sq/"),
-                                                 self.lowrank, self.dense) if s is not None)
+                                                 self.lowrank, self.dense, self.rows) if s is not None)
 
     def down_specs(self) -> frozenset[CodecSpec]:
         """What a worker configures for the server's states (`decode_global_state`'s `codecs`)."""
@@ -89,6 +95,8 @@ PRESETS: dict[str, PayloadCodecs] = {
     "int4": PayloadCodecs(delta=CodecSpec("quant", bits=4, block=32), moments=_INT8, down=_INT8),
     "topk2bit": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8, down=_INT8, dense=_INT8),
     "lowrank+topk2bit": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8, down=_INT8, lowrank=_INT8, dense=_INT8),
+    "lowrank+topk2bit+rows": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8, down=_INT8, lowrank=_INT8, dense=_INT8,
+                                           rows=CodecSpec("rows", bits=8, threshold=0.1)),
 }
 PAYLOADS = (*PAYLOAD_DTYPES, *PRESETS)
 """Every value `payload_dtype` takes."""
