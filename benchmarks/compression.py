@@ -209,7 +209,8 @@ def _time_once(preset: str, payload: str) -> dict:
             "worker_decode_s": t4 - t3}
 
 
-def quality(payloads: list[str], seeds: list[int], quick: bool, work: Path, factors: tuple[int, ...] = (1,)) -> list[dict]:
+def quality(payloads: list[str], seeds: list[int], quick: bool, work: Path, factors: tuple[int, ...] = (1,),
+            extra: tuple[str, ...] = ()) -> list[dict]:
     """Each payload at `dense_sync_factor` 1, and fp32 and int8 also at each other factor in
     `factors` (how quantised moments compose with syncing the full-size ones less often); every
     row against fp32 at the same seed and factor."""
@@ -223,7 +224,7 @@ def quality(payloads: list[str], seeds: list[int], quick: bool, work: Path, fact
             cmd = [sys.executable, "-m", "lordo_fed.trainer.cli", "--config-dir", str(ROOT / "examples" / "reference"),
                    "--config-name", "quality_cpu", f"out_dir={out}", "progress=false", "methods=[lordo_global]",
                    "diagnostics=false", f"seed={seed}", f"payload_dtype={payload}",
-                   f"rounds.dense_sync_factor={factor}", *overrides]
+                   f"rounds.dense_sync_factor={factor}", *overrides, *extra]
             started = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if proc.returncode != 0:
@@ -272,6 +273,8 @@ def main() -> None:
     parser = make_parser("compression", __doc__, "16m bytes at K = 32, tiny time and quality (seconds)")
     parser.add_argument("--parts", default="bytes,time,quality", help="comma-separated: bytes, time, quality")
     parser.add_argument("--payloads", default="", help="comma-separated presets (default: all; quality needs fp32 in it)")
+    parser.add_argument("--overrides", default="", help="quality part: extra trainer overrides, space-separated "
+                        "(e.g. 'inner.ef_decay=0.9')")
     parser.add_argument("--row-share", type=float, default=ROW_SHARE,
                         help="row-sparse presets, bytes part: the share of the embedding's rows sent per round")
     args = parser.parse_args()
@@ -279,7 +282,8 @@ def main() -> None:
     started = time.perf_counter()
     payloads = args.payloads.split(",") if args.payloads else list(PAYLOADS)
     ROW_SHARE = args.row_share
-    result = {**result_header("compression", args.quick, {"payloads": payloads, "parts": sorted(parts)})}
+    result = {**result_header("compression", args.quick, {"payloads": payloads, "parts": sorted(parts),
+                                                          "row_share": ROW_SHARE, "overrides": args.overrides})}
     if "bytes" in parts:
         presets, ks, factors = (["16m"], [32], [1]) if args.quick else (["16m", "125m", "720m"], [8, 32, 128], [1, 4])
         result["bytes"] = bytes_table(presets, ks, factors, payloads)
@@ -290,7 +294,8 @@ def main() -> None:
     if "quality" in parts:
         with tempfile.TemporaryDirectory() as tmp:
             result["quality"] = quality(payloads if not args.quick else ["fp32", "int8"], [0] if args.quick else [0, 1],
-                                        args.quick, Path(tmp), factors=(1,) if args.quick else (1, 4))
+                                        args.quick, Path(tmp), factors=(1,) if args.quick else (1, 4),
+                                        extra=tuple(args.overrides.split()))
     result["seconds"] = time.perf_counter() - started
     out = write_json(result, args.out)
     plot(result, png_path(out))
