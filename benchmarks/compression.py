@@ -12,7 +12,8 @@ pay for their encoding time.
    2 GiB limit (720m) are counted by their tensor bytes.
 2. **time**: one round's encoding and decoding at 125m on this CPU (the worker compresses Δ with
    error feedback and its moments and encodes the reply, the server decodes it; the server encodes
-   the downlink, the worker decodes it), against the time the bytes it saves take on a 1 Gb/s link.
+   the downlink, the worker decodes it), against the time the bytes it saves take on a 1 Gb/s link;
+   and the state a compressed preset adds to a worker (Δ's residual, the clients' copy θ_c).
 3. **quality**: LoRDO-Global on `examples/reference/quality_cpu.yaml` (small preset, M = 4,
    rank 16) at K = 8 for 32 rounds, each compressed preset against fp32, seeds 0 and 1; fp32 and
    int8 also with the full-size moments synced every 4th round (`dense_sync_factor` = 4).
@@ -204,9 +205,14 @@ def _time_once(preset: str, payload: str) -> dict:
     t3 = time.perf_counter()
     codec.decode_global_state(down, ms.model_id, codecs=downlink_codecs(payload))
     t4 = time.perf_counter()
+    # what a compressed preset adds to a worker's state (saved with it, held between rounds): Δ's
+    # compression residual (as measured on the object) and the clients' copy θ_c (fp32, every parameter)
+    residual = ef.nbytes() if codecs is not None else 0
+    copy = 4 * ms.num_params if codecs is not None and codecs.down is not None else 0
     return {"preset": preset, "payload": payload, "up_bytes": len(up), "down_bytes": len(down),
             "worker_encode_s": t1 - t0, "server_decode_s": t2 - t1, "server_encode_s": t3 - t2,
-            "worker_decode_s": t4 - t3}
+            "worker_decode_s": t4 - t3, "worker_state_residual_bytes": residual, "worker_state_copy_bytes": copy,
+            "params": ms.num_params}
 
 
 def quality(payloads: list[str], seeds: list[int], quick: bool, work: Path, factors: tuple[int, ...] = (1,),
