@@ -138,8 +138,9 @@ def test_deployment_on_both_data_planes_matches_the_reference_and_bad_configs_st
     """A real SuperLink and two SuperNodes: the payloads over the gRPC data plane (plaintext,
     explicitly insecure) and inside Flower's messages end at the same θ as the reference trainer,
     bit for bit (round 1's θ0 built by the clients from the seed, not sent), and so do compressed
-    payloads over the data plane (topk2bit: Δ up with error feedback, θ down as the int8 change of
-    the clients' copy, which each node keeps in its state); bad values stop a run before round 1
+    payloads over the data plane (lowrank+topk2bit+rows: Δ up as coordinates in the shared basis
+    plus a residual, with error feedback, θ down as the int8 change of the clients' copy, which each
+    node keeps in its state); bad values stop a run before round 1
     with a message naming them."""
     with Deployment(tmp_path, num_nodes=2) as dep:
         bad = dep.run(APP, tiny_run_config(tmp_path, omega=1.5, **{"output-dir": str(tmp_path / "bad")}), timeout=120)
@@ -150,9 +151,9 @@ def test_deployment_on_both_data_planes_matches_the_reference_and_bad_configs_st
         assert not (tmp_path / "no_tls" / "server.jsonl").exists()
 
         thetas = {}
-        for plane in ("grpc", "flower", "grpc-topk2bit"):
+        for plane in ("grpc", "flower", "grpc-compressed"):
             out = tmp_path / plane
-            extra = {"payload-dtype": "topk2bit"} if plane.endswith("topk2bit") else {}
+            extra = {"payload-dtype": "lowrank+topk2bit+rows"} if plane.endswith("compressed") else {}
             dep.run(APP, tiny_run_config(tmp_path, **{"output-dir": str(out), "data-plane": plane.split("-")[0],
                                                       "data-plane-insecure": plane.startswith("grpc"), **extra}),
                     timeout=240, check=True)
@@ -163,7 +164,7 @@ def test_deployment_on_both_data_planes_matches_the_reference_and_bad_configs_st
             assert ("upload_seconds" in records[1]) == plane.startswith("grpc")
             tensors, _ = load_checkpoint(out / "checkpoints")
             thetas[plane] = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
-            # θ0 is the seeded init both sides build: round 1 sends no θ, round 2 sends θ (topk2bit:
+            # θ0 is the seeded init both sides build: round 1 sends no θ, round 2 sends θ (compressed:
             # the int8 change of the clients' copy, about a quarter of it).
             theta_bytes = 4 * sum(t.numel() for t in thetas[plane].values())
             if extra:
@@ -177,7 +178,7 @@ def test_deployment_on_both_data_planes_matches_the_reference_and_bad_configs_st
 
     assert not alive(pids)
     for plane, theta in thetas.items():
-        extra = {"payload-dtype": "topk2bit"} if plane.endswith("topk2bit") else {}
+        extra = {"payload-dtype": "lowrank+topk2bit+rows"} if plane.endswith("compressed") else {}
         reference = reference_theta(tiny_run_config(tmp_path, **extra), workers=2)
         worst = max((theta[n] - reference[n]).abs().max().item() for n in reference)
         assert worst == 0.0, f"{plane}: max |θ_deployment − θ_reference| = {worst}"
