@@ -326,14 +326,15 @@ class Aggregator:
                 return problem
         return None
 
+    def _basis(self, name: str) -> tuple[Tensor, str]:
+        """This round's shared basis of `name` (fp32, CPU) and its side."""
+        shape = tuple(self.params[name].shape)
+        side = projection_side(shape)
+        return self.projection.basis(self.projections[name], shape, side).float().cpu(), side
+
     def _bases(self) -> dict[str, tuple[Tensor, str]]:
-        """The round's shared bases (fp32, CPU) and sides of `coords_expected()`, to rebuild Δ."""
-        out = {}
-        for name in self.coords_expected():
-            shape = tuple(self.params[name].shape)
-            side = projection_side(shape)
-            out[name] = (self.projection.basis(self.projections[name], shape, side).float().cpu(), side)
-        return out
+        """The bases of `coords_expected()`, to rebuild Δ."""
+        return {name: self._basis(name) for name in self.coords_expected()}
 
     def check_reply(self, update: WorkerUpdate) -> tuple[str | None, float]:
         """`check()` and ||Δ|| of one reply: everything screening needs from its tensors, so a
@@ -482,10 +483,8 @@ class Aggregator:
         if self.projection is not None and self.projections:
             inside = total = 0.0
             for n in self.ranks:
-                shape = tuple(self.params[n].shape)
-                side = projection_side(shape)
-                basis = self.projection.basis(self.projections[n], shape, side).float()
-                d = delta[n].float()
+                basis, side = self._basis(n)
+                d = delta[n].float().cpu()
                 inside += float(project(d, basis, side).square().sum())
                 total += float(d.square().sum())
             out["delta_in_subspace"] = inside / total if total > 0 else 0.0

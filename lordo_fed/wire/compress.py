@@ -534,24 +534,29 @@ class ErrorFeedback:
 
     def compress(self, name: str, x: Tensor, spec: CodecSpec) -> tuple[Encoded, Tensor]:
         """(the encoding of x + e, what the receiver decodes from it, shaped like x)."""
-        e = self.residual.get(name)
-        target = x.detach().float() if e is None else e.add_(x.detach().float())
-        enc = encode(target, spec)
-        sent = decode(enc, name).view_as(x).to(target.device)
-        self.residual[name] = target.sub_(sent) if e is not None else target - sent
-        return enc, sent
+        target, owned = self._plus_residual(name, x)
+        return self._send(name, target, spec, owned)
 
     def compress_split(self, name: str, x: Tensor, spec: CodecSpec,
                        split: Callable[[Tensor], tuple[Encoded, Tensor]]) -> tuple[Encoded, Encoded]:
         """(the residual's encoding, the coordinates' encoding) of x + e cut by `split` into
         coordinates and a residual R (`lordo_fed.wire.lowrank.split`, which already folds the
         coordinates' rounding into R); R is encoded per `spec` and e ← R − decode(...)."""
+        target, _ = self._plus_residual(name, x)
+        coords, residual = split(target)  # a new tensor: kept as the next residual
+        return self._send(name, residual, spec, owned=True)[0], coords
+
+    def _plus_residual(self, name: str, x: Tensor) -> tuple[Tensor, bool]:
+        """(x + e in e's own buffer, True), or at first use (x as fp32, False: it may be x itself)."""
         e = self.residual.get(name)
-        target = x.detach().float() if e is None else e.add_(x.detach().float())
-        coords, residual = split(target)
-        enc = encode(residual, spec)
-        self.residual[name] = residual.sub_(decode(enc, name).view_as(residual).to(residual.device))
-        return enc, coords
+        return (x.detach().float(), False) if e is None else (e.add_(x.detach().float()), True)
+
+    def _send(self, name: str, target: Tensor, spec: CodecSpec, owned: bool) -> tuple[Encoded, Tensor]:
+        """Encode `target`, keep target − decoded as the residual (in place when `owned`)."""
+        enc = encode(target, spec)
+        sent = decode(enc, name).view_as(target).to(target.device)
+        self.residual[name] = target.sub_(sent) if owned else target - sent
+        return enc, sent
 
     def state_dict(self) -> dict[str, Tensor]:
         return {f"wire_ef/{k}": v for k, v in self.residual.items()}
