@@ -26,6 +26,7 @@ from flwr.clientapp import ClientApp
 
 from lordo_fed.flower import IDENTIFY, TICKET, UPLOAD_SHA256, explicit_keys, payload_bytes, payload_record
 from lordo_fed.node.channel import NODE_WORKER_KEY
+from lordo_fed.wan.links import LINK_RATE_KEY, parse_rate
 
 PRESETS = Path(__file__).resolve().parents[1] / "examples" / "flower"  # travels in the FAB
 app = ClientApp()
@@ -35,8 +36,9 @@ app = ClientApp()
 def train(msg: Message, context: Context) -> Message:
     """One round. Reply metrics: those of `run_job` (`setup-seconds`, `train-seconds`,
     `codec-seconds`, tokens, train loss...), `transfer-seconds` (data plane: download + upload),
-    `client-seconds` (the whole handler, what the server reports as client time) and
-    `clientapp-torch` (whether this process imported torch)."""
+    `client-seconds` (the whole handler, what the server reports as client time),
+    `clientapp-torch` (whether this process imported torch) and, when the node config declares
+    its `link-rate`, `link-bytes-per-second`."""
     return _handle("train", msg, context)
 
 
@@ -74,8 +76,11 @@ def _handle(kind: str, msg: Message, context: Context) -> Message:
                                 store_for=lambda cfg, pid: _store(cfg, context, pid), presets=PRESETS)
         upload_started = time.perf_counter()
         content = send_reply(msg, context, sent, runtime_for(job, PRESETS).cfg.round_timeout)
-        metrics["transfer-seconds"] = metrics.get("download-seconds", 0.0) + time.perf_counter() - upload_started
+        metrics["upload-seconds"] = time.perf_counter() - upload_started
+        metrics["transfer-seconds"] = metrics.get("download-seconds", 0.0) + metrics["upload-seconds"]
     if kind == "train":
+        if context.node_config.get(LINK_RATE_KEY):  # the server's link-bound ideal (lordo_fed.wan.links)
+            metrics["link-bytes-per-second"] = parse_rate(context.node_config[LINK_RATE_KEY])
         metrics["client-seconds"] = time.perf_counter() - started
         metrics["clientapp-torch"] = int("torch" in sys.modules)
         content["metrics"] = MetricRecord(metrics)

@@ -41,6 +41,7 @@ from lordo_fed.flower import (EXPLICIT_KEYS, TICKET, UPLOAD_SHA256, is_simulatio
                               shorten_pull_backoff)
 from lordo_fed.methods import lowrank_ranks, make_aggregator, resolve_method
 from lordo_fed.metrics import MetricsWriter, peak_rss_bytes, plot_curves
+from lordo_fed.wan.links import NodeLink, ideal_round_seconds
 from lordo_fed.model import build_model
 from lordo_fed.rounds import GlobalState, ReplyRef, WorkerUpdate
 from lordo_fed.transport.server import DataPlaneServer
@@ -73,6 +74,10 @@ class RoundLog:
     """Replies whose ClientApp process imported torch (0 when every node has a node worker)."""
     replied: set[int] = field(default_factory=set)
     """Nodes whose reply arrived (not an error reply): they hold this round's copy of θ."""
+    link_rate: dict[int, float] = field(default_factory=dict)
+    """Each client's link rate in bytes/s, as its node config `link-rate` declares (lordo_fed.wan)."""
+    client_down_seconds: dict[int, float] = field(default_factory=dict)
+    client_up_seconds: dict[int, float] = field(default_factory=dict)
 
 
 class LoRDOStrategy(Strategy):
@@ -227,6 +232,10 @@ class LoRDOStrategy(Strategy):
                 rl.client_train_seconds[ref.worker_id] = float(metrics.get("train-seconds", 0.0))
                 rl.client_codec_seconds[ref.worker_id] = float(metrics.get("codec-seconds", 0.0))
                 rl.client_transfer_seconds[ref.worker_id] = float(metrics.get("transfer-seconds", 0.0))
+                rl.client_down_seconds[ref.worker_id] = float(metrics.get("download-seconds", 0.0))
+                rl.client_up_seconds[ref.worker_id] = float(metrics.get("upload-seconds", 0.0))
+                if metrics.get("link-bytes-per-second", 0):
+                    rl.link_rate[ref.worker_id] = float(metrics["link-bytes-per-second"])
                 if metrics.get("fresh-state", 0):
                     rl.fresh_state.append(ref.worker_id)
                 if metrics.get("clientapp-torch", 0):
@@ -340,6 +349,7 @@ class LoRDOStrategy(Strategy):
             if refusals:
                 record["data_plane_refusals"] = "; ".join(f"node {x.node_id} {x.what}: {x.reason}" for x in refusals)
         record["overhead_seconds"] = seconds - record["client_seconds"]
+        record.update(self._link_record(seconds, aggregation_seconds))
         # seconds since this process entered start(), at the end of this round's aggregation:
         # consecutive differences are the full round cycle (with evaluation and checkpoint)
         record["elapsed_seconds"] = time.perf_counter() - self._started
@@ -351,6 +361,24 @@ class LoRDOStrategy(Strategy):
         self._record(record)
         self._checkpoint(r)
         log.info("round %d: %s", r, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()})
+
+    def _link_record(self, seconds: float, aggregation_seconds: float) -> dict[str, Any]:
+        """The round against its link-bound ideal (lordo_fed.wan.links), when every client that
+        replied declared its link rate (node config `link-rate`): `ideal_seconds`,
+        `round_over_ideal`, the bounding node, and per client the bytes each way, its rate and its
+        own download/upload/training seconds."""
+        rl = self._round_log
+        if not rl.received or set(rl.link_rate) != set(rl.received):
+            return {}
+        nodes = {w: NodeLink(rl.sent_bytes, rl.received[w], rl.link_rate[w], rl.client_train_seconds.get(w, 0.0))
+                 for w in rl.received}
+        ideal, bound = ideal_round_seconds(nodes, aggregation_seconds)
+        return {"ideal_seconds": ideal, "round_over_ideal": seconds / ideal, "link_bound_client": bound,
+                "link_seconds": nodes[bound].link_seconds(),
+                "links": {str(w): {"down_bytes": n.down_bytes, "up_bytes": n.up_bytes, "rate": n.rate,
+                                   "down_seconds": rl.client_down_seconds.get(w, 0.0),
+                                   "up_seconds": rl.client_up_seconds.get(w, 0.0), "train_seconds": n.train_seconds}
+                          for w, n in sorted(nodes.items())}}
 
     def _init_projections(self, grid: Grid, timeout: float) -> None:
         """LoRDO-Global, init_projection='gradient': one query phase before round 1 in which every
