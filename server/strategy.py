@@ -33,7 +33,8 @@ from flwr.serverapp.strategy.result import Result
 from lordo_fed.appconfig import AppConfig, as_dict
 from lordo_fed.checkpoint import (check_compatible, checkpoint_stem, load_checkpoint, rng_state, save_checkpoint,
                                   set_rng_state)
-from lordo_fed.codec import PayloadError, decode_update, encode_global_state, model_id
+from lordo_fed.codec import (PayloadError, decode_update, encode_global_state, encode_global_state_into, encoded_size,
+                             model_id, new_buffer)
 from lordo_fed.data import load_dataset
 from lordo_fed.device import pick_device
 from lordo_fed.evaluation import evaluate
@@ -48,6 +49,12 @@ from lordo_fed.transport.server import DataPlaneServer
 from lordo_fed.wire.payload import receiver_codecs, wire_dtype
 
 log = logging.getLogger("lordo_fed.server")
+
+
+#: Client metrics kept per client in a round's `links` record: where a node's time went.
+_LINK_METRICS = ("download-seconds", "download-wait-seconds", "upload-seconds", "decode-seconds", "encode-seconds",
+                 "setup-seconds",
+                 "save-seconds", "save-wait-seconds", "client-seconds")
 
 
 @dataclass
@@ -74,10 +81,12 @@ class RoundLog:
     """Replies whose ClientApp process imported torch (0 when every node has a node worker)."""
     replied: set[int] = field(default_factory=set)
     """Nodes whose reply arrived (not an error reply): they hold this round's copy of θ."""
+    marks: dict[str, float] = field(default_factory=dict)
+    """When the round reached each phase (time.perf_counter()): 'published', 'uploads_in', 'replies_in'."""
     link_rate: dict[int, float] = field(default_factory=dict)
     """Each client's link rate in bytes/s, as its node config `link-rate` declares (lordo_fed.wan)."""
-    client_down_seconds: dict[int, float] = field(default_factory=dict)
-    client_up_seconds: dict[int, float] = field(default_factory=dict)
+    client_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Each client's reply metrics (for the per-client breakdown of `links`)."""
 
 
 class LoRDOStrategy(Strategy):
@@ -153,14 +162,20 @@ class LoRDOStrategy(Strategy):
             messages += self._flower_messages(server_round, whole, resync, MessageType.TRAIN)
         return messages
 
-    def _encode_round(self, server_round: int) -> bytearray:
+    def _encode_round(self, server_round: int) -> bytearray | memoryview:
         """The round's global state, encoded once for every node; starts the round's log."""
         state = self._without_theta0(self.aggregator.global_state())
         if state.round != server_round:
             raise RuntimeError(f"aggregator is at round {state.round}, asked to configure {server_round}")
         encode_started = time.perf_counter()
-        data = encode_global_state(state, self.model_id, wire_dtype(self.cfg.payload_dtype))
-        self._round_log = RoundLog(sent_bytes=len(data), encode_seconds=time.perf_counter() - encode_started)
+        dtype = wire_dtype(self.cfg.payload_dtype)
+        if self.data_plane is None:
+            data = encode_global_state(state, self.model_id, dtype)
+        else:  # no memset of a fresh buffer on the round's critical path (codec.new_buffer)
+            data = new_buffer(encoded_size(state, self.model_id, dtype))
+            encode_global_state_into(state, self.model_id, data, dtype)
+        self._round_log = RoundLog(sent_bytes=len(data), encode_seconds=time.perf_counter() - encode_started,
+                                   marks={"published": time.perf_counter()})
         return data
 
     def _announce(self, round_idx: int, node_ids: Iterable[int]) -> list[Message]:
@@ -232,8 +247,8 @@ class LoRDOStrategy(Strategy):
                 rl.client_train_seconds[ref.worker_id] = float(metrics.get("train-seconds", 0.0))
                 rl.client_codec_seconds[ref.worker_id] = float(metrics.get("codec-seconds", 0.0))
                 rl.client_transfer_seconds[ref.worker_id] = float(metrics.get("transfer-seconds", 0.0))
-                rl.client_down_seconds[ref.worker_id] = float(metrics.get("download-seconds", 0.0))
-                rl.client_up_seconds[ref.worker_id] = float(metrics.get("upload-seconds", 0.0))
+                rl.client_metrics[ref.worker_id] = {k: float(v) for k, v in metrics.items()
+                                                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
                 if metrics.get("link-bytes-per-second", 0):
                     rl.link_rate[ref.worker_id] = float(metrics["link-bytes-per-second"])
                 if metrics.get("fresh-state", 0):
@@ -299,6 +314,7 @@ class LoRDOStrategy(Strategy):
                 aggregation_seconds = time.perf_counter() - agg_started
                 if metrics is not None:
                     result.train_metrics_clientapp[r] = metrics
+                self._round_log.marks["started"] = started
                 self._finish_round(r, metrics, time.perf_counter() - started, aggregation_seconds, num_rounds)
         finally:
             self._stop_data_plane()
@@ -349,6 +365,8 @@ class LoRDOStrategy(Strategy):
             if refusals:
                 record["data_plane_refusals"] = "; ".join(f"node {x.node_id} {x.what}: {x.reason}" for x in refusals)
         record["overhead_seconds"] = seconds - record["client_seconds"]
+        if "started" in rl.marks:  # seconds from the round's start to each phase (docs/results.md)
+            record["phase_seconds"] = {k: v - rl.marks["started"] for k, v in rl.marks.items() if k != "started"}
         record.update(self._link_record(seconds, aggregation_seconds))
         # seconds since this process entered start(), at the end of this round's aggregation:
         # consecutive differences are the full round cycle (with evaluation and checkpoint)
@@ -376,8 +394,9 @@ class LoRDOStrategy(Strategy):
         return {"ideal_seconds": ideal, "round_over_ideal": seconds / ideal, "link_bound_client": bound,
                 "link_seconds": nodes[bound].link_seconds(),
                 "links": {str(w): {"down_bytes": n.down_bytes, "up_bytes": n.up_bytes, "rate": n.rate,
-                                   "down_seconds": rl.client_down_seconds.get(w, 0.0),
-                                   "up_seconds": rl.client_up_seconds.get(w, 0.0), "train_seconds": n.train_seconds}
+                                   "train_seconds": n.train_seconds,
+                                   **{key.replace("-", "_"): rl.client_metrics.get(w, {})[key] for key in _LINK_METRICS
+                                      if key in rl.client_metrics.get(w, {})}}
                           for w, n in sorted(nodes.items())}}
 
     def _init_projections(self, grid: Grid, timeout: float) -> None:
@@ -551,9 +570,11 @@ class LoRDOStrategy(Strategy):
             if self.data_plane is not None:
                 left = max(0.0, deadline - time.monotonic())
                 if self.data_plane.wait_for_uploads(round_idx, [ids[m] for m in pending], min(0.5, left)):
+                    self._round_log.marks.setdefault("uploads_in", time.perf_counter())
                     time.sleep(0.02)
             else:
                 time.sleep(0.02 if time.monotonic() - start < 1.0 else 0.1)
+        self._round_log.marks["replies_in"] = time.perf_counter()
         self._round_log.missing = [f"node {ids[mid]}" for mid in sorted(pending)]
         for who in self._round_log.missing:
             log.warning("no reply from %s within the round deadline (%.0fs); excluded from this round", who, timeout)

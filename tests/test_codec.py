@@ -1030,3 +1030,31 @@ def test_params_from_seed_round_trips_and_refuses_params_beside_it():
     both = GlobalState(round=1, params={"w": torch.zeros(2)}, params_from_seed=True)
     with pytest.raises(codec.PayloadError, match="params_from_seed is set but 1 parameter tensors came too"):
         codec.decode_global_state(codec.encode_global_state(both, "m"))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_streaming_encode_writes_encode_update_bytes_in_order(dtype):
+    """StreamingEncode (a node uploads its reply while it is encoded) gives exactly encode_update's
+    bytes; `wait_for(n)` returns only once the first n bytes are final, in every prefix."""
+    update = _update(3)
+    oracle = codec.encode_update(update, "m" * 16, dtype)
+    stream = codec.StreamingEncode(update, "m" * 16, dtype)
+    assert len(stream.buffer) == len(oracle)
+    for n in (1, 100, len(oracle) // 2, len(oracle)):
+        stream.wait_for(n)
+        assert stream.buffer[:n] == oracle[:n]
+    assert stream.result() == oracle and stream.seconds > 0
+
+
+def test_streaming_encode_reraises_an_encoding_error_in_the_waiter(monkeypatch):
+    def broken(plan, out, progress=None):
+        progress(10)
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(codec, "_write_plan_into", broken)
+    stream = codec.StreamingEncode(_update(1), "m" * 16)
+    stream.wait_for(10)  # what was written is readable
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        stream.wait_for(11)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        stream.result()

@@ -199,9 +199,11 @@ def test_a_deployment_over_shaped_links_is_link_bound_and_exact(tmp_path):
         assert set(r["links"]) == {"0", "1"}
         for link in r["links"].values():
             assert link["rate"] == rate
-            assert link["up_seconds"] >= (link["up_bytes"] - burst) / rate, (r["round"], link)
+            assert link["upload_seconds"] >= (link["up_bytes"] - burst) / rate, (r["round"], link)
             if link["down_bytes"] > burst:  # round 1 sends no θ (both sides build θ0 from the seed)
-                assert link["down_seconds"] >= (link["down_bytes"] - burst) / rate, (r["round"], link)
+                # from its first byte: before it, the node waited for the server to publish the round
+                streamed = link["download_seconds"] - link["download_wait_seconds"]
+                assert streamed >= (link["down_bytes"] - burst) / rate, (r["round"], link)
     assert records[2]["links"]["0"]["down_bytes"] > 5 * burst  # the link was really exercised
     tensors, _ = load_checkpoint(tmp_path / "emu" / "out" / "checkpoints")
     theta = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}

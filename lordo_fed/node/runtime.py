@@ -17,6 +17,7 @@ import math
 import os
 import pickle
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from lordo_fed.appconfig import PRESET_DIR, AppConfig, load_app_config
-from lordo_fed.codec import decode_global_state, encode_update, model_id
+from lordo_fed.codec import StreamingEncode, decode_global_state, encode_update, model_id
 from lordo_fed.data import TokenShard, load_dataset
 from lordo_fed.device import pick_device
 from lordo_fed.methods import MethodSettings, lowrank_ranks, make_worker, resolve_method, with_local_steps
@@ -230,43 +231,61 @@ def disk_store(cfg: AppConfig, partition_id: int) -> DiskStore:
     return DiskStore(cfg.client_state_dir or Path(cfg.out_dir) / "client_state", partition_id)
 
 
-_SAVER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lordo-state-save")
+def _background_priority() -> None:
+    """The saver thread yields the CPU to the round's critical path (encode, upload, the next
+    download): on a node with few cores a state save at normal priority slowed the reply's encoding
+    5-10x (results.md section 13)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (OSError, AttributeError):  # not Linux, or not permitted: normal priority
+        pass
+
+
+_SAVER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lordo-state-save", initializer=_background_priority)
 _PENDING_SAVES: dict[int, Future] = {}
 
 
 def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
             store_for: Callable[[AppConfig, int], StateStore] = disk_store, presets: Path = PRESET_DIR,
-            save_in_background: bool = False) -> tuple[bytes, dict[str, float]]:
+            save_in_background: bool = False, stream_reply: bool = False
+            ) -> tuple[bytes | StreamingEncode, dict[str, float]]:
     """One server message: the received state in, the encoded reply and its metrics out.
 
     `receive(timeout)` returns the encoded state (from the message, or downloaded from the data
     plane). TRAIN: K local steps from it, the worker state saved to `store_for(cfg, partition)`
-    (with `save_in_background`, on a thread, off the critical path: the next job of the partition
-    waits for it, so a worker killed between rounds finds the round on disk). QUERY: the gradient
-    at θ0 of the low-rank weights.
+    (with `save_in_background`, on a low-priority thread, off the critical path, from the live
+    tensors: the next job waits for it once its download is in, before it touches the state, so a
+    worker killed between rounds finds the round on disk). QUERY: the gradient
+    at θ0 of the low-rank weights. With `stream_reply`, a TRAIN reply is returned as a
+    `StreamingEncode` still being written (the caller uploads it as it fills).
 
     Metrics: `setup-seconds` (runtime, data, worker state: mostly first-message cost in a fresh
     process), `train-seconds` (the K local steps alone), `codec-seconds` (decoding the state plus
-    encoding the reply), `download-seconds`, `fresh-state`, the worker's own metrics and tokens.
+    encoding the reply), `download-seconds`, `save-seconds` (the worker state saved, or handed
+    to the background save), `save-wait-seconds` (waiting for the previous round's background
+    save), `fresh-state`, the worker's own metrics and tokens.
     """
     started = time.perf_counter()
     pid, nparts = job.partition
-    pending = _PENDING_SAVES.pop(pid, None)
-    if pending is not None:
-        pending.result()  # the previous round's state is on disk before this round touches it
     rt = runtime_for(job, presets)
     shard = rt.shard(pid, nparts, str(job.node_config.get("data-path", "")))
     download_started = time.perf_counter()
     received = receive(rt.cfg.round_timeout)
     decode_started = time.perf_counter()
-    # A download is a buffer of our own: its fp32 tensors are used in place (no copy).
-    state = decode_global_state(received, expected_model_id=rt.model_id, adopt=isinstance(received, bytearray),
+    # A download is a writable buffer of our own: its fp32 tensors are used in place (no copy).
+    own = isinstance(received, bytearray) or (isinstance(received, memoryview) and not received.readonly)
+    state = decode_global_state(received, expected_model_id=rt.model_id, adopt=own,
                                 codecs=downlink_codecs(rt.cfg.payload_dtype))
     received_bytes = len(received)
     del received
     if state.params_from_seed:
         state.params = seeded_params(rt)
     decode_seconds = time.perf_counter() - decode_started
+    # The previous round's background saves read the live worker state (no copy): they finish
+    # before this round touches it, while the download above overlapped them.
+    save_wait_started = time.perf_counter()
+    wait_for_saves()
+    save_wait_seconds = time.perf_counter() - save_wait_started
     store = store_for(rt.cfg, pid)
     if job.kind == QUERY:
         worker, _ = worker_for_round(rt, store, pid, shard, 1)
@@ -291,23 +310,29 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
         bar.close()
     if slowdown > 1.0:
         time.sleep((slowdown - 1.0) * train_seconds)
+    snapshot_started = time.perf_counter()
     tensors, meta = worker.flat_state()
     meta = {**meta, "model_id": rt.model_id, "variant": rt.cfg.variant}
-    if save_in_background:
-        tensors = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}  # the next round may change them
+    if save_in_background:  # the live tensors: nothing changes them before the next job waits for this
         _PENDING_SAVES[pid] = _SAVER.submit(store.save, state.round, tensors, meta)
     else:
         store.save(state.round, tensors, meta)
+    save_seconds = time.perf_counter() - snapshot_started
     rt.last_round[pid] = state.round
 
     encode_started = time.perf_counter()
-    sent = encode_update(update, rt.model_id, wire_dtype(rt.cfg.payload_dtype))
+    if stream_reply:  # encoded on a thread while the caller uploads it (its encode-seconds are set then)
+        sent = StreamingEncode(update, rt.model_id, wire_dtype(rt.cfg.payload_dtype))
+    else:
+        sent = encode_update(update, rt.model_id, wire_dtype(rt.cfg.payload_dtype))
     encode_seconds = time.perf_counter() - encode_started
     metrics = {
         **update.metrics, "partition-id": pid, "tokens": update.tokens, "bytes-received": received_bytes,
-        "bytes-sent": len(sent),
+        "bytes-sent": len(sent.buffer if stream_reply else sent),
         "setup-seconds": setup_seconds, "train-seconds": train_seconds,
-        "codec-seconds": decode_seconds + encode_seconds, "download-seconds": decode_started - download_started,
+        "codec-seconds": decode_seconds + encode_seconds, "decode-seconds": decode_seconds,
+        "encode-seconds": encode_seconds, "download-seconds": decode_started - download_started,
+        "save-wait-seconds": save_wait_seconds, "save-seconds": save_seconds,
         "fresh-state": int(state_source == "fresh" and state.round > 1),
         "local-steps": worker.rounds.local_steps, "slowdown": slowdown,
     }

@@ -25,7 +25,8 @@ import grpc
 from lordo_fed.appconfig import PRESET_DIR
 from lordo_fed.node.channel import OPTIONS, check_local
 from lordo_fed.node.runtime import Job, run_job, runtime_for
-from lordo_fed.transport.client import download, parse_ticket, transfer_timeout, upload
+from lordo_fed.codec import StreamingEncode
+from lordo_fed.transport.client import DataPlaneError, download, parse_ticket, transfer_timeout, upload
 from lordo_fed.v1 import node_pb2 as pb
 from lordo_fed.v1 import node_pb2_grpc as pb_grpc
 
@@ -54,21 +55,36 @@ class NodeWorkerServicer(pb_grpc.NodeWorkerServicer):
                   json.loads(request.node_config_json))
         ca = str(job.node_config.get("root-certificates", "")) or None
         ticket = parse_ticket(request.ticket) if request.ticket else None
+        stats: dict[str, float] = {}
         if ticket is not None:
             def receive(timeout: float) -> bytearray:
-                return download(ticket, request.node_id, ca, timeout=transfer_timeout(ticket, timeout))
+                stats["started"] = time.perf_counter()
+                return download(ticket, request.node_id, ca, timeout=transfer_timeout(ticket, timeout), stats=stats)
         else:
             def receive(timeout: float) -> bytes:
                 return request.payload
         presets = Path(request.presets_dir) if request.presets_dir else self.presets
-        sent, metrics = run_job(job, receive, presets=presets, save_in_background=True)
+        sent, metrics = run_job(job, receive, presets=presets, save_in_background=True, stream_reply=ticket is not None)
         self.jobs += 1
         metrics["node-worker-jobs"] = self.jobs
+        if "first_byte" in stats:  # before the first byte, the node waited for the server to publish
+            metrics["download-wait-seconds"] = stats["first_byte"] - stats["started"]
         if ticket is None:
             result = pb.NodeResult(payload=sent)
         else:
             upload_started = time.perf_counter()
-            sha = upload(ticket, request.node_id, sent, ca, timeout=runtime_for(job, presets).cfg.round_timeout)
+            timeout = runtime_for(job, presets).cfg.round_timeout
+            if isinstance(sent, StreamingEncode):  # the upload streams the reply while it is encoded
+                try:
+                    sha = upload(ticket, request.node_id, sent.buffer, ca, timeout=timeout, ready=sent.wait_for)
+                except DataPlaneError:
+                    sent.result()  # an encoding error is the cause: raise it instead
+                    raise
+                sent.result()
+                metrics["encode-seconds"] = sent.seconds
+                metrics["codec-seconds"] = metrics.get("decode-seconds", 0.0) + sent.seconds
+            else:
+                sha = upload(ticket, request.node_id, sent, ca, timeout=timeout)
             metrics["upload-seconds"] = time.perf_counter() - upload_started
             result = pb.NodeResult(upload_sha256=sha)
         metrics["worker-seconds"] = time.perf_counter() - started

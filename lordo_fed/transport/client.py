@@ -9,11 +9,13 @@ declares its size and sha256 up front, and the server's receipt must repeat them
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import grpc
 
+from lordo_fed.codec import new_buffer
 from lordo_fed.transport.framing import frame, unframe
 from lordo_fed.transport.server import (CHUNK_BYTES, CHUNK_DATA, DOWNLOAD_METHOD, UPLOAD_DATA, UPLOAD_METHOD,
                                         _identity, channel_options)
@@ -62,10 +64,13 @@ def open_channel(ticket: pb.Ticket, root_certificates: bytes | str | Path | None
     return grpc.insecure_channel(ticket.address, options=channel_options())
 
 
-def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: float | None = None) -> bytearray:
+def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: float | None = None,
+             stats: dict[str, float] | None = None) -> memoryview:
     """The round's encoded GlobalState, checked against the size and sha256 that the ticket
     names or, for a round announced before its state existed, that the stream's first chunk
-    declares (the call then waits for the server to publish the round)."""
+    declares (the call then waits for the server to publish the round). Returns a writable buffer
+    of this node's own (the decoder may adopt it, lordo_fed.codec.new_buffer). `stats`, when given,
+    gets `first_byte`: the time.perf_counter() of the first chunk (before it, the node waited)."""
     out, view = None, None
     size, expected = ticket.size, ticket.sha256
     digest, offset = hashlib.sha256(), 0
@@ -77,6 +82,8 @@ def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: f
             for raw in stream:
                 chunk, data = unframe(raw, pb.Chunk, CHUNK_DATA)
                 if out is None:
+                    if stats is not None:
+                        stats["first_byte"] = time.perf_counter()
                     if expected and chunk.sha256 and (chunk.sha256 != expected or chunk.size != size):
                         stream.cancel()
                         raise DataPlaneError(f"download from {ticket.address}: the server declares {chunk.size} bytes "
@@ -87,8 +94,7 @@ def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: f
                             stream.cancel()
                             raise DataPlaneError(f"download from {ticket.address}: the stream declares no size/sha256 "
                                                  "for an announced round")
-                    out = bytearray(size)
-                    view = memoryview(out)
+                    out = view = new_buffer(size)  # written once, by the chunks: no memset first
                 n = len(data)
                 if offset + n > size:
                     stream.cancel()
@@ -107,12 +113,15 @@ def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: f
     return out
 
 
-def _chunks(ticket: pb.Ticket, node_id: int, data: memoryview, step: int, digest) -> Iterator[bytes]:
+def _chunks(ticket: pb.Ticket, node_id: int, data: memoryview, step: int, digest,
+            ready: Callable[[int], None] | None) -> Iterator[bytes]:
     """The header alone first (token, node, size: the server checks it, and may queue the upload
     behind others, before any data is sent), then the data, hashed as it goes, then the sha256
     (protocol: dataplane.proto; serialized by lordo_fed.transport.framing)."""
     yield pb.UploadChunk(token=ticket.upload_token, node_id=int(node_id), size=len(data)).SerializeToString()
     for offset in range(0, len(data), step):
+        if ready is not None:
+            ready(min(offset + step, len(data)))  # the bytes are still being written (StreamingEncode)
         piece = data[offset:offset + step]
         digest.update(piece)
         yield frame(pb.UploadChunk(), UPLOAD_DATA, piece)
@@ -120,15 +129,18 @@ def _chunks(ticket: pb.Ticket, node_id: int, data: memoryview, step: int, digest
 
 
 def upload(ticket: pb.Ticket, node_id: int, data: bytes | bytearray | memoryview, root_certificates=None,
-           timeout: float | None = None, chunk_bytes: int = CHUNK_BYTES) -> str:
-    """Send this node's encoded WorkerUpdate; returns its sha256 once the server confirmed it."""
+           timeout: float | None = None, chunk_bytes: int = CHUNK_BYTES,
+           ready: Callable[[int], None] | None = None) -> str:
+    """Send this node's encoded WorkerUpdate; returns its sha256 once the server confirmed it.
+    `ready(n)`, when given, blocks until the first `n` bytes of `data` are final: the upload then
+    streams a payload that is still being encoded (lordo_fed.codec.StreamingEncode)."""
     view = memoryview(data).cast("B")
     digest = hashlib.sha256()
     with open_channel(ticket, root_certificates) as channel:
         try:
             call = channel.stream_unary(UPLOAD_METHOD, request_serializer=_identity,
                                         response_deserializer=pb.UploadReceipt.FromString)
-            receipt = call(_chunks(ticket, node_id, view, chunk_bytes, digest), timeout=timeout)
+            receipt = call(_chunks(ticket, node_id, view, chunk_bytes, digest, ready), timeout=timeout)
         except grpc.RpcError as err:
             raise DataPlaneError(f"upload of {len(view)} bytes to {ticket.address} refused or failed: "
                                  f"{err.code().name}: {err.details()}") from err

@@ -384,14 +384,16 @@ class _Servicer:
             step = plane.chunk_bytes
             with plane._lock:
                 sha = plane._sha[claims.round]
-            for offset in range(0, max(len(blob), 1), step):
-                head = pb.Chunk(size=len(blob), sha256=sha) if offset == 0 else pb.Chunk()
-                chunk = frame(head, CHUNK_DATA, blob[offset:offset + step])
+            # The header (size, sha256) alone first: the node knows the round is published at once,
+            # whatever the chunk size (it times its wait by it), then the data.
+            header = pb.Chunk(size=len(blob), sha256=sha).SerializeToString()
+            for offset in range(-step, len(blob), step):
+                chunk = header if offset < 0 else frame(pb.Chunk(), CHUNK_DATA, blob[offset:offset + step])
                 try:
                     await asyncio.wait_for(context.write(chunk), plane.stall_timeout)
                 except asyncio.TimeoutError:
                     raise plane._refuse(request.node_id, claims.round, DOWNLOAD,
-                                        f"stream stalled for more than {plane.stall_timeout:g}s at byte {offset} of "
+                                        f"stream stalled for more than {plane.stall_timeout:g}s at byte {max(offset, 0)} of "
                                         f"{len(blob)}", grpc.StatusCode.DEADLINE_EXCEEDED) from None
         except _Refused as err:
             await context.abort(err.code, str(err))

@@ -1,0 +1,135 @@
+"""Rounds over shaped links against the link's own limit: `lordo-emulate` deployments, side by side.
+
+Each configuration is a real deployment on this machine (lordo_fed.wan.emulate: SuperLink and
+ServerApp in a coordinator namespace, each node's SuperNode and node worker in its own namespace,
+the node's link shaped with tc tbf both ways). The server records every round's link-bound ideal
+(lordo_fed.wan.links: max over nodes of (down + up bytes) / rate + the node's training, plus
+aggregation); this reports round_seconds / ideal, the median over rounds 2..N (round 1 sends no
+θ: both sides build θ0 from the seed).
+
+Full run (the issue's table): 125m-size model (byte vocabulary, 85 M parameters, 341 MB of fp32
+θ), DiLoCo (θ down, Δ up: the largest payload per parameter with no moments), one local step of
+2 x 128 tokens so the link dominates, 1 torch thread per process; 2 and 4 nodes at 1 Gb/s and
+100 Mb/s on the gRPC data plane, and the 2-node 1 Gb/s case on Flower's own path for contrast.
+Needs root (network namespaces).
+
+    sudo python benchmarks/wan_rounds.py            # ~25 min on 2 cores
+    sudo python benchmarks/wan_rounds.py --quick    # tiny model, 2 nodes at 8 Mbit/s, seconds
+Writes benchmarks/results/wan_rounds.json and .png.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import make_parser, new_figure, png_path, print_rows, result_header, write_json  # noqa: E402
+from lordo_fed.wan.emulate import Emulation, EmulationConfig  # noqa: E402
+from lordo_fed.wan.links import parse_rate  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FULL_MODEL = {"preset": "diloco", "model-preset": "125m", "local-steps": 1, "batch-size": 2, "seq-len": 128,
+              "eval-batches": 1, "eval-every": 1000, "warmup-steps": 0, "min-clients": 0}
+QUICK_MODEL = {"preset": "quickstart", "local-steps": 3, "batch-size": 4, "seq-len": 32, "eval-batches": 2}
+FULL_CASES = [  # (nodes, link, data plane)
+    (2, "1gbit", "grpc"), (2, "100mbit", "grpc"), (4, "1gbit", "grpc"), (4, "100mbit", "grpc"), (2, "1gbit", "flower")]
+QUICK_CASES = [(2, "8mbit", "grpc")]
+
+
+def run_case(nodes: int, link: str, plane: str, model: dict[str, Any], rounds: int, work: Path,
+             timeout: float) -> dict[str, Any]:
+    """One emulated deployment; per-round records and their medians over rounds 2..N."""
+    run_config = {**model, "num-server-rounds": rounds, "min-clients": nodes, "data-plane": plane,
+                  "round-timeout": timeout}
+    cfg = EmulationConfig(nodes=nodes, link=link, app=ROOT, out_dir=work, threads=1, timeout=timeout,
+                          run_config=[" ".join(f"{k}={json.dumps(v)}" for k, v in run_config.items())])
+    started = time.perf_counter()
+    with Emulation(cfg) as emulation:
+        status = emulation.submit(None)
+    if status != 0:
+        raise RuntimeError(f"{nodes} nodes at {link} ({plane}) failed ({status}); log {work / 'run.log'}")
+    records = [json.loads(line) for line in (work / "out" / "server.jsonl").read_text().splitlines()]
+    rows = []
+    for r in records:
+        if r["round"] < 1:
+            continue
+        links = r.get("links", {})
+        rows.append({
+            "round": r["round"], "round_seconds": r["round_seconds"], "ideal_seconds": r.get("ideal_seconds"),
+            "round_over_ideal": r.get("round_over_ideal"), "link_seconds": r.get("link_seconds"),
+            "train_seconds": r["client_train_seconds"], "aggregation_seconds": r["aggregation_seconds"],
+            "down_bytes": r["bytes_sent_per_client"], "up_bytes": r["bytes_received_per_client"],
+            # each node's achieved rate over its own transfers, as a share of its link
+            "link_share": min((n["down_bytes"] + n["up_bytes"]) / max(n["download_seconds"] - n.get("download_wait_seconds", 0.0)
+                                                                         + n["upload_seconds"], 1e-9)
+                              / n["rate"] for n in links.values()) if links else None,
+            "server_peak_rss_bytes": r["server_peak_rss_bytes"]})
+    later = [x for x in rows if x["round"] >= 2] or rows
+    med = {k: statistics.median(x[k] for x in later if x[k] is not None)
+           for k in later[0] if k != "round" and any(x[k] is not None for x in later)}
+    return {"nodes": nodes, "link": link, "rate_bytes_per_second": parse_rate(link), "data_plane": plane,
+            "rounds": rows, "median_rounds_2_to_n": med, "wall_seconds": time.perf_counter() - started}
+
+
+def plot(result: dict[str, Any], out: Path) -> None:
+    cases = result["cases"]
+    fig = new_figure(7.5, 3.6)
+    ax = fig.add_subplot(1, 1, 1)
+    labels = [f"{c['nodes']} nodes\n{c['link']}\n{c['data_plane']}" for c in cases]
+    ideal = [c["median_rounds_2_to_n"].get("ideal_seconds", 0) for c in cases]
+    actual = [c["median_rounds_2_to_n"]["round_seconds"] for c in cases]
+    x = range(len(cases))
+    ax.bar([i - 0.2 for i in x], ideal, width=0.4, label="link-bound ideal")
+    ax.bar([i + 0.2 for i in x], actual, width=0.4, label="round")
+    for i, (a, b) in enumerate(zip(actual, ideal)):
+        if b:
+            ax.text(i + 0.2, a, f"{a / b:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel("seconds per round (median, rounds 2..N)")
+    ax.set_title(result["title"], fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser("wan_rounds", __doc__, "tiny model, 2 nodes at 8 Mbit/s, 3 rounds (seconds)")
+    parser.add_argument("--rounds", type=int, default=0, help="rounds per case (default 4; quick 3)")
+    parser.add_argument("--cases", default="", help="subset, e.g. '2:1gbit:grpc,4:100mbit:grpc'")
+    args = parser.parse_args(argv)
+    cases = QUICK_CASES if args.quick else FULL_CASES
+    if args.cases:
+        cases = [(int(n), link, plane) for n, link, plane in (c.split(":") for c in args.cases.split(","))]
+    model = QUICK_MODEL if args.quick else FULL_MODEL
+    rounds = args.rounds or (3 if args.quick else 4)
+    timeout = 300.0 if args.quick else 1200.0
+    result = result_header("wan_rounds", args.quick, {"model": model, "rounds": rounds, "cases": cases,
+                                                      "threads_per_process": 1})
+    result["title"] = (f"{'tiny' if args.quick else '125m-size'} {model['preset']}: rounds over shaped links "
+                       "vs their link-bound ideal")
+    result["cases"] = []
+    with tempfile.TemporaryDirectory(prefix="wan_rounds_") as tmp:
+        for i, (nodes, link, plane) in enumerate(cases):
+            case = run_case(nodes, link, plane, model, rounds, Path(tmp) / f"case{i}", timeout)
+            result["cases"].append(case)
+            write_json(result, args.out)  # a cut-short run keeps what it measured
+    print_rows(f"{'nodes':>5} {'link':>8} {'plane':>6} {'round_s':>8} {'ideal_s':>8} {'ratio':>6} {'link_share':>10}",
+               [f"{c['nodes']:>5} {c['link']:>8} {c['data_plane']:>6} {c['median_rounds_2_to_n']['round_seconds']:8.2f} "
+                f"{c['median_rounds_2_to_n'].get('ideal_seconds', float('nan')):8.2f} "
+                f"{c['median_rounds_2_to_n'].get('round_over_ideal', float('nan')):6.2f} "
+                f"{c['median_rounds_2_to_n'].get('link_share', float('nan')):10.2f}" for c in result["cases"]])
+    write_json(result, args.out)
+    plot(result, png_path(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
