@@ -57,12 +57,18 @@ def run_case(nodes: int, link: str, plane: str, model: dict[str, Any], rounds: i
     if status != 0:
         raise RuntimeError(f"{nodes} nodes at {link} ({plane}) failed ({status}); log {work / 'run.log'}")
     records = [json.loads(line) for line in (work / "out" / "server.jsonl").read_text().splitlines()]
+    short = [r for r in records[1:] if r["clients_ok"] != nodes]
+    if short:
+        raise RuntimeError(f"{nodes} nodes at {link} ({plane}): round {short[0]['round']} had {short[0]['clients_ok']} "
+                           f"replies (missing: {short[0].get('missing')}; dropped: {short[0].get('dropped')}); "
+                           f"logs {work}")
     rows = []
-    for r in records:
-        if r["round"] < 1:
-            continue
+    for prev, r in zip(records, records[1:]):
         links = r.get("links", {})
         rows.append({
+            # from the end of the previous round's aggregation to the end of this one's: the round
+            # plus the server's evaluation and checkpoint between rounds
+            "cycle_seconds": r["elapsed_seconds"] - prev["elapsed_seconds"] if r["round"] > 1 else None,
             "round": r["round"], "round_seconds": r["round_seconds"], "ideal_seconds": r.get("ideal_seconds"),
             "round_over_ideal": r.get("round_over_ideal"), "link_seconds": r.get("link_seconds"),
             "train_seconds": r["client_train_seconds"], "aggregation_seconds": r["aggregation_seconds"],
@@ -71,10 +77,11 @@ def run_case(nodes: int, link: str, plane: str, model: dict[str, Any], rounds: i
             "link_share": min((n["down_bytes"] + n["up_bytes"]) / max(n["download_seconds"] - n.get("download_wait_seconds", 0.0)
                                                                          + n["upload_seconds"], 1e-9)
                               / n["rate"] for n in links.values()) if links else None,
-            "server_peak_rss_bytes": r["server_peak_rss_bytes"]})
+            "server_peak_rss_bytes": r["server_peak_rss_bytes"],
+            "phase_seconds": r.get("phase_seconds", {}), "links": links})
     later = [x for x in rows if x["round"] >= 2] or rows
     med = {k: statistics.median(x[k] for x in later if x[k] is not None)
-           for k in later[0] if k != "round" and any(x[k] is not None for x in later)}
+           for k in later[0] if k not in ("round", "phase_seconds", "links") and any(x[k] is not None for x in later)}
     return {"nodes": nodes, "link": link, "rate_bytes_per_second": parse_rate(link), "data_plane": plane,
             "rounds": rows, "median_rounds_2_to_n": med, "wall_seconds": time.perf_counter() - started}
 
@@ -104,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser("wan_rounds", __doc__, "tiny model, 2 nodes at 8 Mbit/s, 3 rounds (seconds)")
     parser.add_argument("--rounds", type=int, default=0, help="rounds per case (default 4; quick 3)")
     parser.add_argument("--cases", default="", help="subset, e.g. '2:1gbit:grpc,4:100mbit:grpc'")
+    parser.add_argument("--work", default="", help="keep each case's logs and outputs here (default: a temporary folder)")
     args = parser.parse_args(argv)
     cases = QUICK_CASES if args.quick else FULL_CASES
     if args.cases:
@@ -118,11 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     result["cases"] = []
     with tempfile.TemporaryDirectory(prefix="wan_rounds_") as tmp:
         for i, (nodes, link, plane) in enumerate(cases):
-            case = run_case(nodes, link, plane, model, rounds, Path(tmp) / f"case{i}", timeout)
+            case = run_case(nodes, link, plane, model, rounds, Path(args.work or tmp) / f"case{i}", timeout)
             result["cases"].append(case)
             write_json(result, args.out)  # a cut-short run keeps what it measured
-    print_rows(f"{'nodes':>5} {'link':>8} {'plane':>6} {'round_s':>8} {'ideal_s':>8} {'ratio':>6} {'link_share':>10}",
-               [f"{c['nodes']:>5} {c['link']:>8} {c['data_plane']:>6} {c['median_rounds_2_to_n']['round_seconds']:8.2f} "
+    print_rows(f"{'nodes':>5} {'link':>8} {'plane':>6} {'cycle_s':>8} {'round_s':>8} {'ideal_s':>8} {'ratio':>6} {'link_share':>10}",
+               [f"{c['nodes']:>5} {c['link']:>8} {c['data_plane']:>6} {c['median_rounds_2_to_n'].get('cycle_seconds', float('nan')):8.2f} "
+                f"{c['median_rounds_2_to_n']['round_seconds']:8.2f} "
                 f"{c['median_rounds_2_to_n'].get('ideal_seconds', float('nan')):8.2f} "
                 f"{c['median_rounds_2_to_n'].get('round_over_ideal', float('nan')):6.2f} "
                 f"{c['median_rounds_2_to_n'].get('link_share', float('nan')):10.2f}" for c in result["cases"]])

@@ -294,28 +294,29 @@ class LoRDOStrategy(Strategy):
         try:
             if self.aggregator.needs_gradient_init:
                 self._init_projections(grid, timeout)
+            begun: tuple[int, float, dict[str, int]] | None = None
             while self.aggregator.round <= num_rounds:
                 r = self.aggregator.round
-                started = time.perf_counter()
-                self._wait_for_nodes(grid, timeout)
-                ids = self._announced.pop(r, None)
-                if ids is None:
-                    ids = self._push(grid, list(self.configure_train(r, ArrayRecord(), ConfigRecord(), grid)))
-                else:  # the nodes hold this round's tickets already: publish its state
-                    ids.update(self._publish_announced(r, grid, set(ids.values())))
-                if self.data_plane is not None and r < num_rounds and self.aggregator.client_params is None:
-                    # Round r+1's messages go out now (tickets; its state is published later):
-                    # each SuperNode takes its next message as soon as it replied to this one,
-                    # so Flower's polling and process start overlap this round's work.
-                    self._announced[r + 1] = self._push(grid, self._announce(r + 1, grid.get_node_ids()))
+                if begun is not None and begun[0] == r:  # published while the last round was finished
+                    _, started, ids = begun
+                else:
+                    started = time.perf_counter()
+                    ids = self._begin_round(r, grid, timeout, num_rounds)
+                begun = None
                 replies = self._receive(grid, ids, timeout, r)
                 agg_started = time.perf_counter()
                 _, metrics = self.aggregate_train(r, replies)
                 aggregation_seconds = time.perf_counter() - agg_started
                 if metrics is not None:
                     result.train_metrics_clientapp[r] = metrics
-                self._round_log.marks["started"] = started
-                self._finish_round(r, metrics, time.perf_counter() - started, aggregation_seconds, num_rounds)
+                rl, seconds = self._round_log, time.perf_counter() - started
+                rl.marks["started"] = started
+                if self.aggregator.round in self._announced and self.aggregator.round <= num_rounds:
+                    # The nodes hold the next round's tickets: publish its state now, so that this
+                    # round's evaluation and checkpoint overlap their download, not add to the round.
+                    begun = (self.aggregator.round, time.perf_counter(),
+                             self._begin_round(self.aggregator.round, grid, timeout, num_rounds))
+                self._finish_round(r, metrics, seconds, aggregation_seconds, num_rounds, rl)
         finally:
             self._stop_data_plane()
         writer.close()
@@ -324,6 +325,23 @@ class LoRDOStrategy(Strategy):
         log.info("Finished: metrics %s, plots %s, checkpoints %s", self.out_dir / "server.jsonl",
                  self.out_dir / "val_loss.png", self.checkpoint_dir)
         return result
+
+    def _begin_round(self, r: int, grid: Grid, timeout: float, num_rounds: int) -> dict[str, int]:
+        """Send round `r` to the nodes (its state, or the tickets to it), or publish it when its
+        messages went out a round ahead; on the data plane, announce round r+1 as well. Returns
+        message id -> node id of the round's messages."""
+        self._wait_for_nodes(grid, timeout)
+        ids = self._announced.pop(r, None)
+        if ids is None:
+            ids = self._push(grid, list(self.configure_train(r, ArrayRecord(), ConfigRecord(), grid)))
+        else:  # the nodes hold this round's tickets already: publish its state
+            ids.update(self._publish_announced(r, grid, set(ids.values())))
+        if self.data_plane is not None and r < num_rounds and self.aggregator.client_params is None:
+            # Round r+1's messages go out now (tickets; its state is published later):
+            # each SuperNode takes its next message as soon as it replied to this one,
+            # so Flower's polling and process start overlap this round's work.
+            self._announced[r + 1] = self._push(grid, self._announce(r + 1, grid.get_node_ids()))
+        return ids
 
     def _open_writer(self) -> MetricsWriter:
         """server.jsonl (and TensorBoard) rewritten from the history: the checkpoint's history is
@@ -336,8 +354,7 @@ class LoRDOStrategy(Strategy):
         return writer
 
     def _finish_round(self, r: int, metrics: MetricRecord | None, seconds: float, aggregation_seconds: float,
-                      num_rounds: int) -> None:
-        rl = self._round_log
+                      num_rounds: int, rl: RoundLog) -> None:
         received = list(rl.received.values())
         self.cum_bytes += rl.sent_bytes + (max(received) if received else 0)
         K = self.cfg.rounds.local_steps
@@ -367,7 +384,7 @@ class LoRDOStrategy(Strategy):
         record["overhead_seconds"] = seconds - record["client_seconds"]
         if "started" in rl.marks:  # seconds from the round's start to each phase (docs/results.md)
             record["phase_seconds"] = {k: v - rl.marks["started"] for k, v in rl.marks.items() if k != "started"}
-        record.update(self._link_record(seconds, aggregation_seconds))
+        record.update(self._link_record(rl, seconds, aggregation_seconds))
         # seconds since this process entered start(), at the end of this round's aggregation:
         # consecutive differences are the full round cycle (with evaluation and checkpoint)
         record["elapsed_seconds"] = time.perf_counter() - self._started
@@ -380,12 +397,11 @@ class LoRDOStrategy(Strategy):
         self._checkpoint(r)
         log.info("round %d: %s", r, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()})
 
-    def _link_record(self, seconds: float, aggregation_seconds: float) -> dict[str, Any]:
+    def _link_record(self, rl: RoundLog, seconds: float, aggregation_seconds: float) -> dict[str, Any]:
         """The round against its link-bound ideal (lordo_fed.wan.links), when every client that
         replied declared its link rate (node config `link-rate`): `ideal_seconds`,
         `round_over_ideal`, the bounding node, and per client the bytes each way, its rate and its
         own download/upload/training seconds."""
-        rl = self._round_log
         if not rl.received or set(rl.link_rate) != set(rl.received):
             return {}
         nodes = {w: NodeLink(rl.sent_bytes, rl.received[w], rl.link_rate[w], rl.client_train_seconds.get(w, 0.0))

@@ -78,3 +78,25 @@ def test_the_local_channel_stays_on_the_machine():
     for bad in ("10.0.0.5:5000", "example.com:5000", "127.0.0.1"):
         with pytest.raises(ValueError, match="the local channel stays on this machine"):
             check_local(bad)
+
+
+def test_node_workers_on_flowers_data_plane_match_the_reference(tmp_path):
+    """With `data-plane="flower"` the state comes inside the Flower message and the node worker's
+    reply goes back inside it too (through the local channel): same θ as the reference."""
+    socks = [tmp_path / f"nw{i}.sock" for i in range(2)]
+    workers = [start_node_worker(s, tmp_path / f"node-worker-{i}.log") for i, s in enumerate(socks)]
+    out = tmp_path / "out"
+    cfg = tiny_run_config(tmp_path, **{"data-plane": "flower", "output-dir": str(out)})
+    try:
+        with Deployment(tmp_path, num_nodes=2, node_configs=[{"node-worker": f"unix://{s}"} for s in socks]) as dep:
+            check_run(dep.run(APP, cfg, timeout=300))
+    finally:
+        for w in workers:
+            stop_process(w)
+    records = server_records(out)
+    assert all(r["clients_ok"] == 2 and r["clientapps_with_torch"] == 0 for r in records[1:]), records
+    assert "upload_seconds" not in records[1]  # Flower's path, not the data plane
+    tensors, _ = load_checkpoint(out / "checkpoints")
+    theta = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
+    reference = reference_theta(cfg, workers=2)
+    assert max((theta[n] - reference[n]).abs().max().item() for n in reference) == 0.0

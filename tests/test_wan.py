@@ -235,3 +235,19 @@ def test_ctrl_c_and_a_failed_run_leave_nothing_behind(tmp_path):
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 1 and "FAILED" in out, out[-3000:]
     assert set(stale_namespaces()) == before
+
+
+@needs_netns
+@pytest.mark.slow
+def test_wan_rounds_benchmark_quick(tmp_path):
+    """benchmarks/wan_rounds.py --quick: one emulated deployment, its rounds against the ideal."""
+    out = tmp_path / "wan.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "wan_rounds.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (case,) = result["cases"]
+    assert [r["round"] for r in case["rounds"]] == [1, 2, 3]
+    med = case["median_rounds_2_to_n"]
+    assert med["round_over_ideal"] >= 1.0 and med["ideal_seconds"] > med["link_seconds"] > 0
+    assert out.with_suffix(".png").exists()

@@ -70,7 +70,7 @@ class NodeWorkerServicer(pb_grpc.NodeWorkerServicer):
         if "first_byte" in stats:  # before the first byte, the node waited for the server to publish
             metrics["download-wait-seconds"] = stats["first_byte"] - stats["started"]
         if ticket is None:
-            result = pb.NodeResult(payload=sent)
+            result = pb.NodeResult(payload=bytes(sent))  # protobuf takes bytes only (one copy, Flower's path)
         else:
             upload_started = time.perf_counter()
             timeout = runtime_for(job, presets).cfg.round_timeout

@@ -25,16 +25,18 @@ class StateStore(Protocol):
 
 
 class DiskStore:
-    """`<directory>/partition_<p>/round_<r>.safetensors` + JSON, the two newest rounds, written
+    """`<directory>/partition_<p>/round_<r>.safetensors` + JSON, the three newest rounds, written
     atomically.
 
-    Two, not one: the server checkpoints round r only after the clients trained it, so a server
-    killed in between resumes at round r and asks for every client's state as of round r - 1,
-    while the clients have already saved round r (tests/test_reliability.py). Older states are
-    pruned when round r + 1 is saved, i.e. once the server has checkpointed round r.
+    Three, not one: the server checkpoints round r only after the clients trained it, and on the
+    data plane it publishes round r + 1 before that checkpoint is written (its evaluation and
+    checkpoint overlap the nodes' download). A server killed in between resumes at round r and
+    asks for every client's state as of round r - 1, while the clients may have saved rounds r and
+    r + 1 already (tests/test_reliability.py). Older states are pruned when round r + 2 is saved,
+    i.e. once the server has checkpointed round r.
     """
 
-    KEEP = 2
+    KEEP = 3
 
     def __init__(self, directory: str | Path, partition_id: int):
         self.directory = Path(directory) / f"partition_{partition_id}"
