@@ -74,9 +74,10 @@ def run_case(nodes: int, link: str, plane: str, model: dict[str, Any], rounds: i
             "train_seconds": r["client_train_seconds"], "aggregation_seconds": r["aggregation_seconds"],
             "down_bytes": r["bytes_sent_per_client"], "up_bytes": r["bytes_received_per_client"],
             # each node's achieved rate over its own transfers, as a share of its link
+            # (on Flower's path the node's transfers are inside Flower's messages: not measured)
             "link_share": min((n["down_bytes"] + n["up_bytes"]) / max(n["download_seconds"] - n.get("download_wait_seconds", 0.0)
                                                                          + n["upload_seconds"], 1e-9)
-                              / n["rate"] for n in links.values()) if links else None,
+                              / n["rate"] for n in links.values()) if links and plane == "grpc" else None,
             "server_peak_rss_bytes": r["server_peak_rss_bytes"],
             "phase_seconds": r.get("phase_seconds", {}), "links": links})
     later = [x for x in rows if x["round"] >= 2] or rows
