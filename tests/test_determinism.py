@@ -26,7 +26,9 @@ pytestmark = pytest.mark.slow
 #: excluded from the comparison; every other field must match exactly.
 WALL_CLOCK = ("round_seconds", "aggregation_seconds", "client_seconds", "client_train_seconds",
               "client_codec_seconds", "client_transfer_seconds", "upload_seconds", "server_encode_seconds",
-              "server_decode_seconds", "overhead_seconds", "elapsed_seconds", "server_peak_rss_bytes")
+              "server_decode_seconds", "overhead_seconds", "elapsed_seconds", "server_peak_rss_bytes", "phase_seconds",
+              # with link-rate in the node config (lordo_fed.wan): the link-bound ideal and its parts
+              "ideal_seconds", "round_over_ideal", "link_seconds", "link_bound_client", "links")
 
 
 def run_once(tmp_path: Path, name: str) -> Path:

@@ -205,6 +205,7 @@ def test_a_deployment_over_shaped_links_is_link_bound_and_exact(tmp_path):
                 streamed = link["download_seconds"] - link["download_wait_seconds"]
                 assert streamed >= (link["down_bytes"] - burst) / rate, (r["round"], link)
     assert records[2]["links"]["0"]["down_bytes"] > 5 * burst  # the link was really exercised
+    assert (tmp_path / "emu" / "out" / "link.png").stat().st_size > 0  # rounds against their ideal, plotted
     tensors, _ = load_checkpoint(tmp_path / "emu" / "out" / "checkpoints")
     theta = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
     reference = reference_theta(cfg, workers=2)

@@ -308,8 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, EmulationError) as err:
         print(f"lordo-emulate: {err}", file=sys.stderr)
         return 2
-    # SIGTERM ends the run as Ctrl-C does: the `with` block's exit removes everything.
-    signal.signal(signal.SIGTERM, _interrupt)
+    # Ctrl-C and SIGTERM end the run; the `with` block's exit removes everything. SIGINT is set
+    # explicitly: a shell without job control starts background commands with it ignored, and
+    # Python keeps an inherited SIG_IGN.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     links = ", ".join(f"node{i} {format_rate(r)}" for i, r in enumerate(emulation.rates))
     try:
         with emulation:
