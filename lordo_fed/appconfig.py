@@ -100,6 +100,7 @@ FLAT_KEYS: dict[str, str] = {
     "ef-density": "inner.ef_density",
     "ef-reset": "inner.ef_reset",
     "sync-ef": "rounds.sync_ef",
+    "overlap-delay": "rounds.overlap_delay",
     "switch-step": "inner.switch_step",
     "model-preset": "model.preset",
     "outer": "outer.name",

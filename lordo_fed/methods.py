@@ -107,6 +107,10 @@ def resolve_method(name: str, inner: InnerConfig, rounds: RoundConfig, outer: Ou
     if spec.loop == "async" and rounds.sync_ef:
         raise ValueError(f"rounds.sync_ef=True with the asynchronous method {name!r}: error feedback stays on the "
                          "workers in asynchronous rounds; expected sync_ef=False")
+    if spec.loop != "rounds" and rounds.overlap_delay:
+        raise ValueError(f"rounds.overlap_delay={rounds.overlap_delay} with method {name!r}: overlap applies to "
+                         "synchronous rounds (asynchronous rounds never wait for the others; DDP steps together); "
+                         "expected overlap_delay=0")
     chosen = diloco_outer if (spec.diloco_outer and diloco_outer is not None) else outer
     if spec.async_rule is not None and spec.async_rule.look_ahead:
         chosen = dataclasses.replace(chosen, name="mla")

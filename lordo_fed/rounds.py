@@ -53,6 +53,9 @@ class RoundConfig:
     sync_ef: bool = False
     """Also average LoRDO's error-feedback buffers E of the low-rank matrices every round (full size:
     as many bytes again as Δ, each way; the authors' code appears to all-reduce E with the moments)."""
+    overlap_delay: int = 0
+    """τ: a worker starts round r+1 from its own θ as soon as it has sent round r, and merges round r+1's
+    global state after τ local steps (Streaming DiLoCo's overlap, docs/algorithm.md; 0 = synchronous rounds)."""
 
     def validate(self) -> "RoundConfig":
         if self.local_steps <= 0:
@@ -61,6 +64,14 @@ class RoundConfig:
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"rounds.{name}={value!r}: expected an integer >= 0 (0 = never)")
+        tau = self.overlap_delay
+        if isinstance(tau, bool) or not isinstance(tau, int) or not 0 <= tau < self.local_steps:
+            raise ValueError(f"rounds.overlap_delay={tau!r}: expected an integer from 0 (synchronous rounds) to "
+                             f"local_steps - 1 = {self.local_steps - 1} (local steps of a round trained before the "
+                             "previous round's global state is merged)")
+        if tau and self.sync_ef:
+            raise ValueError(f"rounds.overlap_delay={tau} with rounds.sync_ef=True: an averaged error-feedback buffer "
+                             "cannot be merged into one that moved on; expected overlap_delay=0 or sync_ef=False")
         return self
 
     def periods(self, low_rank: bool = True) -> dict[str, int]:

@@ -11,6 +11,7 @@ loaded at the start of every round, and only the optimizer state is each worker'
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -24,6 +25,7 @@ from lordo_fed.optim.bias import restep, restep_state
 from lordo_fed.optim.ef_compress import ef_values
 from lordo_fed.optim.lordo import EF_DTYPES
 from lordo_fed.optim.config import InnerConfig, apply_phase, lr_at, set_lr
+from lordo_fed.optim.rotation import rotate_moments
 from lordo_fed.projection import projection_side
 from lordo_fed.rounds import (DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, RoundConfig, WorkerUpdate, moment_key,
                               split_moment_key)
@@ -38,6 +40,26 @@ host sync: a progress bar should only count)."""
 
 class ResyncNeeded(ValueError):
     """The server sent θ as a change to a copy this worker does not hold (it missed a round)."""
+
+
+@dataclass
+class Sent:
+    """What a worker keeps of the round it last sent, for an overlapped next round
+    (`RoundConfig.overlap_delay`): the point its next round starts from and what the merge with
+    the server's answer subtracts (docs/algorithm.md, "Overlapping rounds")."""
+
+    round: int
+    """The round sent."""
+    theta: dict[str, Tensor]
+    """θ_send: the worker's θ when it sent (host fp32)."""
+    moments: dict[str, Tensor]
+    """The moments it sent (`moment_key` -> host fp32, before compression), at step count `opt_step`."""
+    bases: dict[str, Tensor]
+    """LoRDO: the basis each low-rank parameter's moments were in (host fp32)."""
+    opt_step: int
+    """The worker's step count when it sent."""
+    early: list[float] | None = None
+    """The losses of the next round's first τ steps, once they are trained (None: not yet)."""
 
 
 class Worker:
@@ -78,27 +100,46 @@ class Worker:
         """With a compressed downlink: θ_c, the copy of θ the server's changes are added to (host fp32)."""
         self.client_round = 0
         """The round whose state `client_params` is."""
+        self.sent: Sent | None = None
+        """With `rounds.overlap_delay`: the round last sent, which the next round starts from."""
 
     # ----------------------------------------------------------------------------- one round
     def train_round(self, state: GlobalState, progress: ProgressFn | None = None) -> WorkerUpdate:
-        """Load `state`, run K local steps, return the update (Δ, due moments, tokens, metrics)."""
-        first_step = (state.round - 1) * self.rounds.local_steps
-        # the hyperparameters the received moments were made with (the two-phase recipe)
-        apply_phase(self.optimizer, self.inner, first_step - 1, reset=False)
-        start = self.load_global_state(state)
+        """Load `state`, run K local steps, return the update (Δ, due moments, tokens, metrics).
+
+        With `rounds.overlap_delay` = τ > 0 and the previous round held (`sent`), the round is
+        overlapped: its first τ steps start from the worker's own θ_send (`train_early`, which a
+        node worker runs while the state is on its way), then `state` is merged in
+        (`merge_global_state`) and the other K − τ steps follow. Δ is taken against `state`'s θ
+        either way."""
+        K = self.rounds.local_steps
+        first_step = (state.round - 1) * K
+        overlapped = self.overlapping(state.round) and (self.sent.early is not None or self.train_early(progress))
+        if overlapped:
+            early = self.sent.early
+            start = self.merge_global_state(state)
+        else:
+            early = []
+            # the hyperparameters the received moments were made with (the two-phase recipe)
+            apply_phase(self.optimizer, self.inner, first_step - 1, reset=False)
+            start = self.load_global_state(state)
         # θ at the start of the round, for Δ: the host tensors the parameters were loaded from
         # (no clone of the model on the device; the same values, p having been copied from them).
         theta_ref = {n: start[n].to(device="cpu", dtype=p.dtype) for n, p in self.params.items()}
-        if isinstance(self.optimizer, LoRDO):
+        if isinstance(self.optimizer, LoRDO) and not overlapped:
             self.optimizer.update_split.clear()
-        losses = self.local_steps(first_step, self.rounds.local_steps, progress)
+        losses = early + self.local_steps(first_step + len(early), K - len(early),
+                                          None if progress is None else lambda i, loss: progress(i + len(early), loss))
         if isinstance(self.optimizer, LoRDO):
             self.optimizer.sync_state()  # E whole before due_moments and the diagnostics read it
         # The update is what crosses the wire: plain fp32 CPU tensors.
         delta = to_host(self.params)  # θ after K steps, then Δ = θ_ref − θ in its memory: −θ + θ_ref
+        theta_send = {n: d.clone() for n, d in delta.items()} if self.rounds.overlap_delay else None
         for n, d in delta.items():
             d.neg_().add_(theta_ref[n])
         moments = self.due_moments(state.round)
+        self.sent = None if theta_send is None else Sent(state.round, theta_send, dict(moments), self._host_bases(),
+                                                         self.opt_step())
         coords: dict[str, Encoded] = {}
         if self.payload is not None:  # what crosses the wire: compressed, Δ's residual kept for later rounds
             delta, coords = self.compress_delta(delta, list(state.projections))
@@ -111,9 +152,105 @@ class Worker:
             tokens=len(losses) * self.batch_size * self.seq_len,
             opt_step=self.opt_step(),
             metrics={"train_loss": sum(losses) / len(losses), "train_loss_last": losses[-1],
-                     "lr": self.optimizer.param_groups[0]["lr"], **self.diagnostics()},
+                     "lr": self.optimizer.param_groups[0]["lr"], **self.diagnostics(),
+                     **({"overlap_steps": float(len(early))} if self.rounds.overlap_delay else {})},
             coords=coords,
         )
+
+    # ----------------------------------------------------------------------------- overlap
+    def overlapping(self, round_idx: int) -> bool:
+        """Whether round `round_idx` is overlapped: τ > 0 and this worker holds round `round_idx`
+        − 1 as it sent it (not after a restart without it, nor in round 1)."""
+        return bool(self.rounds.overlap_delay) and self.sent is not None and self.sent.round == round_idx - 1
+
+    def train_early(self, progress: ProgressFn | None = None) -> bool:
+        """The next round's first τ local steps, from θ_send, before its global state is here
+        (Streaming DiLoCo's overlap: a node worker runs them while the state is on its way).
+        Returns whether it trained (not when nothing was sent, they are done, or the run's steps
+        are all taken)."""
+        sent, tau = self.sent, self.rounds.overlap_delay
+        if not tau or sent is None or sent.early is not None:
+            return False
+        first = sent.round * self.rounds.local_steps
+        if first + tau > self.total_steps:
+            return False
+        with torch.no_grad():  # several workers may share one module (the reference trainer)
+            for n, p in self.params.items():
+                p.copy_(sent.theta[n])
+        if isinstance(self.optimizer, LoRDO):
+            self.optimizer.update_split.clear()
+        sent.early = self.local_steps(first, tau, progress)
+        return True
+
+    @torch.no_grad()
+    def merge_global_state(self, state: GlobalState) -> dict[str, Tensor]:
+        """Merge round r's global state into a worker τ steps into round r from its own θ_send
+        (docs/algorithm.md, "Overlapping rounds"):
+
+            θ ← θ_now + (θ_g − θ_send)
+            u ← u_now + β1^τ (ū_g − u_send),   v ← max(v_now + β2^τ (v̄_g − v_send), 0)
+
+        for the moments that came back averaged (each moment is an EMA, linear in where it
+        started: this is the moment the τ steps would have produced from ū_g instead of u_send,
+        up to the gradients). Under LoRDO-Global the new projections are set first: u_now, v_now
+        rotate from the old basis to the new one with LDAdam's rule (`LoRDO.set_projection`),
+        u_send, v_send are rotated by the same rule, and ū_g, v̄_g come in the new basis.
+        Returns θ_g (host tensors, by name): Δ of the round is taken against it."""
+        sent, tau = self.sent, len(self.sent.early or [])
+        missing = set(self.params) - set(state.params)
+        if missing:
+            raise ValueError(f"global state lacks parameters {sorted(missing)}")
+        opt = self.optimizer
+        if isinstance(opt, LoRDO):
+            opt.sync_state()
+        theta = self._client_theta(state)
+        for name, p in self.params.items():
+            p.add_((theta[name].float() - sent.theta[name]).to(device=p.device, dtype=p.dtype))
+        self.align_step_counts(state.opt_step + tau)
+        group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+        received: dict[str, dict[str, Tensor]] = {}
+        for key, value in decoded(state.moments).items():
+            kind, name = split_moment_key(key)
+            received.setdefault(name, {})[kind] = value
+        if state.projections and not isinstance(opt, LoRDO):
+            raise ValueError("global state carries projections but the inner optimizer is not LoRDO")
+        for name, stored in state.projections.items():
+            p = self.params[name]
+            opt.set_projection(p, stored)
+        for name, kinds in received.items():
+            p, group = self.params[name], group_of[id(self.params[name])]
+            st = opt.state.get(p, {})
+            mine = {k: sent.moments[moment_key(k, name)] for k in MOMENT_KEYS if moment_key(k, name) in sent.moments}
+            if "ef" in kinds or not mine or not all(k in st for k in kinds):
+                continue  # nothing of its own was sent (it started afresh): it keeps its own moments
+            betas, bias = group["betas"], group.get("bias_correction", True)
+            mine = {k: restep(v, k, sent.opt_step, state.opt_step, betas, bias) for k, v in mine.items()}
+            if name in state.projections and name in sent.bases and group.get("rotate", True):
+                new_basis = opt.basis(p).detach().to("cpu", torch.float32)
+                u, v = rotate_moments(mine.get("exp_avg"), mine.get("exp_avg_sq"), sent.bases[name], new_basis,
+                                      projection_side(p.shape), state.opt_step, betas, bias)
+                mine = {k: t for k, t in (("exp_avg", u), ("exp_avg_sq", v)) if t is not None}
+            for kind, value in kinds.items():
+                if kind not in mine:
+                    continue
+                decay = betas[0 if kind == "exp_avg" else 1] ** tau
+                st[kind].add_((value.float() - mine[kind]).mul_(decay).to(st[kind].device))
+                if kind == "exp_avg_sq":
+                    st[kind].clamp_min_(0.0)
+        self.sent = None
+        return theta
+
+    def _host_bases(self) -> dict[str, Tensor]:
+        """LoRDO: the current basis of each low-rank parameter that has one (host fp32)."""
+        if not isinstance(self.optimizer, LoRDO):
+            return {}
+        out, low_rank = {}, {id(q) for q, _ in self.optimizer.low_rank_params()}
+        for name, p in self.params.items():
+            if id(p) in low_rank:
+                basis = self.optimizer.basis(p)
+                if basis is not None:
+                    out[name] = basis.detach().to("cpu", torch.float32).clone()
+        return out
 
     def compress_delta(self, delta: dict[str, Tensor], shared: list[str]) -> tuple[dict[str, Encoded], dict[str, Encoded]]:
         """(Δ, coordinates) as the payload preset sends them, with error feedback: with a `lowrank+`
@@ -299,7 +436,28 @@ class Worker:
         return {"optimizer": self.optimizer.state_dict(), "cursor": torch.tensor(self.cursor),
                 "wire_ef": self.wire_ef.state_dict(),
                 "client": {} if self.client_params is None else dict(self.client_params),
-                "client_round": torch.tensor(self.client_round)}
+                "client_round": torch.tensor(self.client_round), **self._sent_state()}
+
+    def _sent_state(self) -> dict:
+        """`sent` as flat tensors ('sent/theta/<param>', 'sent/m/<moment key>', 'sent/basis/<param>')
+        and its counters (the early steps are not kept: a restarted worker trains them again)."""
+        s = self.sent
+        if s is None:
+            return {}
+        tensors = {f"sent/theta/{n}": t for n, t in s.theta.items()}
+        tensors.update({f"sent/m/{k}": t for k, t in s.moments.items()})
+        tensors.update({f"sent/basis/{n}": t for n, t in s.bases.items()})
+        return {"sent": tensors, "sent_meta": {"round": s.round, "opt_step": s.opt_step}}
+
+    def _load_sent(self, tensors: dict[str, Tensor], meta: dict | None) -> None:
+        if not meta:
+            self.sent = None
+            return
+        parts: dict[str, dict[str, Tensor]] = {"theta": {}, "m": {}, "basis": {}}
+        for key, value in tensors.items():
+            _, part, name = key.split("/", 2)
+            parts[part][name] = value.float().clone()
+        self.sent = Sent(int(meta["round"]), parts["theta"], parts["m"], parts["basis"], int(meta["opt_step"]))
 
     def load_state_dict(self, sd: dict) -> None:
         self.optimizer.load_state_dict(sd["optimizer"])
@@ -308,6 +466,7 @@ class Worker:
         client = sd.get("client") or {}
         self.client_params = {n: t.float().clone() for n, t in client.items()} or None
         self.client_round = int(sd.get("client_round", 0))
+        self._load_sent(sd.get("sent", {}), sd.get("sent_meta"))
 
     def flat_state(self) -> tuple[dict[str, Tensor], dict]:
         """`state_dict()` as flat named tensors plus JSON-able metadata (safetensors, Flower records)."""
@@ -315,12 +474,18 @@ class Worker:
         tensors = {f"opt/{pid}/{key}": value for pid, st in sd["state"].items() for key, value in st.items()}
         tensors.update(self.wire_ef.state_dict())  # "wire_ef/<param>"
         tensors.update({f"client/{n}": t for n, t in (self.client_params or {}).items()})
-        return tensors, {"param_groups": sd["param_groups"], "cursor": self.cursor, "client_round": self.client_round}
+        sent = self._sent_state()
+        tensors.update(sent.get("sent", {}))
+        return tensors, {"param_groups": sd["param_groups"], "cursor": self.cursor, "client_round": self.client_round,
+                         "sent": sent.get("sent_meta")}
 
     def load_flat_state(self, tensors: dict[str, Tensor], meta: dict) -> None:
         state: dict[int, dict[str, Tensor]] = {}
-        wire_ef, client = {}, {}
+        wire_ef, client, sent = {}, {}, {}
         for key, value in tensors.items():
+            if key.startswith("sent/"):
+                sent[key] = value
+                continue
             if key.startswith("wire_ef/"):
                 wire_ef[key] = value
                 continue
@@ -331,4 +496,5 @@ class Worker:
             state.setdefault(int(pid), {})[name] = value
         self.load_state_dict({"optimizer": {"state": state, "param_groups": meta["param_groups"]},
                               "cursor": meta["cursor"], "wire_ef": wire_ef, "client": client,
-                              "client_round": meta.get("client_round", 0)})
+                              "client_round": meta.get("client_round", 0), "sent": sent,
+                              "sent_meta": meta.get("sent")})

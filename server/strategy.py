@@ -42,7 +42,7 @@ from lordo_fed.flower import (EXPLICIT_KEYS, TICKET, UPLOAD_SHA256, is_simulatio
                               shorten_pull_backoff)
 from lordo_fed.methods import lowrank_ranks, make_aggregator, resolve_method
 from lordo_fed.metrics import MetricsWriter, peak_rss_bytes, plot_curves
-from lordo_fed.wan.links import NodeLink, ideal_round_seconds
+from lordo_fed.wan.links import NodeLink, ideal_round_seconds, overlap_bound_seconds
 from lordo_fed.model import build_model
 from lordo_fed.rounds import GlobalState, ReplyRef, WorkerUpdate
 from lordo_fed.transport.server import DataPlaneServer
@@ -54,7 +54,7 @@ log = logging.getLogger("lordo_fed.server")
 #: Client metrics kept per client in a round's `links` record: where a node's time went.
 _LINK_METRICS = ("download-seconds", "download-wait-seconds", "upload-seconds", "decode-seconds", "encode-seconds",
                  "setup-seconds",
-                 "save-seconds", "save-wait-seconds", "client-seconds")
+                 "save-seconds", "save-wait-seconds", "early-seconds", "early-wait-seconds", "client-seconds")
 
 
 @dataclass
@@ -244,7 +244,9 @@ class LoRDOStrategy(Strategy):
             for ref, size, metrics in usable:
                 rl.received[ref.worker_id] = size
                 rl.client_seconds[ref.worker_id] = float(metrics.get("client-seconds", 0.0))
-                rl.client_train_seconds[ref.worker_id] = float(metrics.get("train-seconds", 0.0))
+                # all of the round's local steps: an overlapped round's early ones ran before its message
+                rl.client_train_seconds[ref.worker_id] = (float(metrics.get("train-seconds", 0.0))
+                                                          + float(metrics.get("early-seconds", 0.0)))
                 rl.client_codec_seconds[ref.worker_id] = float(metrics.get("codec-seconds", 0.0))
                 rl.client_transfer_seconds[ref.worker_id] = float(metrics.get("transfer-seconds", 0.0))
                 rl.client_metrics[ref.worker_id] = {k: float(v) for k, v in metrics.items()
@@ -382,6 +384,10 @@ class LoRDOStrategy(Strategy):
             if refusals:
                 record["data_plane_refusals"] = "; ".join(f"node {x.node_id} {x.what}: {x.reason}" for x in refusals)
         record["overhead_seconds"] = seconds - record["client_seconds"]
+        if self.cfg.rounds.overlap_delay:  # clients that merged this round into one started from their own θ
+            record["clients_overlapped"] = sum(m.get("overlap_steps", 0) > 0 for m in rl.client_metrics.values())
+            record["client_early_seconds"] = max((m.get("early-seconds", 0.0) for m in rl.client_metrics.values()),
+                                                 default=0.0)
         if "started" in rl.marks:  # seconds from the round's start to each phase (docs/results.md)
             record["phase_seconds"] = {k: v - rl.marks["started"] for k, v in rl.marks.items() if k != "started"}
         record.update(self._link_record(rl, seconds, aggregation_seconds))
@@ -407,8 +413,12 @@ class LoRDOStrategy(Strategy):
         nodes = {w: NodeLink(rl.sent_bytes, rl.received[w], rl.link_rate[w], rl.client_train_seconds.get(w, 0.0))
                  for w in rl.received}
         ideal, bound = ideal_round_seconds(nodes, aggregation_seconds)
+        overlap = {}
+        if self.cfg.rounds.overlap_delay:
+            limit, _ = overlap_bound_seconds(nodes)
+            overlap = {"overlap_bound_seconds": limit, "round_over_bound": seconds / limit}
         return {"ideal_seconds": ideal, "round_over_ideal": seconds / ideal, "link_bound_client": bound,
-                "link_seconds": nodes[bound].link_seconds(),
+                "link_seconds": nodes[bound].link_seconds(), **overlap,
                 "links": {str(w): {"down_bytes": n.down_bytes, "up_bytes": n.up_bytes, "rate": n.rate,
                                    "train_seconds": n.train_seconds,
                                    **{key.replace("-", "_"): rl.client_metrics.get(w, {})[key] for key in _LINK_METRICS

@@ -28,7 +28,8 @@ WALL_CLOCK = ("round_seconds", "aggregation_seconds", "client_seconds", "client_
               "client_codec_seconds", "client_transfer_seconds", "upload_seconds", "server_encode_seconds",
               "server_decode_seconds", "overhead_seconds", "elapsed_seconds", "server_peak_rss_bytes", "phase_seconds",
               # with link-rate in the node config (lordo_fed.wan): the link-bound ideal and its parts
-              "ideal_seconds", "round_over_ideal", "link_seconds", "link_bound_client", "links")
+              "ideal_seconds", "round_over_ideal", "link_seconds", "link_bound_client", "links",
+              "overlap_bound_seconds", "round_over_bound", "client_early_seconds")
 
 
 def run_once(tmp_path: Path, name: str) -> Path:

@@ -64,7 +64,8 @@ EF_OPTIONS = {"sync-ef": True, "ef-reset": True, "ef-decay": 0.8, "full-rank-ter
 
 @pytest.mark.parametrize("variant,extra", [("lordo_global", {}), ("lordo_global", {"dense-sync-factor": 2}),
                                            ("lordo_global", EF_OPTIONS), ("diloco", {}), ("desloc", {}),
-                                           ("lordo_global", {"payload-dtype": "lowrank+topk2bit+rows"})])
+                                           ("lordo_global", {"payload-dtype": "lowrank+topk2bit+rows"}),
+                                           ("lordo_global", {"overlap-delay": 2})])
 def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     """Baselines run through the same app by config: DiLoCo (AdamW, Nesterov outer, no state
     sync) and DES-LOC (AdamW, states averaged at their own periods); LoRDO-Global also with the
@@ -73,7 +74,9 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     switch at step 4 falls inside round 2); and with compressed payloads (`lowrank+topk2bit+rows`:
     the matrices' Δ as int8 coordinates in the round's shared basis plus a top-k 2-bit residual, the
     embedding row-sparse int8, the norms int8, with error feedback on the clients; moments int8),
-    which the server decodes with the run's codecs and rebuilds."""
+    which the server decodes with the run's codecs and rebuilds; and with overlapped rounds (round 2
+    starts from each client's own θ and merges the global state after 2 of its 3 steps: the
+    clients keep the round they sent in their state between messages)."""
     run_config = tiny_run_config(tmp_path, variant=variant, **extra)
     env = flower_env(tmp_path)
     proc = run_simulation(APP, env, num_supernodes=2, run_config=run_config, timeout=240, check=True,
@@ -100,6 +103,8 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     if extra.get("payload-dtype") == "lowrank+topk2bit+rows":  # Δ: r·max(p, q) bytes + ~3% x (2 + 12) bits, moments 8 bits
         plain = 4 * sum(t.numel() for t in reference.values())
         assert all(r["bytes_received_per_client"] < plain / 2 for r in records[1:]), records
+    if extra.get("overlap-delay"):
+        assert [r["clients_overlapped"] for r in records[1:]] == [0, 2], records
     if extra.get("sync-ef"):  # each reply carries Δ of every parameter and E of every low-rank matrix
         lowrank = [n for n in reference if re.search(DEFAULT_LOWRANK_PATTERN, n)]
         floats = sum(t.numel() for t in reference.values()) + sum(reference[n].numel() for n in lowrank)

@@ -4,7 +4,10 @@ the payloads on the gRPC data plane.
 
 - The run ends at the reference trainer's θ bit for bit, and no ClientApp process imported torch.
 - A node worker SIGKILLed between rounds and restarted comes back from its disk state: no round
-  is lost, no worker starts afresh, and θ still equals the reference bit for bit.
+  is lost, no worker starts afresh, and θ still equals the reference bit for bit. The rounds
+  are overlapped (`overlap-delay`): each worker trains the next round's first steps on a thread
+  while its reply uploads; the restarted one finds the round it sent in its state and trains
+  them again.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def test_node_workers_match_the_reference_and_survive_a_kill_between_rounds(tmp_
     workers = [start_node_worker(s, log) for s, log in zip(socks, logs)]
     out = tmp_path / "out"
     cfg = tiny_run_config(tmp_path, **{"num-server-rounds": 3, "data-plane-insecure": True,
-                                       "output-dir": str(out)})
+                                       "output-dir": str(out), "overlap-delay": 2})
     try:
         with Deployment(tmp_path, num_nodes=2, node_configs=[{"node-worker": f"unix://{s}"} for s in socks]) as dep:
             from tests.test_reliability import Background
@@ -62,6 +65,10 @@ def test_node_workers_match_the_reference_and_survive_a_kill_between_rounds(tmp_
     assert all(r["clients_fresh_state"] == 0 for r in records[1:]), "a restarted worker lost its state"
     assert all(r["clientapps_with_torch"] == 0 for r in records[1:]), "a ClientApp process imported torch"
     assert "upload_seconds" in records[1]
+    # Rounds 2 and 3 were overlapped on both nodes, their early steps trained ahead on the workers
+    # (but on the restarted one, which trained them once its state was in)
+    assert [r["clients_overlapped"] for r in records[1:]] == [0, 2, 2], records
+    assert all(r["client_early_seconds"] > 0 for r in records[2:]), records
     # Both workers ran every round themselves; the restarted one started from its disk state.
     assert "listening on" in logs[1].read_text()
     tensors, _ = load_checkpoint(out / "checkpoints")

@@ -243,6 +243,20 @@ def _background_priority() -> None:
 
 _SAVER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lordo-state-save", initializer=_background_priority)
 _PENDING_SAVES: dict[int, Future] = {}
+_EARLY = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lordo-early-steps")
+_PENDING_EARLY: dict[int, Future] = {}
+"""Overlapped rounds on a node worker: the next round's first τ steps, started once the round is
+sent, so that they run while the reply uploads and the next state downloads."""
+
+
+def _train_early(worker: Worker, save: Future | None) -> float:
+    """The next round's early steps once the state save that reads the live tensors is done;
+    returns their seconds."""
+    if save is not None:
+        save.result()
+    started = time.perf_counter()
+    worker.train_early()
+    return time.perf_counter() - started
 
 
 def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
@@ -252,7 +266,10 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
     """One server message: the received state in, the encoded reply and its metrics out.
 
     `receive(timeout)` returns the encoded state (from the message, or downloaded from the data
-    plane). TRAIN: K local steps from it, the worker state saved to `store_for(cfg, partition)`
+    plane). With `rounds.overlap_delay` and `save_in_background` (a node worker), the next
+    round's first τ steps start on a thread once this round is sent (after its state save), so
+    they overlap the upload, the server's aggregation and the next download; the next job waits
+    for them before it merges its state (`Worker.train_round`). TRAIN: K local steps from it, the worker state saved to `store_for(cfg, partition)`
     (with `save_in_background`, on a low-priority thread, off the critical path, from the live
     tensors: the next job waits for it once its download is in, before it touches the state, so a
     worker killed between rounds finds the round on disk). QUERY: the gradient
@@ -286,6 +303,9 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
     save_wait_started = time.perf_counter()
     wait_for_saves()
     save_wait_seconds = time.perf_counter() - save_wait_started
+    early_wait_started = time.perf_counter()
+    early_seconds = wait_for_early(pid)
+    early_wait_seconds = time.perf_counter() - early_wait_started
     store = store_for(rt.cfg, pid)
     if job.kind == QUERY:
         worker, _ = worker_for_round(rt, store, pid, shard, 1)
@@ -319,6 +339,8 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
         store.save(state.round, tensors, meta)
     save_seconds = time.perf_counter() - snapshot_started
     rt.last_round[pid] = state.round
+    if save_in_background and worker.sent is not None:  # overlap: the next round's early steps start now
+        _PENDING_EARLY[pid] = _EARLY.submit(_train_early, worker, _PENDING_SAVES.get(pid))
 
     encode_started = time.perf_counter()
     if stream_reply:  # encoded on a thread while the caller uploads it (its encode-seconds are set then)
@@ -333,6 +355,7 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
         "codec-seconds": decode_seconds + encode_seconds, "decode-seconds": decode_seconds,
         "encode-seconds": encode_seconds, "download-seconds": decode_started - download_started,
         "save-wait-seconds": save_wait_seconds, "save-seconds": save_seconds,
+        "early-seconds": early_seconds, "early-wait-seconds": early_wait_seconds,
         "fresh-state": int(state_source == "fresh" and state.round > 1),
         "local-steps": worker.rounds.local_steps, "slowdown": slowdown,
     }
@@ -343,6 +366,17 @@ def wait_for_saves() -> None:
     """Block until every background state save finished (a node worker's shutdown)."""
     for pid in list(_PENDING_SAVES):
         _PENDING_SAVES.pop(pid).result()
+
+
+def wait_for_early(pid: int | None = None) -> float:
+    """Block until the early steps started for partition `pid` (every partition: None) are done;
+    returns their training seconds (0 when there were none). A failure in them raises here."""
+    seconds = 0.0
+    for key in [pid] if pid is not None else list(_PENDING_EARLY):
+        future = _PENDING_EARLY.pop(key, None)
+        if future is not None:
+            seconds += future.result()
+    return seconds
 
 
 def worker_for_round(rt: Runtime, store: StateStore, pid: int, shard: TokenShard,

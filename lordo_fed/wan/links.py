@@ -7,6 +7,14 @@ bytes at its link's rate, train, and wait for the server to aggregate:
 
 (down and up through one link of `rate_n` bytes/s in each direction, sent one after the other as a
 synchronous round does). `round_seconds / ideal` is how much the framework adds to the link.
+
+Overlapped rounds (`rounds.overlap_delay`: a node trains the next round's first steps while its
+reply goes up and the next state comes down) can hide the link behind computation; their bound is
+
+    bound = max over nodes n of max(compute_n, (down_n + up_n) / rate_n)
+
+(compute_n all of the round's local steps), the wall-clock a round cannot beat however it is
+scheduled, and `round_seconds / bound` is what the overlap leaves unhidden.
 """
 
 from __future__ import annotations
@@ -94,6 +102,15 @@ class NodeLink:
 
     def link_seconds(self) -> float:
         return (self.down_bytes + self.up_bytes) / self.rate
+
+
+def overlap_bound_seconds(nodes: dict[int, NodeLink]) -> tuple[float, int]:
+    """(the bound of an overlapped round, the node that sets it): max over nodes of the larger
+    of its compute and its link time (module docstring)."""
+    if not nodes:
+        raise ValueError("overlap_bound_seconds: no nodes")
+    worst = max(nodes, key=lambda n: max(nodes[n].link_seconds(), nodes[n].train_seconds))
+    return max(nodes[worst].link_seconds(), nodes[worst].train_seconds), worst
 
 
 def ideal_round_seconds(nodes: dict[int, NodeLink], aggregation_seconds: float) -> tuple[float, int]:
