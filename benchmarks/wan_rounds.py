@@ -11,6 +11,11 @@ Overlapped rounds (`--overlap`, `OVERLAP_CASES`): the same deployment with K loc
 synchronous and once with `overlap-delay` = τ, each round also against max over nodes of
 max(compute, link time), the bound no schedule beats.
 
+Heterogeneous links (`--hetero`): 3 nodes, one at a tenth of the others' rate
+(`HETERO_LINK`), LoRDO-Global's synchronous and overlapped rounds and async LoRDO (which travels
+inside Flower's messages) on the same tokens: the federation's tokens per second and the
+validation loss at equal wall-clock.
+
 Full run (the issue's table): 125m-size model (byte vocabulary, 85 M parameters, 341 MB of fp32
 θ), DiLoCo (θ down, Δ up: the largest payload per parameter with no moments), one local step of
 2 x 128 tokens so the link dominates, 1 torch thread per process; 2 and 4 nodes at 1 Gb/s and
@@ -19,6 +24,7 @@ Needs root (network namespaces).
 
     sudo python benchmarks/wan_rounds.py            # ~25 min on 2 cores
     sudo python benchmarks/wan_rounds.py --overlap --out benchmarks/results/wan_overlap.json  # ~10 min
+    sudo python benchmarks/wan_rounds.py --hetero --out benchmarks/results/wan_hetero.json   # ~8 min
     sudo python benchmarks/wan_rounds.py --quick    # tiny model, 2 nodes at 8 Mbit/s, overlapped, seconds
 Writes benchmarks/results/wan_rounds.json and .png.
 """
@@ -46,11 +52,37 @@ FULL_MODEL = {"preset": "diloco", "model-preset": "125m", "local-steps": 1, "bat
 QUICK_MODEL = {"preset": "quickstart", "local-steps": 3, "batch-size": 4, "seq-len": 32, "eval-batches": 2}
 FULL_CASES = [  # (nodes, link, data plane[, K, overlap delay τ])
     (2, "1gbit", "grpc"), (2, "100mbit", "grpc"), (4, "1gbit", "grpc"), (4, "100mbit", "grpc"), (2, "1gbit", "flower")]
-OVERLAP_CASES = [(2, "1gbit", "grpc", 4, 0), (2, "1gbit", "grpc", 4, 3)]
-"""--overlap: synchronous and overlapped rounds side by side, K = 4 steps so compute and link are
-of one size (a 125m-size step takes seconds here), τ = 3 of them while the link works."""
+BALANCED = {"model-preset": "16m", "batch-size": 16}
+"""16m preset (byte vocabulary: 3.3 M parameters, 13 MB of fp32 θ), 16 x 128 tokens a step."""
+OVERLAP_CASES = [(2, "20mbit", "grpc", 44, 0, BALANCED), (2, "20mbit", "grpc", 44, 24, BALANCED),
+                 (2, "1gbit", "grpc", 4, 0), (2, "1gbit", "grpc", 4, 3)]
+"""--overlap: synchronous and overlapped rounds side by side. A 16m-size model over 20 Mbit/s links,
+where a round's transfers (10.5 s) are half its compute (44 steps) and hardly use the CPU, τ = 24
+steps while the link works; and the 125m-size model at 1 Gb/s (5.5 s of link a round, 4 steps of
+~1.8 s), τ = 3, where moving 341 MB each way at 125 MB/s keeps these 2 cores busy too."""
+HETERO_LINK = "node0=10mbit,default=100mbit"
+"""--hetero: one node at a tenth of the others' rate."""
+HETERO_MODEL = {"preset": "quickstart", "model-preset": "small", "rank": 16, "local-steps": 32, "batch-size": 16,
+                "seq-len": 64, "eval-batches": 4, "eval-every": 1, "warmup-steps": 16}
+HETERO_CASES = {  # name -> run config on top of HETERO_MODEL
+    "synchronous": {"variant": "lordo_global", "data-plane": "grpc"},
+    "overlap": {"variant": "lordo_global", "data-plane": "grpc", "overlap-delay": 24},
+    # asynchronous rounds travel inside Flower's messages; ρ = 1/√3 for 3 concurrent workers
+    "async": {"variant": "async_lordo", "data-plane": "flower", "async-weight": 0.577},
+}
 QUICK_CASES = [(2, "8mbit", "grpc", 3, 2)]
 """--quick: one overlapped case (the synchronous path is tests/test_wan.py's deployment)."""
+
+
+def emulate(nodes: int, link: str, run_config: dict[str, Any], work: Path, timeout: float, what: str) -> list[dict]:
+    """Run one `lordo-emulate` deployment (1 torch thread per process) and return its server.jsonl records."""
+    cfg = EmulationConfig(nodes=nodes, link=link, app=ROOT, out_dir=work, threads=1, timeout=timeout,
+                          run_config=[" ".join(f"{k}={json.dumps(v)}" for k, v in run_config.items())])
+    with Emulation(cfg) as emulation:
+        status = emulation.submit(None)
+    if status != 0:
+        raise RuntimeError(f"{what} failed ({status}); log {work / 'run.log'}")
+    return [json.loads(line) for line in (work / "out" / "server.jsonl").read_text().splitlines()]
 
 
 def run_case(nodes: int, link: str, plane: str, model: dict[str, Any], rounds: int, work: Path,
@@ -60,14 +92,8 @@ def run_case(nodes: int, link: str, plane: str, model: dict[str, Any], rounds: i
     against max over nodes of max(compute, link time), the bound no schedule beats (overlap)."""
     run_config = {**model, "num-server-rounds": rounds, "min-clients": nodes, "data-plane": plane,
                   "round-timeout": timeout, **(extra or {})}
-    cfg = EmulationConfig(nodes=nodes, link=link, app=ROOT, out_dir=work, threads=1, timeout=timeout,
-                          run_config=[" ".join(f"{k}={json.dumps(v)}" for k, v in run_config.items())])
     started = time.perf_counter()
-    with Emulation(cfg) as emulation:
-        status = emulation.submit(None)
-    if status != 0:
-        raise RuntimeError(f"{nodes} nodes at {link} ({plane}) failed ({status}); log {work / 'run.log'}")
-    records = [json.loads(line) for line in (work / "out" / "server.jsonl").read_text().splitlines()]
+    records = emulate(nodes, link, run_config, work, timeout, f"{nodes} nodes at {link} ({plane})")
     short = [r for r in records[1:] if r["clients_ok"] != nodes]
     if short:
         raise RuntimeError(f"{nodes} nodes at {link} ({plane}): round {short[0]['round']} had {short[0]['clients_ok']} "
@@ -99,6 +125,57 @@ def run_case(nodes: int, link: str, plane: str, model: dict[str, Any], rounds: i
             "run_config": extra or {}, "rounds": rows, "median_rounds_2_to_n": med, "wall_seconds": time.perf_counter() - started}
 
 
+def run_hetero(name: str, nodes: int, rounds: int, work: Path, timeout: float) -> dict[str, Any]:
+    """One heterogeneous-links deployment (`HETERO_CASES[name]`): the validation loss against
+    wall-clock and tokens (every record's), and the federation's tokens per second."""
+    run_config = {**HETERO_MODEL, **HETERO_CASES[name], "num-server-rounds": rounds, "min-clients": nodes,
+                  "round-timeout": timeout}
+    started = time.perf_counter()
+    records = emulate(nodes, HETERO_LINK, run_config, work, timeout, f"{name} over {HETERO_LINK}")
+    curve = [{"elapsed_seconds": r.get("elapsed_seconds", 0.0), "tokens": r["tokens"], "val_loss": r["val_loss"]}
+             for r in records if "val_loss" in r]
+    last = records[-1]
+    return {"name": name, "run_config": run_config, "link": HETERO_LINK, "nodes": nodes, "curve": curve,
+            "tokens": last["tokens"], "elapsed_seconds": last["elapsed_seconds"],
+            "tokens_per_second": last["tokens"] / last["elapsed_seconds"], "final_val_loss": curve[-1]["val_loss"],
+            "wall_seconds": time.perf_counter() - started}
+
+
+def loss_at(curve: list[dict[str, float]], seconds: float) -> float:
+    """The validation loss of the last evaluation at or before `seconds` of wall-clock."""
+    return [c["val_loss"] for c in curve if c["elapsed_seconds"] <= seconds + 1e-9][-1]
+
+
+def main_hetero(args) -> int:
+    rounds = args.rounds or 8
+    result = result_header("wan_hetero", False, {"model": HETERO_MODEL, "cases": HETERO_CASES, "link": HETERO_LINK,
+                                                 "nodes": 3, "rounds": rounds, "threads_per_process": 1})
+    result["cases"] = {}
+    with tempfile.TemporaryDirectory(prefix="wan_hetero_") as tmp:
+        for name in HETERO_CASES:
+            result["cases"][name] = run_hetero(name, 3, rounds, Path(args.work or tmp) / name, 1200.0)
+            write_json(result, args.out)
+    cases = result["cases"]
+    clock = min(c["elapsed_seconds"] for c in cases.values())
+    for c in cases.values():
+        c["val_loss_at_equal_clock"] = loss_at(c["curve"], clock)
+    result["equal_clock_seconds"] = clock
+    print_rows(f"{'case':>12} {'tokens':>9} {'seconds':>8} {'tok/s':>8} {'loss(end)':>9} {'loss@' + format(clock, '.0f') + 's':>10}",
+               [f"{n:>12} {c['tokens']:>9} {c['elapsed_seconds']:8.1f} {c['tokens_per_second']:8.0f} "
+                f"{c['final_val_loss']:9.3f} {c['val_loss_at_equal_clock']:10.3f}" for n, c in cases.items()])
+    write_json(result, args.out)
+    fig = new_figure(7, 4)
+    ax = fig.add_subplot(1, 1, 1)
+    for n, c in cases.items():
+        ax.plot([p["elapsed_seconds"] for p in c["curve"]], [p["val_loss"] for p in c["curve"]], marker=".", label=n)
+    ax.set(xlabel="wall-clock seconds", ylabel="validation loss",
+           title=f"3 nodes, {HETERO_LINK}: synchronous, overlapped, asynchronous")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path(args.out))
+    return 0
+
+
 def _bound(seconds: float, links: dict[str, dict]) -> dict[str, float | None]:
     """The round against max over nodes of max(its compute, its link time) (lordo_fed.wan.links,
     `overlap_bound_seconds`; train_seconds there are all of the round's local steps)."""
@@ -113,7 +190,8 @@ def plot(result: dict[str, Any], out: Path) -> None:
     fig = new_figure(7.5, 3.6)
     ax = fig.add_subplot(1, 1, 1)
     labels = [f"{c['nodes']} nodes\n{c['link']}\n{c['data_plane']}"
-              + (f"\nK={c['run_config']['local-steps']} τ={c['run_config']['overlap-delay']}" if c["run_config"] else "")
+              + (f"\n{c['run_config'].get('model-preset', '125m')} K={c['run_config']['local-steps']} "
+                 f"τ={c['run_config']['overlap-delay']}" if c["run_config"] else "")
               for c in cases]
     med = [c["median_rounds_2_to_n"] for c in cases]
     ideal = [m.get("ideal_seconds", 0) for m in med]
@@ -139,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser("wan_rounds", __doc__, "tiny model, 2 nodes at 8 Mbit/s, 3 rounds (seconds)")
     parser.add_argument("--rounds", type=int, default=0, help="rounds per case (default 4; quick 3)")
     parser.add_argument("--cases", default="", help="subset, e.g. '2:1gbit:grpc,4:100mbit:grpc' (or "
-                        "'2:1gbit:grpc:4:3': K = 4 local steps, overlap delay 3)")
+                        "'2:1gbit:grpc:4:3': K = 4 local steps, overlap delay 3; --overlap's own cases may set "
+                        "more run-config keys)")
     parser.add_argument("--overlap", action="store_true", help="synchronous against overlapped rounds (OVERLAP_CASES)")
     parser.add_argument("--work", default="", help="keep each case's logs and outputs here (default: a temporary folder)")
     args = parser.parse_args(argv)
@@ -151,12 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     timeout = 300.0 if args.quick else 1200.0
     result = result_header("wan_rounds", args.quick, {"model": model, "rounds": rounds, "cases": cases,
                                                       "threads_per_process": 1})
-    result["title"] = (f"{'tiny' if args.quick else '125m-size'} {model['preset']}: rounds over shaped links "
+    result["title"] = ("16m- and 125m-size DiLoCo: synchronous and overlapped rounds vs their bounds" if args.overlap
+                       else f"{'tiny' if args.quick else '125m-size'} {model['preset']}: rounds over shaped links "
                        "vs their link-bound ideal")
     result["cases"] = []
     with tempfile.TemporaryDirectory(prefix="wan_rounds_") as tmp:
         for i, (nodes, link, plane, *steps) in enumerate(cases):
             extra = {"local-steps": steps[0], "overlap-delay": steps[1] if len(steps) > 1 else 0} if steps else {}
+            extra.update(steps[2] if len(steps) > 2 else {})
             case = run_case(nodes, link, plane, model, rounds, Path(args.work or tmp) / f"case{i}", timeout, extra)
             result["cases"].append(case)
             write_json(result, args.out)  # a cut-short run keeps what it measured
