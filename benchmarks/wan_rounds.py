@@ -164,16 +164,20 @@ def main_hetero(args) -> int:
                [f"{n:>12} {c['tokens']:>9} {c['elapsed_seconds']:8.1f} {c['tokens_per_second']:8.0f} "
                 f"{c['final_val_loss']:9.3f} {c['val_loss_at_equal_clock']:10.3f}" for n, c in cases.items()])
     write_json(result, args.out)
+    plot_hetero(result, png_path(args.out))
+    return 0
+
+
+def plot_hetero(result: dict[str, Any], out: Path) -> None:
     fig = new_figure(7, 4)
     ax = fig.add_subplot(1, 1, 1)
-    for n, c in cases.items():
+    for n, c in result["cases"].items():
         ax.plot([p["elapsed_seconds"] for p in c["curve"]], [p["val_loss"] for p in c["curve"]], marker=".", label=n)
-    ax.set(xlabel="wall-clock seconds", ylabel="validation loss",
-           title=f"3 nodes, {HETERO_LINK}: synchronous, overlapped, asynchronous")
+    ax.set(xlabel="wall-clock seconds", ylabel="validation loss")
+    ax.set_title(f"3 nodes over {result['config']['link']}: synchronous, overlapped, asynchronous", fontsize=9)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png_path(args.out))
-    return 0
+    fig.savefig(out)
 
 
 def _bound(seconds: float, links: dict[str, dict]) -> dict[str, float | None]:
@@ -220,8 +224,12 @@ def main(argv: list[str] | None = None) -> int:
                         "'2:1gbit:grpc:4:3': K = 4 local steps, overlap delay 3; --overlap's own cases may set "
                         "more run-config keys)")
     parser.add_argument("--overlap", action="store_true", help="synchronous against overlapped rounds (OVERLAP_CASES)")
+    parser.add_argument("--hetero", action="store_true", help="one node at a tenth of the others' link: synchronous, "
+                        "overlapped and asynchronous rounds (HETERO_CASES)")
     parser.add_argument("--work", default="", help="keep each case's logs and outputs here (default: a temporary folder)")
     args = parser.parse_args(argv)
+    if args.hetero:
+        return main_hetero(args)
     cases = QUICK_CASES if args.quick else OVERLAP_CASES if args.overlap else FULL_CASES
     if args.cases:
         cases = [(int(n), link, plane, *map(int, rest)) for n, link, plane, *rest in (c.split(":") for c in args.cases.split(","))]
