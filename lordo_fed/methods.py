@@ -126,13 +126,15 @@ def lowrank_ranks(model: nn.Module, pattern: str, rank: int, inner_name: str) ->
 
 
 def make_worker(worker_id: int, model: nn.Module, settings: MethodSettings, shard: TokenShard, lowrank: list[str],
-                total_steps: int, batch_size: int, seq_len: int, seed: int, payload: str = "fp32") -> Worker:
+                total_steps: int, batch_size: int, seq_len: int, seed: int, payload: str = "fp32",
+                ranks=None) -> Worker:
     """A worker with its own inner optimizer over (possibly shared) `model`; `payload` the run's
-    `payload_dtype` (a compressed preset compresses what the worker sends: lordo_fed.wire.payload)."""
+    `payload_dtype` (a compressed preset compresses what the worker sends: lordo_fed.wire.payload);
+    `ranks` a node of several ranks (lordo_fed.node.ranks.LocalRanks; None: one process)."""
     optimizer = build_inner_optimizer(model, settings.inner, lowrank, seed=seed,
                                       local_steps=settings.rounds.local_steps)
     return Worker(worker_id, model, optimizer, shard, settings.inner, settings.rounds, total_steps,
-                  batch_size, seq_len, data_seed=seed, payload=payload_codecs(payload))
+                  batch_size, seq_len, data_seed=seed, payload=payload_codecs(payload), ranks=ranks)
 
 
 def with_local_steps(settings: MethodSettings, local_steps: int) -> MethodSettings:

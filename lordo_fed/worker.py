@@ -12,7 +12,7 @@ loaded at the start of every round, and only the optimizer state is each worker'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +32,9 @@ from lordo_fed.rounds import (DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, Roun
 from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import Encoded, ErrorFeedback, decoded
 from lordo_fed.wire.payload import PayloadCodecs
+
+if TYPE_CHECKING:
+    from lordo_fed.node.ranks import LocalRanks
 
 ProgressFn = Callable[[int, Tensor], None]
 """Called after every local step with its index and its loss, a device tensor (reading it is a
@@ -78,6 +81,7 @@ class Worker:
         seq_len: int,
         data_seed: int = 0,
         payload: PayloadCodecs | None = None,
+        ranks: "LocalRanks | None" = None,
     ):
         self.worker_id = worker_id
         self.model = model
@@ -92,6 +96,11 @@ class Worker:
         self.cursor = 0  # index of the next batch of this shard: the whole data-loader state
         self.params = dict(model.named_parameters())
         self.device = next(model.parameters()).device
+        self.ranks = ranks
+        """A node of several ranks (lordo_fed.node.ranks): this rank trains its rows of the node's
+        batch of N x `batch_size` windows, gradients averaged across the ranks every step."""
+        self.forward_module = model if ranks is None else ranks.wrap(model)
+        """What the local steps run forward through (the intra-node wrapper, or the model)."""
         self.payload = payload
         """Compressed payloads (lordo_fed.wire.payload): Δ sent with error feedback, moments quantised."""
         self.wire_ef = ErrorFeedback()
@@ -149,7 +158,7 @@ class Worker:
             round=state.round,
             delta=delta,
             moments=moments,
-            tokens=len(losses) * self.batch_size * self.seq_len,
+            tokens=len(losses) * self.node_batch * self.seq_len,
             opt_step=self.opt_step(),
             metrics={"train_loss": sum(losses) / len(losses), "train_loss_last": losses[-1],
                      "lr": self.optimizer.param_groups[0]["lr"], **self.diagnostics(),
@@ -290,7 +299,15 @@ class Worker:
             losses.append(loss)
             if progress is not None:
                 progress(i, loss)
-        return torch.stack(losses).tolist() if losses else []
+        if not losses:
+            return []
+        stacked = torch.stack(losses)
+        return (stacked if self.ranks is None else self.ranks.mean(stacked)).tolist()  # the node's mean loss
+
+    @property
+    def node_batch(self) -> int:
+        """Windows per step of the whole node: `batch_size` per rank times its ranks."""
+        return self.batch_size * (1 if self.ranks is None else self.ranks.world)
 
     def gradient(self, state: GlobalState, names: list[str]) -> WorkerUpdate:
         """The gradient at the given θ of this worker's next batch (the cursor does not move: the
@@ -304,15 +321,17 @@ class Worker:
         grads = to_host({n: self.params[n].grad for n in names})
         self.optimizer.zero_grad(set_to_none=True)
         return WorkerUpdate(worker_id=self.worker_id, round=0, delta=grads, moments={},
-                            tokens=self.batch_size * self.seq_len, opt_step=0, metrics={"loss": float(loss)})
+                            tokens=self.node_batch * self.seq_len, opt_step=0, metrics={"loss": float(loss)})
 
     def forward_backward(self, batch_index: int, scale: float = 1.0) -> Tensor:
         """Loss (a detached device scalar: not read here, so no host sync) and gradient (accumulated,
         times `scale`) of this shard's batch `batch_index`."""
-        x, y = self.shard.batch(batch_index, self.batch_size, self.seq_len, seed=self.data_seed)
+        x, y = self.shard.batch(batch_index, self.node_batch, self.seq_len, seed=self.data_seed)
+        if self.ranks is not None:
+            x, y = self.ranks.rows((x, y))
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         with autocast(self.device):
-            loss = lm_loss(self.model, x, y)
+            loss = lm_loss(self.forward_module, x, y)
         (loss * scale).backward()
         return loss.detach().float()
 

@@ -1,0 +1,111 @@
+"""A node of N local ranks: data parallelism inside a node, one LoRDO worker across nodes.
+
+A site is often a machine of several GPUs on a fast interconnect, where an all-reduce every step
+is cheap; the WAN between sites is where LoRDO saves. So a node runs as N processes of one
+`torch.distributed` group (`torchrun --nproc-per-node N`; NCCL on CUDA, gloo on CPU) that train as
+a single worker whose batch is N times a rank's (the two-level scheme of torchft's replica groups
+and of the authors' training code; docs/algorithm.md, "Nodes of several ranks"):
+
+- every local step, rank i takes rows [i·B, (i+1)·B) of the node's batch of N·B windows, and the
+  gradients are averaged across the ranks (the intra-node wrapper: PyTorch DDP), so every rank
+  holds the gradient of the whole node batch;
+- everything after the gradient is replicated: the same clipping, the same LoRDO step with the same
+  projections and seeds, so θ, the low-rank moments and the error-feedback buffer stay identical
+  on every rank without being sent (DDP keeps them so; a sharded wrapper would not, and is not
+  built: see `WRAPPERS`);
+- only the lead rank (0) speaks on the WAN: it receives the round's state and hands it to the
+  others over the group (`broadcast_bytes`), and it alone encodes, uploads and saves the node's
+  state (a replicated copy). The server sees one reply per node, weighted by its N·B·T tokens.
+
+A node of one rank has no `LocalRanks` at all: the code paths are today's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+WRAPPERS = ("ddp",)
+"""Intra-node wrappers built: PyTorch DDP (replicated state). FSDP2 (`fully_shard`) would shard θ
+and therefore LoRDO's per-matrix state and projections across ranks; not built yet."""
+
+
+@dataclass
+class LocalRanks:
+    """This process's place in its node: rank, number of ranks, the intra-node wrapper."""
+
+    rank: int
+    """This process's rank inside the node (0 = the lead, which talks to the server)."""
+    world: int
+    """N: the node's ranks."""
+    wrapper: str = "ddp"
+    """How gradients are shared inside the node (`WRAPPERS`)."""
+
+    def __post_init__(self) -> None:
+        if self.wrapper not in WRAPPERS:
+            raise ValueError(f"intra-node wrapper {self.wrapper!r}: expected one of {WRAPPERS}")
+        if not (isinstance(self.world, int) and self.world >= 1 and 0 <= self.rank < self.world):
+            raise ValueError(f"local ranks: rank={self.rank!r} of world={self.world!r}: expected 0 <= rank < world")
+
+    @property
+    def lead(self) -> bool:
+        """Whether this rank talks to the server (downloads, uploads, saves)."""
+        return self.rank == 0
+
+    @classmethod
+    def from_environment(cls, wrapper: str = "ddp") -> "LocalRanks | None":
+        """The node's ranks as `torchrun` describes them (RANK, WORLD_SIZE and the rendezvous in the
+        environment): joins the process group (NCCL when this rank has a CUDA device, else gloo)
+        and returns this rank's place; None for a node of one process."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1 and not dist.is_initialized():
+            return None
+        if not dist.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend)
+        return cls(dist.get_rank(), dist.get_world_size(), wrapper)
+
+    # ----------------------------------------------------------------------------- training
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The module local steps run forward through: DDP averages the gradients across the ranks
+        in its backward hooks (bucketed, overlapping the backward pass). It also makes every rank
+        start from rank 0's parameters."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        device = next(model.parameters()).device
+        # the model's buffers are constants (RoPE tables): synced once at init, not before every forward
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                       forward_sync_buffers=False)
+
+    def rows(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """This rank's rows of the node's batch (x, y of N·B windows): rows [rank·B, (rank+1)·B)."""
+        x, y = batch
+        per_rank = x.shape[0] // self.world
+        sl = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
+        return x[sl], y[sl]
+
+    def mean(self, t: Tensor) -> Tensor:
+        """The mean of `t` over the node's ranks (one all-reduce; gloo has no AVG)."""
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t / self.world
+
+    # ----------------------------------------------------------------------------- the lead's voice
+    def broadcast_bytes(self, data: bytes | bytearray | memoryview | None) -> bytearray:
+        """The lead's `data` on every rank (the others pass None): the encoded state of the round,
+        sent once over the WAN to the lead and handed on inside the node."""
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        size = torch.tensor([len(data) if self.lead else 0], dtype=torch.int64, device=device)
+        dist.broadcast(size, src=0)
+        if self.lead:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        else:
+            buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        dist.broadcast(buf, src=0)
+        return bytearray(buf.cpu().numpy().tobytes())

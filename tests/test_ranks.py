@@ -1,0 +1,114 @@
+"""A node of several ranks (lordo_fed.node.ranks): two gloo processes on this CPU train as one
+worker whose batch is both ranks' rows together.
+
+The oracle is a one-process worker with the doubled batch: after two rounds (so LoRDO-Global's
+refitted basis and the moments' rotation are in play) its Δ, its moments, its θ and its loss must
+equal the two-rank node's, to fp32 rounding (an all-reduce sums the two halves' gradients in
+another order than one backward pass does), for LoRDO-Global, LoRDO-Local and DiLoCo. Model and
+data as tests/test_worker.py (tiny model, random tokens).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lordo_fed.methods import lowrank_ranks, make_aggregator, make_worker, resolve_method
+from lordo_fed.model import DEFAULT_LOWRANK_PATTERN, lowrank_parameter_names
+from lordo_fed.node.ranks import LocalRanks
+from lordo_fed.optim.config import InnerConfig
+from lordo_fed.outer import OuterConfig
+from lordo_fed.rounds import RoundConfig
+from tests.test_worker import BATCH, K, RANK, SEQ, TOTAL_STEPS, shard, snapshot, tiny_model
+
+METHODS = ("lordo_global", "lordo_local", "diloco")
+ROUNDS = 2
+
+
+def node_rounds(method: str, ranks: LocalRanks | None, batch: int) -> dict:
+    """Two rounds of one node (its worker and its own aggregator, as a one-node federation):
+    every round's update and the final θ and optimizer moments, as host tensors."""
+    torch.set_num_threads(1)
+    s = resolve_method(method, InnerConfig(rank=RANK), RoundConfig(local_steps=K), OuterConfig())
+    model = tiny_model(0)
+    lowrank = lowrank_parameter_names(model) if s.inner.name == "lordo" else []
+    ranks_of = lowrank_ranks(model, DEFAULT_LOWRANK_PATTERN, RANK, s.inner.name)
+    worker = make_worker(0, model, s, shard(0), lowrank, TOTAL_STEPS, batch, SEQ, seed=0, ranks=ranks)
+    agg = make_aggregator(model, s, ranks_of, seed=0)
+    if agg.needs_gradient_init:
+        agg.init_projections([worker.gradient(agg.gradient_request(), sorted(ranks_of))])
+    updates = []
+    for _ in range(ROUNDS):
+        update = worker.train_round(snapshot(agg.global_state()))
+        updates.append({"delta": update.delta, "moments": update.moments, "tokens": update.tokens,
+                        "loss": update.metrics["train_loss"]})
+        agg.aggregate([update])
+    moments = {f"{n}/{k}": v.detach().clone() for n, p in worker.params.items()
+               for k, v in worker.optimizer.state[p].items() if k in ("exp_avg", "exp_avg_sq", "ef")}
+    return {"updates": updates, "theta": {n: p.detach().clone() for n, p in worker.params.items()},
+            "state": moments}
+
+
+def _rank_main(rank: int, world: int, rendezvous: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        results = {m: node_rounds(m, LocalRanks(rank, world), BATCH) for m in METHODS}
+        torch.save(results, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_rank_node(tmp_path_factory):
+    """Both ranks' results of every method (one spawn of two gloo processes for all of them)."""
+    tmp = tmp_path_factory.mktemp("ranks")
+    mp.spawn(_rank_main, args=(2, str(tmp / "rendezvous"), str(tmp / "result")), nprocs=2, join=True)
+    return [torch.load(tmp / f"result.{r}", weights_only=False) for r in range(2)]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Equal up to fp32 rounding as the Adam steps amplify it: a first step divides by √v, so an
+    entry with a tiny gradient moves by ~lr whatever its last bits (measured: at most 6e-4 of the
+    tensor's largest entry after two rounds; another batch moves it by its whole size)."""
+    assert a.shape == b.shape, what
+    worst, scale = (a - b).abs().max().item(), b.abs().max().item()
+    assert worst <= 2e-3 * scale + 1e-9, f"{what}: max |a − b| = {worst:.3g}, max |b| = {scale:.3g}"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_two_ranks_equal_one_process_with_both_batches(two_rank_node, method):
+    reference = node_rounds(method, None, 2 * BATCH)
+    lead, other = (r[method] for r in two_rank_node)
+    for r, (mine, ref) in enumerate(zip(lead["updates"], reference["updates"]), start=1):
+        assert mine["tokens"] == ref["tokens"] == K * 2 * BATCH * SEQ
+        assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert set(mine["delta"]) == set(ref["delta"]) and set(mine["moments"]) == set(ref["moments"])
+        for n in ref["delta"]:
+            _close(mine["delta"][n], ref["delta"][n], f"round {r} Δ {n}")
+        for k in ref["moments"]:
+            _close(mine["moments"][k], ref["moments"][k], f"round {r} {k}")
+    for n in reference["theta"]:
+        _close(lead["theta"][n], reference["theta"][n], f"θ {n}")
+    for k in reference["state"]:
+        _close(lead["state"][k], reference["state"][k], f"state {k}")
+    # the ranks hold the same node state: it is replicated, not sent
+    for n in lead["theta"]:
+        assert torch.equal(lead["theta"][n], other["theta"][n]), n
+    for k in lead["state"]:
+        assert torch.equal(lead["state"][k], other["state"][k]), k
+    # and the comparison can fail: one rank's batch alone is another run
+    single = node_rounds(method, None, BATCH)["updates"][0]["delta"]
+    first = reference["updates"][0]["delta"]
+    assert max((single[n] - first[n]).abs().max().item() / first[n].abs().max().item() for n in first) > 0.1
+
+
+def test_bad_local_ranks_are_refused():
+    with pytest.raises(ValueError, match="intra-node wrapper 'fsdp9'"):
+        LocalRanks(0, 2, "fsdp9")
+    with pytest.raises(ValueError, match="rank=2 of world=2"):
+        LocalRanks(2, 2)
+    assert LocalRanks.from_environment() is None or os.environ.get("WORLD_SIZE", "1") != "1"
