@@ -1214,15 +1214,19 @@ clientapp = "{module}.client_app:app"
 """
 
 
-def start_node_worker(sock: str | os.PathLike, log_path: str | os.PathLike, timeout: float = 60.0) -> subprocess.Popen:
+def start_node_worker(sock: str | os.PathLike, log_path: str | os.PathLike, timeout: float = 60.0,
+                      ranks: int = 1) -> subprocess.Popen:
     """A node worker (`python -m lordo_fed.node`) listening on the unix socket `sock`, in its own
     session (stop it with `stop_process`), started once its socket exists; its output goes to
-    `log_path`. Give the node the node-config key `node-worker = "unix://<sock>"`."""
+    `log_path`. Give the node the node-config key `node-worker = "unix://<sock>"`. With `ranks` > 1,
+    a node of that many ranks under torchrun (gloo on this CPU)."""
     sock = Path(sock)
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root), **{OWNER_VAR: f"node-worker-{uuid.uuid4().hex}"})
+    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    "--nproc-per-node", str(ranks)]
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "lordo_fed.node", "--listen", f"unix://{sock}"], cwd=root,
+        proc = subprocess.Popen([*launcher, "-m", "lordo_fed.node", "--listen", f"unix://{sock}"], cwd=root,
                                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout
     while not sock.exists():
@@ -1244,6 +1248,10 @@ def stop_process(proc: subprocess.Popen, timeout: float = 15.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=timeout)
+    try:  # what it started in its session (a torchrun's ranks), should any outlive it
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def flower_app_pyproject(name: str, module: str, description: str, config: Mapping[str, Any]) -> str:

@@ -112,3 +112,41 @@ def test_bad_local_ranks_are_refused():
     with pytest.raises(ValueError, match="rank=2 of world=2"):
         LocalRanks(2, 2)
     assert LocalRanks.from_environment() is None or os.environ.get("WORLD_SIZE", "1") != "1"
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_ranks_match_the_reference_with_the_doubled_batch(tmp_path):
+    """A real deployment: two SuperNodes, each with a node worker of two ranks (torchrun, gloo)
+    on the gRPC data plane. It ends at the θ of the reference trainer with two workers of the
+    doubled batch (to fp32 rounding, as above), weighting each node by both ranks' tokens; each
+    node still sends one reply the size of a one-process worker's (only the lead talks)."""
+    from lordo_fed.checkpoint import load_checkpoint
+    from tests.flower_harness import Deployment, alive, check_run, start_node_worker, stop_process
+    from tests.test_flower_app import APP, reference_theta, server_records, tiny_run_config
+
+    socks = [tmp_path / f"nw{i}.sock" for i in range(2)]
+    logs = [tmp_path / f"node-worker-{i}.log" for i in range(2)]
+    workers = [start_node_worker(s, log, ranks=2, timeout=120) for s, log in zip(socks, logs)]
+    out = tmp_path / "out"
+    cfg = tiny_run_config(tmp_path, **{"data-plane-insecure": True, "output-dir": str(out)})
+    try:
+        with Deployment(tmp_path, num_nodes=2, node_configs=[{"node-worker": f"unix://{s}"} for s in socks]) as dep:
+            check_run(dep.run(APP, cfg, timeout=300))
+            pids = dep.all_pids()
+        assert not alive(pids)
+    finally:
+        for w in workers:
+            stop_process(w)
+    assert all("lead of 2 ranks" in log.read_text() for log in logs), logs[0].read_text()[-2000:]
+    records = server_records(out)
+    assert all(r["clients_ok"] == 2 and r["clientapps_with_torch"] == 0 for r in records[1:]), records
+    doubled = {**cfg, "batch-size": 2 * cfg["batch-size"]}
+    assert records[-1]["tokens"] == 2 * 2 * cfg["local-steps"] * doubled["batch-size"] * cfg["seq-len"]
+    tensors, _ = load_checkpoint(out / "checkpoints")
+    theta = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
+    reference = reference_theta(doubled, workers=2)
+    worst = max((theta[n] - reference[n]).abs().max().item() for n in reference)
+    assert worst <= 1e-4, f"max |θ_two_rank_nodes − θ_reference| = {worst}"
+    # one voice per node: the reply is Δ and the due moments of one worker, whatever the ranks
+    one_worker = 4 * sum(t.numel() for t in reference.values())
+    assert all(one_worker <= r["bytes_received_per_client"] < 1.5 * one_worker for r in records[1:]), records

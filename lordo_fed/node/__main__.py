@@ -1,5 +1,8 @@
 """`python -m lordo_fed.node --listen unix:///path/node.sock`: run a node worker until SIGTERM/SIGINT.
 
+Under `torchrun --nproc-per-node N` the node worker is N ranks training as one worker (their
+gradients averaged every step, lordo_fed/node/ranks.py): rank 0 listens and speaks for the node.
+
 Point the node's SuperNode at it with the node-config key `node-worker` (scripts/start_supernodes.sh
 --node-workers does both); docs/deployment.md, "Node workers".
 """
@@ -13,33 +16,50 @@ import signal
 import sys
 import threading
 
-from lordo_fed.node.runtime import wait_for_saves
-from lordo_fed.node.service import serve
+from lordo_fed.node import runtime
+from lordo_fed.node.ranks import WRAPPERS, LocalRanks
+from lordo_fed.node.runtime import wait_for_early, wait_for_saves
+from lordo_fed.node.service import follow, serve, stop_followers
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lordo_fed.node", description=__doc__.split("\n\n")[0])
     parser.add_argument("--listen", required=True,
                         help="unix:///path/to/socket (or 127.0.0.1:PORT): where this node's ClientApp reaches it")
+    parser.add_argument("--intra-node", default="ddp", choices=WRAPPERS,
+                        help="how a node of several ranks (torchrun --nproc-per-node N) shares its gradients")
+    parser.add_argument("--rank-timeout", type=float, default=1800.0,
+                        help="seconds a rank waits in a collective for the others before the node's job fails")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ranks = LocalRanks.from_environment(args.intra_node, args.rank_timeout)
+    if ranks is not None and not ranks.lead:
+        runtime.LOCAL_RANKS = ranks
+        print(f"node worker: rank {ranks.rank} of {ranks.world} follows the lead (pid {os.getpid()})", flush=True)
+        follow(ranks)
+        wait_for_early()
+        wait_for_saves()
+        return 0
     if args.listen.startswith("unix:"):
         path = args.listen.removeprefix("unix://").removeprefix("unix:")
         if os.path.exists(path):
             os.unlink(path)  # a socket left by a worker that was killed
         os.umask(0o077)  # the socket: this user only (a job carries capability tokens)
     try:
-        server = serve(args.listen)
+        server = serve(args.listen, ranks=ranks)
     except (OSError, ValueError) as err:
         print(f"node worker: {err}", file=sys.stderr)
         return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"node worker: listening on {args.listen} (pid {os.getpid()})", flush=True)
+    width = "" if ranks is None else f", lead of {ranks.world} ranks"
+    print(f"node worker: listening on {args.listen} (pid {os.getpid()}{width})", flush=True)
     stop.wait()
     server.stop(grace=5).wait()
+    wait_for_early()
     wait_for_saves()
+    stop_followers(ranks)
     return 0
 
 

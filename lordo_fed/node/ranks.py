@@ -23,7 +23,8 @@ A node of one rank has no `LocalRanks` at all: the code paths are today's.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,11 @@ class LocalRanks:
     """N: the node's ranks."""
     wrapper: str = "ddp"
     """How gradients are shared inside the node (`WRAPPERS`)."""
+    control: object = field(default=None, repr=False)
+    """The group the lead hands jobs and states on (gloo, host memory), apart from the gradients'
+    group: a node worker's early steps (`overlap-delay`) all-reduce on a thread while the lead hands
+    on the next job, and collectives of one group must not interleave across threads."""
+    _wrapped: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.wrapper not in WRAPPERS:
@@ -57,10 +63,11 @@ class LocalRanks:
         return self.rank == 0
 
     @classmethod
-    def from_environment(cls, wrapper: str = "ddp") -> "LocalRanks | None":
+    def from_environment(cls, wrapper: str = "ddp", timeout: float = 1800.0) -> "LocalRanks | None":
         """The node's ranks as `torchrun` describes them (RANK, WORLD_SIZE and the rendezvous in the
-        environment): joins the process group (NCCL when this rank has a CUDA device, else gloo)
-        and returns this rank's place; None for a node of one process."""
+        environment): joins the process group (NCCL when this rank has a CUDA device, else gloo;
+        a collective that waits `timeout` seconds for a dead rank fails) and returns this rank's
+        place; None for a node of one process."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1 and not dist.is_initialized():
             return None
@@ -68,20 +75,26 @@ class LocalRanks:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend)
-        return cls(dist.get_rank(), dist.get_world_size(), wrapper)
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        return cls(dist.get_rank(), dist.get_world_size(), wrapper, control)
 
     # ----------------------------------------------------------------------------- training
     def wrap(self, model: nn.Module) -> nn.Module:
         """The module local steps run forward through: DDP averages the gradients across the ranks
-        in its backward hooks (bucketed, overlapping the backward pass). It also makes every rank
-        start from rank 0's parameters."""
+        in its backward hooks (bucketed, overlapping the backward pass), and makes every rank start
+        from rank 0's parameters. One wrapper per model (a node's workers share its model: a second
+        wrapper would hook the same gradients twice)."""
         from torch.nn.parallel import DistributedDataParallel
 
-        device = next(model.parameters()).device
-        # the model's buffers are constants (RoPE tables): synced once at init, not before every forward
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                       forward_sync_buffers=False)
+        wrapped = self._wrapped.get(id(model))
+        if wrapped is None or wrapped.module is not model:
+            device = next(model.parameters()).device
+            # the model's buffers are constants (RoPE tables): synced once at init, not before every forward
+            wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                              forward_sync_buffers=False)
+            self._wrapped = {id(model): wrapped}  # one model per process (the runtime's): drop older ones
+        return wrapped
 
     def rows(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         """This rank's rows of the node's batch (x, y of N·B windows): rows [rank·B, (rank+1)·B)."""
@@ -97,15 +110,18 @@ class LocalRanks:
         return t / self.world
 
     # ----------------------------------------------------------------------------- the lead's voice
-    def broadcast_bytes(self, data: bytes | bytearray | memoryview | None) -> bytearray:
-        """The lead's `data` on every rank (the others pass None): the encoded state of the round,
-        sent once over the WAN to the lead and handed on inside the node."""
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-        size = torch.tensor([len(data) if self.lead else 0], dtype=torch.int64, device=device)
-        dist.broadcast(size, src=0)
-        if self.lead:
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    def broadcast_bytes(self, data: bytes | bytearray | memoryview | None) -> bytearray | memoryview:
+        """The lead's `data` on every rank (the others pass None), on the control group: a job, or
+        the encoded state of the round, sent once over the WAN to the lead and handed on inside
+        the node. The lead gets its own bytes back (as a bytearray)."""
+        size = torch.tensor([len(data) if self.lead else 0], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.control)
+        if not self.lead:
+            buf = bytearray(int(size.item()))
+        elif isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly):
+            buf = data  # the lead's own writable buffer (a download): sent from where it is
         else:
-            buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-        dist.broadcast(buf, src=0)
-        return bytearray(buf.cpu().numpy().tobytes())
+            buf = bytearray(data)
+        if len(buf):
+            dist.broadcast(torch.frombuffer(buf, dtype=torch.uint8), src=0, group=self.control)
+        return buf

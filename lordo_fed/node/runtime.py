@@ -33,6 +33,7 @@ from lordo_fed.data import TokenShard, load_dataset
 from lordo_fed.device import pick_device
 from lordo_fed.methods import MethodSettings, lowrank_ranks, make_worker, resolve_method, with_local_steps
 from lordo_fed.model import build_model, lowrank_parameter_names
+from lordo_fed.node.ranks import LocalRanks
 from lordo_fed.node.store import DiskStore, StateStore
 from lordo_fed.tokenizer import load_tokenizer
 from lordo_fed.wire.payload import downlink_codecs, wire_dtype
@@ -125,7 +126,27 @@ class Runtime:
         data = self.cfg.data
         settings = with_local_steps(self.settings, local_steps or self.settings.rounds.local_steps)
         return make_worker(partition_id, self.model, settings, shard, self.lowrank, self.cfg.total_steps,
-                           data.batch_size, data.seq_len, seed=data.seed, payload=self.cfg.payload_dtype)
+                           data.batch_size, data.seq_len, seed=data.seed, payload=self.cfg.payload_dtype,
+                           ranks=LOCAL_RANKS)
+
+
+LOCAL_RANKS: LocalRanks | None = None
+"""This process's place in a node of several ranks (set by the node worker under torchrun); None
+for a node of one process."""
+
+
+class ReadOnlyStore:
+    """The store as a rank that is not the lead sees it: it loads the lead's copy of the node's
+    (replicated) state, and saves nothing."""
+
+    def __init__(self, store: StateStore):
+        self.store = store
+
+    def load(self, round_idx: int | None = None):
+        return self.store.load(round_idx)
+
+    def save(self, round_idx: int, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        pass
 
 
 
@@ -261,7 +282,7 @@ def _train_early(worker: Worker, save: Future | None) -> float:
 
 def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
             store_for: Callable[[AppConfig, int], StateStore] = disk_store, presets: Path = PRESET_DIR,
-            save_in_background: bool = False, stream_reply: bool = False
+            save_in_background: bool = False, stream_reply: bool = False, encode_reply: bool = True
             ) -> tuple[bytes | StreamingEncode, dict[str, float]]:
     """One server message: the received state in, the encoded reply and its metrics out.
 
@@ -274,7 +295,8 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
     tensors: the next job waits for it once its download is in, before it touches the state, so a
     worker killed between rounds finds the round on disk). QUERY: the gradient
     at θ0 of the low-rank weights. With `stream_reply`, a TRAIN reply is returned as a
-    `StreamingEncode` still being written (the caller uploads it as it fills).
+    `StreamingEncode` still being written (the caller uploads it as it fills); without
+    `encode_reply` (a rank that is not its node's lead) the reply is not encoded at all (b"").
 
     Metrics: `setup-seconds` (runtime, data, worker state: mostly first-message cost in a fresh
     process), `train-seconds` (the K local steps alone), `codec-seconds` (decoding the state plus
@@ -343,7 +365,9 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
         _PENDING_EARLY[pid] = _EARLY.submit(_train_early, worker, _PENDING_SAVES.get(pid))
 
     encode_started = time.perf_counter()
-    if stream_reply:  # encoded on a thread while the caller uploads it (its encode-seconds are set then)
+    if not encode_reply:
+        sent = b""
+    elif stream_reply:  # encoded on a thread while the caller uploads it (its encode-seconds are set then)
         sent = StreamingEncode(update, rt.model_id, wire_dtype(rt.cfg.payload_dtype))
     else:
         sent = encode_update(update, rt.model_id, wire_dtype(rt.cfg.payload_dtype))

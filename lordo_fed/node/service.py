@@ -9,6 +9,11 @@ After each round it persists the worker state to disk on a thread, off the criti
 next round waits for it), so a restarted worker resumes from disk without losing a round.
 
     python -m lordo_fed.node --listen unix:///run/lordo/node-0.sock
+    torchrun --standalone --nproc-per-node 8 -m lordo_fed.node --listen unix:///run/lordo/node-0.sock
+
+Under torchrun the node is N ranks (lordo_fed/node/ranks.py): the lead (rank 0) serves the
+ClientApp and talks to the data plane; it hands each job and the state it downloaded to the other
+ranks (`follow`), all ranks train the round together, and the lead alone uploads and saves.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ import grpc
 
 from lordo_fed.appconfig import PRESET_DIR
 from lordo_fed.node.channel import OPTIONS, check_local
-from lordo_fed.node.runtime import Job, run_job, runtime_for
+from lordo_fed.node import runtime
+from lordo_fed.node.ranks import LocalRanks
+from lordo_fed.node.runtime import Job, ReadOnlyStore, disk_store, run_job, runtime_for
 from lordo_fed.codec import StreamingEncode
 from lordo_fed.transport.client import DataPlaneError, download, parse_ticket, transfer_timeout, upload
 from lordo_fed.v1 import node_pb2 as pb
@@ -36,8 +43,10 @@ log = logging.getLogger("lordo_fed.node")
 class NodeWorkerServicer(pb_grpc.NodeWorkerServicer):
     """Runs the jobs of one node, one at a time (they share the node's device and state)."""
 
-    def __init__(self, presets: Path = PRESET_DIR):
+    def __init__(self, presets: Path = PRESET_DIR, ranks: LocalRanks | None = None):
         self.presets = presets
+        self.ranks = ranks
+        """A node of several ranks: this is its lead, which hands every job on to the others."""
         self._lock = threading.Lock()
         self.jobs = 0
 
@@ -64,6 +73,8 @@ class NodeWorkerServicer(pb_grpc.NodeWorkerServicer):
             def receive(timeout: float) -> bytes:
                 return request.payload
         presets = Path(request.presets_dir) if request.presets_dir else self.presets
+        if self.ranks is not None:  # the other ranks run the same job on the same bytes
+            receive = self._hand_on(request, receive)
         sent, metrics = run_job(job, receive, presets=presets, save_in_background=True, stream_reply=ticket is not None)
         self.jobs += 1
         metrics["node-worker-jobs"] = self.jobs
@@ -93,10 +104,68 @@ class NodeWorkerServicer(pb_grpc.NodeWorkerServicer):
         return result
 
 
-def serve(listen: str, presets: Path = PRESET_DIR) -> grpc.Server:
-    """Start the node worker's gRPC server on `listen` (a unix socket or a loopback port)."""
+    def _hand_on(self, request: pb.NodeJob, receive):
+        """Send the job to the other ranks now, and `receive` wrapped so that the state it
+        returns (or an empty one: its download failed) goes to them too."""
+        ranks = self.ranks
+        ranks.broadcast_bytes(json.dumps({
+            "kind": request.kind, "run_id": request.run_id, "run_config_json": request.run_config_json,
+            "explicit_keys": list(request.explicit_keys), "node_config_json": request.node_config_json,
+            "presets_dir": request.presets_dir}).encode())
+
+        def handed_on(timeout: float):
+            try:
+                data = receive(timeout)
+            except BaseException:
+                ranks.broadcast_bytes(b"")
+                raise
+            return ranks.broadcast_bytes(data)
+        return handed_on
+
+
+def follow(ranks: LocalRanks, presets: Path = PRESET_DIR) -> None:
+    """A rank that is not its node's lead: run every job the lead hands on, on the state it hands
+    on, until it hands on an empty job (its shutdown). Such a rank loads the lead's copy of the
+    node's state (it is replicated) and saves, encodes and uploads nothing."""
+    jobs = 0
+    while True:
+        raw = ranks.broadcast_bytes(None)
+        if not raw:
+            log.info("rank %d: the lead stopped; %d jobs run", ranks.rank, jobs)
+            return
+        spec = json.loads(bytes(raw))
+        job = Job(spec["kind"], spec["run_id"], json.loads(spec["run_config_json"]), tuple(spec["explicit_keys"]),
+                  json.loads(spec["node_config_json"]))
+
+        def receive(timeout: float) -> bytearray:
+            data = ranks.broadcast_bytes(None)
+            if not data:
+                raise RuntimeError("the lead rank could not get the round's state (its download failed)")
+            return data
+        try:
+            run_job(job, receive, store_for=lambda cfg, pid: ReadOnlyStore(disk_store(cfg, pid)),
+                    presets=Path(spec["presets_dir"]) if spec["presets_dir"] else presets,
+                    save_in_background=True, encode_reply=False)
+            jobs += 1
+        except Exception:  # noqa: BLE001 (the lead reports the job's failure to the server)
+            log.exception("rank %d: job %s of run %d failed", ranks.rank, job.kind, job.run_id)
+
+
+def stop_followers(ranks: LocalRanks | None) -> None:
+    """The lead's shutdown: the other ranks leave `follow`."""
+    if ranks is not None and ranks.lead and ranks.world > 1:
+        try:
+            ranks.broadcast_bytes(b"")
+        except Exception as err:  # noqa: BLE001 (torchrun may have stopped them already: SIGTERM reaches every rank)
+            log.info("the other ranks are gone already (%s)", err)
+
+
+def serve(listen: str, presets: Path = PRESET_DIR, ranks: LocalRanks | None = None) -> grpc.Server:
+    """Start the node worker's gRPC server on `listen` (a unix socket or a loopback port); with
+    `ranks`, as the lead of a node of several ranks."""
+    runtime.LOCAL_RANKS = ranks
     server = grpc.server(ThreadPoolExecutor(max_workers=2), options=OPTIONS)
-    pb_grpc.add_NodeWorkerServicer_to_server(NodeWorkerServicer(presets), server)
+    pb_grpc.add_NodeWorkerServicer_to_server(NodeWorkerServicer(presets, ranks), server)
     if server.add_insecure_port(check_local(listen)) == 0:
         raise OSError(f"node worker: cannot listen on {listen}")
     server.start()
