@@ -74,9 +74,11 @@ QUICK_CASES = [(2, "8mbit", "grpc", 3, 2)]
 """--quick: one overlapped case (the synchronous path is tests/test_wan.py's deployment)."""
 
 
-def emulate(nodes: int, link: str, run_config: dict[str, Any], work: Path, timeout: float, what: str) -> list[dict]:
+def emulate(nodes: int, link: str, run_config: dict[str, Any], work: Path, timeout: float, what: str,
+            ranks_per_node: int = 1) -> list[dict]:
     """Run one `lordo-emulate` deployment (1 torch thread per process) and return its server.jsonl records."""
     cfg = EmulationConfig(nodes=nodes, link=link, app=ROOT, out_dir=work, threads=1, timeout=timeout,
+                          ranks_per_node=ranks_per_node,
                           run_config=[" ".join(f"{k}={json.dumps(v)}" for k, v in run_config.items())])
     with Emulation(cfg) as emulation:
         status = emulation.submit(None)

@@ -285,3 +285,11 @@ def test_compression_quick(tmp_path):
     quality = {r["payload"]: r for r in result["quality"]}
     assert set(quality) == {"fp32", "int8"} and quality["int8"]["bytes_vs_fp32"] > 1.5
     assert (tmp_path / "compression.png").exists()
+
+
+def test_node_ranks_quick(tmp_path):
+    """benchmarks/node_ranks.py --quick: local steps through DDP (gloo, one rank) against the bare model."""
+    result = run_quick("node_ranks.py", tmp_path, timeout=120)
+    o = result["overhead"]
+    assert o["bare_seconds_per_step"] > 0 and o["ddp_seconds_per_step"] > 0 and o["samples"] == 4
+    assert o["ddp_over_bare"] == o["ddp_seconds_per_step"] / o["bare_seconds_per_step"]

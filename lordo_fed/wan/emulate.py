@@ -63,6 +63,8 @@ class EmulationConfig:
     """A long-lived node worker beside each SuperNode (the model stays in memory between rounds)."""
     threads: int = 0
     """torch threads per node and for the server (0: the cores split between nodes and server)."""
+    ranks_per_node: int = 1
+    """Ranks of each node worker (torchrun --nproc-per-node; gloo on CPU): a site of several GPUs."""
     port: int = 8000
     """The SuperLink's port inside the coordinator's namespace."""
     timeout: float = 3600.0
@@ -75,6 +77,9 @@ class EmulationConfig:
             raise ValueError(f"--nodes {self.nodes}: expected 1..200")
         if self.threads < 0:
             raise ValueError(f"--threads {self.threads}: expected >= 0 (0 = automatic)")
+        if self.ranks_per_node < 1 or (self.ranks_per_node > 1 and not self.node_workers):
+            raise ValueError(f"--ranks-per-node {self.ranks_per_node}: expected >= 1, and node workers (ranks are "
+                             "node-worker processes)")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"--port {self.port}: expected 1..65535")
         if not self.timeout > 0:
@@ -106,6 +111,12 @@ class Emulation:
     def _env(self, home: str) -> dict[str, str]:
         env = {**os.environ, **FLOWER_ENV, "FLWR_HOME": str(self.dir / home), "OMP_NUM_THREADS": str(self.threads)}
         return env
+
+    def _node_launcher(self) -> list[str]:
+        """How a node worker starts: python, or torchrun for a node of several ranks."""
+        n = self.cfg.ranks_per_node
+        return [sys.executable] if n == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                "--nproc-per-node", str(n)]
 
     def _spawn(self, name: str, namespace: str, cmd: list[str], home: str) -> subprocess.Popen:
         log_path = self.dir / f"{name}.log"
@@ -146,7 +157,8 @@ class Emulation:
             if self.cfg.node_workers:
                 sock = self.dir / f"node-worker-{i}.sock"
                 self._spawn(f"node-worker-{i}", topo.node(i),
-                            [sys.executable, "-m", "lordo_fed.node", "--listen", f"unix://{sock}"], f"node-{i}.home")
+                            [*self._node_launcher(), "-m", "lordo_fed.node", "--listen", f"unix://{sock}"],
+                            f"node-{i}.home")
                 node_config += f" node-worker=\"unix://{sock}\""
             self._spawn(f"supernode-{i}", topo.node(i),
                         ["flower-supernode", "--insecure", "--superlink", f"{topo.coordinator_address}:{port}",
@@ -278,6 +290,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EmulationCon
     p.add_argument("--dir", type=Path, default=defaults.out_dir, help="logs, sockets and outputs (default run/emulate)")
     p.add_argument("--no-node-workers", action="store_true", help="train in the ClientApp process (no node workers)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per node and server (default: cores split)")
+    p.add_argument("--ranks-per-node", type=int, default=1,
+                   help="ranks of each node worker (torchrun; a site of several GPUs, gloo here)")
     p.add_argument("--port", type=int, default=defaults.port, help="SuperLink port in the coordinator namespace")
     p.add_argument("--timeout", type=float, default=defaults.timeout, help="stop the run after this many seconds")
     p.add_argument("--tag", default="", help="namespace names lfemu-TAG-* (default: random)")
@@ -287,6 +301,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EmulationCon
     cfg = EmulationConfig(nodes=args.nodes, link=args.link, app=args.app,
                           run_config=args.run_config + ([" ".join(args.overrides)] if args.overrides else []),
                           out_dir=args.dir, node_workers=not args.no_node_workers, threads=args.threads,
+                          ranks_per_node=args.ranks_per_node,
                           port=args.port, timeout=args.timeout, tag=args.tag)
     return args, cfg
 
