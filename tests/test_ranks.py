@@ -117,21 +117,40 @@ def test_bad_local_ranks_are_refused():
 @pytest.mark.slow
 def test_two_nodes_of_two_ranks_match_the_reference_with_the_doubled_batch(tmp_path):
     """A real deployment: two SuperNodes, each with a node worker of two ranks (torchrun, gloo)
-    on the gRPC data plane. It ends at the θ of the reference trainer with two workers of the
-    doubled batch (to fp32 rounding, as above), weighting each node by both ranks' tokens; each
-    node still sends one reply the size of a one-process worker's (only the lead talks)."""
+    on the gRPC data plane, over three rounds; node 1's whole worker (both ranks) is SIGKILLed once
+    round 1 is saved, and restarted: both ranks resume from the lead's saved copy of the node's
+    state. The run ends at the θ of the reference trainer with two workers of the doubled batch
+    (to fp32 rounding, as above), each node weighted by both ranks' tokens, and each node sends
+    one reply the size of a one-process worker's (only the lead talks)."""
+    import os
+    import signal
+    import time
+
     from lordo_fed.checkpoint import load_checkpoint
     from tests.flower_harness import Deployment, alive, check_run, start_node_worker, stop_process
     from tests.test_flower_app import APP, reference_theta, server_records, tiny_run_config
+    from tests.test_reliability import Background
 
     socks = [tmp_path / f"nw{i}.sock" for i in range(2)]
     logs = [tmp_path / f"node-worker-{i}.log" for i in range(2)]
     workers = [start_node_worker(s, log, ranks=2, timeout=120) for s, log in zip(socks, logs)]
     out = tmp_path / "out"
-    cfg = tiny_run_config(tmp_path, **{"data-plane-insecure": True, "output-dir": str(out)})
+    cfg = tiny_run_config(tmp_path, **{"num-server-rounds": 3, "data-plane-insecure": True, "output-dir": str(out)})
     try:
         with Deployment(tmp_path, num_nodes=2, node_configs=[{"node-worker": f"unix://{s}"} for s in socks]) as dep:
-            check_run(dep.run(APP, cfg, timeout=300))
+            run = Background(dep.run, APP, cfg, timeout=300, log_path=tmp_path / "run.log")
+            state = out / "client_state" / "partition_1"
+            deadline = time.monotonic() + 240
+            while not (len(server_records(out)) >= 2 if (out / "server.jsonl").exists() else False):
+                assert run.running() and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
+                time.sleep(0.05)
+            while not list(state.glob("*0001*.json")):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            os.killpg(workers[1].pid, signal.SIGKILL)  # torchrun and both its ranks
+            workers[1].wait(timeout=10)
+            workers[1] = start_node_worker(socks[1], logs[1], ranks=2, timeout=120)
+            check_run(run.result(300))
             pids = dep.all_pids()
         assert not alive(pids)
     finally:
@@ -139,9 +158,11 @@ def test_two_nodes_of_two_ranks_match_the_reference_with_the_doubled_batch(tmp_p
             stop_process(w)
     assert all("lead of 2 ranks" in log.read_text() for log in logs), logs[0].read_text()[-2000:]
     records = server_records(out)
+    assert [r["round"] for r in records] == [0, 1, 2, 3]
     assert all(r["clients_ok"] == 2 and r["clientapps_with_torch"] == 0 for r in records[1:]), records
+    assert all(r["clients_fresh_state"] == 0 for r in records[1:]), "the restarted node lost its state"
     doubled = {**cfg, "batch-size": 2 * cfg["batch-size"]}
-    assert records[-1]["tokens"] == 2 * 2 * cfg["local-steps"] * doubled["batch-size"] * cfg["seq-len"]
+    assert records[-1]["tokens"] == 3 * 2 * cfg["local-steps"] * doubled["batch-size"] * cfg["seq-len"]
     tensors, _ = load_checkpoint(out / "checkpoints")
     theta = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
     reference = reference_theta(doubled, workers=2)
