@@ -62,21 +62,22 @@ def server_records(out: Path) -> list[dict]:
 EF_OPTIONS = {"sync-ef": True, "ef-reset": True, "ef-decay": 0.8, "full-rank-term": "gradient", "switch-step": 4}
 
 
-@pytest.mark.parametrize("variant,extra", [("lordo_global", {}), ("lordo_global", {"dense-sync-factor": 2}),
+@pytest.mark.parametrize("variant,extra", [("lordo_global", {}),
+                                           ("lordo_global", {"dense-sync-factor": 2, "overlap-delay": 2}),
                                            ("lordo_global", EF_OPTIONS), ("diloco", {}), ("desloc", {}),
-                                           ("lordo_global", {"payload-dtype": "lowrank+topk2bit+rows"}),
-                                           ("lordo_global", {"overlap-delay": 2})])
+                                           ("lordo_global", {"payload-dtype": "lowrank+topk2bit+rows"})])
 def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     """Baselines run through the same app by config: DiLoCo (AdamW, Nesterov outer, no state
     sync) and DES-LOC (AdamW, states averaged at their own periods); LoRDO-Global also with the
-    embedding's and norms' moments averaged every second round only (dense-sync-factor=2), and
+    embedding's and norms' moments averaged every second round only (dense-sync-factor=2) in
+    overlapped rounds (overlap-delay=2), and
     with the error-feedback options and the two-phase switch (E crosses the wire both ways; the
     switch at step 4 falls inside round 2); and with compressed payloads (`lowrank+topk2bit+rows`:
     the matrices' Δ as int8 coordinates in the round's shared basis plus a top-k 2-bit residual, the
     embedding row-sparse int8, the norms int8, with error feedback on the clients; moments int8),
-    which the server decodes with the run's codecs and rebuilds; and with overlapped rounds (round 2
-    starts from each client's own θ and merges the global state after 2 of its 3 steps: the
-    clients keep the round they sent in their state between messages)."""
+    which the server decodes with the run's codecs and rebuilds. Overlapped rounds: round 2 starts
+    from each client's own θ and merges the global state after 2 of its 3 steps (the clients keep
+    the round they sent in their state between messages)."""
     run_config = tiny_run_config(tmp_path, variant=variant, **extra)
     env = flower_env(tmp_path)
     proc = run_simulation(APP, env, num_supernodes=2, run_config=run_config, timeout=240, check=True,
