@@ -171,3 +171,34 @@ def test_two_nodes_of_two_ranks_match_the_reference_with_the_doubled_batch(tmp_p
     # one voice per node: the reply is Δ and the due moments of one worker, whatever the ranks
     one_worker = 4 * sum(t.numel() for t in reference.values())
     assert all(one_worker <= r["bytes_received_per_client"] < 1.5 * one_worker for r in records[1:]), records
+
+
+def _dead_peer_main(rank: int, rendezvous: str, out: str) -> None:
+    import time
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=20))
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    ranks = LocalRanks(rank, 2, control=control)
+    assert bytes(ranks.broadcast_bytes(b"job" if ranks.lead else None)) == b"job"
+    if rank == 1:
+        os._exit(0)  # a rank dies between jobs
+    started = time.monotonic()
+    try:
+        ranks.broadcast_bytes(b"next job")
+        outcome = "no error"
+    except Exception as err:  # noqa: BLE001
+        outcome = f"{type(err).__name__}: {err}"
+    with open(out, "w") as f:
+        f.write(f"{time.monotonic() - started:.1f}\n{outcome}")
+    os._exit(0)
+
+
+def test_a_dead_rank_fails_the_leads_next_job_instead_of_hanging(tmp_path):
+    """The lead hands a job on to a rank that has died: the collective raises (the node's job
+    fails and the server goes on without the node), within the rank timeout, instead of hanging."""
+    out = tmp_path / "outcome"
+    mp.spawn(_dead_peer_main, args=(str(tmp_path / "rendezvous"), str(out)), nprocs=2, join=True)
+    seconds, outcome = out.read_text().split("\n", 1)
+    assert outcome != "no error" and float(seconds) < 25, outcome
