@@ -12,6 +12,7 @@ Each step is a subprocess that writes its own `benchmarks/results/gpu_*.json`; t
 | `round125m` | benchmarks/framework_overhead.py, 125m preset: the reference trainer against a deployment with the server and two node workers on this one GPU (issue 11: a round split into transfer, training, aggregation) | `gpu_framework_overhead_125m.json` |
 | `dataplane` | benchmarks/dataplane_throughput.py on this machine's 16 cores (the data plane against bare gRPC when the nodes do not share 2 cores) | `gpu_machine_dataplane_throughput.json` |
 | `overhead16m` | benchmarks/framework_overhead.py, 16m, reference / two at once / node workers, on 16 cores | `gpu_machine_framework_overhead_16m.json` |
+| `ranks` | benchmarks/node_ranks.py --overhead-only: a one-rank node's local steps through DDP (NCCL) against the bare model, 125m (issue 17: ≤ 5%) | `gpu_node_ranks.json` |
 
 The 2-client 125m simulation round the GPU-readiness issue asks for is the `round125m` step's
 reference trainer (two workers and the aggregator in one process on the GPU) beside the
@@ -23,7 +24,7 @@ so run `scripts/device_wheels.sh` here once and carry `.whl`; one device command
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH && python3 benchmarks/gpu_check.py --only tests,step16m,step125m
-    ... --only round125m      ... --only dataplane,overhead16m
+    ... --only round125m      ... --only dataplane,overhead16m      ... --only ranks
 
     python benchmarks/gpu_check.py --quick --device cpu --only tests,step16m   # the orchestration, on a CPU
 Copy the result files back from $OUT (`--out-dir $OUT`) into benchmarks/results/.
@@ -42,7 +43,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-STEPS = ("tests", "step16m", "step125m", "memory", "round125m", "dataplane", "overhead16m")
+STEPS = ("tests", "step16m", "step125m", "memory", "round125m", "dataplane", "overhead16m", "ranks")
 
 
 def commands(step: str, device: str, quick: bool, out_dir: Path) -> tuple[list[str], Path, float]:
@@ -71,6 +72,10 @@ def commands(step: str, device: str, quick: bool, out_dir: Path) -> tuple[list[s
         out = out_dir / "gpu_machine_framework_overhead_16m.json"
         return [py, str(bench / "framework_overhead.py"), *q, "--preset", "tiny" if quick else "16m",
                 "--modes", "reference,reference-concurrent,node-workers", "--out", str(out)], out, 560
+    if step == "ranks":
+        out = out_dir / "gpu_node_ranks.json"
+        return [py, str(bench / "node_ranks.py"), *q, "--overhead-only", "--device", device,
+                "--preset", "tiny" if quick else "125m", "--out", str(out)], out, 560
     raise ValueError(f"unknown step {step!r}: expected one of {STEPS}")
 
 

@@ -6,11 +6,12 @@
    against 4 one-rank nodes. Bytes are the server's own counts of what each node received and sent
    (server.jsonl), per round and summed over the nodes.
 2. **Wrapper overhead.** One process, one rank: LoRDO-Local local steps of the 16m preset through DDP (gloo,
-   world size 1) against the bare model, alternated, median of each (the issue's ≤ 5%; on a GPU
-   with NCCL `benchmarks/gpu_check.py` would take it).
+   world size 1; NCCL with `--device cuda`) against the bare model, alternated, median of each
+   (the issue's ≤ 5%; `benchmarks/gpu_check.py --only ranks` takes it on a GPU, 125m).
 
     sudo python benchmarks/node_ranks.py          # ~4 min on 2 cores
     sudo python benchmarks/node_ranks.py --quick  # tiny preset: the overhead part only (the tests run it)
+    python benchmarks/node_ranks.py --overhead-only --device cuda --preset 125m --out benchmarks/results/gpu_node_ranks.json
 Writes benchmarks/results/node_ranks.json.
 """
 
@@ -47,8 +48,9 @@ def bytes_case(nodes: int, ranks: int, work: Path, rounds: int = 3) -> dict[str,
             "final_val_loss": records[-1].get("val_loss")}
 
 
-def wrapper_overhead(preset: str, batch: int, steps: int, repeats: int) -> dict[str, Any]:
-    """Seconds per local step through DDP (gloo, one rank) and through the bare model, alternated."""
+def wrapper_overhead(preset: str, batch: int, steps: int, repeats: int, device: str = "cpu") -> dict[str, Any]:
+    """Seconds per local step through DDP (one rank: gloo, or NCCL on CUDA) and through the bare
+    model, alternated (each sample ends in the loss's host read: the GPU's work is in it)."""
     import torch
     import torch.distributed as dist
 
@@ -62,16 +64,19 @@ def wrapper_overhead(preset: str, batch: int, steps: int, repeats: int) -> dict[
 
     import numpy as np
 
-    torch.set_num_threads(1)
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=0, world_size=1)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"file://{tmp}/rdv", rank=0,
+                                world_size=1)
         try:
             s = resolve_method("lordo_local", InnerConfig(rank=16), RoundConfig(local_steps=steps), OuterConfig())
             shard = TokenShard(np.random.default_rng(0).integers(0, 256, size=1 << 18), shard_id=0)
             workers = {}
             for name, ranks in (("bare", None), ("ddp", LocalRanks(0, 1))):
                 torch.manual_seed(0)
-                model = build_model(ModelConfig(preset=preset), 256)
+                model = build_model(ModelConfig(preset=preset), 256).to(dev)
                 workers[name] = make_worker(0, model, s, shard, lowrank_parameter_names(model), 10 ** 6, batch, 128,
                                             seed=0, ranks=ranks)
             seconds: dict[str, list[float]] = {"bare": [], "ddp": []}
@@ -84,7 +89,7 @@ def wrapper_overhead(preset: str, batch: int, steps: int, repeats: int) -> dict[
         finally:
             dist.destroy_process_group()
     bare, ddp = statistics.median(seconds["bare"][1:]), statistics.median(seconds["ddp"][1:])
-    return {"preset": preset, "batch": batch, "steps_per_sample": steps, "samples": repeats - 1,
+    return {"preset": preset, "device": str(dev), "batch": batch, "steps_per_sample": steps, "samples": repeats - 1,
             "bare_seconds_per_step": bare, "ddp_seconds_per_step": ddp, "ddp_over_bare": ddp / bare,
             "samples_bare": seconds["bare"], "samples_ddp": seconds["ddp"]}
 
@@ -92,12 +97,16 @@ def wrapper_overhead(preset: str, batch: int, steps: int, repeats: int) -> dict[
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser("node_ranks", __doc__, "tiny preset, the wrapper overhead only")
     parser.add_argument("--work", default="", help="keep each deployment's logs here (default: a temporary folder)")
+    parser.add_argument("--device", default="cpu", help="where the overhead part trains (cuda: NCCL)")
+    parser.add_argument("--preset", default="", help="model of the overhead part (default 16m; quick tiny)")
+    parser.add_argument("--overhead-only", action="store_true", help="skip the deployments (a GPU machine)")
     args = parser.parse_args(argv)
     result = result_header("node_ranks", args.quick, {"model": MODEL, "cases": CASES, "link": "1gbit"})
     if args.quick:
-        result["overhead"] = wrapper_overhead("tiny", 4, 4, 5)
+        result["overhead"] = wrapper_overhead(args.preset or "tiny", 4, 4, 5, args.device)
     else:
-        result["overhead"] = wrapper_overhead("16m", 8, 8, 9)
+        result["overhead"] = wrapper_overhead(args.preset or "16m", 8, 8, 9, args.device)
+    if not args.quick and not args.overhead_only:
         result["bytes"] = []
         with tempfile.TemporaryDirectory(prefix="node_ranks_") as tmp:
             for nodes, ranks in CASES:

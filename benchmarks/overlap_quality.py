@@ -31,8 +31,8 @@ except ImportError:  # run as `python benchmarks/overlap_quality.py`
     from common import make_parser, new_figure, png_path, result_header, write_json
     from quality import ROOT, Run, execute
 
-TAUS = (0, 4, 16, 31)
-"""Overlap delays: synchronous, 1/8, 1/2 and all but one of K = 32 steps."""
+TAUS = (0, 1, 2, 4, 16, 31)
+"""Overlap delays: synchronous, 1, 2, 4 (1/8), 16 (1/2) and all but one of K = 32 steps."""
 BASE = ("total_steps=512", "eval_every=2", "eval_batches=32", "inner.rank=16", "threads=1", "diagnostics=false")
 QUICK_TAUS = (0, 2)
 QUICK_BASE = ("model.preset=tiny", "total_steps=12", "rounds.local_steps=4", "data.seq_len=32", "data.batch_size=4",
