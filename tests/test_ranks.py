@@ -117,9 +117,10 @@ def test_bad_local_ranks_are_refused():
 @pytest.mark.slow
 def test_two_nodes_of_two_ranks_match_the_reference_with_the_doubled_batch(tmp_path):
     """A real deployment: two SuperNodes, each with a node worker of two ranks (torchrun, gloo)
-    on the gRPC data plane, over three rounds; node 1's whole worker (both ranks) is SIGKILLed once
-    round 1 is saved, and restarted: both ranks resume from the lead's saved copy of the node's
-    state. The run ends at the θ of the reference trainer with two workers of the doubled batch
+    on the gRPC data plane, over three overlapped rounds (both ranks train the next round's early
+    steps on a thread while the lead uploads and hands on the next job); node 1's whole worker
+    (both ranks) is SIGKILLed once round 1 is saved, and restarted: both ranks resume from the
+    lead's saved copy of the node's state, the round it sent included. The run ends at the θ of the reference trainer with two workers of the doubled batch
     (to fp32 rounding, as above), each node weighted by both ranks' tokens, and each node sends
     one reply the size of a one-process worker's (only the lead talks)."""
     import os
@@ -135,7 +136,8 @@ def test_two_nodes_of_two_ranks_match_the_reference_with_the_doubled_batch(tmp_p
     logs = [tmp_path / f"node-worker-{i}.log" for i in range(2)]
     workers = [start_node_worker(s, log, ranks=2, timeout=120) for s, log in zip(socks, logs)]
     out = tmp_path / "out"
-    cfg = tiny_run_config(tmp_path, **{"num-server-rounds": 3, "data-plane-insecure": True, "output-dir": str(out)})
+    cfg = tiny_run_config(tmp_path, **{"num-server-rounds": 3, "data-plane-insecure": True, "output-dir": str(out),
+                                       "overlap-delay": 2})
     try:
         with Deployment(tmp_path, num_nodes=2, node_configs=[{"node-worker": f"unix://{s}"} for s in socks]) as dep:
             run = Background(dep.run, APP, cfg, timeout=300, log_path=tmp_path / "run.log")
@@ -161,6 +163,7 @@ def test_two_nodes_of_two_ranks_match_the_reference_with_the_doubled_batch(tmp_p
     assert [r["round"] for r in records] == [0, 1, 2, 3]
     assert all(r["clients_ok"] == 2 and r["clientapps_with_torch"] == 0 for r in records[1:]), records
     assert all(r["clients_fresh_state"] == 0 for r in records[1:]), "the restarted node lost its state"
+    assert [r["clients_overlapped"] for r in records[1:]] == [0, 2, 2], records
     doubled = {**cfg, "batch-size": 2 * cfg["batch-size"]}
     assert records[-1]["tokens"] == 3 * 2 * cfg["local-steps"] * doubled["batch-size"] * cfg["seq-len"]
     tensors, _ = load_checkpoint(out / "checkpoints")
