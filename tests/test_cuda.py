@@ -1,6 +1,7 @@
 """The same code on a CUDA GPU (marked `cuda`; skipped, with the reason, where there is none):
 the LoRDO step, reference and batched, equals the reference's CPU run to fp32 rounding, bf16-autocast training lowers the loss, and
-a worker + aggregator round on the GPU matches the CPU one within bf16 tolerance.
+a worker + aggregator round on the GPU matches the CPU one within bf16 tolerance, and a one-rank
+node through its intra-node wrapper (DDP over NCCL) equals the bare worker.
 
 `benchmarks/gpu_check.py` runs these on a GPU machine (`pytest -m cuda`). To check the tests
 themselves without a GPU, `LORDO_FED_TEST_GPU=cpu pytest tests/test_cuda.py` runs them with the
@@ -90,13 +91,13 @@ def test_lordo_step_on_the_gpu_equals_the_cpu_step(options):
             torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-4, atol=1e-5, msg=lambda m: f"{side}: {m}")
 
 
-def _worker_and_aggregator(device: str, method: str = "lordo_global"):
+def _worker_and_aggregator(device: str, method: str = "lordo_global", ranks=None):
     inner = InnerConfig(rank=RANK)
     settings = resolve_method(method, inner, RoundConfig(local_steps=8), OuterConfig())
     model = tiny_model(0).to(device)
     lowrank = lowrank_parameter_names(model)
-    ranks = lowrank_ranks(model, DEFAULT_LOWRANK_PATTERN, RANK, settings.inner.name)
-    worker = make_worker(0, model, settings, shard(), lowrank, 200, BATCH, SEQ, seed=0)
+    node_ranks, ranks = ranks, lowrank_ranks(model, DEFAULT_LOWRANK_PATTERN, RANK, settings.inner.name)
+    worker = make_worker(0, model, settings, shard(), lowrank, 200, BATCH, SEQ, seed=0, ranks=node_ranks)
     aggregator = make_aggregator(model, settings, ranks, seed=0)
     aggregator.init_projections([worker.gradient(aggregator.gradient_request(), sorted(ranks))])
     return worker, aggregator
@@ -132,6 +133,31 @@ def test_a_worker_and_aggregator_round_on_the_gpu_matches_the_cpu():
     step = runs["cpu"][0][-1].norm()
     theta_gap = torch.cat([(runs[GPU][1][n] - runs["cpu"][1][n]).flatten() for n in sorted(runs["cpu"][1])]).norm()
     assert theta_gap < 0.5 * step, (float(theta_gap), float(step))
+
+
+def test_a_one_rank_node_through_ddp_equals_the_bare_worker_on_the_gpu(tmp_path):
+    """A node's intra-node wrapper (lordo_fed.node.ranks: DDP, NCCL on the GPU) with one rank
+    changes nothing: two rounds of LoRDO-Global give the bare worker's Δ."""
+    import torch.distributed as dist
+
+    from lordo_fed.node.ranks import LocalRanks
+
+    backend = "nccl" if torch.device(GPU).type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        deltas = {}
+        for name, ranks in (("bare", None), ("ddp", LocalRanks(0, 1))):
+            worker, aggregator = _worker_and_aggregator(GPU, ranks=ranks)
+            deltas[name] = []
+            for _ in range(2):
+                update = worker.train_round(copy.deepcopy(aggregator.global_state()))
+                deltas[name].append(update.delta)
+                aggregator.aggregate([update])
+    finally:
+        dist.destroy_process_group()
+    for bare, ddp in zip(deltas["bare"], deltas["ddp"]):
+        for n in bare:
+            torch.testing.assert_close(ddp[n], bare[n], rtol=0, atol=1e-6, msg=n)
 
 
 @pytest.mark.parametrize("name", ["svd", "rsvd", "dct"])
