@@ -98,7 +98,8 @@ def test_emulator_options_are_checked(tmp_path):
 
     for kw, match in (({"nodes": 0}, "--nodes 0"), ({"threads": -1}, "--threads -1"), ({"port": 70000}, "--port"),
                       ({"link": "node0=1gbit"}, "no rate for"), ({"app": tmp_path}, "no pyproject.toml"),
-                      ({"timeout": 0}, "--timeout")):
+                      ({"timeout": 0}, "--timeout"), ({"ranks_per_node": 0}, "--ranks-per-node 0"),
+                      ({"ranks_per_node": 2, "node_workers": False}, "--ranks-per-node 2: expected >= 1, and node workers")):
         with pytest.raises(ValueError, match=match):
             EmulationConfig(app=ROOT, **kw).validate() if "app" not in kw else EmulationConfig(**kw).validate()
     proc = subprocess.run([sys.executable, "-m", "lordo_fed.wan.emulate", "--link", "warp9", "--app", str(ROOT)],
