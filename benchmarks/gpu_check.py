@@ -12,7 +12,7 @@ Each step is a subprocess that writes its own `benchmarks/results/gpu_*.json`; t
 | `round125m` | benchmarks/framework_overhead.py, 125m preset: the reference trainer against a deployment with the server and two node workers on this one GPU (issue 11: a round split into transfer, training, aggregation) | `gpu_framework_overhead_125m.json` |
 | `dataplane` | benchmarks/dataplane_throughput.py on this machine's 16 cores (the data plane against bare gRPC when the nodes do not share 2 cores) | `gpu_machine_dataplane_throughput.json` |
 | `overhead16m` | benchmarks/framework_overhead.py, 16m, reference / two at once / node workers, on 16 cores | `gpu_machine_framework_overhead_16m.json` |
-| `ranks` | benchmarks/node_ranks.py --overhead-only: a one-rank node's local steps through DDP (NCCL) against the bare model, 125m (issue 17: ≤ 5%) | `gpu_node_ranks.json` |
+| `ranks` | benchmarks/node_ranks.py --overhead-only: a one-rank node's local steps through DDP and through FSDP2 (NCCL) against the bare model, 125m (issue 17: ≤ 5%) | `gpu_node_ranks.json` |
 
 The 2-client 125m simulation round the GPU-readiness issue asks for is the `round125m` step's
 reference trainer (two workers and the aggregator in one process on the GPU) beside the

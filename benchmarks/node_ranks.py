@@ -5,9 +5,11 @@
    same total batch each way: 1 node of 2 ranks against 2 one-rank nodes, and 2 nodes of 2 ranks
    against 4 one-rank nodes. Bytes are the server's own counts of what each node received and sent
    (server.jsonl), per round and summed over the nodes.
-2. **Wrapper overhead.** One process, one rank: LoRDO-Local local steps of the 16m preset through DDP (gloo,
-   world size 1; NCCL with `--device cuda`) against the bare model, alternated, median of each
-   (the issue's ≤ 5%; `benchmarks/gpu_check.py --only ranks` takes it on a GPU, 125m).
+2. **Wrapper overhead.** One process, one rank: LoRDO-Local local steps of the 16m preset through DDP and
+   through FSDP2 (gloo, world size 1; NCCL with `--device cuda`) against the bare model, alternated,
+   median of each (the issue's ≤ 5%; `benchmarks/gpu_check.py --only ranks` takes it on a GPU, 125m).
+3. **Memory per rank.** Two gloo ranks of one node, 16m, after two LoRDO-Local steps: the bytes each
+   rank holds of θ, its gradients and the optimizer state (E, moments, bases), DDP against FSDP2.
 
     sudo python benchmarks/node_ranks.py          # ~4 min on 2 cores
     sudo python benchmarks/node_ranks.py --quick  # tiny preset: the overhead part only (the tests run it)
@@ -49,8 +51,9 @@ def bytes_case(nodes: int, ranks: int, work: Path, rounds: int = 3) -> dict[str,
 
 
 def wrapper_overhead(preset: str, batch: int, steps: int, repeats: int, device: str = "cpu") -> dict[str, Any]:
-    """Seconds per local step through DDP (one rank: gloo, or NCCL on CUDA) and through the bare
-    model, alternated (each sample ends in the loss's host read: the GPU's work is in it)."""
+    """Seconds per local step through each intra-node wrapper (one rank: gloo, or NCCL on CUDA) and
+    through the bare model, alternated (each sample ends in the loss's host read: the GPU's work is
+    in it)."""
     import torch
     import torch.distributed as dist
 
@@ -74,24 +77,82 @@ def wrapper_overhead(preset: str, batch: int, steps: int, repeats: int, device: 
             s = resolve_method("lordo_local", InnerConfig(rank=16), RoundConfig(local_steps=steps), OuterConfig())
             shard = TokenShard(np.random.default_rng(0).integers(0, 256, size=1 << 18), shard_id=0)
             workers = {}
-            for name, ranks in (("bare", None), ("ddp", LocalRanks(0, 1))):
+            for name, ranks in (("bare", None), ("ddp", LocalRanks(0, 1)), ("fsdp", LocalRanks(0, 1, "fsdp"))):
                 torch.manual_seed(0)
                 model = build_model(ModelConfig(preset=preset), 256).to(dev)
                 workers[name] = make_worker(0, model, s, shard, lowrank_parameter_names(model), 10 ** 6, batch, 128,
                                             seed=0, ranks=ranks)
-            seconds: dict[str, list[float]] = {"bare": [], "ddp": []}
+            seconds: dict[str, list[float]] = {name: [] for name in workers}
+            names = list(workers)
             for i in range(repeats):
-                for name in (("bare", "ddp") if i % 2 == 0 else ("ddp", "bare")):
+                for name in names[i % 3:] + names[:i % 3]:  # each first, second and last in turn
                     w = workers[name]
                     started = time.perf_counter()
                     w.local_steps(w.cursor, steps)
                     seconds[name].append((time.perf_counter() - started) / steps)
         finally:
             dist.destroy_process_group()
-    bare, ddp = statistics.median(seconds["bare"][1:]), statistics.median(seconds["ddp"][1:])
-    return {"preset": preset, "device": str(dev), "batch": batch, "steps_per_sample": steps, "samples": repeats - 1,
-            "bare_seconds_per_step": bare, "ddp_seconds_per_step": ddp, "ddp_over_bare": ddp / bare,
-            "samples_bare": seconds["bare"], "samples_ddp": seconds["ddp"]}
+    median = {name: statistics.median(values[1:]) for name, values in seconds.items()}
+    out = {"preset": preset, "device": str(dev), "batch": batch, "steps_per_sample": steps, "samples": repeats - 1}
+    for name in seconds:
+        out[f"{name}_seconds_per_step"] = median[name]
+        if name != "bare":
+            out[f"{name}_over_bare"] = median[name] / median["bare"]
+    return {**out, **{f"samples_{name}": values for name, values in seconds.items()}}
+
+
+def _held_main(rank: int, rendezvous: str, preset: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from lordo_fed.data import TokenShard
+    from lordo_fed.methods import make_worker, resolve_method
+    from lordo_fed.model import ModelConfig, build_model, lowrank_parameter_names
+    from lordo_fed.node.ranks import WRAPPERS, LocalRanks
+    from lordo_fed.optim.config import InnerConfig
+    from lordo_fed.optim.sharded import local
+    from lordo_fed.outer import OuterConfig
+    from lordo_fed.rounds import RoundConfig
+
+    import numpy as np
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    held = {}
+    try:
+        s = resolve_method("lordo_local", InnerConfig(rank=16), RoundConfig(local_steps=2), OuterConfig())
+        shard = TokenShard(np.random.default_rng(0).integers(0, 256, size=1 << 16), shard_id=0)
+        for wrapper in WRAPPERS:
+            torch.manual_seed(0)
+            model = build_model(ModelConfig(preset=preset), 256)
+            worker = make_worker(0, model, s, shard, lowrank_parameter_names(model), 100, 2, 64, seed=0,
+                                 ranks=LocalRanks(rank, 2, wrapper))
+            for i in range(2):
+                worker.forward_backward(i)
+                grads = sum(local(p.grad).numel() * 4 for p in worker.params.values() if p.grad is not None)
+                worker.clip_and_step(i)
+            worker.optimizer.sync_state()
+            theta = sum(local(p).numel() * 4 for p in worker.params.values())
+            state = sum(t.numel() * t.element_size() for st in worker.optimizer.state.values()
+                        for t in st.values() if torch.is_tensor(t) and t.ndim)
+            held[wrapper] = {"theta_bytes": theta, "grad_bytes": grads, "optimizer_state_bytes": state,
+                             "total_bytes": theta + grads + state}
+    finally:
+        dist.destroy_process_group()
+    torch.save(held, f"{out}.{rank}")
+
+
+def held_per_rank(preset: str) -> dict[str, Any]:
+    """Bytes each of a node's two ranks holds of θ, gradients and optimizer state, per wrapper
+    (two gloo processes; the gradients as they are before the optimizer step)."""
+    import torch
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_held_main, args=(f"{tmp}/rdv", preset, f"{tmp}/held"), nprocs=2, join=True)
+        ranks = [torch.load(f"{tmp}/held.{r}") for r in range(2)]
+    return {"preset": preset, "ranks": ranks,
+            "fsdp_over_ddp": max(r["fsdp"]["total_bytes"] for r in ranks) / ranks[0]["ddp"]["total_bytes"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,9 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result = result_header("node_ranks", args.quick, {"model": MODEL, "cases": CASES, "link": "1gbit"})
     if args.quick:
-        result["overhead"] = wrapper_overhead(args.preset or "tiny", 4, 4, 5, args.device)
+        result["overhead"] = wrapper_overhead(args.preset or "tiny", 4, 4, 6, args.device)
     else:
-        result["overhead"] = wrapper_overhead(args.preset or "16m", 8, 8, 9, args.device)
+        result["overhead"] = wrapper_overhead(args.preset or "16m", 8, 8, 10, args.device)
+    if args.device == "cpu":
+        result["held"] = held_per_rank(args.preset or ("tiny" if args.quick else "16m"))
     if not args.quick and not args.overhead_only:
         result["bytes"] = []
         with tempfile.TemporaryDirectory(prefix="node_ranks_") as tmp:
@@ -117,8 +180,13 @@ def main(argv: list[str] | None = None) -> int:
                    [f"{c['nodes']:>5} {c['ranks_per_node']:>5} {c['windows_per_step']:>7} {c['down_bytes_per_node']:>10,.0f} "
                     f"{c['up_bytes_per_node']:>10,.0f} {c['wan_bytes_per_round']:>11,.0f}" for c in result["bytes"]])
     o = result["overhead"]
-    print(f"wrapper: {o['ddp_seconds_per_step'] * 1e3:.1f} ms/step through DDP against {o['bare_seconds_per_step'] * 1e3:.1f} "
-          f"bare ({o['ddp_over_bare']:.3f}x; {o['preset']}, batch {o['batch']})")
+    for name in ("ddp", "fsdp"):
+        print(f"wrapper: {o[f'{name}_seconds_per_step'] * 1e3:.1f} ms/step through {name} against "
+              f"{o['bare_seconds_per_step'] * 1e3:.1f} bare ({o[f'{name}_over_bare']:.3f}x; {o['preset']}, batch {o['batch']})")
+    if "held" in result:
+        h = result["held"]["ranks"][0]
+        print(f"held per rank ({result['held']['preset']}): ddp {h['ddp']['total_bytes']:,} B, fsdp {h['fsdp']['total_bytes']:,} B "
+              f"({result['held']['fsdp_over_ddp']:.3f}x)")
     write_json(result, args.out)
     return 0
 

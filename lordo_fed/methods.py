@@ -131,6 +131,8 @@ def make_worker(worker_id: int, model: nn.Module, settings: MethodSettings, shar
     """A worker with its own inner optimizer over (possibly shared) `model`; `payload` the run's
     `payload_dtype` (a compressed preset compresses what the worker sends: lordo_fed.wire.payload);
     `ranks` a node of several ranks (lordo_fed.node.ranks.LocalRanks; None: one process)."""
+    if ranks is not None:
+        ranks.wrap(model)  # FSDP2 replaces the parameters by sharded ones: before the optimizer takes them
     optimizer = build_inner_optimizer(model, settings.inner, lowrank, seed=seed,
                                       local_steps=settings.rounds.local_steps)
     return Worker(worker_id, model, optimizer, shard, settings.inner, settings.rounds, total_steps,

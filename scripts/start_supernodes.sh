@@ -12,7 +12,7 @@ usage() {
 usage: $(basename "$0") N SUPERLINK_HOST:PORT [--first-partition K] [--num-partitions M]
                         [--port-base P] [--host HOST] [--node-config 'k=v ...'] [--dir DIR]
                         [--wait SECONDS] [--root-certificates CA [--auth-keys DIR]]
-                        [--node-workers] [--ranks-per-node N] [--no-insecure] [-- EXTRA flower-supernode ARGS]
+                        [--node-workers] [--ranks-per-node N] [--intra-node ddp|fsdp] [--no-insecure] [-- EXTRA flower-supernode ARGS]
 
   N                     number of SuperNodes to start here
   SUPERLINK_HOST:PORT   the SuperLink's HTTP port (start_superlink.sh --port, default 8000)
@@ -35,6 +35,8 @@ usage: $(basename "$0") N SUPERLINK_HOST:PORT [--first-partition K] [--num-parti
   --ranks-per-node N    with --node-workers: each node worker is N ranks under torchrun (one per
                         GPU; gloo on CPU), training as one worker with N times the batch; only its
                         lead rank talks to the server (docs/deployment.md, "Nodes of several GPUs")
+  --intra-node W        with --ranks-per-node: ddp (each rank holds the whole model; default) or
+                        fsdp (FSDP2: θ, gradients and optimizer state sharded across the ranks)
   --no-insecure         do not pass --insecure (give your own TLS flags after --)
 Writes DIR/supernode-<partition>.pid and .log (node-worker-<partition>.* with --node-workers); each node's FLWR_HOME is DIR/supernode-<p>.home
 (where the app is installed). Stop with scripts/stop_all.sh --dir DIR.
@@ -47,7 +49,7 @@ n="$1"; superlink="$2"; shift 2
 is_uint "$n" && (( n >= 1 )) || { echo "N must be a positive integer: $n" >&2; usage; }
 [[ "$superlink" =~ ^[^[:space:]]+:[0-9]+$ ]] || { echo "expected HOST:PORT, got: $superlink" >&2; usage; }
 first=0; total=""; port_base=9094; host=127.0.0.1; node_extra=""; wait_s=60
-insecure=(--insecure); extra=(); root_certs=""; key_dir=""; node_workers=0; ranks=1
+insecure=(--insecure); extra=(); root_certs=""; key_dir=""; node_workers=0; ranks=1; intra=ddp
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --first-partition) [[ $# -ge 2 ]] && is_uint "$2" || usage; first="$2"; shift 2 ;;
@@ -62,6 +64,8 @@ while [[ $# -gt 0 ]]; do
       key_dir="$(cd "$2" && pwd)"; shift 2 ;;
     --node-workers) node_workers=1; shift ;;
     --ranks-per-node) [[ $# -ge 2 ]] && is_uint "$2" && (( $2 >= 1 )) || usage; ranks="$2"; shift 2 ;;
+    --intra-node) [[ $# -ge 2 && ( "$2" == ddp || "$2" == fsdp ) ]] || { echo "--intra-node: expected ddp or fsdp" >&2; usage; }
+      intra="$2"; shift 2 ;;
     --no-insecure) insecure=(); shift ;;
     --) shift; extra=("$@"); break ;;
     -h|--help) usage ;;
@@ -101,7 +105,7 @@ for ((i = 0; i < n; i++)); do
     : >"$dir/node-worker-$p.log"
     launcher=("${PYTHON:-python}")
     (( ranks == 1 )) || launcher=("${PYTHON:-python}" -m torch.distributed.run --standalone --nproc-per-node "$ranks")
-    worker_pid="$(start_detached "$wpid" "$dir/node-worker-$p.log" "${launcher[@]}" -m lordo_fed.node --listen "unix://$sock")"
+    worker_pid="$(start_detached "$wpid" "$dir/node-worker-$p.log" "${launcher[@]}" -m lordo_fed.node --listen "unix://$sock" --intra-node "$intra")"
     echo "node worker partition $p: pid $worker_pid, socket $sock, log $dir/node-worker-$p.log"
     node_config+=" node-worker=\"unix://$sock\""
   fi

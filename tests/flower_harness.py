@@ -1215,18 +1215,19 @@ clientapp = "{module}.client_app:app"
 
 
 def start_node_worker(sock: str | os.PathLike, log_path: str | os.PathLike, timeout: float = 60.0,
-                      ranks: int = 1) -> subprocess.Popen:
+                      ranks: int = 1, intra_node: str = "ddp") -> subprocess.Popen:
     """A node worker (`python -m lordo_fed.node`) listening on the unix socket `sock`, in its own
     session (stop it with `stop_process`), started once its socket exists; its output goes to
     `log_path`. Give the node the node-config key `node-worker = "unix://<sock>"`. With `ranks` > 1,
-    a node of that many ranks under torchrun (gloo on this CPU)."""
+    a node of that many ranks under torchrun (gloo on this CPU), sharing gradients by `intra_node`."""
     sock = Path(sock)
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root), **{OWNER_VAR: f"node-worker-{uuid.uuid4().hex}"})
     launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     "--nproc-per-node", str(ranks)]
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([*launcher, "-m", "lordo_fed.node", "--listen", f"unix://{sock}"], cwd=root,
+        proc = subprocess.Popen([*launcher, "-m", "lordo_fed.node", "--listen", f"unix://{sock}",
+                                 "--intra-node", intra_node], cwd=root,
                                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout
     while not sock.exists():

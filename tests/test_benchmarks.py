@@ -288,8 +288,14 @@ def test_compression_quick(tmp_path):
 
 
 def test_node_ranks_quick(tmp_path):
-    """benchmarks/node_ranks.py --quick: local steps through DDP (gloo, one rank) against the bare model."""
-    result = run_quick("node_ranks.py", tmp_path, timeout=120)
+    """benchmarks/node_ranks.py --quick: local steps through DDP and FSDP2 (gloo, one rank) against
+    the bare model; the bytes two ranks of one node hold under each (FSDP2: about half each)."""
+    result = run_quick("node_ranks.py", tmp_path, timeout=180)
     o = result["overhead"]
-    assert o["bare_seconds_per_step"] > 0 and o["ddp_seconds_per_step"] > 0 and o["samples"] == 4
-    assert o["ddp_over_bare"] == o["ddp_seconds_per_step"] / o["bare_seconds_per_step"]
+    assert o["bare_seconds_per_step"] > 0 and o["samples"] == 5
+    for name in ("ddp", "fsdp"):
+        assert o[f"{name}_seconds_per_step"] > 0 and len(o[f"samples_{name}"]) == 6
+        assert o[f"{name}_over_bare"] == o[f"{name}_seconds_per_step"] / o["bare_seconds_per_step"]
+    ddp, fsdp = ([r[w] for r in result["held"]["ranks"]] for w in ("ddp", "fsdp"))
+    assert ddp[0] == ddp[1] and fsdp[0]["theta_bytes"] + fsdp[1]["theta_bytes"] == ddp[0]["theta_bytes"]
+    assert all(f["total_bytes"] < 0.75 * ddp[0]["total_bytes"] for f in fsdp), result["held"]

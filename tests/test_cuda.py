@@ -1,7 +1,7 @@
 """The same code on a CUDA GPU (marked `cuda`; skipped, with the reason, where there is none):
 the LoRDO step, reference and batched, equals the reference's CPU run to fp32 rounding, bf16-autocast training lowers the loss, and
 a worker + aggregator round on the GPU matches the CPU one within bf16 tolerance, and a one-rank
-node through its intra-node wrapper (DDP over NCCL) equals the bare worker.
+node through either intra-node wrapper (DDP or FSDP2, over NCCL) equals the bare worker.
 
 `benchmarks/gpu_check.py` runs these on a GPU machine (`pytest -m cuda`). To check the tests
 themselves without a GPU, `LORDO_FED_TEST_GPU=cpu pytest tests/test_cuda.py` runs them with the
@@ -97,8 +97,8 @@ def _worker_and_aggregator(device: str, method: str = "lordo_global", ranks=None
     model = tiny_model(0).to(device)
     lowrank = lowrank_parameter_names(model)
     node_ranks, ranks = ranks, lowrank_ranks(model, DEFAULT_LOWRANK_PATTERN, RANK, settings.inner.name)
+    aggregator = make_aggregator(model, settings, ranks, seed=0)  # first: FSDP2 shards the worker's model
     worker = make_worker(0, model, settings, shard(), lowrank, 200, BATCH, SEQ, seed=0, ranks=node_ranks)
-    aggregator = make_aggregator(model, settings, ranks, seed=0)
     aggregator.init_projections([worker.gradient(aggregator.gradient_request(), sorted(ranks))])
     return worker, aggregator
 
@@ -135,9 +135,10 @@ def test_a_worker_and_aggregator_round_on_the_gpu_matches_the_cpu():
     assert theta_gap < 0.5 * step, (float(theta_gap), float(step))
 
 
-def test_a_one_rank_node_through_ddp_equals_the_bare_worker_on_the_gpu(tmp_path):
-    """A node's intra-node wrapper (lordo_fed.node.ranks: DDP, NCCL on the GPU) with one rank
-    changes nothing: two rounds of LoRDO-Global give the bare worker's Δ."""
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_a_one_rank_node_through_its_wrapper_equals_the_bare_worker_on_the_gpu(tmp_path, wrapper):
+    """A node's intra-node wrapper (lordo_fed.node.ranks: DDP or FSDP2, NCCL on the GPU) with one
+    rank changes nothing: two rounds of LoRDO-Global give the bare worker's Δ."""
     import torch.distributed as dist
 
     from lordo_fed.node.ranks import LocalRanks
@@ -146,7 +147,7 @@ def test_a_one_rank_node_through_ddp_equals_the_bare_worker_on_the_gpu(tmp_path)
     dist.init_process_group(backend, init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
         deltas = {}
-        for name, ranks in (("bare", None), ("ddp", LocalRanks(0, 1))):
+        for name, ranks in (("bare", None), (wrapper, LocalRanks(0, 1, wrapper))):
             worker, aggregator = _worker_and_aggregator(GPU, ranks=ranks)
             deltas[name] = []
             for _ in range(2):
@@ -155,9 +156,9 @@ def test_a_one_rank_node_through_ddp_equals_the_bare_worker_on_the_gpu(tmp_path)
                 aggregator.aggregate([update])
     finally:
         dist.destroy_process_group()
-    for bare, ddp in zip(deltas["bare"], deltas["ddp"]):
+    for bare, wrapped in zip(deltas["bare"], deltas[wrapper]):
         for n in bare:
-            torch.testing.assert_close(ddp[n], bare[n], rtol=0, atol=1e-6, msg=n)
+            torch.testing.assert_close(wrapped[n], bare[n], rtol=0, atol=1e-6, msg=n)
 
 
 @pytest.mark.parametrize("name", ["svd", "rsvd", "dct"])

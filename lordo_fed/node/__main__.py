@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    width = "" if ranks is None else f", lead of {ranks.world} ranks"
+    width = "" if ranks is None else f", lead of {ranks.world} ranks, {ranks.wrapper}"
     print(f"node worker: listening on {args.listen} (pid {os.getpid()}{width})", flush=True)
     stop.wait()
     server.stop(grace=5).wait()

@@ -7,15 +7,21 @@ a single worker whose batch is N times a rank's (the two-level scheme of torchft
 and of the authors' training code; docs/algorithm.md, "Nodes of several ranks"):
 
 - every local step, rank i takes rows [i·B, (i+1)·B) of the node's batch of N·B windows, and the
-  gradients are averaged across the ranks (the intra-node wrapper: PyTorch DDP), so every rank
-  holds the gradient of the whole node batch;
-- everything after the gradient is replicated: the same clipping, the same LoRDO step with the same
-  projections and seeds, so θ, the low-rank moments and the error-feedback buffer stay identical
-  on every rank without being sent (DDP keeps them so; a sharded wrapper would not, and is not
-  built: see `WRAPPERS`);
+  gradients are averaged across the ranks (the intra-node wrapper), so the node steps on the
+  gradient of the whole node batch;
+- the intra-node wrapper is a setting (`WRAPPERS`):
+  - "ddp" (PyTorch DDP): every rank holds θ, the low-rank moments and the error-feedback buffer
+    whole; everything after the all-reduced gradient is replicated (the same clipping, the same
+    LoRDO step with the same projections and seeds), so they stay identical without being sent;
+  - "fsdp" (FSDP2 `fully_shard`, for a model whose θ, E and gradients do not fit one device):
+    each rank holds a 1/N chunk of every parameter, of its gradient (reduce-scattered) and of its
+    optimizer state, cut along the dimension the low-rank coordinates keep, so LoRDO's step runs
+    on the chunk with the basis every rank holds whole (`lordo_fed.optim.sharded`);
 - only the lead rank (0) speaks on the WAN: it receives the round's state and hands it to the
   others over the group (`broadcast_bytes`), and it alone encodes, uploads and saves the node's
-  state (a replicated copy). The server sees one reply per node, weighted by its N·B·T tokens.
+  state. With "fsdp" the ranks gather Δ, the due moments and the state to save whole (the lead's
+  copy: one file per node, the same as a one-rank node's, so any N resumes from it) and cut what
+  comes in to their chunks. The server sees one reply per node, weighted by its N·B·T tokens.
 
 A node of one rank has no `LocalRanks` at all: the code paths are today's.
 """
@@ -30,9 +36,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-WRAPPERS = ("ddp",)
-"""Intra-node wrappers built: PyTorch DDP (replicated state). FSDP2 (`fully_shard`) would shard θ
-and therefore LoRDO's per-matrix state and projections across ranks; not built yet."""
+WRAPPERS = ("ddp", "fsdp")
+"""Intra-node wrappers: PyTorch DDP (state replicated on every rank) and FSDP2 `fully_shard`
+(θ, gradients and optimizer state sharded across the ranks; the bases replicated)."""
 
 
 @dataclass
@@ -81,10 +87,13 @@ class LocalRanks:
 
     # ----------------------------------------------------------------------------- training
     def wrap(self, model: nn.Module) -> nn.Module:
-        """The module local steps run forward through: DDP averages the gradients across the ranks
+        """The module local steps run forward through. DDP averages the gradients across the ranks
         in its backward hooks (bucketed, overlapping the backward pass), and makes every rank start
-        from rank 0's parameters. One wrapper per model (a node's workers share its model: a second
-        wrapper would hook the same gradients twice)."""
+        from rank 0's parameters. FSDP2 shards `model` in place (its parameters become DTensors:
+        wrap before an optimizer takes them) and returns it. One wrapper per model (a node's
+        workers share its model: a second wrapper would hook the same gradients twice)."""
+        if self.wrapper == "fsdp":
+            return self._fully_shard(model)
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = self._wrapped.get(id(model))
@@ -95,6 +104,29 @@ class LocalRanks:
                                               forward_sync_buffers=False)
             self._wrapped = {id(model): wrapped}  # one model per process (the runtime's): drop older ones
         return wrapped
+
+    def _fully_shard(self, model: nn.Module) -> nn.Module:
+        """FSDP2 over the node's ranks: each transformer block a unit of its own (its parameters
+        gathered for its forward and backward only, its gradients reduce-scattered as the backward
+        pass leaves it), then the rest (embedding, final norm) at the root; every parameter cut as
+        `sharded.shard_placement` says. The ranks start from rank 0's θ (FSDP2 does not broadcast)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        from lordo_fed.optim.sharded import shard_placement
+
+        if isinstance(model, FSDPModule):
+            return model
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t, src=0)
+        device = next(model.parameters()).device
+        mesh = init_device_mesh(device.type, (self.world,))
+        blocks = getattr(model, "layers", None)
+        for block in blocks if isinstance(blocks, nn.ModuleList) else []:
+            fully_shard(block, mesh=mesh, shard_placement_fn=shard_placement)
+        fully_shard(model, mesh=mesh, shard_placement_fn=shard_placement)
+        return model
 
     def rows(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         """This rank's rows of the node's batch (x, y of N·B windows): rows [rank·B, (rank+1)·B)."""

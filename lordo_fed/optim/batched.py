@@ -35,7 +35,8 @@ A bf16 or compressed E is whole after every step (E ← V − back(g) in V's mem
 Falls back to the reference, per parameter: LoRDO-Local at its refit steps (an SVD per matrix;
 the steps in between are batched) and the `track_update_split` diagnostic. Equality with the
 reference to fp32 rounding, for every option, is tests/test_batched.py; on CUDA,
-tests/test_cuda.py. No host sync: step counts are CPU scalars (stacked like the rest: one add per
+tests/test_cuda.py. Parameters sharded by FSDP2 step on their chunks (`sharded.py`): the stacks hold
+chunks, and s is one all-reduce per stack. No host sync: step counts are CPU scalars (stacked like the rest: one add per
 stack, not one per parameter), the QH normaliser s stays a tensor.
 """
 
@@ -49,6 +50,7 @@ from torch import Tensor
 
 from lordo_fed.optim.ef_compress import EF_KEYS, add_decompressed, compress, empty_compressed
 from lordo_fed.optim.lordo import EF_DTYPES, LoRDO, _bias_corrections
+from lordo_fed.optim.sharded import coords_mean, local
 from lordo_fed.projection import Side, projection_side
 
 
@@ -200,14 +202,15 @@ class BatchedLoRDO(LoRDO):
         for p in params:
             state = self.state[p]
             if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+                state["exp_avg"] = torch.zeros_like(local(p), dtype=torch.float32, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(local(p), dtype=torch.float32, memory_format=torch.preserve_format)
         grads = _fp32_grads(params)
         exp_avgs = [self.state[p]["exp_avg"] for p in params]
         exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
         beta1, beta2 = group["betas"]
         lr, omega, eps = group["lr"], group["omega"], group["eps"]
         self._stacked(params, "step", _zero_step).add_(1)
+        params = [local(p) for p in params]  # a sharded parameter: this rank's chunk (elementwise)
         bc1, bc2 = _bias_corrections(group, k_before + 1)
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
@@ -229,8 +232,8 @@ class BatchedLoRDO(LoRDO):
 
     def _low_rank_batched(self, params: list[Tensor], group: dict[str, Any], k_before: int) -> None:
         """`LoRDO._low_rank_step` (basis fixed for this step) for same-shaped matrices at once."""
-        shape = params[0].shape
-        side = projection_side(shape)
+        whole = params[0]  # the shape, and (sharded) the group the QH mean is taken over
+        side = projection_side(whole.shape)
         beta1, beta2 = group["betas"]
         lr, omega, eps = group["lr"], group["omega"], group["eps"]
         grads = _fp32_grads(params)
@@ -243,7 +246,7 @@ class BatchedLoRDO(LoRDO):
                       for key in EF_KEYS}
         elif group["error_feedback"]:
             ef_dtype = EF_DTYPES[group["ef_dtype"]]
-            ef = self._stacked(params, "ef", lambda p: torch.zeros_like(p, dtype=ef_dtype))
+            ef = self._stacked(params, "ef", lambda p: torch.zeros_like(local(p), dtype=ef_dtype))
         if packed is not None:
             v_full = add_decompressed(torch.stack(grads), packed, group["ef_decay"])  # V = G + γ C(E)
         elif ef is not None and ef.dtype == torch.float32:
@@ -287,13 +290,13 @@ class BatchedLoRDO(LoRDO):
         if group["qh_placement"] == "outside":
             low = (exp_avg / denom).mul_(omega / bc1)
             if omega != 1.0:
-                scale = (1 - omega) / (denom.mean(dim=(1, 2), keepdim=True) + eps)
+                scale = (1 - omega) / (coords_mean(denom, whole) + eps)
                 full = list(v_full.unbind(0)) if group["full_rank_term"] == "error_fed" else grads
                 if h is not None and full is not grads:
                     low.sub_(scale * h)  # c·V = c·W − c·back(h)
         else:
             low = g.mul(1 - omega).add_(exp_avg, alpha=omega / bc1).div_(denom)
-        _apply_update(params, low, basis, side, lr, 1 - lr * group["weight_decay"], full, scale)
+        _apply_update([local(p) for p in params], low, basis, side, lr, 1 - lr * group["weight_decay"], full, scale)
         if lazy:  # E ← V − back(g) = W − back(h + g): kept as that sum, one rank-r product fewer per step
             self._pending[ident] = (g if h is None else h.add_(g), basis, side)
             return
@@ -315,7 +318,8 @@ class BatchedLoRDO(LoRDO):
 
 def _fp32_grads(params: list[Tensor]) -> list[Tensor]:
     """The gradients in fp32 (the tensors themselves when they are: no dispatch per parameter)."""
-    return [p.grad if p.grad.dtype == torch.float32 else p.grad.float() for p in params]
+    grads = [local(p.grad) for p in params]
+    return [g if g.dtype == torch.float32 else g.float() for g in grads]
 
 
 def _zero_step(p: Tensor) -> Tensor:

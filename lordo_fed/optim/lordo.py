@@ -36,6 +36,10 @@ On every change of basis the moments are rotated with LDAdam's rule (`rotation.p
 Weight decay is applied to the pre-update weight as in torch.optim.AdamW (Loshchilov & Hutter);
 GaLore's reference applies it after the update, which differs by η²λ·U per step.
 Gradient clipping is the training loop's job (one global norm across all parameters).
+
+Parameters sharded by FSDP2 inside a node (DTensors, cut along the dimension their coordinates
+keep: `sharded.shard_placement`) take the same step on each rank's chunk; the QH normaliser's mean
+and LoRDO-Local's refits see the whole matrix through the node's group (`sharded.py`).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from torch import Tensor
 
 from lordo_fed.optim.ef_compress import EF_KEYS, add_decompressed, compress, empty_compressed
 from lordo_fed.optim.rotation import rotate_moments
+from lordo_fed.optim.sharded import check_placement, coords_mean, gather, is_sharded, local
 from lordo_fed.projection import (
     PROJECTION_METHODS,
     ProjectionMethod,
@@ -231,7 +236,19 @@ class LoRDO(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("LoRDO does not support sparse gradients")
+                if is_sharded(p):
+                    self._check_sharded(p, group)
                 yield group, index, p
+
+    def _check_sharded(self, p: Tensor, group: dict[str, Any]) -> None:
+        """Refuse what the chunked step does not do (see `sharded.py`)."""
+        low_rank = self.is_low_rank(p, group)
+        check_placement(p, low_rank)
+        if low_rank and group["error_feedback"] and group["ef_density"] < 1.0:
+            raise ValueError(f"LoRDO option ef_density={group['ef_density']!r} on a sharded parameter: expected 1 "
+                             "(a top-k of E is taken over the whole matrix, not per chunk)")
+        if self.track_update_split:
+            raise ValueError("LoRDO track_update_split on sharded parameters: expected False (its sums are per matrix)")
 
     def _init_step(self, state: dict[str, Tensor], p: Tensor) -> None:
         if "step" not in state:
@@ -242,10 +259,10 @@ class LoRDO(torch.optim.Optimizer):
         """QHAdam: ((1−ω) G + ω û) / d; ω = 1 is torch.optim.Adam(W)'s exact formula."""
         state = self.state[p]
         self._init_step(state, p)
+        p, grad = local(p), local(p.grad).float()  # a sharded parameter: this rank's chunk (elementwise)
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-        grad = p.grad.float()
         beta1, beta2 = group["betas"]
         lr, omega, eps = group["lr"], group["omega"], group["eps"]
         state["step"] += 1
@@ -272,7 +289,7 @@ class LoRDO(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         lr, omega, eps, rank = group["lr"], group["omega"], group["eps"], group["rank"]
 
-        grad = p.grad.float()
+        param, p, grad = p, local(p), local(p.grad).float()  # `param` whole (shape, basis), p its chunk
         k_before = int(state["step"].item())
         refit = group["projection_source"] == "local" and ("proj" not in state or k_before % group["proj_interval"] == 0)
         compressed = group["error_feedback"] and group["ef_density"] < 1.0
@@ -293,13 +310,14 @@ class LoRDO(torch.optim.Optimizer):
 
         if refit:
             seed = group["seed"] * 1_000_003 + index * 7_919 + k_before
-            self.set_projection(p, method.fit(v_full, rank, side, seed=seed))
+            # fitted to the whole V (gathered when sharded): the same basis on every rank
+            self.set_projection(param, method.fit(gather(v_full, param), rank, side, seed=seed))
         if "proj" not in state:
             raise RuntimeError(
-                f"LoRDO: low-rank parameter #{index} of shape {tuple(p.shape)} has no projection; with "
+                f"LoRDO: low-rank parameter #{index} of shape {tuple(param.shape)} has no projection; with "
                 "projection_source='global' call set_projection() before the first step"
             )
-        basis = method.basis(state["proj"], p.shape, side)
+        basis = method.basis(state["proj"], param.shape, side)
 
         g = project(v_full, basis, side)
         if compressed:
@@ -322,7 +340,7 @@ class LoRDO(torch.optim.Optimizer):
         if group["qh_placement"] == "outside":
             update = project_back(exp_avg / denom, basis, side).mul_(omega / bc1)
             if omega != 1.0:
-                s = denom.mean()  # one scalar per matrix; a tensor, so no host sync on CUDA
+                s = coords_mean(denom, param)  # one scalar per matrix; a tensor, so no host sync on CUDA
                 full = v_full if group["full_rank_term"] == "error_fed" else grad
                 update.add_(full * ((1 - omega) / (s + eps)))
                 if split is not None:
