@@ -167,6 +167,39 @@ def _refusals_main(rank: int, rendezvous: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def _uneven_main(rank: int, rendezvous: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from lordo_fed.optim.sharded import chunk_of, coords_mean, shard_placement
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    checks = []
+    for shape in ((5, 3), (3, 7), (7,), (1,)):  # chunks of 3 and 2 rows, of 4 and 3 columns, 1-D, one empty
+        whole = torch.arange(float(torch.Size(shape).numel())).reshape(shape) + 1
+        param = distribute_tensor(whole, mesh, [shard_placement(whole)])
+        mine = chunk_of(whole, param)
+        checks.append(torch.equal(mine, param.to_local()))  # cut as DTensor (and FSDP2) cuts
+        checks.append(torch.equal(gather(mine, param), whole))
+        if whole.ndim == 2:
+            checks.append(torch.allclose(coords_mean(mine, param), whole.mean()))
+            stack = torch.stack([mine, 2 * mine])
+            checks.append(torch.allclose(coords_mean(stack, param).flatten(), torch.stack([whole.mean(), 2 * whole.mean()])))
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(" ".join(str(c) for c in checks))
+    dist.destroy_process_group()
+
+
+def test_chunks_gathers_and_means_agree_with_the_whole_tensor(tmp_path):
+    """`sharded`'s cut (`chunk_of`) is DTensor's, also when the chunks are uneven or one is empty;
+    `gather` undoes it; the QH mean over a matrix's chunks (`coords_mean`) is the whole one's."""
+    mp.spawn(_uneven_main, args=(str(tmp_path / "rendezvous"), str(tmp_path / "out")), nprocs=2, join=True)
+    for rank in range(2):
+        checks = (tmp_path / f"out.{rank}").read_text().split()
+        assert len(checks) == 12 and all(c == "True" for c in checks), (rank, checks)
+
+
 def test_bad_local_ranks_are_refused():
     with pytest.raises(ValueError, match="intra-node wrapper 'fsdp9'"):
         LocalRanks(0, 2, "fsdp9")

@@ -264,7 +264,14 @@ def _background_priority() -> None:
 
 _SAVER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lordo-state-save", initializer=_background_priority)
 _PENDING_SAVES: dict[int, Future] = {}
-_EARLY = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lordo-early-steps")
+def _rank_device() -> None:
+    """The early-steps thread trains on this rank's GPU: a CUDA current device is per thread (a new
+    one starts on device 0), and torchrun's rank k trains on device LOCAL_RANK (`LocalRanks`)."""
+    if "LOCAL_RANK" in os.environ and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+
+
+_EARLY = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lordo-early-steps", initializer=_rank_device)
 _PENDING_EARLY: dict[int, Future] = {}
 """Overlapped rounds on a node worker: the next round's first τ steps, started once the round is
 sent, so that they run while the reply uploads and the next state downloads."""

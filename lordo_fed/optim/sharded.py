@@ -87,7 +87,7 @@ def coords_mean(denom: Tensor, param: Tensor) -> Tensor:
     stacked = denom.ndim == 3
     dims = (1, 2) if stacked else (0, 1)
     if not isinstance(param, DTensor):
-        return denom.mean(dim=dims, keepdim=stacked)
+        return denom.mean(dim=dims, keepdim=True) if stacked else denom.mean()
     total = denom.sum(dim=dims, keepdim=stacked)
     dist.all_reduce(total, group=_group(param))
     d = shard_dim(param)
