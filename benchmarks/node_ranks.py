@@ -7,7 +7,7 @@
    (server.jsonl), per round and summed over the nodes.
 2. **Wrapper overhead.** One process, one rank: LoRDO-Local local steps of the 16m preset through DDP and
    through FSDP2 (gloo, world size 1; NCCL with `--device cuda`) against the bare model, alternated,
-   median of each (the issue's ≤ 5%; `benchmarks/gpu_check.py --only ranks` takes it on a GPU, 125m).
+   median of each and median of the side-by-side ratios (the issue's ≤ 5%; `benchmarks/gpu_check.py --only ranks` takes it on a GPU, 125m).
 3. **Memory per rank.** Two gloo ranks of one node, 16m, after two LoRDO-Local steps: the bytes each
    rank holds of θ, its gradients and the optimizer state (E, moments, bases), DDP against FSDP2.
 
@@ -98,6 +98,9 @@ def wrapper_overhead(preset: str, batch: int, steps: int, repeats: int, device: 
         out[f"{name}_seconds_per_step"] = median[name]
         if name != "bare":
             out[f"{name}_over_bare"] = median[name] / median["bare"]
+            # the median of the ratios of samples taken side by side: robust to the machine's drift
+            out[f"{name}_over_bare_paired"] = statistics.median(
+                a / b for a, b in zip(seconds[name][1:], seconds["bare"][1:]))
     return {**out, **{f"samples_{name}": values for name, values in seconds.items()}}
 
 
@@ -182,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     o = result["overhead"]
     for name in ("ddp", "fsdp"):
         print(f"wrapper: {o[f'{name}_seconds_per_step'] * 1e3:.1f} ms/step through {name} against "
-              f"{o['bare_seconds_per_step'] * 1e3:.1f} bare ({o[f'{name}_over_bare']:.3f}x; {o['preset']}, batch {o['batch']})")
+              f"{o['bare_seconds_per_step'] * 1e3:.1f} bare ({o[f'{name}_over_bare']:.3f}x; side by side "
+              f"{o[f'{name}_over_bare_paired']:.3f}x; {o['preset']}, batch {o['batch']})")
     if "held" in result:
         h = result["held"]["ranks"][0]
         print(f"held per rank ({result['held']['preset']}): ddp {h['ddp']['total_bytes']:,} B, fsdp {h['fsdp']['total_bytes']:,} B "

@@ -296,6 +296,7 @@ def test_node_ranks_quick(tmp_path):
     for name in ("ddp", "fsdp"):
         assert o[f"{name}_seconds_per_step"] > 0 and len(o[f"samples_{name}"]) == 6
         assert o[f"{name}_over_bare"] == o[f"{name}_seconds_per_step"] / o["bare_seconds_per_step"]
+        assert o[f"{name}_over_bare_paired"] > 0
     ddp, fsdp = ([r[w] for r in result["held"]["ranks"]] for w in ("ddp", "fsdp"))
     assert ddp[0] == ddp[1] and fsdp[0]["theta_bytes"] + fsdp[1]["theta_bytes"] == ddp[0]["theta_bytes"]
     assert all(f["total_bytes"] < 0.75 * ddp[0]["total_bytes"] for f in fsdp), result["held"]
