@@ -210,9 +210,6 @@ class Worker:
         u_send, v_send are rotated by the same rule, and ū_g, v̄_g come in the new basis.
         Returns θ_g (host tensors, by name): Δ of the round is taken against it."""
         sent, tau = self.sent, len(self.sent.early or [])
-        missing = set(self.params) - set(state.params)
-        if missing:
-            raise ValueError(f"global state lacks parameters {sorted(missing)}")
         opt = self.optimizer
         if isinstance(opt, LoRDO):
             opt.sync_state()
@@ -221,16 +218,8 @@ class Worker:
             local(p).add_(chunk_of(theta[name].float() - sent.theta[name], p).to(device=p.device, dtype=p.dtype))
         self.align_step_counts(state.opt_step + tau)
         group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
-        received: dict[str, dict[str, Tensor]] = {}
-        for key, value in decoded(state.moments).items():
-            kind, name = split_moment_key(key)
-            received.setdefault(name, {})[kind] = value
-        if state.projections and not isinstance(opt, LoRDO):
-            raise ValueError("global state carries projections but the inner optimizer is not LoRDO")
-        for name, stored in state.projections.items():
-            p = self.params[name]
-            opt.set_projection(p, stored)
-        for name, kinds in received.items():
+        self._set_projections(state)
+        for name, kinds in self._received_moments(state).items():
             p, group = self.params[name], group_of[id(self.params[name])]
             st = opt.state.get(p, {})
             mine = {k: sent.moments[moment_key(k, name)] for k in MOMENT_KEYS if moment_key(k, name) in sent.moments}
@@ -364,22 +353,11 @@ class Worker:
         clients' copy θ_c since the previous round: it is added to the copy this worker holds,
         which must be that round's (else `ResyncNeeded`: the server sends θ_c whole next time).
         Returns θ as loaded (host tensors, by name)."""
-        missing = set(self.params) - set(state.params)
-        if missing:
-            raise ValueError(f"global state lacks parameters {sorted(missing)}")
         theta = self._client_theta(state)
         self._set_params(theta)
         self.align_step_counts(state.opt_step)
-        if state.projections:
-            if not isinstance(self.optimizer, LoRDO):
-                raise ValueError("global state carries projections but the inner optimizer is not LoRDO")
-            for name, stored in state.projections.items():
-                self.optimizer.set_projection(self.params[name], stored)
-        received: dict[str, dict[str, Tensor]] = {}
-        for key, value in decoded(state.moments).items():
-            kind, name = split_moment_key(key)
-            received.setdefault(name, {})[kind] = value
-        for name, kinds in received.items():
+        self._set_projections(state)
+        for name, kinds in self._received_moments(state).items():
             p = self.params[name]
             st = self.optimizer.state[p]
             if "ef" in kinds:  # E has no step count: always adopted, in this worker's storage dtype
@@ -395,8 +373,28 @@ class Worker:
                 st[kind] = self._chunk(value.to(device=self.device, dtype=torch.float32), p).clone()
         return theta
 
+    def _set_projections(self, state: GlobalState) -> None:
+        """The round's shared projections into the optimizer (LoRDO-Global; rotating its moments)."""
+        if state.projections and not isinstance(self.optimizer, LoRDO):
+            raise ValueError("global state carries projections but the inner optimizer is not LoRDO")
+        for name, stored in state.projections.items():
+            self.optimizer.set_projection(self.params[name], stored)
+
+    @staticmethod
+    def _received_moments(state: GlobalState) -> dict[str, dict[str, Tensor]]:
+        """The averaged states `state` carries, by parameter name then kind (exp_avg, exp_avg_sq, ef)."""
+        received: dict[str, dict[str, Tensor]] = {}
+        for key, value in decoded(state.moments).items():
+            kind, name = split_moment_key(key)
+            received.setdefault(name, {})[kind] = value
+        return received
+
     def _client_theta(self, state: GlobalState) -> dict[str, Tensor]:
-        """θ to start the round from: `state.params`, or θ_c plus the change it carries."""
+        """θ to start the round from: `state.params`, or θ_c plus the change it carries (a state
+        that lacks a parameter of this worker is refused)."""
+        missing = set(self.params) - set(state.params)
+        if missing:
+            raise ValueError(f"global state lacks parameters {sorted(missing)}")
         tracks = self.payload is not None and self.payload.down is not None
         if state.params_delta:
             if self.client_params is None or self.client_round != state.round - 1:

@@ -28,6 +28,20 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
+def wait_for_round_1_saved(out: Path, run, log_path: Path, partition: int = 1, timeout: float = 240) -> None:
+    """Block until the server has aggregated round 1 of the run writing to `out` (`run` a
+    test_reliability.Background, whose log `log_path` a failure shows) and `partition`'s worker
+    state of round 1 is on disk: the moment to kill a node worker between rounds."""
+    state = out / "client_state" / f"partition_{partition}"
+    deadline = time.monotonic() + timeout
+    while not (len(server_records(out)) >= 2 if (out / "server.jsonl").exists() else False):
+        assert run.running() and time.monotonic() < deadline, log_path.read_text()[-3000:]
+        time.sleep(0.05)
+    while not list(state.glob("*0001*.json")):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def test_node_workers_match_the_reference_and_survive_a_kill_between_rounds(tmp_path):
     socks = [tmp_path / f"nw{i}.sock" for i in range(2)]
     logs = [tmp_path / f"node-worker-{i}.log" for i in range(2)]
@@ -41,14 +55,7 @@ def test_node_workers_match_the_reference_and_survive_a_kill_between_rounds(tmp_
 
             run = Background(dep.run, APP, cfg, timeout=300, log_path=tmp_path / "run.log")
             # Kill worker 1 once round 1 is aggregated and its state is on disk; restart it.
-            state = out / "client_state" / "partition_1"
-            deadline = time.monotonic() + 240
-            while not (len(server_records(out)) >= 2 if (out / "server.jsonl").exists() else False):
-                assert run.running() and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
-                time.sleep(0.05)
-            while not list(state.glob("*0001*.json")):
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            wait_for_round_1_saved(out, run, tmp_path / "run.log")
             killed = workers[1].pid
             os.killpg(killed, signal.SIGKILL)
             workers[1].wait(timeout=10)

@@ -215,16 +215,15 @@ def test_two_nodes_of_two_ranks_match_the_reference_with_the_doubled_batch(tmp_p
     three overlapped rounds (both ranks train the next round's early steps on a thread while the
     lead uploads and hands on the next job); node 1's whole worker (both ranks) is SIGKILLed once
     round 1 is saved, and restarted: both ranks resume from the lead's saved copy of the node's
-    state (each cut to its chunk), the round it sent included. The run ends at the θ of the reference trainer with two workers of the doubled batch
-    (to fp32 rounding, as above), each node weighted by both ranks' tokens, and each node sends
+    state (each cut to its chunk), the round it sent included. The run ends at the θ of the
+    reference trainer with two workers of the doubled batch (to fp32 rounding, as above), each node weighted by both ranks' tokens, and each node sends
     one reply the size of a one-process worker's (only the lead talks)."""
-    import os
     import signal
-    import time
 
     from lordo_fed.checkpoint import load_checkpoint
     from tests.flower_harness import Deployment, alive, check_run, start_node_worker, stop_process
     from tests.test_flower_app import APP, reference_theta, server_records, tiny_run_config
+    from tests.test_node_worker import wait_for_round_1_saved
     from tests.test_reliability import Background
 
     socks = [tmp_path / f"nw{i}.sock" for i in range(2)]
@@ -237,14 +236,7 @@ def test_two_nodes_of_two_ranks_match_the_reference_with_the_doubled_batch(tmp_p
     try:
         with Deployment(tmp_path, num_nodes=2, node_configs=[{"node-worker": f"unix://{s}"} for s in socks]) as dep:
             run = Background(dep.run, APP, cfg, timeout=300, log_path=tmp_path / "run.log")
-            state = out / "client_state" / "partition_1"
-            deadline = time.monotonic() + 240
-            while not (len(server_records(out)) >= 2 if (out / "server.jsonl").exists() else False):
-                assert run.running() and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
-                time.sleep(0.05)
-            while not list(state.glob("*0001*.json")):
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            wait_for_round_1_saved(out, run, tmp_path / "run.log")
             os.killpg(workers[1].pid, signal.SIGKILL)  # torchrun and both its ranks
             workers[1].wait(timeout=10)
             workers[1] = start_node_worker(socks[1], logs[1], ranks=2, timeout=120, intra_node=wrappers[1])

@@ -137,7 +137,7 @@ for a node of one process."""
 
 class ReadOnlyStore:
     """The store as a rank that is not the lead sees it: it loads the lead's copy of the node's
-    (replicated) state, and saves nothing."""
+    state (replicated under DDP, gathered whole under FSDP2), and saves nothing."""
 
     def __init__(self, store: StateStore):
         self.store = store
@@ -264,6 +264,8 @@ def _background_priority() -> None:
 
 _SAVER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lordo-state-save", initializer=_background_priority)
 _PENDING_SAVES: dict[int, Future] = {}
+
+
 def _rank_device() -> None:
     """The early-steps thread trains on this rank's GPU: a CUDA current device is per thread (a new
     one starts on device 0), and torchrun's rank k trains on device LOCAL_RANK (`LocalRanks`)."""
@@ -294,16 +296,17 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
     """One server message: the received state in, the encoded reply and its metrics out.
 
     `receive(timeout)` returns the encoded state (from the message, or downloaded from the data
-    plane). With `rounds.overlap_delay` and `save_in_background` (a node worker), the next
-    round's first τ steps start on a thread once this round is sent (after its state save), so
-    they overlap the upload, the server's aggregation and the next download; the next job waits
-    for them before it merges its state (`Worker.train_round`). TRAIN: K local steps from it, the worker state saved to `store_for(cfg, partition)`
+    plane). TRAIN: K local steps from it, the worker state saved to `store_for(cfg, partition)`
     (with `save_in_background`, on a low-priority thread, off the critical path, from the live
     tensors: the next job waits for it once its download is in, before it touches the state, so a
-    worker killed between rounds finds the round on disk). QUERY: the gradient
-    at θ0 of the low-rank weights. With `stream_reply`, a TRAIN reply is returned as a
-    `StreamingEncode` still being written (the caller uploads it as it fills); without
-    `encode_reply` (a rank that is not its node's lead) the reply is not encoded at all (b"").
+    worker killed between rounds finds the round on disk). QUERY: the gradient at θ0 of the
+    low-rank weights. With `rounds.overlap_delay` and `save_in_background` (a node worker), the
+    next round's first τ steps start on a thread once this round is sent (after its state save),
+    so they overlap the upload, the server's aggregation and the next download; the next job
+    waits for them before it merges its state (`Worker.train_round`). With `stream_reply`, a
+    TRAIN reply is returned as a `StreamingEncode` still being written (the caller uploads it as
+    it fills); without `encode_reply` (a rank that is not its node's lead) the reply is not
+    encoded at all (b"").
 
     Metrics: `setup-seconds` (runtime, data, worker state: mostly first-message cost in a fresh
     process), `train-seconds` (the K local steps alone), `codec-seconds` (decoding the state plus

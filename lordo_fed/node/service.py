@@ -126,7 +126,7 @@ class NodeWorkerServicer(pb_grpc.NodeWorkerServicer):
 def follow(ranks: LocalRanks, presets: Path = PRESET_DIR) -> None:
     """A rank that is not its node's lead: run every job the lead hands on, on the state it hands
     on, until it hands on an empty job (its shutdown). Such a rank loads the lead's copy of the
-    node's state (it is replicated) and saves, encodes and uploads nothing."""
+    node's state (`ReadOnlyStore`) and saves, encodes and uploads nothing."""
     jobs = 0
     while True:
         raw = ranks.broadcast_bytes(None)
