@@ -126,6 +126,21 @@ def test_terminate_kills_process_tree_and_owned_orphans(tmp_path):
         parent.wait(timeout=10)
 
 
+def test_fab_source_builds_the_same_fab_as_the_checkout_without_what_git_ignores():
+    """`flwr run` on fab_source(checkout) ships the FAB that `flwr run <checkout>` ships, byte
+    for byte, and the copy holds none of the ignored trees (.venv, caches) that made the CLI slow;
+    a directory that is not a checkout is used as it is."""
+    from flwr.cli.build import build_fab_from_disk
+
+    root = Path(__file__).resolve().parents[1]
+    copy = fh.fab_source(root)
+    assert copy != root and fh.fab_source(root) == copy  # made once
+    assert (copy / "pyproject.toml").is_file() and (copy / ".gitignore").is_file()
+    assert not (copy / ".venv").exists() and not list(copy.rglob("__pycache__"))
+    assert build_fab_from_disk(copy) == build_fab_from_disk(root)
+    assert fh.fab_source(copy) == copy.resolve()
+
+
 def test_run_failure_detects_flower_exit_codes():
     ok = subprocess.CompletedProcess(["flwr"], 0, stdout="Successfully started run 12\n...")
     failed = subprocess.CompletedProcess(["flwr"], 0, stdout="ERROR :     Exit Code: 201\n")

@@ -22,21 +22,39 @@ A plain tensor (no FSDP2) passes through every function here unchanged.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Shard
 
 from lordo_fed.projection import projection_side
+
+_DTENSOR_MODULE = "torch.distributed.tensor"
+
+
+def _dtensor() -> type | None:
+    """The DTensor class if torch's DTensor module is loaded, else None: no DTensor can exist
+    before it is (FSDP2 imports it). Importing it here would add ~0.6 s to every process that
+    imports the optimizer (a ClientApp per message, a node worker), sharded or not."""
+    module = sys.modules.get(_DTENSOR_MODULE)
+    return None if module is None else module.DTensor
+
+
+def _dtensor_api():
+    """(DTensor, Shard), importing them: for code that handles a DTensor, or makes one."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor, Shard
 
 SHARDED_STATE = ("exp_avg", "exp_avg_sq", "ef")
 """Optimizer-state keys chunked like their parameter (the rest, `step` and `proj`, are replicated)."""
 
 
-def shard_placement(param: Tensor) -> Shard:
-    """Where FSDP2 cuts `param` (`fully_shard(shard_placement_fn=...)`): a matrix along the
-    dimension its low-rank coordinates keep (rows if tall, columns if wide); anything else along 0."""
+def shard_placement(param: Tensor):
+    """Where FSDP2 cuts `param` (`fully_shard(shard_placement_fn=...)`, a `Shard`): a matrix along
+    the dimension its low-rank coordinates keep (rows if tall, columns if wide); anything else along 0."""
+    _, Shard = _dtensor_api()
     if param.ndim == 2 and projection_side(param.shape) == "left":
         return Shard(1)
     return Shard(0)
@@ -44,18 +62,20 @@ def shard_placement(param: Tensor) -> Shard:
 
 def is_sharded(t: Tensor) -> bool:
     """Whether `t` is a DTensor (a parameter, or a gradient, of a sharded module)."""
-    return isinstance(t, DTensor)
+    cls = _dtensor()
+    return cls is not None and isinstance(t, cls)
 
 
 def local(t: Tensor) -> Tensor:
     """This rank's chunk of `t` (a view: writes reach the parameter), or `t` itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_sharded(t) else t
 
 
 def shard_dim(param: Tensor) -> int | None:
     """d, the dimension `param` is chunked along (None: not sharded)."""
-    if not isinstance(param, DTensor):
+    if not is_sharded(param):
         return None
+    _, Shard = _dtensor_api()
     (placement,) = param.placements
     return placement.dim if isinstance(placement, Shard) else None
 
@@ -63,7 +83,7 @@ def shard_dim(param: Tensor) -> int | None:
 def check_placement(param: Tensor, low_rank: bool) -> None:
     """Refuse a sharded parameter whose chunks the LoRDO step cannot run on alone: a mesh of more
     than one dimension, or a low-rank matrix cut along the dimension its basis spans."""
-    if not isinstance(param, DTensor):
+    if not is_sharded(param):
         return
     if param.device_mesh.ndim != 1 or len(param.placements) != 1:
         raise ValueError(f"LoRDO on a DTensor of placements {param.placements}: expected one mesh dimension "
@@ -86,7 +106,7 @@ def coords_mean(denom: Tensor, param: Tensor) -> Tensor:
     each chunked as `param`. One all-reduce of n sums when sharded; no host sync."""
     stacked = denom.ndim == 3
     dims = (1, 2) if stacked else (0, 1)
-    if not isinstance(param, DTensor):
+    if not is_sharded(param):
         return denom.mean(dim=dims, keepdim=True) if stacked else denom.mean()
     total = denom.sum(dim=dims, keepdim=stacked)
     dist.all_reduce(total, group=_group(param))
@@ -100,11 +120,12 @@ def gather(chunk: Tensor, param: Tensor) -> Tensor:
     """The whole tensor of which `chunk` is this rank's part, cut along `param`'s d (a state tensor
     of `param`, or `param`'s own chunk; or a DTensor, as torch's optimizers keep their state of a
     DTensor parameter), on every rank; `chunk` itself when not sharded."""
-    if isinstance(chunk, DTensor):
+    if is_sharded(chunk):
         return chunk.full_tensor()
     d = shard_dim(param)
     if d is None:
         return chunk
+    DTensor, Shard = _dtensor_api()
     shape = list(chunk.shape)
     shape[d] = param.shape[d]
     whole = DTensor.from_local(chunk, param.device_mesh, [Shard(d)], run_check=False, shape=torch.Size(shape),
@@ -121,6 +142,7 @@ def chunk_of(whole: Tensor, param: Tensor, as_dtensor: bool = False) -> Tensor:
     if d is None:
         return whole
     if as_dtensor:
+        DTensor, Shard = _dtensor_api()
         return DTensor.from_local(chunk_of(whole, param), param.device_mesh, [Shard(d)], run_check=False,
                                   shape=whole.shape, stride=whole.stride())
     mesh = param.device_mesh
