@@ -11,7 +11,7 @@ tokenizer must give the same tokens from JSON Lines, Parquet and the HF dataset 
 of the cached tokens; the text file also holds the blank lines between its paragraphs).
 
     python benchmarks/corpus_tokenize.py            # 64 MB of text per format (~3 min on 2 cores)
-    python benchmarks/corpus_tokenize.py --quick    # 2 MB
+    python benchmarks/corpus_tokenize.py --quick    # 0.5 MB
 Writes benchmarks/results/corpus_tokenize.json.
 """
 
@@ -104,10 +104,10 @@ def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         print(json.dumps(child(json.loads(sys.argv[2]))))
         return
-    parser = make_parser("corpus_tokenize", __doc__, "2 MB of text per format")
-    parser.add_argument("--mb", type=float, default=None, help="MB of text per format (default 64; --quick 2)")
+    parser = make_parser("corpus_tokenize", __doc__, "0.5 MB of text per format")
+    parser.add_argument("--mb", type=float, default=None, help="MB of text per format (default 64; --quick 0.5)")
     args = parser.parse_args()
-    mb = args.mb or (2.0 if args.quick else 64.0)
+    mb = args.mb or (0.5 if args.quick else 64.0)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     rows = []
     started = time.perf_counter()

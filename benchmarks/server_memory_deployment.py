@@ -23,7 +23,7 @@ default `data-plane-memory-mb` (1024). `--flower` adds the same deployment on Fl
 (payloads inside the messages) at the smallest M, for contrast.
 
     python benchmarks/server_memory_deployment.py            # 125m, M = 2, 4, 8 (~10 min)
-    python benchmarks/server_memory_deployment.py --quick    # 16m, M = 2, 3
+    python benchmarks/server_memory_deployment.py --quick    # 16m, M = 1, 2
 Writes benchmarks/results/server_memory_deployment.json.
 """
 
@@ -145,7 +145,7 @@ def one_deployment(work: Path, app_dir: Path, preset: str, rank: int, nodes: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = make_parser("server_memory_deployment", __doc__, "16m preset, M = 2 and 3")
+    parser = make_parser("server_memory_deployment", __doc__, "16m preset, M = 1 and 2")
     parser.add_argument("--flower", action="store_true", help="also Flower's own path at the smallest M")
     args = parser.parse_args(argv)
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.common import BYTE_VOCAB, RANKS
     from lordo_fed.model import ModelConfig, build_model, count_parameters
 
-    preset, ms = ("16m", (2, 3)) if args.quick else ("125m", (2, 4, 8))
+    preset, ms = ("16m", (1, 2)) if args.quick else ("125m", (2, 4, 8))
     import torch
 
     with torch.device("meta"):
