@@ -12,7 +12,7 @@ tokens) on two data settings:
 It reads each method's records: validation loss against tokens and against virtual time (a
 synchronous round waits for the slowest worker, K · 4 virtual seconds; an asynchronous method runs
 until it has trained the same tokens), the staleness of the pushes, pushes per worker, bytes. The
-schedule is deterministic (lordo_fed.async_rounds.VirtualClock): the figures do not depend on this
+schedule is deterministic (lordo_fed.rounds.async_rounds.VirtualClock): the figures do not depend on this
 machine's speed.
 
     python benchmarks/async_rounds.py            # small preset, 128 steps per worker (~33 min on 2 cores)

@@ -32,12 +32,12 @@ from flwr.common.serde import context_from_proto, context_to_proto
 
 from client.state import ContextStore, DiskStore
 from lordo_fed.data import TokenShard
-from lordo_fed.methods import make_worker, resolve_method
+from lordo_fed.rounds.methods import make_worker, resolve_method
 from lordo_fed.metrics import tensor_bytes
 from lordo_fed.model import ModelConfig, build_model, lowrank_parameter_names
 from lordo_fed.optim.config import InnerConfig
-from lordo_fed.outer import OuterConfig
-from lordo_fed.rounds import RoundConfig
+from lordo_fed.rounds.outer import OuterConfig
+from lordo_fed.wire.messages import RoundConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -52,7 +52,7 @@ def worker_state(preset: str, rank: int) -> tuple[dict, dict]:
     shard = TokenShard(np.random.default_rng(0).integers(0, 256, 100_000))
     worker = make_worker(0, model, settings, shard, lowrank_parameter_names(model), 10, 2, 32, seed=0)
     for p, _ in worker.optimizer.low_rank_params():
-        from lordo_fed.projection import get_projection_method, projection_side
+        from lordo_fed.optim.projection import get_projection_method, projection_side
 
         worker.optimizer.set_projection(p, get_projection_method("svd").initial(p.shape, rank, projection_side(p.shape), 0))
     worker.local_steps(0, 1)

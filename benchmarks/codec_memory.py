@@ -1,5 +1,5 @@
 """Peak memory and time of encoding and decoding one large `WorkerUpdate`: the protobuf-message
-path the codec used to take (kept as `lordo_fed.codec._encode_update_reference` /
+path the codec used to take (kept as `lordo_fed.wire.codec._encode_update_reference` /
 `_decode_update_reference`) against the direct encoder and in-place decoder (`encode_update`,
 `encode_update_into`, `decode_update`).
 
@@ -89,7 +89,7 @@ def make_update(total_bytes: int):
     """Eight [rows, 1024] fp32 matrices holding ~all of `total_bytes`, eight 1024-vectors, one metric."""
     import torch
 
-    from lordo_fed.rounds import WorkerUpdate
+    from lordo_fed.wire.messages import WorkerUpdate
 
     g = torch.Generator().manual_seed(0)
     rows = max(1, (total_bytes - 8 * 4096) // (8 * 4096))
@@ -109,7 +109,7 @@ def child(spec: dict) -> dict:
 def child_steps(spec: dict, pd: str) -> dict:
     import torch
 
-    from lordo_fed import codec
+    from lordo_fed.wire import codec
 
     old = spec["path"] == "old"
     update = make_update(spec["bytes"])

@@ -1,7 +1,7 @@
 """Bytes each worker sends and receives, per round and per training step, measured on the wire.
 
 For every method the real round messages are built with the model's true parameter shapes
-(random values: the encoded size does not depend on them), serialized with `lordo_fed.codec`
+(random values: the encoded size does not depend on them), serialized with `lordo_fed.wire.codec`
 (the `lordo_fed.v1` protobuf the Flower app sends) and measured with `len(bytes)`:
 
 - ddp: one gradient up and one (all-reduced) gradient down per step, each measured as a
@@ -19,7 +19,7 @@ For every method the real round messages are built with the model's true paramet
 
 Steady state is measured (a round whose predecessor averaged moments, i.e. round > the longest
 sync period), so the first round's smaller broadcast is not counted. The periods, the moment
-shapes and the ranks come from `lordo_fed.methods` / `lordo_fed.aggregator`, not from this file.
+shapes and the ranks come from `lordo_fed.rounds.methods` / `lordo_fed.rounds.aggregator`, not from this file.
 Every message is also checked against the analytic count of shared/docs/ALGORITHM.md
 ("Communication per low-rank p×q matrix"): the tensor bytes must match it exactly; what the
 measured size adds is protobuf framing (names, shapes, headers).
@@ -41,14 +41,14 @@ from dataclasses import dataclass
 
 import torch
 
-from lordo_fed import codec
-from lordo_fed.aggregator import low_rank_shape
-from lordo_fed.methods import resolve_method
+from lordo_fed.wire import codec
+from lordo_fed.rounds.aggregator import low_rank_shape
+from lordo_fed.rounds.methods import resolve_method
 from lordo_fed.model import ModelConfig, build_model, count_parameters, lowrank_parameter_names
 from lordo_fed.optim.config import InnerConfig
-from lordo_fed.outer import OuterConfig
-from lordo_fed.projection import projection_side
-from lordo_fed.rounds import GlobalState, RoundConfig, WorkerUpdate, moment_key
+from lordo_fed.rounds.outer import OuterConfig
+from lordo_fed.optim.projection import projection_side
+from lordo_fed.wire.messages import GlobalState, RoundConfig, WorkerUpdate, moment_key
 
 try:
     from benchmarks.common import BYTE_VOCAB, GPT2_VOCAB, RANKS, human_bytes, make_parser, new_figure, png_path, \
@@ -61,7 +61,7 @@ except ImportError:  # run as `python benchmarks/communication.py` without the r
 
 @dataclass(frozen=True)
 class Variant:
-    """One row family: a method of `lordo_fed.methods.METHODS`, plus its projection encoding."""
+    """One row family: a method of `lordo_fed.rounds.methods.METHODS`, plus its projection encoding."""
 
     method: str
     proj_method: str = "svd"
@@ -96,7 +96,7 @@ class ModelShapes:
         self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         self.num_params = count_parameters(model)
         self.model_id = codec.model_id(dict(model.named_parameters()))
-        # lordo_fed.methods.lowrank_ranks, on shapes: only matrices with rank < min(p, q)
+        # lordo_fed.rounds.methods.lowrank_ranks, on shapes: only matrices with rank < min(p, q)
         self.ranks = {n: rank for n in lowrank_parameter_names(model) if rank < min(self.shapes[n])}
         del model
         # One buffer of random fp32 values; every float tensor of a message is a view into it.
@@ -132,7 +132,7 @@ class ModelShapes:
 
     def projections(self, proj_method: str) -> dict[str, torch.Tensor]:
         """Stored-form projections of LoRDO-Global: an SVD basis (r×q right, p×r left, fp32) or
-        r sorted int64 DCT column indices (lordo_fed.projection)."""
+        r sorted int64 DCT column indices (lordo_fed.optim.projection)."""
         out = {}
         for name, r in self.ranks.items():
             shape = self.shapes[name]
@@ -265,7 +265,7 @@ def formula_bytes(ms: ModelShapes, variant: Variant, settings, k: int, dtype: st
     if lordo and settings.inner.projection == "global":
         for name, r in ms.ranks.items():
             p, q = ms.shapes[name]
-            # bases always travel in fp32 (lordo_fed.codec: bf16 would break their orthonormality)
+            # bases always travel in fp32 (lordo_fed.wire.codec: bf16 would break their orthonormality)
             down += 8 * r if variant.proj_method == "dct" else 4 * r * (q if projection_side((p, q)) == "right" else p)
     return float(up), float(down)
 
@@ -368,7 +368,7 @@ def plot(rows: list[dict], out_png) -> None:
             nparams = next(r["num_params"] for r in rows if (r["preset"], r["vocab_size"]) == (preset, vocab))
             ax.set_title(f"{preset}: vocab {vocab}, {nparams / 1e6:.1f}M params, r = {RANKS[preset]}", fontsize=9)
             ax.grid(True, axis="y", which="both", alpha=0.3)
-    fig.suptitle("Measured wire bytes (lordo_fed.codec)\nlabels: x less than DDP; bf16 halves every bar (Global: all but its fp32 bases)", fontsize=8)
+    fig.suptitle("Measured wire bytes (lordo_fed.wire.codec)\nlabels: x less than DDP; bf16 halves every bar (Global: all but its fp32 bases)", fontsize=8)
     ncol = len(VARIANTS) if len(vocabs) > 1 else 4
     bottom = 0.05 if ncol == len(VARIANTS) else 0.1
     fig.legend(loc="lower center", ncol=ncol, fontsize=7, frameon=False)
@@ -390,7 +390,7 @@ def main() -> None:
     config = {"presets": presets, "vocab_sizes": vocabs, "K": ks, "payload_dtypes": dtypes,
               "ranks": {p: RANKS[p] for p in presets}, "variants": [v.label for v in VARIANTS],
               "header_values": {"opt_step_per_round": _HEADER_K, "tokens_per_step": _TOKENS_PER_STEP},
-              "notes": ["sizes are len() of lordo_fed.codec-encoded messages, per worker",
+              "notes": ["sizes are len() of lordo_fed.wire.codec-encoded messages, per worker",
                         "ddp: a gradient each way per step (ring all-reduce moves ~2(M-1)/M of it each way)",
                         "round-based methods: steady state, averaged over one sync cycle (desloc: 6 rounds)",
                         "ratio_to_ddp = method / ddp total bytes per step, same preset, vocab and dtype"]}

@@ -6,7 +6,7 @@ pay for their encoding time.
    `dense_sync_factor` F = 1 and 4. The round's two messages are built with the model's true
    shapes, every compressed tensor laid out as the codec lays it out (a compressed tensor's size
    depends on its shape and codec only, `part_sizes`, tested against `encode`), serialized with
-   `lordo_fed.codec` and measured with len(): up (Δ, the due moments) and down (θ or its change,
+   `lordo_fed.wire.codec` and measured with len(): up (Δ, the due moments) and down (θ or its change,
    the bases, the averaged moments), per worker per step, and the ratio to fp32 DDP (a gradient of
    4 bytes per parameter up and the averaged one down, every step). fp32 messages over protobuf's
    2 GiB limit (720m) are counted by their tensor bytes.
@@ -37,12 +37,12 @@ from pathlib import Path
 
 import torch
 
-from lordo_fed import codec
-from lordo_fed.methods import resolve_method
+from lordo_fed.wire import codec
+from lordo_fed.rounds.methods import resolve_method
 from lordo_fed.optim.config import InnerConfig
-from lordo_fed.outer import OuterConfig
-from lordo_fed.rounds import GlobalState, RoundConfig, WorkerUpdate
-from lordo_fed.projection import projection_side
+from lordo_fed.rounds.outer import OuterConfig
+from lordo_fed.wire.messages import GlobalState, RoundConfig, WorkerUpdate
+from lordo_fed.optim.projection import projection_side
 from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import Encoded, ErrorFeedback, encode, part_sizes
 from lordo_fed.wire.payload import PAYLOADS, payload_codecs, receiver_codecs, downlink_codecs, wire_dtype

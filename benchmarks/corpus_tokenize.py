@@ -81,7 +81,7 @@ def train_bpe(path: Path) -> Path:
 def child(spec: dict) -> dict:
     """One load_corpus into a fresh cache (this process), timed."""
     from lordo_fed.data import load_corpus
-    from lordo_fed.tokenizer import load_tokenizer
+    from lordo_fed.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(spec["tokenizer"])
     started = time.perf_counter()

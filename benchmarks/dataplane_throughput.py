@@ -30,7 +30,7 @@ Variants (each moves `size` MB down to each of 2 nodes and `size` MB up from eac
   server takes both uploads, checks the sha256 each reply vouches for (as `_upload_of`) and
   decodes them. The node's random Δ is drawn before its timed part; the draw's seconds are
   subtracted from the exchange.
-- `flower`: the same app with the payloads inside the messages (lordo_fed.flower.payload_record /
+- `flower`: the same app with the payloads inside the messages (lordo_fed.app.records.payload_record /
   payload_bytes), same plaintext deployment, same exchanges.
 
 Each big exchange is paired with a tiny one (~1 KB, same path): `effective` throughput = bytes
@@ -397,10 +397,10 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 import lordo_fed
-from lordo_fed.codec import decode_update, encode_global_state
-from lordo_fed.flower import TICKET, UPLOAD_SHA256, payload_bytes, payload_record, shorten_pull_backoff
+from lordo_fed.wire.codec import decode_update, encode_global_state
+from lordo_fed.app.records import TICKET, UPLOAD_SHA256, payload_bytes, payload_record, shorten_pull_backoff
 from lordo_fed.metrics import peak_rss_bytes
-from lordo_fed.rounds import GlobalState
+from lordo_fed.wire.messages import GlobalState
 from lordo_fed.transport.server import DataPlaneServer
 
 from .common import draw, samples
@@ -553,10 +553,10 @@ import time
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from lordo_fed.codec import decode_global_state, encode_update
-from lordo_fed.flower import TICKET, UPLOAD_SHA256, payload_bytes, payload_record
+from lordo_fed.wire.codec import decode_global_state, encode_update
+from lordo_fed.app.records import TICKET, UPLOAD_SHA256, payload_bytes, payload_record
 from lordo_fed.metrics import peak_rss_bytes
-from lordo_fed.rounds import WorkerUpdate
+from lordo_fed.wire.messages import WorkerUpdate
 from lordo_fed.transport.client import download, parse_ticket, upload
 
 from .common import draw, samples
@@ -820,7 +820,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"size_mb": size_mb, "repeats": repeats, "tiny_mb": TINY_MB, "nodes": NODES,
                    "tls_deployment": tls_deployment, "flower_path": not args.no_flower,
                    "stock_supernode": args.stock_supernode,
-                   "payload": "one random fp32 tensor, lordo_fed.codec fp32 (GlobalState down, WorkerUpdate up)"},
+                   "payload": "one random fp32 tensor, lordo_fed.wire.codec fp32 (GlobalState down, WorkerUpdate up)"},
     }
     print(f"[dataplane_throughput] {size_mb:g} MB each way x {NODES} nodes, {repeats} repeat(s)", flush=True)
     streams: dict[tuple[str, str], list[dict]] = {(k, sec): [] for k in ("bare", "dataplane")

@@ -53,7 +53,7 @@ from lordo_fed.metrics import optimizer_state_bytes, peak_rss_bytes, tensor_byte
 from lordo_fed.model import ModelConfig, build_model, count_parameters, lm_loss, lowrank_parameter_names
 from lordo_fed.optim.config import InnerConfig, build_inner_optimizer
 from lordo_fed.optim.ef_compress import kept_entries
-from lordo_fed.projection import get_projection_method, projection_side
+from lordo_fed.optim.projection import get_projection_method, projection_side
 
 try:
     from benchmarks.common import BYTE_VOCAB, GPT2_VOCAB, RANKS, human_bytes, make_parser, new_figure, png_path, \
@@ -214,9 +214,9 @@ def _stage() -> dict[str, int | None]:
 
 
 def _settings(config: str, rank: int, local_steps: int):
-    from lordo_fed.methods import resolve_method
-    from lordo_fed.outer import OuterConfig
-    from lordo_fed.rounds import RoundConfig
+    from lordo_fed.rounds.methods import resolve_method
+    from lordo_fed.rounds.outer import OuterConfig
+    from lordo_fed.wire.messages import RoundConfig
 
     # A seeded round-1 basis: the client process gets a complete GlobalState without the round-0
     # gradient exchange (which does not change what a round holds in memory).
@@ -228,11 +228,11 @@ def client_child(spec: dict) -> dict:
     """One client round in this process (run by `--child`): decode, K steps, encode; RSS per stage."""
     import numpy as np
 
-    from lordo_fed import codec
+    from lordo_fed.wire import codec
     from lordo_fed.data import TokenShard
-    from lordo_fed.methods import make_worker, resolve_method  # noqa: F401 (imported before the first stage)
-    from lordo_fed.outer import OuterConfig  # noqa: F401
-    from lordo_fed.rounds import RoundConfig  # noqa: F401
+    from lordo_fed.rounds.methods import make_worker, resolve_method  # noqa: F401 (imported before the first stage)
+    from lordo_fed.rounds.outer import OuterConfig  # noqa: F401
+    from lordo_fed.wire.messages import RoundConfig  # noqa: F401
 
     torch.set_num_threads(1)
     stages = {"after_import": _stage()}
@@ -264,8 +264,8 @@ def client_child(spec: dict) -> dict:
 def peak_memory(preset: str, config: str, tmp: Path, local_steps: int, batch_size: int, device: str = "cpu") -> dict:
     """Run `client_child` in a fresh interpreter for one config; the server side (the encoded
     GlobalState of round 1) is prepared here and handed over as a file."""
-    from lordo_fed import codec
-    from lordo_fed.methods import lowrank_ranks, make_aggregator
+    from lordo_fed.wire import codec
+    from lordo_fed.rounds.methods import lowrank_ranks, make_aggregator
 
     rank = RANKS[preset]
     torch.manual_seed(0)

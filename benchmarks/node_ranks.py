@@ -58,12 +58,12 @@ def wrapper_overhead(preset: str, batch: int, steps: int, repeats: int, device: 
     import torch.distributed as dist
 
     from lordo_fed.data import TokenShard
-    from lordo_fed.methods import make_worker, resolve_method
+    from lordo_fed.rounds.methods import make_worker, resolve_method
     from lordo_fed.model import ModelConfig, build_model, lowrank_parameter_names
     from lordo_fed.node.ranks import LocalRanks
     from lordo_fed.optim.config import InnerConfig
-    from lordo_fed.outer import OuterConfig
-    from lordo_fed.rounds import RoundConfig
+    from lordo_fed.rounds.outer import OuterConfig
+    from lordo_fed.wire.messages import RoundConfig
 
     import numpy as np
 
@@ -109,13 +109,13 @@ def _held_main(rank: int, rendezvous: str, preset: str, out: str) -> None:
     import torch.distributed as dist
 
     from lordo_fed.data import TokenShard
-    from lordo_fed.methods import make_worker, resolve_method
+    from lordo_fed.rounds.methods import make_worker, resolve_method
     from lordo_fed.model import ModelConfig, build_model, lowrank_parameter_names
     from lordo_fed.node.ranks import WRAPPERS, LocalRanks
     from lordo_fed.optim.config import InnerConfig
     from lordo_fed.optim.sharded import local
-    from lordo_fed.outer import OuterConfig
-    from lordo_fed.rounds import RoundConfig
+    from lordo_fed.rounds.outer import OuterConfig
+    from lordo_fed.wire.messages import RoundConfig
 
     import numpy as np
 

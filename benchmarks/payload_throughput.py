@@ -3,8 +3,8 @@ down (server -> client) and back up (client -> server), encoded exactly as the a
 
 A dedicated minimal Flower app (written to a temporary directory) runs on a real SuperLink and one
 SuperNode (tests/flower_harness.Deployment). Each exchange: the ServerApp encodes a random fp32
-tensor as a `lordo_fed.v1.GlobalState` (lordo_fed.codec.encode_global_state), wraps it with
-lordo_fed.flower.payload_record, pushes it (grid.push_messages) and polls for the reply every
+tensor as a `lordo_fed.v1.GlobalState` (lordo_fed.wire.codec.encode_global_state), wraps it with
+lordo_fed.app.records.payload_record, pushes it (grid.push_messages) and polls for the reply every
 20 ms; the ClientApp unwraps and decodes it, encodes a random fp32 Δ of the same size as a
 `WorkerUpdate` (encode_update + payload_record) and replies; the server unwraps and decodes that.
 Random data, a new draw per exchange: Flower sends identical 5 MB chunks once.
@@ -23,7 +23,7 @@ subtracted; end-to-end MB/s (size / big) are reported too. The SuperNode's hard-
 puts up to 3 s of random wait on every downlink; a second run with that wait capped at 0.1 s
 (benchmarks/flower_shims.py: same data path, not stock Flower; skip with --no-shim) removes that
 noise. The ServerApp retries not-yet-uploaded reply chunks after 50 ms as the app does
-(lordo_fed.flower.shorten_pull_backoff).
+(lordo_fed.app.records.shorten_pull_backoff).
 
     python benchmarks/payload_throughput.py            # 200 MB, 2 repeats, stock + poll-shim SuperNode
     python benchmarks/payload_throughput.py --quick    # 20 MB, 1 repeat (< 60 s)
@@ -64,10 +64,10 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from lordo_fed.codec import decode_update, encode_global_state
-from lordo_fed.flower import payload_bytes, payload_record, shorten_pull_backoff
+from lordo_fed.wire.codec import decode_update, encode_global_state
+from lordo_fed.app.records import payload_bytes, payload_record, shorten_pull_backoff
 from lordo_fed.metrics import peak_rss_bytes
-from lordo_fed.rounds import GlobalState
+from lordo_fed.wire.messages import GlobalState
 
 
 app = ServerApp()
@@ -143,10 +143,10 @@ import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from lordo_fed.codec import decode_global_state, encode_update
-from lordo_fed.flower import payload_bytes, payload_record
+from lordo_fed.wire.codec import decode_global_state, encode_update
+from lordo_fed.app.records import payload_bytes, payload_record
 from lordo_fed.metrics import peak_rss_bytes
-from lordo_fed.rounds import WorkerUpdate
+from lordo_fed.wire.messages import WorkerUpdate
 
 
 app = ClientApp()
@@ -197,9 +197,9 @@ def local_codec(mb: float, repeats: int) -> dict[str, float]:
     import numpy as np
     import torch
 
-    from lordo_fed.codec import decode_global_state, encode_global_state
-    from lordo_fed.flower import payload_bytes, payload_record
-    from lordo_fed.rounds import GlobalState
+    from lordo_fed.wire.codec import decode_global_state, encode_global_state
+    from lordo_fed.app.records import payload_bytes, payload_record
+    from lordo_fed.wire.messages import GlobalState
 
     n = int(mb * 1e6 / 4)
     theta = torch.from_numpy(np.random.default_rng(0).standard_normal(n, dtype=np.float32))
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "benchmark": "payload_throughput", "machine": machine_info(),
         "config": {"quick": args.quick, "size_mb": size_mb, "repeats": repeats, "tiny_mb": TINY_MB, "nodes": 1,
-                   "encoding": "lordo_fed.codec (protobuf lordo_fed.v1) + lordo_fed.flower.payload_record",
+                   "encoding": "lordo_fed.wire.codec (protobuf lordo_fed.v1) + lordo_fed.app.records.payload_record",
                    "data": "random fp32 (np.random standard normal), a new draw per exchange"},
         "local_codec": local_codec(size_mb, 1 if args.quick else 3),
         "deployment": {},

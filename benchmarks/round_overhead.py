@@ -232,7 +232,7 @@ t2 = time.perf_counter()
 import client.app as ca
 import lordo_fed.node.runtime
 t3 = time.perf_counter()
-from lordo_fed.appconfig import flat_defaults, load_app_config
+from lordo_fed.app.config import flat_defaults, load_app_config
 load_app_config({**flat_defaults(), "preset": "quickstart"}, ca.PRESETS)
 t4 = time.perf_counter()
 import torch._dynamo

@@ -39,14 +39,14 @@ from pathlib import Path
 
 import torch
 
-from lordo_fed import codec
-from lordo_fed.aggregator import Aggregator, low_rank_shape
-from lordo_fed.methods import MethodSettings, lowrank_ranks, make_aggregator, resolve_method
+from lordo_fed.wire import codec
+from lordo_fed.rounds.aggregator import Aggregator, low_rank_shape
+from lordo_fed.rounds.methods import MethodSettings, lowrank_ranks, make_aggregator, resolve_method
 from lordo_fed.metrics import peak_rss_bytes
 from lordo_fed.model import ModelConfig, build_model, count_parameters
 from lordo_fed.optim.config import InnerConfig
-from lordo_fed.outer import OuterConfig
-from lordo_fed.rounds import ReplyRef, RoundConfig, WorkerUpdate, moment_key
+from lordo_fed.rounds.outer import OuterConfig
+from lordo_fed.wire.messages import ReplyRef, RoundConfig, WorkerUpdate, moment_key
 
 try:
     from benchmarks.common import BYTE_VOCAB, RANKS, human_bytes, make_parser, print_rows, result_header, write_json

@@ -55,10 +55,10 @@ from flwr.clientapp import ClientApp
 
 from benchmarks.server_memory import random_update
 from client.app import PRESETS, receive_state, send_reply
-from lordo_fed.codec import decode_global_state, encode_update, model_id
-from lordo_fed.tokenizer import load_tokenizer
-from lordo_fed.flower import explicit_keys
-from lordo_fed.methods import lowrank_ranks, resolve_method
+from lordo_fed.wire.codec import decode_global_state, encode_update, model_id
+from lordo_fed.data.tokenizer import load_tokenizer
+from lordo_fed.app.records import explicit_keys
+from lordo_fed.rounds.methods import lowrank_ranks, resolve_method
 from lordo_fed.model import build_model
 from lordo_fed.node.runtime import app_config
 

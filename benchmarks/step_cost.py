@@ -36,7 +36,7 @@ from lordo_fed.device import autocast, pick_device
 from lordo_fed.model import ModelConfig, build_model, count_parameters, lm_loss, lowrank_parameter_names
 from lordo_fed.optim import LoRDO
 from lordo_fed.optim.config import InnerConfig, build_inner_optimizer
-from lordo_fed.projection import get_projection_method, projection_side
+from lordo_fed.optim.projection import get_projection_method, projection_side
 
 try:
     from benchmarks.common import RANKS, RESULTS, make_parser, new_figure, png_path, result_header, write_json
@@ -163,7 +163,7 @@ def batched_refresh(counts: dict[tuple[int, int], int], rank: int, device: torch
     same-shaped matrices stacked, one batched fit per stack, on `device`), measured once per
     method after a warm-up on one matrix of each shape. The exact SVD is left out on the CPU
     (~170 s at 720m: the per-matrix sum above estimates it)."""
-    from lordo_fed.aggregator import fit_projections
+    from lordo_fed.rounds.aggregator import fit_projections
 
     deltas, ranks = {}, {}
     for (p, q), n in counts.items():

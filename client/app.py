@@ -24,7 +24,7 @@ from pathlib import Path
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from lordo_fed.flower import IDENTIFY, TICKET, UPLOAD_SHA256, explicit_keys, payload_bytes, payload_record
+from lordo_fed.app.records import IDENTIFY, TICKET, UPLOAD_SHA256, explicit_keys, payload_bytes, payload_record
 from lordo_fed.node.channel import NODE_WORKER_KEY
 from lordo_fed.wan.links import LINK_RATE_KEY, parse_rate
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 from flwr.app import Context
 from torch import Tensor
 
-from lordo_fed.flower import records_to_tensors, tensors_to_records
+from lordo_fed.app.records import records_to_tensors, tensors_to_records
 from lordo_fed.node.store import DiskStore, State, StateStore  # noqa: F401 (the stores in one place for callers)
 
 
 class ContextStore:
     """Flower's per-node `Context.state` (in memory on the SuperNode, gone when it restarts)."""
 
-    KEY = "lordo_fed.worker"
+    KEY = "lordo_fed.rounds.worker"
 
     def __init__(self, context: Context):
         self.context = context

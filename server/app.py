@@ -8,8 +8,8 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from lordo_fed.appconfig import load_app_config
-from lordo_fed.methods import METHODS
+from lordo_fed.app.config import load_app_config
+from lordo_fed.rounds.methods import METHODS
 from server.async_strategy import AsyncLoRDOStrategy
 from server.strategy import LoRDOStrategy
 

@@ -1,7 +1,7 @@
 """Asynchronous rounds over Flower (async DiLoCo, momentum look-ahead, HeLoCo, async LoRDO): a node gets its
 next round as soon as its reply is applied, nobody waits for the slowest.
 
-The server side of `lordo_fed.async_rounds` (docs/algorithm.md, "Asynchronous rounds") driven by
+The server side of `lordo_fed.rounds.async_rounds` (docs/algorithm.md, "Asynchronous rounds") driven by
 Flower's push/pull messages:
 
 1. Every connected node is asked for its partition id (a query message that needs no model), so
@@ -38,12 +38,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.result import Result
 
-from lordo_fed.appconfig import AppConfig
-from lordo_fed.async_rounds import Arrival, AsyncServer, Pull, VirtualClock, async_record
-from lordo_fed.codec import PayloadError, decode_update, encode_global_state
-from lordo_fed.flower import EXPLICIT_KEYS, IDENTIFY, payload_bytes
+from lordo_fed.app.config import AppConfig
+from lordo_fed.rounds.async_rounds import Arrival, AsyncServer, Pull, VirtualClock, async_record
+from lordo_fed.wire.codec import PayloadError, decode_update, encode_global_state
+from lordo_fed.app.records import EXPLICIT_KEYS, IDENTIFY, payload_bytes
 from lordo_fed.metrics import peak_rss_bytes
-from lordo_fed.rounds import GlobalState
+from lordo_fed.wire.messages import GlobalState
 from lordo_fed.wire.payload import wire_dtype
 from server.strategy import LoRDOStrategy, _array
 

@@ -4,7 +4,7 @@ Each round (shared/docs/ALGORITHM.md, "One round"): send every connected client 
 it needs (θ, the shared projections, the averaged states that are due) as one `lordo_fed.v1`
 payload; collect replies until the round deadline, polling fast; decode and validate each reply
 (schema, model identity, names, shapes, dtypes, finiteness) and drop bad ones with a log line
-naming the client and the reason; aggregate through `lordo_fed.aggregator.Aggregator` (token
+naming the client and the reason; aggregate through `lordo_fed.rounds.aggregator.Aggregator` (token
 weights, outer update, Global projection refit and moment rotation); evaluate on the held-out
 split every N rounds; write JSONL/TensorBoard metrics and an atomic checkpoint.
 
@@ -30,21 +30,21 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
 
-from lordo_fed.appconfig import AppConfig, as_dict
+from lordo_fed.app.config import AppConfig, as_dict
 from lordo_fed.checkpoint import (check_compatible, checkpoint_stem, load_checkpoint, rng_state, save_checkpoint,
                                   set_rng_state)
-from lordo_fed.codec import (PayloadError, decode_update, encode_global_state, encode_global_state_into, encoded_size,
+from lordo_fed.wire.codec import (PayloadError, decode_update, encode_global_state, encode_global_state_into, encoded_size,
                              model_id, new_buffer)
 from lordo_fed.data import load_dataset
 from lordo_fed.device import pick_device
 from lordo_fed.evaluation import evaluate
-from lordo_fed.flower import (EXPLICIT_KEYS, TICKET, UPLOAD_SHA256, is_simulation, payload_bytes, payload_record,
+from lordo_fed.app.records import (EXPLICIT_KEYS, TICKET, UPLOAD_SHA256, is_simulation, payload_bytes, payload_record,
                               shorten_pull_backoff)
-from lordo_fed.methods import lowrank_ranks, make_aggregator, resolve_method
+from lordo_fed.rounds.methods import lowrank_ranks, make_aggregator, resolve_method
 from lordo_fed.metrics import MetricsWriter, peak_rss_bytes, plot_curves
 from lordo_fed.wan.links import NodeLink, ideal_round_seconds, overlap_bound_seconds
 from lordo_fed.model import build_model
-from lordo_fed.rounds import GlobalState, ReplyRef, WorkerUpdate
+from lordo_fed.wire.messages import GlobalState, ReplyRef, WorkerUpdate
 from lordo_fed.transport.server import DataPlaneServer
 from lordo_fed.wire.payload import receiver_codecs, wire_dtype
 
@@ -95,7 +95,7 @@ class LoRDOStrategy(Strategy):
     def __init__(self, cfg: AppConfig, explicit_keys: Iterable[str] = ()):
         self.cfg = cfg
         # The run-config keys the user set: every message names them, so that clients compose the
-        # same settings from the same merged run config (lordo_fed.appconfig.load_app_config).
+        # same settings from the same merged run config (lordo_fed.app.config.load_app_config).
         self.explicit_keys = ",".join(sorted(explicit_keys))
         self.settings = resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
         self.out_dir = Path(cfg.out_dir).expanduser().resolve()
@@ -572,7 +572,7 @@ class LoRDOStrategy(Strategy):
         SuperLink CPU, and on a machine shared with the nodes their training pays for it: on the
         data plane a node's reply follows its upload, so the server waits on the uploads and polls
         Flower fast only when the replies are due. Reply chunks still being uploaded are retried
-        after 50 ms, not Flower's 1 s: lordo_fed.flower.shorten_pull_backoff.)
+        after 50 ms, not Flower's 1 s: lordo_fed.app.records.shorten_pull_backoff.)
         """
         pending = set(ids)
         replies: list[Message] = []

@@ -17,7 +17,7 @@ from flwr.clientapp import ClientApp
 
 from client.app import query as real_query
 from client.app import train as real_train
-from lordo_fed.flower import payload_bytes, payload_record
+from lordo_fed.app.records import payload_bytes, payload_record
 from lordo_fed.v1 import wire_pb2 as pb
 
 HOSTILE_PARTITION = 1

@@ -26,15 +26,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lordo_fed import codec
-from lordo_fed.aggregator import Aggregator, RoundResult, fit_projections, low_rank_shape
+from lordo_fed.wire import codec
+from lordo_fed.rounds.aggregator import Aggregator, RoundResult, fit_projections, low_rank_shape
 from lordo_fed.optim.bias import restep
-from lordo_fed.outer import QHM, Average, Nesterov, OuterConfig
-from lordo_fed.projection import SVDProjection, projection_side
-from lordo_fed.rounds import (DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, ReplyRef, RoundConfig, WorkerUpdate,
+from lordo_fed.rounds.outer import QHM, Average, Nesterov, OuterConfig
+from lordo_fed.optim.projection import SVDProjection, projection_side
+from lordo_fed.wire.messages import (DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, ReplyRef, RoundConfig, WorkerUpdate,
                               moment_key, split_moment_key)
 
-AGG_LOGGER = "lordo_fed.aggregator"
+AGG_LOGGER = "lordo_fed.rounds.aggregator"
 
 
 def t(values) -> torch.Tensor:
@@ -592,7 +592,7 @@ def test_projection_refreshes_even_when_no_moment_is_due():
 
 
 def test_make_aggregator_owns_projections_only_under_lordo_global():
-    from lordo_fed.methods import make_aggregator, resolve_method
+    from lordo_fed.rounds.methods import make_aggregator, resolve_method
     from lordo_fed.optim.config import InnerConfig
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=True))  # weight 6×4 named "0.weight"

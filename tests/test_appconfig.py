@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from lordo_fed.appconfig import FLAT_KEYS, PRESET_DIR, flat_defaults, load_app_config
+from lordo_fed.app.config import FLAT_KEYS, PRESET_DIR, flat_defaults, load_app_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lordo_fed.appconfig import load_app_config
+from lordo_fed.app.config import load_app_config
 from lordo_fed.checkpoint import load_checkpoint
 from lordo_fed.data import load_dataset
 from lordo_fed.device import pick_device
-from lordo_fed.methods import resolve_method
+from lordo_fed.rounds.methods import resolve_method
 from lordo_fed.trainer.config import TrainConfig
 from lordo_fed.trainer.run import RunContext, run_async
 from tests.flower_harness import Deployment, flower_env, run_simulation

@@ -1,4 +1,4 @@
-"""Asynchronous rounds on the virtual clock (lordo_fed.async_rounds, the reference trainer's
+"""Asynchronous rounds on the virtual clock (lordo_fed.rounds.async_rounds, the reference trainer's
 run_async): the arrival order and staleness by hand, the staleness bound, one worker equal to
 synchronous DiLoCo, HeLoCo learning and reproducible."""
 
@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 import torch
 
-from lordo_fed.async_rounds import AsyncConfig, AsyncRule, AsyncServer, VirtualClock
-from lordo_fed.methods import resolve_method
-from lordo_fed.outer import Average, MomentumLookAhead, Nesterov
-from lordo_fed.rounds import RoundConfig, WorkerUpdate
+from lordo_fed.rounds.async_rounds import AsyncConfig, AsyncRule, AsyncServer, VirtualClock
+from lordo_fed.rounds.methods import resolve_method
+from lordo_fed.rounds.outer import Average, MomentumLookAhead, Nesterov
+from lordo_fed.wire.messages import RoundConfig, WorkerUpdate
 from lordo_fed.trainer.run import run_async, run_rounds
 
 from tests.test_trainer import context, tiny_config
@@ -159,7 +159,7 @@ def test_node_settings_for_asynchronous_rounds_are_checked(tmp_path):
     """A node's `slowdown` and `local-steps` (node config) are checked with a message naming them;
     nodes may run their own local steps only in an asynchronous run; the gRPC data plane does not
     carry asynchronous rounds yet."""
-    from lordo_fed.appconfig import load_app_config
+    from lordo_fed.app.config import load_app_config
     from lordo_fed.node.runtime import Job, runtime_for
 
     for value in (0.5, "fast", True):
@@ -207,10 +207,10 @@ def test_a_stale_replys_moments_are_rotated_from_the_basis_it_trained_in():
     basis (1); its reply's moments (step 4) are then moved to the shared step count (6) and
     rotated from basis 0 into basis 1 with LDAdam's rule, and blended with weight 1/M into the
     averaged moments; the refit is the top-2 subspace of the two applied updates."""
-    from lordo_fed.aggregator import Aggregator
+    from lordo_fed.rounds.aggregator import Aggregator
     from lordo_fed.optim.bias import restep
     from lordo_fed.optim.rotation import rotate_moments
-    from lordo_fed.projection import get_projection_method, projection_side
+    from lordo_fed.optim.projection import get_projection_method, projection_side
 
     torch.manual_seed(0)
     shape, betas = (5, 3), (0.9, 0.99)

@@ -12,7 +12,7 @@ import torch
 
 from lordo_fed.optim import LoRDO
 from lordo_fed.optim.batched import BatchedLoRDO
-from lordo_fed.projection import get_projection_method, projection_side
+from lordo_fed.optim.projection import get_projection_method, projection_side
 
 RANK = 6
 SHAPES = [(48, 32), (48, 32), (48, 32), (32, 80), (32, 80), (64, 64), (5, 4), (16,)]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lordo_fed.aggregator import Aggregator
+from lordo_fed.rounds.aggregator import Aggregator
 from lordo_fed.checkpoint import (
     FORMAT,
     CheckpointError,
@@ -21,9 +21,9 @@ from lordo_fed.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from lordo_fed.outer import Nesterov
-from lordo_fed.projection import SVDProjection
-from lordo_fed.rounds import RoundConfig
+from lordo_fed.rounds.outer import Nesterov
+from lordo_fed.optim.projection import SVDProjection
+from lordo_fed.wire.messages import RoundConfig
 
 
 def sample_tensors(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""lordo_fed.codec: round trips, sizes, and every refusal of a bad payload."""
+"""lordo_fed.wire.codec: round trips, sizes, and every refusal of a bad payload."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from lordo_fed import codec
-from lordo_fed.codec import (PAYLOAD_DTYPES, SCHEMA, PayloadError, decode_global_state, decode_update,
+from lordo_fed.wire import codec
+from lordo_fed.wire.codec import (PAYLOAD_DTYPES, SCHEMA, PayloadError, decode_global_state, decode_update,
                              encode_global_state, encode_update, model_id, payload_nbytes,
                              tensors_nbytes)
-from lordo_fed.rounds import GlobalState, WorkerUpdate
+from lordo_fed.wire.messages import GlobalState, WorkerUpdate
 from lordo_fed.v1 import wire_pb2 as pb
 
 
@@ -187,7 +187,7 @@ def test_bf16_payload_is_half_of_fp32():
 def test_projection_bases_stay_orthonormal_in_a_bf16_payload():
     """bf16 rounds an orthonormal basis to ‖PPᵀ − I‖ ~ 1e-3; bases travel in fp32 whatever the
     payload dtype, bit-exact (and cost r x n floats per matrix)."""
-    from lordo_fed.projection import SVDProjection
+    from lordo_fed.optim.projection import SVDProjection
 
     basis = SVDProjection().fit(torch.randn(256, 128, generator=_gen()), 16, "right")
     rounded = basis.to(torch.bfloat16).float()
@@ -968,8 +968,8 @@ def test_hostile_claims_allocate_nothing_in_place(monkeypatch, no_fallback):
 MEMORY_PROBE = r"""
 import gc, json, sys
 import torch
-from lordo_fed import codec
-from lordo_fed.rounds import WorkerUpdate
+from lordo_fed.wire import codec
+from lordo_fed.wire.messages import WorkerUpdate
 
 def status(key):
     with open("/proc/self/status") as f:

@@ -206,9 +206,9 @@ def test_bad_specs_are_named():
             spec.validate()
 
 
-# ----------------------------------------------------------------------------- on the wire (lordo_fed.codec)
+# ----------------------------------------------------------------------------- on the wire (lordo_fed.wire.codec)
 def compressed_update():
-    from lordo_fed.rounds import WorkerUpdate
+    from lordo_fed.wire.messages import WorkerUpdate
 
     torch.manual_seed(4)
     specs = {"delta": CodecSpec("topk", bits=2, chunk=1024, density=0.03), "moment": CodecSpec("quant", bits=4, block=32)}
@@ -219,7 +219,7 @@ def compressed_update():
 
 
 def test_compressed_tensors_round_trip_the_wire_as_protobuf_writes_them():
-    from lordo_fed.codec import (_decode_update_reference, _encode_update_reference, decode_update, encode_update,
+    from lordo_fed.wire.codec import (_decode_update_reference, _encode_update_reference, decode_update, encode_update,
                                  tensors_nbytes)
     from lordo_fed.v1 import wire_pb2 as pb
 
@@ -247,7 +247,7 @@ def dataclasses_replace(obj, **changes):
 
 
 def tampered(edit) -> bytes:
-    from lordo_fed.codec import encode_update
+    from lordo_fed.wire.codec import encode_update
     from lordo_fed.v1 import wire_pb2 as pb
 
     update, _, _, _ = compressed_update()
@@ -277,7 +277,7 @@ def _repeat_first_index(msg) -> None:
      "WorkerUpdate.moments['exp_avg_sq/w']: a block scale is NaN"),
 ])
 def test_hostile_compressed_payloads_are_refused_with_a_reason(edit, reason):
-    from lordo_fed.codec import PayloadError, decode_update
+    from lordo_fed.wire.codec import PayloadError, decode_update
 
     _, specs, _, _ = compressed_update()
     with pytest.raises(PayloadError, match=reason.replace("[", r"\[").replace("(", r"\(")):
@@ -290,8 +290,8 @@ def test_compressed_rounds_learn_send_fewer_bytes_and_keep_the_residual(tmp_path
     feedback and the moments quantised (bytes counted as encoded), the aggregator gets the
     decoded values; the loss goes down (int8 within 10% of fp32 after 4 rounds; top-k's error
     feedback needs more rounds to catch up, which results.md measures)."""
-    from lordo_fed.methods import resolve_method
-    from lordo_fed.rounds import RoundConfig
+    from lordo_fed.rounds.methods import resolve_method
+    from lordo_fed.wire.messages import RoundConfig
     from lordo_fed.trainer.run import run_rounds
     from tests.test_trainer import context, tiny_config
 
@@ -313,9 +313,9 @@ def test_compressed_rounds_learn_send_fewer_bytes_and_keep_the_residual(tmp_path
 
 def test_a_workers_compression_residual_travels_with_its_state(tmp_path):
     from lordo_fed.data import load_dataset
-    from lordo_fed.methods import make_worker, resolve_method
+    from lordo_fed.rounds.methods import make_worker, resolve_method
     from lordo_fed.model import build_model, lowrank_parameter_names
-    from lordo_fed.rounds import GlobalState
+    from lordo_fed.wire.messages import GlobalState
     from tests.test_trainer import tiny_config
 
     cfg = tiny_config(tmp_path, payload_dtype="topk2bit")
@@ -340,10 +340,10 @@ def test_server_and_workers_agree_bit_for_bit_on_the_clients_copy(tmp_path):
     worker's are equal bit for bit; a worker that missed a round refuses the change (ResyncNeeded)
     and, sent θ_c whole, holds the same copy again."""
     from lordo_fed.data import load_dataset
-    from lordo_fed.methods import make_aggregator, make_worker, resolve_method
+    from lordo_fed.rounds.methods import make_aggregator, make_worker, resolve_method
     from lordo_fed.model import build_model
-    from lordo_fed.rounds import RoundConfig
-    from lordo_fed.worker import ResyncNeeded
+    from lordo_fed.wire.messages import RoundConfig
+    from lordo_fed.rounds.worker import ResyncNeeded
     from tests.test_trainer import tiny_config
 
     cfg = tiny_config(tmp_path, workers=3, rounds=RoundConfig(local_steps=2), payload_dtype="int8")
@@ -401,8 +401,8 @@ def test_second_moments_quantise_their_square_roots_rounded_up():
 
 
 def test_a_second_moment_on_the_wire_carries_its_sqrt_flag():
-    from lordo_fed.codec import PayloadError, _encode_update_reference, decode_update, encode_update
-    from lordo_fed.rounds import WorkerUpdate
+    from lordo_fed.wire.codec import PayloadError, _encode_update_reference, decode_update, encode_update
+    from lordo_fed.wire.messages import WorkerUpdate
     from lordo_fed.v1 import wire_pb2 as pb
     from lordo_fed.wire.payload import PRESETS
 
@@ -505,8 +505,8 @@ def test_row_sparse_tensors_cross_the_wire():
     """Codec ROWS with its row count in `topk`: both encoders agree, both decoders return the
     same tensor, the receiver's configured spec is the kind and value bits only (the count and
     threshold are the sender's), and a count that does not match the bytes is refused."""
-    from lordo_fed.codec import PayloadError, _decode_update_reference, _encode_update_reference, decode_update, encode_update
-    from lordo_fed.rounds import WorkerUpdate
+    from lordo_fed.wire.codec import PayloadError, _decode_update_reference, _encode_update_reference, decode_update, encode_update
+    from lordo_fed.wire.messages import WorkerUpdate
     from lordo_fed.v1 import wire_pb2 as pb
 
     x = torch.randn(300, 16, generator=torch.Generator().manual_seed(10)) * torch.linspace(0, 1, 300)[:, None]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lordo_fed.appconfig import FLAT_KEYS, PRESET_DIR, load_app_config
+from lordo_fed.app.config import FLAT_KEYS, PRESET_DIR, load_app_config
 from tests.test_appconfig import pyproject_config
 
 VARIANTS = ("['async_diloco', 'async_lookahead', 'async_lordo', 'desloc', 'diloco', 'heloco', 'heloco_lordo', "

@@ -13,7 +13,7 @@ import pytest
 from lordo_fed import data as D
 from lordo_fed.data import DataConfig, load_corpus, load_dataset
 from lordo_fed.data.readers import list_sources
-from lordo_fed.tokenizer import ByteTokenizer
+from lordo_fed.data.tokenizer import ByteTokenizer
 
 DOCS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (1 + i % 5) for i in range(200)]
 

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from lordo_fed.data import TokenShard
-from lordo_fed.methods import lowrank_ranks, make_aggregator, make_worker, resolve_method
+from lordo_fed.rounds.methods import lowrank_ranks, make_aggregator, make_worker, resolve_method
 from lordo_fed.model import DEFAULT_LOWRANK_PATTERN, ModelConfig, build_model, lowrank_parameter_names
 from lordo_fed.optim import BatchedLoRDO, LoRDO
 from lordo_fed.optim.config import InnerConfig
-from lordo_fed.outer import OuterConfig
-from lordo_fed.projection import get_projection_method, projection_side
-from lordo_fed.rounds import RoundConfig
+from lordo_fed.rounds.outer import OuterConfig
+from lordo_fed.optim.projection import get_projection_method, projection_side
+from lordo_fed.wire.messages import RoundConfig
 
 GPU = os.environ.get("LORDO_FED_TEST_GPU", "cuda")
 pytestmark = [
@@ -165,7 +165,7 @@ def test_a_one_rank_node_through_its_wrapper_equals_the_bare_worker_on_the_gpu(t
 def test_the_aggregators_projection_fits_on_the_gpu_match_the_cpu(name):
     """`fit_projections` on the GPU (batched, as a server with a GPU runs it) spans the same
     subspaces as on the CPU, and hands back CPU tensors."""
-    from lordo_fed.aggregator import fit_projections
+    from lordo_fed.rounds.aggregator import fit_projections
 
     gen = torch.Generator().manual_seed(0)
     shapes = {"a": (96, 64), "b": (96, 64), "c": (64, 160)}

@@ -20,7 +20,7 @@ from lordo_fed.data import (
     split_documents,
     validation_batches,
 )
-from lordo_fed.tokenizer import ByteTokenizer
+from lordo_fed.data.tokenizer import ByteTokenizer
 
 
 class CountingTokenizer(ByteTokenizer):

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from lordo_fed.metrics import optimizer_state_bytes
-from lordo_fed.methods import resolve_method
+from lordo_fed.rounds.methods import resolve_method
 from lordo_fed.optim import LoRDO
 from lordo_fed.optim.config import InnerConfig
 from lordo_fed.optim.ef_compress import compress, compression_error, decompress, kept_entries
-from lordo_fed.outer import OuterConfig
-from lordo_fed.projection import get_projection_method, projection_side
-from lordo_fed.rounds import RoundConfig
+from lordo_fed.rounds.outer import OuterConfig
+from lordo_fed.optim.projection import get_projection_method, projection_side
+from lordo_fed.wire.messages import RoundConfig
 
 
 def test_it_keeps_the_largest_entries_to_int8_precision():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord
 
-from lordo_fed.flower import PAYLOAD, payload_bytes, payload_record, shorten_pull_backoff
+from lordo_fed.app.records import PAYLOAD, payload_bytes, payload_record, shorten_pull_backoff
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,10 +57,10 @@ import sys
 import torch
 import client.app as app
 import lordo_fed.node.runtime as ca
-from lordo_fed.appconfig import flat_defaults, load_app_config
+from lordo_fed.app.config import flat_defaults, load_app_config
 
 assert ca.skip_lazy_dynamo_import()
-from lordo_fed.methods import make_worker, resolve_method
+from lordo_fed.rounds.methods import make_worker, resolve_method
 from lordo_fed.model import build_model, lowrank_parameter_names
 from lordo_fed.data import TokenShard
 import numpy as np

@@ -1,5 +1,5 @@
-"""HeLoCo's correction and outer step against values computed by hand (lordo_fed.heloco,
-lordo_fed.outer.MomentumLookAhead): each of the correction's three cases, the first arrival,
+"""HeLoCo's correction and outer step against values computed by hand (lordo_fed.rounds.heloco,
+lordo_fed.rounds.outer.MomentumLookAhead): each of the correction's three cases, the first arrival,
 the degenerate norms, the look-ahead start point, and one arrival end to end."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import re
 import pytest
 import torch
 
-from lordo_fed.heloco import HeLoCoConfig, correct, correct_tensor, look_ahead
-from lordo_fed.outer import MomentumLookAhead, OuterConfig, build_outer_optimizer
+from lordo_fed.rounds.heloco import HeLoCoConfig, correct, correct_tensor, look_ahead
+from lordo_fed.rounds.outer import MomentumLookAhead, OuterConfig, build_outer_optimizer
 
 CFG = HeLoCoConfig()  # the authors' defaults: c_ok 0.2, k_s 0.5, k_d 1, κ 3, β_max 0.5, ε 1e-8 (and ρ 1)
 

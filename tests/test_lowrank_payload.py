@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lordo_fed.aggregator import Aggregator
-from lordo_fed.outer import Average
-from lordo_fed.projection import SVDProjection, project, projection_side
-from lordo_fed.rounds import RoundConfig, WorkerUpdate
+from lordo_fed.rounds.aggregator import Aggregator
+from lordo_fed.rounds.outer import Average
+from lordo_fed.optim.projection import SVDProjection, project, projection_side
+from lordo_fed.wire.messages import RoundConfig, WorkerUpdate
 from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import CodecSpec, Encoded, ErrorFeedback, decode, encode
 from lordo_fed.wire.payload import PRESETS, check_payload_method
@@ -74,7 +74,7 @@ def test_coordinates_cross_the_wire_as_a_v2_field():
     """WorkerUpdate.delta_coords: both encoders write the same bytes, both decoders read the same
     tensors; a v1 payload carrying the field, and a coordinate codec the receiver did not
     configure, are refused with a reason."""
-    from lordo_fed.codec import (PayloadError, _decode_update_reference, _encode_update_reference, decode_update,
+    from lordo_fed.wire.codec import (PayloadError, _decode_update_reference, _encode_update_reference, decode_update,
                                  encode_update)
     from lordo_fed.v1 import wire_pb2 as pb
 
@@ -168,11 +168,11 @@ def test_workers_send_coordinates_of_the_low_rank_matrices_and_learn(tmp_path):
     """The reference trainer with `lowrank+topk2bit` under LoRDO-Global: each reply carries int8
     coordinates for exactly the matrices with a shared basis, the loss goes down, and its bytes
     are far below fp32's; DiLoCo (no shared basis) refuses the preset by name."""
-    from lordo_fed.methods import resolve_method
+    from lordo_fed.rounds.methods import resolve_method
     from lordo_fed.trainer.run import run_rounds
     from tests.test_trainer import context, tiny_config
 
-    import lordo_fed.worker as worker_module
+    import lordo_fed.rounds.worker as worker_module
 
     sent: list[WorkerUpdate] = []
     original = worker_module.Worker.train_round

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lordo_fed.optim import LoRDO, rotate_moments
-from lordo_fed.projection import get_projection_method, project, project_back, projection_side
+from lordo_fed.optim.projection import get_projection_method, project, project_back, projection_side
 
 SHAPES = {"tall": (24, 10), "wide": (10, 24), "square": (16, 16), "bias": (16,)}
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lordo_fed.outer import (
+from lordo_fed.rounds.outer import (
     QHM,
     Average,
     Nesterov,
@@ -262,7 +262,7 @@ def test_build_outer_optimizer():
 def test_outer_config_fields_have_docstrings():
     import inspect
 
-    import lordo_fed.outer as outer
+    import lordo_fed.rounds.outer as outer
 
     src = inspect.getsource(outer.OuterConfig)
     for field in ("name", "lr", "beta", "nu", "momentum"):

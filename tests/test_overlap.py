@@ -14,13 +14,13 @@ import dataclasses
 import pytest
 import torch
 
-from lordo_fed.methods import lowrank_ranks, make_aggregator, make_worker, resolve_method
+from lordo_fed.rounds.methods import lowrank_ranks, make_aggregator, make_worker, resolve_method
 from lordo_fed.model import DEFAULT_LOWRANK_PATTERN, lowrank_parameter_names
 from lordo_fed.optim import rotate_moments
 from lordo_fed.optim.config import InnerConfig
-from lordo_fed.outer import OuterConfig
-from lordo_fed.projection import projection_side
-from lordo_fed.rounds import GlobalState, RoundConfig, moment_key
+from lordo_fed.rounds.outer import OuterConfig
+from lordo_fed.optim.projection import projection_side
+from lordo_fed.wire.messages import GlobalState, RoundConfig, moment_key
 from tests.test_worker import BATCH, EMB, K, RANK, SEQ, TOTAL_STEPS, W2, WQ, _fast_cpu, shard, snapshot, tiny_model  # noqa: F401
 
 TAU = 2
@@ -221,7 +221,7 @@ def test_bad_overlap_settings_are_refused(rounds, method, message):
 
 
 def test_overlap_delay_run_config_key():
-    from lordo_fed.appconfig import load_app_config
+    from lordo_fed.app.config import load_app_config
     from tests.test_appconfig import pyproject_config
 
     cfg = load_app_config({**pyproject_config(), "overlap-delay": 5}, explicit=["overlap-delay"])

@@ -42,7 +42,7 @@ def test_generate_script_runs_the_same_command():
 
 
 def test_package_matches_schema_version():
-    from lordo_fed import codec
+    from lordo_fed.wire import codec
     from lordo_fed.v1 import wire_pb2
 
     assert wire_pb2.DESCRIPTOR.package == codec.SCHEMA == "lordo_fed.v1"

@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lordo_fed.methods import lowrank_ranks, make_aggregator, make_worker, resolve_method
+from lordo_fed.rounds.methods import lowrank_ranks, make_aggregator, make_worker, resolve_method
 from lordo_fed.model import DEFAULT_LOWRANK_PATTERN, lowrank_parameter_names
 from lordo_fed.node.ranks import WRAPPERS, LocalRanks
 from lordo_fed.optim.sharded import gather, local
 from lordo_fed.optim.config import InnerConfig
-from lordo_fed.outer import OuterConfig
-from lordo_fed.rounds import RoundConfig
+from lordo_fed.rounds.outer import OuterConfig
+from lordo_fed.wire.messages import RoundConfig
 from tests.test_worker import BATCH, K, RANK, SEQ, TOTAL_STEPS, shard, snapshot, tiny_model
 
 METHODS = ("lordo_global", "lordo_local", "diloco")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lordo_fed.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from lordo_fed.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 TEXT = "To be, or not to be: that is the question.\n\nCafé — naïve façade, 日本語 🙂!"
 

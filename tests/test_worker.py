@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from lordo_fed.aggregator import low_rank_shape
+from lordo_fed.rounds.aggregator import low_rank_shape
 from lordo_fed.data import TokenShard
-from lordo_fed.methods import lowrank_ranks, make_aggregator, make_worker, resolve_method
+from lordo_fed.rounds.methods import lowrank_ranks, make_aggregator, make_worker, resolve_method
 from lordo_fed.model import DEFAULT_LOWRANK_PATTERN, ModelConfig, build_model, lowrank_parameter_names
 from lordo_fed.optim import LoRDO, rotate_moments
 from lordo_fed.optim.config import InnerConfig
-from lordo_fed.outer import OuterConfig
-from lordo_fed.projection import SVDProjection, projection_side
-from lordo_fed.rounds import GlobalState, RoundConfig
+from lordo_fed.rounds.outer import OuterConfig
+from lordo_fed.optim.projection import SVDProjection, projection_side
+from lordo_fed.wire.messages import GlobalState, RoundConfig
 
 VOCAB, BATCH, SEQ, K, TOTAL_STEPS, RANK = 256, 4, 16, 3, 60, 4
 WQ = "layers.0.attn.wq.weight"  # 64×64: low-rank, right projection

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from lordo_fed.data.readers import SourceFile, list_sources, read_documents, read_token_bin
-from lordo_fed.tokenizer import Tokenizer, load_tokenizer
+from lordo_fed.data.tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_CORPUS: Path = Path(__file__).resolve().parents[1] / "corpora" / "tinyshakespeare.txt"
 DEFAULT_CACHE_DIR: Path = Path("~/.cache/lordo_fed/tokens")

@@ -27,17 +27,17 @@ from typing import Callable
 import torch
 from torch import nn
 
-from lordo_fed.appconfig import PRESET_DIR, AppConfig, load_app_config
-from lordo_fed.codec import StreamingEncode, decode_global_state, encode_update, model_id
+from lordo_fed.app.config import PRESET_DIR, AppConfig, load_app_config
+from lordo_fed.wire.codec import StreamingEncode, decode_global_state, encode_update, model_id
 from lordo_fed.data import TokenShard, load_dataset
 from lordo_fed.device import pick_device
-from lordo_fed.methods import MethodSettings, lowrank_ranks, make_worker, resolve_method, with_local_steps
+from lordo_fed.rounds.methods import MethodSettings, lowrank_ranks, make_worker, resolve_method, with_local_steps
 from lordo_fed.model import build_model, lowrank_parameter_names
 from lordo_fed.node.ranks import LocalRanks
 from lordo_fed.node.store import DiskStore, StateStore
-from lordo_fed.tokenizer import load_tokenizer
+from lordo_fed.data.tokenizer import load_tokenizer
 from lordo_fed.wire.payload import downlink_codecs, wire_dtype
-from lordo_fed.worker import Worker
+from lordo_fed.rounds.worker import Worker
 
 log = logging.getLogger("lordo_fed.client")
 CONFIG_CACHE = Path("~/.cache/lordo_fed/appconfig")

@@ -51,7 +51,7 @@ from torch import Tensor
 from lordo_fed.optim.ef_compress import EF_KEYS, add_decompressed, compress, empty_compressed
 from lordo_fed.optim.lordo import EF_DTYPES, LoRDO, _bias_corrections
 from lordo_fed.optim.sharded import coords_mean, local
-from lordo_fed.projection import Side, projection_side
+from lordo_fed.optim.projection import Side, projection_side
 
 
 def _project(v: Tensor, basis: Tensor, side: Side) -> Tensor:

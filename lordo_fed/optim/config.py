@@ -11,7 +11,7 @@ from torch import nn
 from lordo_fed.optim.batched import BatchedLoRDO
 from lordo_fed.optim.bias import MOMENT_BETA
 from lordo_fed.optim.lordo import EF_DTYPES, FULL_RANK_TERMS, PROJECTION_SOURCES, QH_PLACEMENTS, LoRDO
-from lordo_fed.projection import PROJECTION_METHODS
+from lordo_fed.optim.projection import PROJECTION_METHODS
 
 INNER_OPTIMIZERS = ("lordo", "adamw")
 INIT_PROJECTIONS = ("gradient", "random")

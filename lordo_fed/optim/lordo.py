@@ -53,7 +53,7 @@ from torch import Tensor
 from lordo_fed.optim.ef_compress import EF_KEYS, add_decompressed, compress, empty_compressed
 from lordo_fed.optim.rotation import rotate_moments
 from lordo_fed.optim.sharded import check_placement, coords_mean, gather, is_sharded, local
-from lordo_fed.projection import (
+from lordo_fed.optim.projection import (
     PROJECTION_METHODS,
     ProjectionMethod,
     get_projection_method,
@@ -89,7 +89,7 @@ class LoRDO(torch.optim.Optimizer):
         full_rank_term: "error_fed" (the QH term on V = G + E, the paper) or "gradient" (on G).
         qh_placement: "outside" (the paper) or "inside" the projection.
         projection_source: "global" (set from outside) or "local" (refit every proj_interval).
-        proj_method: "svd", "rsvd" or "dct" (see lordo_fed.projection).
+        proj_method: "svd", "rsvd" or "dct" (see lordo_fed.optim.projection).
         proj_interval: T_proj, steps between local refits.
         rotate: rotate the moments into the new basis when the projection changes.
         bias_correction: divide the moments by (1 − β^k).
@@ -175,7 +175,7 @@ class LoRDO(torch.optim.Optimizer):
 
     @torch.no_grad()
     def set_projection(self, param: Tensor, stored: Tensor) -> None:
-        """Hand in a new projection (stored form, see lordo_fed.projection) for a low-rank param.
+        """Hand in a new projection (stored form, see lordo_fed.optim.projection) for a low-rank param.
 
         The moments are rotated from the old basis into the new one (LDAdam) when `rotate` is on;
         the error-feedback buffer is full size and does not change, unless `ef_reset` zeroes it.

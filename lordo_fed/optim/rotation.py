@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lordo_fed.projection import Side
+from lordo_fed.optim.projection import Side
 
 
 def change_of_basis(old_basis: Tensor, new_basis: Tensor, side: Side) -> Tensor:

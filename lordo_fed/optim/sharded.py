@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lordo_fed.projection import projection_side
+from lordo_fed.optim.projection import projection_side
 
 _DTENSOR_MODULE = "torch.distributed.tensor"
 

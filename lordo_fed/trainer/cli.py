@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from lordo_fed.configdoc import describe
+from lordo_fed.trainer.configdoc import describe
 from lordo_fed.data import load_dataset
 from lordo_fed.device import pick_device
-from lordo_fed.methods import resolve_method
+from lordo_fed.rounds.methods import resolve_method
 from lordo_fed.metrics import MetricsWriter, plot_curves
 from lordo_fed.trainer.config import TrainConfig
 from lordo_fed.trainer.run import RunContext, run_method

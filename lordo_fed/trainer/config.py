@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List
 
-from lordo_fed.config import CommonConfig
-from lordo_fed.methods import METHODS
+from lordo_fed.rounds.config import CommonConfig
+from lordo_fed.rounds.methods import METHODS
 
 
 @dataclass
@@ -24,7 +24,7 @@ class TrainConfig(CommonConfig):
     """Show a progress bar."""
     diagnostics: bool = False
     """Log the stable rank of each round's averaged pseudo-gradient and its share in the shared subspace,
-    and the workers' out-of-subspace share of the update and error-feedback norm (lordo_fed.rounds.DIAGNOSTIC_METRICS)."""
+    and the workers' out-of-subspace share of the update and error-feedback norm (lordo_fed.wire.messages.DIAGNOSTIC_METRICS)."""
 
     def validate(self) -> "TrainConfig":
         """Raise ValueError naming the key, the value and what is allowed."""

@@ -16,21 +16,21 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from lordo_fed.aggregator import fit_projections, initial_projections
-from lordo_fed.async_rounds import AsyncServer, VirtualClock, async_record
+from lordo_fed.rounds.aggregator import fit_projections, initial_projections
+from lordo_fed.rounds.async_rounds import AsyncServer, VirtualClock, async_record
 from lordo_fed.data import Dataset
 from lordo_fed.evaluation import evaluate
-from lordo_fed.methods import MethodSettings, lowrank_ranks, make_aggregator, make_worker, with_local_steps
+from lordo_fed.rounds.methods import MethodSettings, lowrank_ranks, make_aggregator, make_worker, with_local_steps
 from lordo_fed.metrics import optimizer_state_bytes, tensor_bytes
 from lordo_fed.model import build_model, lowrank_parameter_names
-from lordo_fed.outer import build_outer_optimizer
+from lordo_fed.rounds.outer import build_outer_optimizer
 from lordo_fed.optim import LoRDO
 from lordo_fed.optim.config import resolved_proj_method
-from lordo_fed.projection import get_projection_method
-from lordo_fed.rounds import DIAGNOSTIC_METRICS, GlobalState, WorkerUpdate
+from lordo_fed.optim.projection import get_projection_method
+from lordo_fed.wire.messages import DIAGNOSTIC_METRICS, GlobalState, WorkerUpdate
 from lordo_fed.wire.compress import decoded
 from lordo_fed.trainer.config import TrainConfig
-from lordo_fed.worker import Worker
+from lordo_fed.rounds.worker import Worker
 
 Record = dict
 RecordFn = Callable[[Record], None]
@@ -127,7 +127,7 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
 
 
 def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
-    """Asynchronous methods on the virtual clock (lordo_fed.async_rounds): each worker pulls the
+    """Asynchronous methods on the virtual clock (lordo_fed.rounds.async_rounds): each worker pulls the
     server's model, trains its local steps, and its Δ is applied on arrival, one outer step, in
     (virtual time, worker id) order; the worker then pulls again. Worker w runs
     `async_rounds.local_steps[w]` steps per round (default K) at `speeds[w]` virtual seconds each.

@@ -1,4 +1,4 @@
-"""Settings of the data plane (run-config keys `data-plane*`, lordo_fed/appconfig.py)."""
+"""Settings of the data plane (run-config keys `data-plane*`, lordo_fed/app/config.py)."""
 
 from __future__ import annotations
 

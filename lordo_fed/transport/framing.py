@@ -18,7 +18,7 @@ from typing import TypeVar
 
 from google.protobuf.message import Message
 
-from lordo_fed.codec import _WT_LEN, _Irregular, _key, _read_key, _read_length, _skip_value, _varint
+from lordo_fed.wire.codec import _WT_LEN, _Irregular, _key, _read_key, _read_length, _skip_value, _varint
 
 M = TypeVar("M", bound=Message)
 

@@ -3,7 +3,7 @@ shared basis plus a compressed residual (the `lowrank+...` payload presets).
 
 Under LoRDO-Global every worker trains a round in the same basis P (the server fitted it to the
 last round's Δ̄ and sent it, `GlobalState.projections`), so the server already holds P and a
-worker need only send what P cannot: the coordinates C of Δ in P (`lordo_fed.projection.project`:
+worker need only send what P cannot: the coordinates C of Δ in P (`lordo_fed.optim.projection.project`:
 r x q for a left basis, p x r for a right one; r·max(p, q) numbers against p·q) and the part of
 Δ outside it. The receiver rebuilds
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from lordo_fed.projection import Side, project, project_back
+from lordo_fed.optim.projection import Side, project, project_back
 from lordo_fed.wire.compress import CodecSpec, Encoded, decode, encode
 
 

@@ -14,7 +14,7 @@ residual is kept on the worker and added to the next round's Δ (error feedback,
 lordo_fed.wire.compress.ErrorFeedback); the moments are states, not increments, and are sent
 quantised as they are, the second moment v through its square root rounded up (v̂ ≥ v: blockwise
 int8 of v itself zeroes 74% of a realistic v and multiplies Adam's largest step by 10^6). Downstream the server keeps the clients' copy θ_c of θ (deterministic) and
-sends the compressed change θ − θ_c, which both sides add to θ_c (lordo_fed.aggregator): what the
+sends the compressed change θ − θ_c, which both sides add to θ_c (lordo_fed.rounds.aggregator): what the
 change leaves out stays in θ − θ_c and goes with a later round. The shared bases travel fp32 (they
 must stay orthonormal), integer tensors raw. A receiver accepts exactly the specs of the run's
 preset (`receiver_codecs`, `downlink_codecs`).
@@ -29,7 +29,7 @@ from typing import Mapping
 
 from torch import Tensor
 
-from lordo_fed.codec import PAYLOAD_DTYPES
+from lordo_fed.wire.codec import PAYLOAD_DTYPES
 from lordo_fed.model import DEFAULT_LOWRANK_PATTERN
 from lordo_fed.wire.compress import CodecSpec, Encoded, encode
 
@@ -78,7 +78,7 @@ class PayloadCodecs:
         return {k: encode(v, self.moment_spec(k)) for k, v in moments.items()}
 
     def specs(self) -> frozenset[CodecSpec]:
-        """What the server configures for replies (`lordo_fed.codec.decode_update`'s `codecs`)."""
+        """What the server configures for replies (`lordo_fed.wire.codec.decode_update`'s `codecs`)."""
         return frozenset(s.canonical() for s in (self.delta, self.moments, self.moment_spec("exp_avg_sq/"),
                                                  self.lowrank, self.dense, self.rows) if s is not None)
 

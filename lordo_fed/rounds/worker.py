@@ -2,7 +2,7 @@
 
 In the torchft spirit the round is a thin wrapper around a plain training loop: load the global
 state, step the inner optimizer K times on this worker's data, report Δ = θ_ref − θ_local and the
-optimizer states that are due. Everything in and out is plain tensors (`lordo_fed.rounds`), so the
+optimizer states that are due. Everything in and out is plain tensors (`lordo_fed.wire.messages`), so the
 same object runs inside the reference trainer and inside a Flower ClientApp.
 
 Several workers may share one `nn.Module` when they run in turn (the reference trainer): θ is
@@ -32,8 +32,8 @@ from lordo_fed.optim.lordo import EF_DTYPES
 from lordo_fed.optim.config import InnerConfig, apply_phase, lr_at, set_lr
 from lordo_fed.optim.rotation import rotate_moments
 from lordo_fed.optim.sharded import SHARDED_STATE, chunk_of, gather, is_sharded, local
-from lordo_fed.projection import projection_side
-from lordo_fed.rounds import (DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, RoundConfig, WorkerUpdate, moment_key,
+from lordo_fed.optim.projection import projection_side
+from lordo_fed.wire.messages import (DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, RoundConfig, WorkerUpdate, moment_key,
                               split_moment_key)
 from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import Encoded, ErrorFeedback, decoded

@@ -75,7 +75,7 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 from torch import Tensor
 
-from lordo_fed.rounds import GlobalState, WorkerUpdate
+from lordo_fed.wire.messages import GlobalState, WorkerUpdate
 from lordo_fed.v1 import wire_pb2 as pb
 from lordo_fed.wire.compress import CodecSpec, CompressionError, Encoded, decode as decode_compressed, describe, part_sizes, split_payload
 

@@ -14,11 +14,11 @@ Every method is the same machinery with different choices (shared/docs/ALGORITHM
 | lordo_local   | Δ / K steps   | LoRDO, worker projections  | never (bases differ)       | `outer`  |
 | async_diloco  | Δ on arrival  | AdamW                      | never                      | Nesterov, one step per arrival |
 | async_lookahead | Δ on arrival | AdamW                     | never                      | momentum look-ahead; workers pull θ − ημm |
-| heloco        | Δ on arrival  | AdamW                      | never                      | as async_lookahead, Δ corrected against m (lordo_fed.heloco) |
+| heloco        | Δ on arrival  | AdamW                      | never                      | as async_lookahead, Δ corrected against m (lordo_fed.rounds.heloco) |
 | async_lordo   | Δ on arrival  | LoRDO, server projections  | blended on arrival (rotated from the worker's basis) | momentum look-ahead |
 | heloco_lordo  | Δ on arrival  | LoRDO, server projections  | as async_lordo             | as heloco |
 
-The asynchronous methods (lordo_fed.async_rounds) take `diloco_outer`'s lr and momentum.
+The asynchronous methods (lordo_fed.rounds.async_rounds) take `diloco_outer`'s lr and momentum.
 """
 
 from __future__ import annotations
@@ -29,16 +29,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lordo_fed.aggregator import Aggregator
-from lordo_fed.async_rounds import AsyncRule
+from lordo_fed.rounds.aggregator import Aggregator
+from lordo_fed.rounds.async_rounds import AsyncRule
 from lordo_fed.data import TokenShard
 from lordo_fed.model import lowrank_parameter_names
 from lordo_fed.optim.config import InnerConfig, build_inner_optimizer, resolved_proj_method
-from lordo_fed.outer import OuterConfig, build_outer_optimizer
-from lordo_fed.projection import get_projection_method
-from lordo_fed.rounds import RoundConfig
+from lordo_fed.rounds.outer import OuterConfig, build_outer_optimizer
+from lordo_fed.optim.projection import get_projection_method
+from lordo_fed.wire.messages import RoundConfig
 from lordo_fed.wire.payload import check_payload_method, payload_codecs
-from lordo_fed.worker import Worker
+from lordo_fed.rounds.worker import Worker
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 One round on the server side (shared/docs/ALGORITHM.md, "One round", step 3):
     Δ̄ = Σ_m (n_m / Σ n) Δ_m                token-weighted average of the pseudo-gradients
-    θ ← outer(θ, Δ̄)                         average / QHM / Nesterov (lordo_fed.outer)
-    u, v averaged the same way when due      (DES-LOC periods, lordo_fed.rounds.RoundConfig)
+    θ ← outer(θ, Δ̄)                         average / QHM / Nesterov (lordo_fed.rounds.outer)
+    u, v averaged the same way when due      (DES-LOC periods, lordo_fed.wire.messages.RoundConfig)
     P ← top-r subspace of Δ̄ per low-rank W  (LoRDO-Global) and the averaged moments rotated
                                              into it with LDAdam's rule
 Plain tensors in and out: the Flower strategy wraps this object unchanged, and the reference
@@ -31,12 +31,12 @@ from torch import Tensor
 from lordo_fed.metrics import stable_rank
 from lordo_fed.optim.bias import restep
 from lordo_fed.optim.rotation import rotate_moments
-from lordo_fed.outer import OuterOptimizer
+from lordo_fed.rounds.outer import OuterOptimizer
 from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import Encoded, decode, encode
 from lordo_fed.wire.payload import PayloadCodecs
-from lordo_fed.projection import ProjectionMethod, project, projection_side
-from lordo_fed.rounds import (DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, ReplyRef, RoundConfig, WorkerUpdate,
+from lordo_fed.optim.projection import ProjectionMethod, project, projection_side
+from lordo_fed.wire.messages import (DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, ReplyRef, RoundConfig, WorkerUpdate,
                               moment_key, split_moment_key)
 
 log = logging.getLogger(__name__)

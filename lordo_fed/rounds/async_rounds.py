@@ -9,7 +9,7 @@ computed from a model `s` outer steps old has staleness s. The three server rule
 
 - async DiLoCo: G = ρΔ, the outer optimizer as configured (DiLoCo's Nesterov), workers pull θ;
 - look-ahead: G = ρΔ, momentum look-ahead steps (`outer=mla`), workers pull θ̄ = θ − ημm;
-- HeLoCo: as look-ahead, with Δ corrected against the momentum first (lordo_fed.heloco; Al Asif
+- HeLoCo: as look-ahead, with Δ corrected against the momentum first (lordo_fed.rounds.heloco; Al Asif
   et al., arXiv 2606.00271).
 
 ρ (`AsyncConfig.weight`) is HeLoCo's arrival weight, applied to every method alike: one outer
@@ -33,11 +33,11 @@ from typing import List
 import torch
 from torch import Tensor
 
-from lordo_fed.heloco import HeLoCoConfig, correct, look_ahead
+from lordo_fed.rounds.heloco import HeLoCoConfig, correct, look_ahead
 from lordo_fed.optim.bias import restep
-from lordo_fed.rounds import WorkerUpdate, split_moment_key
-from lordo_fed.outer import MomentumLookAhead, OuterOptimizer
-from lordo_fed.aggregator import Aggregator, delta_problem, fit_projections, tensor_problem
+from lordo_fed.wire.messages import WorkerUpdate, split_moment_key
+from lordo_fed.rounds.outer import MomentumLookAhead, OuterOptimizer
+from lordo_fed.rounds.aggregator import Aggregator, delta_problem, fit_projections, tensor_problem
 
 
 ASYNC_ORDERS = ("arrival", "virtual")

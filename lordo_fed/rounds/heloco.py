@@ -2,7 +2,7 @@
 
 In asynchronous low-communication training each worker's pseudo-gradient Δ arrives on its own,
 measured from a model that may be several outer steps old. HeLoCo applies every arrival as one
-outer step of momentum look-ahead SGD (`lordo_fed.outer.MomentumLookAhead`), after correcting Δ,
+outer step of momentum look-ahead SGD (`lordo_fed.rounds.outer.MomentumLookAhead`), after correcting Δ,
 tensor by tensor, against the outer momentum m as it stands just before that step (Algorithm 2,
 Eqs. 7-15):
 
@@ -15,7 +15,7 @@ Eqs. 7-15):
     blend     ‖Δ‖ · u / ‖u‖,  u = (1 − λ) Δ̂ + λ m̂,  λ = min(k_d · (1 − c) · conf, 1)  otherwise
               (Δ itself when ‖u‖ ≤ ε)
 
-and the result, scaled by the arrival weight ρ (`rho`; lordo_fed.async_rounds scales every
+and the result, scaled by the arrival weight ρ (`rho`; lordo_fed.rounds.async_rounds scales every
 asynchronous method's arrivals by it), is the G of the outer step. A tensor with no momentum yet
 (the first arrival) gives ρΔ. Workers start each round from the look-ahead point
 θ̄ = θ − η·μ·m (Eq. 5; `look_ahead`), not θ.

@@ -1,6 +1,6 @@
 """The one place where lordo-fed payloads meet Flower records (imported by server/ and client/ only).
 
-A round's payload is one serialized `lordo_fed.v1` protobuf message (lordo_fed.codec), carried as
+A round's payload is one serialized `lordo_fed.v1` protobuf message (lordo_fed.wire.codec), carried as
 a single uint8 `Array` in an `ArrayRecord`: Flower chunks it (5 MB content-addressed chunks) and
 our schema keeps names, shapes, dtypes (bf16 bit-viewed) and identity.
 """
@@ -88,7 +88,7 @@ def records_to_tensors(records: RecordDict) -> tuple[dict[str, "torch.Tensor"], 
 def explicit_keys(msg: Message) -> tuple[str, ...]:
     """The run-config keys the server says the user set (`EXPLICIT_KEYS` in the message's
     "config" record; none when absent): the client composes its settings with them as the server
-    did (lordo_fed.appconfig.load_app_config)."""
+    did (lordo_fed.app.config.load_app_config)."""
     config = msg.content.config_records.get("config")
     value = config.get(EXPLICIT_KEYS, "") if config is not None else ""
     return tuple(k for k in str(value).split(",") if k)

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from lordo_fed.config import CommonConfig
-from lordo_fed.methods import METHODS
+from lordo_fed.rounds.config import CommonConfig
+from lordo_fed.rounds.methods import METHODS
 from lordo_fed.transport.config import DataPlaneConfig
 
-PRESET_DIR = Path(__file__).resolve().parents[1] / "examples" / "flower"
+PRESET_DIR = Path(__file__).resolve().parents[2] / "examples" / "flower"
 CLIENT_STATE_STORES = ("disk", "context")
 
 

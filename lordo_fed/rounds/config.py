@@ -5,13 +5,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from lordo_fed.async_rounds import AsyncConfig
+from lordo_fed.rounds.async_rounds import AsyncConfig
 from lordo_fed.data import DataConfig
 from lordo_fed.device import DEVICE_CHOICES
 from lordo_fed.model import ModelConfig, resolve_model_config
 from lordo_fed.optim.config import InnerConfig
-from lordo_fed.outer import OuterConfig, build_outer_optimizer
-from lordo_fed.rounds import RoundConfig
+from lordo_fed.rounds.outer import OuterConfig, build_outer_optimizer
+from lordo_fed.wire.messages import RoundConfig
 from lordo_fed.wire.payload import payload_codecs
 
 

@@ -262,8 +262,8 @@ class MomentumLookAhead(OuterOptimizer):
         θ ← θ − η (G + μ m)
 
     The same family as QHM (lr η(1 + μ), β = μ, ν = μ / (1 + μ)), written as its authors' code
-    has it so that their settings carry over. Workers start from θ − ημm (`lordo_fed.heloco.
-    look_ahead`); `momentum_buffers()` is what `lordo_fed.heloco.correct` compares an arrival with.
+    has it so that their settings carry over. Workers start from θ − ημm (`lordo_fed.rounds.heloco.
+    look_ahead`); `momentum_buffers()` is what `lordo_fed.rounds.heloco.correct` compares an arrival with.
     """
 
     name = "mla"
