@@ -369,11 +369,14 @@ def test_server_and_workers_agree_bit_for_bit_on_the_clients_copy(tmp_path):
             updates = [w.train_round(state) for w in workers[:2]] + [workers[2].train_round(agg.resync_state())]
         else:
             updates = [w.train_round(state) for w in active]
-        if r == 4:  # the copy the workers now hold misses θ by at most half an int8 level of the change
+        if r == 4:  # the copy the workers now hold misses θ by at most half an int8 level of the change,
+            # plus the fp32 rounding of adding the decoded change to the copy (entries near 1: the norm
+            # gains) and of the difference itself: two ulps of the largest entry
             copy = agg.client_copy()
             for n in agg.params:
                 change = (agg.params[n] - agg.client_params[n]).abs().max()
-                assert float((agg.params[n] - copy[n]).abs().max()) <= float(change) / 254 * (1 + 1e-5) + 1e-12
+                rounding = 2 * torch.finfo(torch.float32).eps * float(agg.params[n].abs().max())
+                assert float((agg.params[n] - copy[n]).abs().max()) <= float(change) / 254 * (1 + 1e-5) + rounding
         agg.aggregate([as_received(u) for u in updates])
         for w in active if r != 3 else workers:
             assert w.client_round == r
