@@ -37,7 +37,7 @@ from lordo_fed.metrics import tensor_bytes
 from lordo_fed.model import ModelConfig, build_model, lowrank_parameter_names
 from lordo_fed.optim.config import InnerConfig
 from lordo_fed.rounds.outer import OuterConfig
-from lordo_fed.wire.messages import RoundConfig
+from lordo_fed.rounds.config import RoundConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

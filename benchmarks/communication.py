@@ -48,7 +48,8 @@ from lordo_fed.model import ModelConfig, build_model, count_parameters, lowrank_
 from lordo_fed.optim.config import InnerConfig
 from lordo_fed.rounds.outer import OuterConfig
 from lordo_fed.optim.projection import projection_side
-from lordo_fed.wire.messages import GlobalState, RoundConfig, WorkerUpdate, moment_key
+from lordo_fed.wire.messages import GlobalState, WorkerUpdate, moment_key
+from lordo_fed.rounds.config import RoundConfig
 
 try:
     from benchmarks.common import BYTE_VOCAB, GPT2_VOCAB, RANKS, human_bytes, make_parser, new_figure, png_path, \

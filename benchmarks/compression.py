@@ -41,7 +41,8 @@ from lordo_fed.wire import codec
 from lordo_fed.rounds.methods import resolve_method
 from lordo_fed.optim.config import InnerConfig
 from lordo_fed.rounds.outer import OuterConfig
-from lordo_fed.wire.messages import GlobalState, RoundConfig, WorkerUpdate
+from lordo_fed.wire.messages import GlobalState, WorkerUpdate
+from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.optim.projection import projection_side
 from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import Encoded, ErrorFeedback, encode, part_sizes

@@ -216,7 +216,7 @@ def _stage() -> dict[str, int | None]:
 def _settings(config: str, rank: int, local_steps: int):
     from lordo_fed.rounds.methods import resolve_method
     from lordo_fed.rounds.outer import OuterConfig
-    from lordo_fed.wire.messages import RoundConfig
+    from lordo_fed.rounds.config import RoundConfig
 
     # A seeded round-1 basis: the client process gets a complete GlobalState without the round-0
     # gradient exchange (which does not change what a round holds in memory).
@@ -232,7 +232,7 @@ def client_child(spec: dict) -> dict:
     from lordo_fed.data import TokenShard
     from lordo_fed.rounds.methods import make_worker, resolve_method  # noqa: F401 (imported before the first stage)
     from lordo_fed.rounds.outer import OuterConfig  # noqa: F401
-    from lordo_fed.wire.messages import RoundConfig  # noqa: F401
+    from lordo_fed.rounds.config import RoundConfig  # noqa: F401
 
     torch.set_num_threads(1)
     stages = {"after_import": _stage()}

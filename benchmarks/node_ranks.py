@@ -63,7 +63,7 @@ def wrapper_overhead(preset: str, batch: int, steps: int, repeats: int, device: 
     from lordo_fed.node.ranks import LocalRanks
     from lordo_fed.optim.config import InnerConfig
     from lordo_fed.rounds.outer import OuterConfig
-    from lordo_fed.wire.messages import RoundConfig
+    from lordo_fed.rounds.config import RoundConfig
 
     import numpy as np
 
@@ -115,7 +115,7 @@ def _held_main(rank: int, rendezvous: str, preset: str, out: str) -> None:
     from lordo_fed.optim.config import InnerConfig
     from lordo_fed.optim.sharded import local
     from lordo_fed.rounds.outer import OuterConfig
-    from lordo_fed.wire.messages import RoundConfig
+    from lordo_fed.rounds.config import RoundConfig
 
     import numpy as np
 

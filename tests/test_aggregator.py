@@ -31,8 +31,9 @@ from lordo_fed.rounds.aggregator import Aggregator, RoundResult, fit_projections
 from lordo_fed.optim.bias import restep
 from lordo_fed.rounds.outer import QHM, Average, Nesterov, OuterConfig
 from lordo_fed.optim.projection import SVDProjection, projection_side
-from lordo_fed.wire.messages import (DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, ReplyRef, RoundConfig, WorkerUpdate,
-                              moment_key, split_moment_key)
+from lordo_fed.wire.messages import (
+    DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, ReplyRef, WorkerUpdate, moment_key, split_moment_key)
+from lordo_fed.rounds.config import RoundConfig
 
 AGG_LOGGER = "lordo_fed.rounds.aggregator"
 

@@ -9,10 +9,12 @@ import dataclasses
 import pytest
 import torch
 
-from lordo_fed.rounds.async_rounds import AsyncConfig, AsyncRule, AsyncServer, VirtualClock
+from lordo_fed.rounds.async_rounds import AsyncRule, AsyncServer, VirtualClock
+from lordo_fed.rounds.config import AsyncConfig
 from lordo_fed.rounds.methods import resolve_method
 from lordo_fed.rounds.outer import Average, MomentumLookAhead, Nesterov
-from lordo_fed.wire.messages import RoundConfig, WorkerUpdate
+from lordo_fed.wire.messages import WorkerUpdate
+from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.trainer.run import run_async, run_rounds
 
 from tests.test_trainer import context, tiny_config

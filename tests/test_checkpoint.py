@@ -23,7 +23,7 @@ from lordo_fed.checkpoint import (
 )
 from lordo_fed.rounds.outer import Nesterov
 from lordo_fed.optim.projection import SVDProjection
-from lordo_fed.wire.messages import RoundConfig
+from lordo_fed.rounds.config import RoundConfig
 
 
 def sample_tensors(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -291,7 +291,7 @@ def test_compressed_rounds_learn_send_fewer_bytes_and_keep_the_residual(tmp_path
     decoded values; the loss goes down (int8 within 10% of fp32 after 4 rounds; top-k's error
     feedback needs more rounds to catch up, which results.md measures)."""
     from lordo_fed.rounds.methods import resolve_method
-    from lordo_fed.wire.messages import RoundConfig
+    from lordo_fed.rounds.config import RoundConfig
     from lordo_fed.trainer.run import run_rounds
     from tests.test_trainer import context, tiny_config
 
@@ -342,7 +342,7 @@ def test_server_and_workers_agree_bit_for_bit_on_the_clients_copy(tmp_path):
     from lordo_fed.data import load_dataset
     from lordo_fed.rounds.methods import make_aggregator, make_worker, resolve_method
     from lordo_fed.model import build_model
-    from lordo_fed.wire.messages import RoundConfig
+    from lordo_fed.rounds.config import RoundConfig
     from lordo_fed.rounds.worker import ResyncNeeded
     from tests.test_trainer import tiny_config
 

@@ -23,7 +23,7 @@ from lordo_fed.optim import BatchedLoRDO, LoRDO
 from lordo_fed.optim.config import InnerConfig
 from lordo_fed.rounds.outer import OuterConfig
 from lordo_fed.optim.projection import get_projection_method, projection_side
-from lordo_fed.wire.messages import RoundConfig
+from lordo_fed.rounds.config import RoundConfig
 
 GPU = os.environ.get("LORDO_FED_TEST_GPU", "cuda")
 pytestmark = [

@@ -15,7 +15,7 @@ from lordo_fed.optim.config import InnerConfig
 from lordo_fed.optim.ef_compress import compress, compression_error, decompress, kept_entries
 from lordo_fed.rounds.outer import OuterConfig
 from lordo_fed.optim.projection import get_projection_method, projection_side
-from lordo_fed.wire.messages import RoundConfig
+from lordo_fed.rounds.config import RoundConfig
 
 
 def test_it_keeps_the_largest_entries_to_int8_precision():

@@ -11,7 +11,8 @@ import torch
 from lordo_fed.rounds.aggregator import Aggregator
 from lordo_fed.rounds.outer import Average
 from lordo_fed.optim.projection import SVDProjection, project, projection_side
-from lordo_fed.wire.messages import RoundConfig, WorkerUpdate
+from lordo_fed.wire.messages import WorkerUpdate
+from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import CodecSpec, Encoded, ErrorFeedback, decode, encode
 from lordo_fed.wire.payload import PRESETS, check_payload_method

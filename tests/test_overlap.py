@@ -20,7 +20,8 @@ from lordo_fed.optim import rotate_moments
 from lordo_fed.optim.config import InnerConfig
 from lordo_fed.rounds.outer import OuterConfig
 from lordo_fed.optim.projection import projection_side
-from lordo_fed.wire.messages import GlobalState, RoundConfig, moment_key
+from lordo_fed.wire.messages import GlobalState, moment_key
+from lordo_fed.rounds.config import RoundConfig
 from tests.test_worker import BATCH, EMB, K, RANK, SEQ, TOTAL_STEPS, W2, WQ, _fast_cpu, shard, snapshot, tiny_model  # noqa: F401
 
 TAU = 2

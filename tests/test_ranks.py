@@ -24,7 +24,7 @@ from lordo_fed.node.ranks import WRAPPERS, LocalRanks
 from lordo_fed.optim.sharded import gather, local
 from lordo_fed.optim.config import InnerConfig
 from lordo_fed.rounds.outer import OuterConfig
-from lordo_fed.wire.messages import RoundConfig
+from lordo_fed.rounds.config import RoundConfig
 from tests.test_worker import BATCH, K, RANK, SEQ, TOTAL_STEPS, shard, snapshot, tiny_model
 
 METHODS = ("lordo_global", "lordo_local", "diloco")

@@ -15,7 +15,7 @@ from lordo_fed.rounds.methods import resolve_method
 from lordo_fed.model import ModelConfig
 from lordo_fed.optim.config import InnerConfig
 from lordo_fed.rounds.outer import OuterConfig
-from lordo_fed.wire.messages import RoundConfig
+from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.trainer.cli import train
 from lordo_fed.trainer.config import TrainConfig
 from lordo_fed.trainer.run import RunContext, run_ddp, run_rounds

@@ -22,7 +22,8 @@ from lordo_fed.optim import LoRDO, rotate_moments
 from lordo_fed.optim.config import InnerConfig
 from lordo_fed.rounds.outer import OuterConfig
 from lordo_fed.optim.projection import SVDProjection, projection_side
-from lordo_fed.wire.messages import GlobalState, RoundConfig
+from lordo_fed.wire.messages import GlobalState
+from lordo_fed.rounds.config import RoundConfig
 
 VOCAB, BATCH, SEQ, K, TOTAL_STEPS, RANK = 256, 4, 16, 3, 60, 4
 WQ = "layers.0.attn.wq.weight"  # 64×64: low-rank, right projection

@@ -36,8 +36,9 @@ from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import Encoded, decode, encode
 from lordo_fed.wire.payload import PayloadCodecs
 from lordo_fed.optim.projection import ProjectionMethod, project, projection_side
-from lordo_fed.wire.messages import (DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, ReplyRef, RoundConfig, WorkerUpdate,
-                              moment_key, split_moment_key)
+from lordo_fed.wire.messages import (
+    DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, ReplyRef, WorkerUpdate, moment_key, split_moment_key)
+from lordo_fed.rounds.config import RoundConfig
 
 log = logging.getLogger(__name__)
 

@@ -26,83 +26,17 @@ compared with it.
 from __future__ import annotations
 
 import heapq
-import math
 from dataclasses import dataclass, field
-from typing import List
 
 import torch
 from torch import Tensor
 
-from lordo_fed.rounds.heloco import HeLoCoConfig, correct, look_ahead
+from lordo_fed.rounds.config import AsyncConfig
+from lordo_fed.rounds.heloco import correct, look_ahead
 from lordo_fed.optim.bias import restep
 from lordo_fed.wire.messages import WorkerUpdate, split_moment_key
 from lordo_fed.rounds.outer import MomentumLookAhead, OuterOptimizer
 from lordo_fed.rounds.aggregator import Aggregator, delta_problem, fit_projections, tensor_problem
-
-
-ASYNC_ORDERS = ("arrival", "virtual")
-
-
-@dataclass
-class AsyncConfig:
-    """Asynchronous rounds: worker speeds on the virtual clock, per-worker local steps, the
-    staleness bound, the order a Flower server applies replies in, HeLoCo."""
-
-    speeds: List[float] = field(default_factory=list)
-    """Virtual seconds per local step of each worker ([] = 1.0 for all); e.g. [1, 1, 1, 4]: one 4x slower."""
-    local_steps: List[int] = field(default_factory=list)
-    """Local steps per round of each worker ([] = rounds.local_steps for all): per-node work, GradSkip's idea."""
-    weight: float = 1.0
-    """ρ: every arriving Δ is scaled by it before its outer step (HeLoCo's; the paper suggests 1/√K for K workers)."""
-    max_staleness: int = 0
-    """Drop a reply made from a model more than this many outer steps old (0 = no bound, as HeLoCo's code)."""
-    order: str = "arrival"
-    """Flower server: apply replies as they arrive, or in the virtual clock's order ('virtual': reproducible, the reference trainer's)."""
-    heloco: HeLoCoConfig = field(default_factory=HeLoCoConfig)
-    """HeLoCo's correction settings (method `heloco`)."""
-
-    def validate(self, workers: int | None = None) -> "AsyncConfig":
-        """`workers`: how many there are (the reference trainer), or None where that is known
-        only at run time (a Flower server: `check_workers` then)."""
-        for s in self.speeds:
-            if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
-                raise ValueError(f"async_rounds.speeds={list(self.speeds)!r}: expected virtual seconds per step > 0")
-        for k in self.local_steps:
-            if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
-                raise ValueError(f"async_rounds.local_steps={list(self.local_steps)!r}: expected integers > 0 "
-                                 "(local steps per round of each worker)")
-        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or not (
-                math.isfinite(self.weight) and self.weight > 0):
-            raise ValueError(f"async_rounds.weight={self.weight!r}: expected a weight > 0")
-        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
-            raise ValueError(f"async_rounds.max_staleness={self.max_staleness!r}: expected an integer >= 0 "
-                             "(0 = no bound)")
-        if self.order not in ASYNC_ORDERS:
-            raise ValueError(f"async_rounds.order={self.order!r}: expected one of {ASYNC_ORDERS}")
-        self.heloco.validate()
-        if workers is not None:
-            self.check_workers(range(workers))
-        return self
-
-    def check_workers(self, workers) -> None:
-        """Every worker id in `workers` has a speed and a local-step count (or the lists are empty)."""
-        workers = list(workers)
-        for name in ("speeds", "local_steps"):
-            values = getattr(self, name)
-            if values and len(values) != max(workers, default=-1) + 1:
-                raise ValueError(f"async_rounds.{name}={list(values)!r}: expected {max(workers, default=-1) + 1} "
-                                 f"values, one per worker (partition ids {sorted(workers)}), or [] for the default")
-
-    def speed_of(self, worker: int) -> float:
-        return float(self.speeds[worker]) if self.speeds else 1.0
-
-    def local_steps_of(self, worker: int, default: int) -> int:
-        """K of `worker`: its own entry of `local_steps`, or the run's K."""
-        return int(self.local_steps[worker]) if self.local_steps else default
-
-    def seconds(self, worker: int, default_steps: int) -> float:
-        """Virtual seconds `worker` takes for one round: its local steps x its speed."""
-        return self.local_steps_of(worker, default_steps) * self.speed_of(worker)
 
 
 @dataclass(frozen=True)

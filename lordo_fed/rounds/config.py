@@ -1,18 +1,139 @@
-"""Settings shared by every way of running LoRDO (reference trainer, Flower app)."""
+"""Settings of the rounds, and the settings every way of running LoRDO shares (reference trainer,
+Flower app): `RoundConfig` (K and the sync periods), `AsyncConfig` (asynchronous rounds) and
+`CommonConfig`, the tree the entry points extend (docs/architecture.md, "Where each setting lives").
+"""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
+from typing import List
 
-from lordo_fed.rounds.async_rounds import AsyncConfig
 from lordo_fed.data import DataConfig
 from lordo_fed.device import DEVICE_CHOICES
 from lordo_fed.model import ModelConfig, resolve_model_config
 from lordo_fed.optim.config import InnerConfig
+from lordo_fed.rounds.heloco import HeLoCoConfig
 from lordo_fed.rounds.outer import OuterConfig, build_outer_optimizer
-from lordo_fed.wire.messages import RoundConfig
+from lordo_fed.wire.messages import MOMENT_KEYS
 from lordo_fed.wire.payload import payload_codecs
+
+
+@dataclass
+class RoundConfig:
+    """How often workers synchronise what (DES-LOC periods, in rounds of K local steps)."""
+
+    local_steps: int = 32
+    """K: local optimizer steps per round."""
+    sync_exp_avg_every: int = 1
+    """K_u: rounds between first-moment averages (0 = never: the moments stay local)."""
+    sync_exp_avg_sq_every: int = 1
+    """K_v: rounds between second-moment averages (0 = never)."""
+    dense_sync_factor: int = 1
+    """F: moments of parameters that are not low-rank (embeddings, norms; every AdamW parameter) are
+    averaged every F·K_u and F·K_v rounds (1 = with the rest, the paper; 0 = never)."""
+    sync_ef: bool = False
+    """Also average LoRDO's error-feedback buffers E of the low-rank matrices every round (full size:
+    as many bytes again as Δ, each way; the authors' code appears to all-reduce E with the moments)."""
+    overlap_delay: int = 0
+    """τ: a worker starts round r+1 from its own θ as soon as it has sent round r, and merges round r+1's
+    global state after τ local steps (Streaming DiLoCo's overlap, docs/algorithm.md; 0 = synchronous rounds)."""
+
+    def validate(self) -> "RoundConfig":
+        if self.local_steps <= 0:
+            raise ValueError(f"rounds.local_steps={self.local_steps!r}: expected an integer > 0")
+        for name in ("sync_exp_avg_every", "sync_exp_avg_sq_every", "dense_sync_factor"):
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"rounds.{name}={value!r}: expected an integer >= 0 (0 = never)")
+        tau = self.overlap_delay
+        if isinstance(tau, bool) or not isinstance(tau, int) or not 0 <= tau < self.local_steps:
+            raise ValueError(f"rounds.overlap_delay={tau!r}: expected an integer from 0 (synchronous rounds) to "
+                             f"local_steps - 1 = {self.local_steps - 1} (local steps of a round trained before the "
+                             "previous round's global state is merged)")
+        if tau and self.sync_ef:
+            raise ValueError(f"rounds.overlap_delay={tau} with rounds.sync_ef=True: an averaged error-feedback buffer "
+                             "cannot be merged into one that moved on; expected overlap_delay=0 or sync_ef=False")
+        return self
+
+    def periods(self, low_rank: bool = True) -> dict[str, int]:
+        """Rounds between averages of each moment kind (0 = never) for a low-rank parameter, or
+        for one that is not (DES-LOC's periods times `dense_sync_factor`)."""
+        factor = 1 if low_rank else self.dense_sync_factor
+        return {"exp_avg": self.sync_exp_avg_every * factor, "exp_avg_sq": self.sync_exp_avg_sq_every * factor}
+
+    def due(self, round_idx: int, low_rank: bool = True) -> tuple[str, ...]:
+        """States averaged at the end of 1-based round `round_idx`, for a low-rank parameter or
+        for one that is not (E only for low-rank ones, every round, with `sync_ef`)."""
+        periods = self.periods(low_rank)
+        due = tuple(k for k in MOMENT_KEYS if periods[k] and round_idx % periods[k] == 0)
+        return (*due, "ef") if self.sync_ef and low_rank else due
+
+
+ASYNC_ORDERS = ("arrival", "virtual")
+
+
+@dataclass
+class AsyncConfig:
+    """Asynchronous rounds: worker speeds on the virtual clock, per-worker local steps, the
+    staleness bound, the order a Flower server applies replies in, HeLoCo."""
+
+    speeds: List[float] = field(default_factory=list)
+    """Virtual seconds per local step of each worker ([] = 1.0 for all); e.g. [1, 1, 1, 4]: one 4x slower."""
+    local_steps: List[int] = field(default_factory=list)
+    """Local steps per round of each worker ([] = rounds.local_steps for all): per-node work, GradSkip's idea."""
+    weight: float = 1.0
+    """ρ: every arriving Δ is scaled by it before its outer step (HeLoCo's; the paper suggests 1/√K for K workers)."""
+    max_staleness: int = 0
+    """Drop a reply made from a model more than this many outer steps old (0 = no bound, as HeLoCo's code)."""
+    order: str = "arrival"
+    """Flower server: apply replies as they arrive, or in the virtual clock's order ('virtual': reproducible, the reference trainer's)."""
+    heloco: HeLoCoConfig = field(default_factory=HeLoCoConfig)
+    """HeLoCo's correction settings (method `heloco`)."""
+
+    def validate(self, workers: int | None = None) -> "AsyncConfig":
+        """`workers`: how many there are (the reference trainer), or None where that is known
+        only at run time (a Flower server: `check_workers` then)."""
+        for s in self.speeds:
+            if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
+                raise ValueError(f"async_rounds.speeds={list(self.speeds)!r}: expected virtual seconds per step > 0")
+        for k in self.local_steps:
+            if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+                raise ValueError(f"async_rounds.local_steps={list(self.local_steps)!r}: expected integers > 0 "
+                                 "(local steps per round of each worker)")
+        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or not (
+                math.isfinite(self.weight) and self.weight > 0):
+            raise ValueError(f"async_rounds.weight={self.weight!r}: expected a weight > 0")
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ValueError(f"async_rounds.max_staleness={self.max_staleness!r}: expected an integer >= 0 "
+                             "(0 = no bound)")
+        if self.order not in ASYNC_ORDERS:
+            raise ValueError(f"async_rounds.order={self.order!r}: expected one of {ASYNC_ORDERS}")
+        self.heloco.validate()
+        if workers is not None:
+            self.check_workers(range(workers))
+        return self
+
+    def check_workers(self, workers) -> None:
+        """Every worker id in `workers` has a speed and a local-step count (or the lists are empty)."""
+        workers = list(workers)
+        for name in ("speeds", "local_steps"):
+            values = getattr(self, name)
+            if values and len(values) != max(workers, default=-1) + 1:
+                raise ValueError(f"async_rounds.{name}={list(values)!r}: expected {max(workers, default=-1) + 1} "
+                                 f"values, one per worker (partition ids {sorted(workers)}), or [] for the default")
+
+    def speed_of(self, worker: int) -> float:
+        return float(self.speeds[worker]) if self.speeds else 1.0
+
+    def local_steps_of(self, worker: int, default: int) -> int:
+        """K of `worker`: its own entry of `local_steps`, or the run's K."""
+        return int(self.local_steps[worker]) if self.local_steps else default
+
+    def seconds(self, worker: int, default_steps: int) -> float:
+        """Virtual seconds `worker` takes for one round: its local steps x its speed."""
+        return self.local_steps_of(worker, default_steps) * self.speed_of(worker)
 
 
 @dataclass

@@ -36,7 +36,7 @@ from lordo_fed.model import lowrank_parameter_names
 from lordo_fed.optim.config import InnerConfig, build_inner_optimizer, resolved_proj_method
 from lordo_fed.rounds.outer import OuterConfig, build_outer_optimizer
 from lordo_fed.optim.projection import get_projection_method
-from lordo_fed.wire.messages import RoundConfig
+from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.wire.payload import check_payload_method, payload_codecs
 from lordo_fed.rounds.worker import Worker
 

@@ -33,8 +33,9 @@ from lordo_fed.optim.config import InnerConfig, apply_phase, lr_at, set_lr
 from lordo_fed.optim.rotation import rotate_moments
 from lordo_fed.optim.sharded import SHARDED_STATE, chunk_of, gather, is_sharded, local
 from lordo_fed.optim.projection import projection_side
-from lordo_fed.wire.messages import (DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, RoundConfig, WorkerUpdate, moment_key,
-                              split_moment_key)
+from lordo_fed.wire.messages import (
+    DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, WorkerUpdate, moment_key, split_moment_key)
+from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import Encoded, ErrorFeedback, decoded
 from lordo_fed.wire.payload import PayloadCodecs

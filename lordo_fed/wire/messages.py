@@ -38,57 +38,6 @@ def split_moment_key(key: str) -> tuple[str, str]:
 
 
 @dataclass
-class RoundConfig:
-    """How often workers synchronise what (DES-LOC periods, in rounds of K local steps)."""
-
-    local_steps: int = 32
-    """K: local optimizer steps per round."""
-    sync_exp_avg_every: int = 1
-    """K_u: rounds between first-moment averages (0 = never: the moments stay local)."""
-    sync_exp_avg_sq_every: int = 1
-    """K_v: rounds between second-moment averages (0 = never)."""
-    dense_sync_factor: int = 1
-    """F: moments of parameters that are not low-rank (embeddings, norms; every AdamW parameter) are
-    averaged every F·K_u and F·K_v rounds (1 = with the rest, the paper; 0 = never)."""
-    sync_ef: bool = False
-    """Also average LoRDO's error-feedback buffers E of the low-rank matrices every round (full size:
-    as many bytes again as Δ, each way; the authors' code appears to all-reduce E with the moments)."""
-    overlap_delay: int = 0
-    """τ: a worker starts round r+1 from its own θ as soon as it has sent round r, and merges round r+1's
-    global state after τ local steps (Streaming DiLoCo's overlap, docs/algorithm.md; 0 = synchronous rounds)."""
-
-    def validate(self) -> "RoundConfig":
-        if self.local_steps <= 0:
-            raise ValueError(f"rounds.local_steps={self.local_steps!r}: expected an integer > 0")
-        for name in ("sync_exp_avg_every", "sync_exp_avg_sq_every", "dense_sync_factor"):
-            value = getattr(self, name)
-            if value < 0:
-                raise ValueError(f"rounds.{name}={value!r}: expected an integer >= 0 (0 = never)")
-        tau = self.overlap_delay
-        if isinstance(tau, bool) or not isinstance(tau, int) or not 0 <= tau < self.local_steps:
-            raise ValueError(f"rounds.overlap_delay={tau!r}: expected an integer from 0 (synchronous rounds) to "
-                             f"local_steps - 1 = {self.local_steps - 1} (local steps of a round trained before the "
-                             "previous round's global state is merged)")
-        if tau and self.sync_ef:
-            raise ValueError(f"rounds.overlap_delay={tau} with rounds.sync_ef=True: an averaged error-feedback buffer "
-                             "cannot be merged into one that moved on; expected overlap_delay=0 or sync_ef=False")
-        return self
-
-    def periods(self, low_rank: bool = True) -> dict[str, int]:
-        """Rounds between averages of each moment kind (0 = never) for a low-rank parameter, or
-        for one that is not (DES-LOC's periods times `dense_sync_factor`)."""
-        factor = 1 if low_rank else self.dense_sync_factor
-        return {"exp_avg": self.sync_exp_avg_every * factor, "exp_avg_sq": self.sync_exp_avg_sq_every * factor}
-
-    def due(self, round_idx: int, low_rank: bool = True) -> tuple[str, ...]:
-        """States averaged at the end of 1-based round `round_idx`, for a low-rank parameter or
-        for one that is not (E only for low-rank ones, every round, with `sync_ef`)."""
-        periods = self.periods(low_rank)
-        due = tuple(k for k in MOMENT_KEYS if periods[k] and round_idx % periods[k] == 0)
-        return (*due, "ef") if self.sync_ef and low_rank else due
-
-
-@dataclass
 class GlobalState:
     """What the aggregator sends every worker at the start of a round."""
 
