@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lordo_fed.wire.compress import Encoded
 
 # -----------------------------------------------------------------------------
 # JSONL (+ TensorBoard) writer
@@ -217,7 +216,7 @@ def tensor_bytes(tensors: Tensor | Mapping | list | tuple) -> int:
     """
     if isinstance(tensors, Tensor):
         return tensors.numel() * tensors.element_size()
-    if isinstance(tensors, Encoded):  # a compressed tensor: its bytes as encoded
+    if isinstance(getattr(tensors, "nbytes", None), int):  # a compressed tensor (wire.compress.Encoded): as encoded
         return tensors.nbytes
     if isinstance(tensors, Mapping):
         return sum(tensor_bytes(v) for v in tensors.values())
