@@ -232,8 +232,8 @@ t2 = time.perf_counter()
 import client.app as ca
 import lordo_fed.node.runtime
 t3 = time.perf_counter()
-from lordo_fed.app.config import flat_defaults, load_app_config
-load_app_config({**flat_defaults(), "preset": "quickstart"}, ca.PRESETS)
+from lordo_fed.app.config import PRESET_DIR, flat_defaults, load_app_config
+load_app_config({**flat_defaults(), "preset": "quickstart"}, PRESET_DIR)
 t4 = time.perf_counter()
 import torch._dynamo
 t5 = time.perf_counter()

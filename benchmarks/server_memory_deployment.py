@@ -54,7 +54,7 @@ from flwr.app import Context, Message, MetricRecord
 from flwr.clientapp import ClientApp
 
 from benchmarks.server_memory import random_update
-from client.app import PRESETS, receive_state, send_reply
+from client.app import receive_state, send_reply
 from lordo_fed.wire.codec import decode_global_state, encode_update, model_id
 from lordo_fed.data.tokenizer import load_tokenizer
 from lordo_fed.app.records import explicit_keys
@@ -77,7 +77,7 @@ def query(msg: Message, context: Context) -> Message:
 
 def _reply(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
-    cfg = app_config(dict(context.run_config), explicit_keys(msg), PRESETS)
+    cfg = app_config(dict(context.run_config), explicit_keys(msg))
     settings = resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
     with torch.device("meta"):
         model = build_model(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -28,7 +27,6 @@ from lordo_fed.app.records import IDENTIFY, TICKET, UPLOAD_SHA256, explicit_keys
 from lordo_fed.node.channel import NODE_WORKER_KEY
 from lordo_fed.wan.links import LINK_RATE_KEY, parse_rate
 
-PRESETS = Path(__file__).resolve().parents[1] / "examples" / "flower"  # travels in the FAB
 app = ClientApp()
 
 
@@ -63,7 +61,7 @@ def _handle(kind: str, msg: Message, context: Context) -> Message:
         payload = b"" if ticket else payload_bytes(msg.content["state"])
         result = run_on_node_worker(worker, kind, context.run_id, dict(context.run_config), explicit_keys(msg),
                                     dict(context.node_config), context.node_id, ticket=ticket, payload=payload,
-                                    presets_dir=str(PRESETS), timeout=3 * _round_timeout(context) + 60)
+                                    timeout=3 * _round_timeout(context) + 60)
         metrics = dict(result.metrics)
         content = (RecordDict({"upload": ConfigRecord({UPLOAD_SHA256: result.upload_sha256})}) if ticket
                    else RecordDict({"update": payload_record(result.payload)}))
@@ -73,9 +71,9 @@ def _handle(kind: str, msg: Message, context: Context) -> Message:
 
         job = Job(kind, context.run_id, dict(context.run_config), explicit_keys(msg), dict(context.node_config))
         sent, metrics = run_job(job, lambda timeout: receive_state(msg, context, timeout),
-                                store_for=lambda cfg, pid: _store(cfg, context, pid), presets=PRESETS)
+                                store_for=lambda cfg, pid: _store(cfg, context, pid))
         upload_started = time.perf_counter()
-        content = send_reply(msg, context, sent, runtime_for(job, PRESETS).cfg.round_timeout)
+        content = send_reply(msg, context, sent, runtime_for(job).cfg.round_timeout)
         metrics["upload-seconds"] = time.perf_counter() - upload_started
         metrics["transfer-seconds"] = metrics.get("download-seconds", 0.0) + metrics["upload-seconds"]
     if kind == "train":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -13,7 +12,6 @@ from lordo_fed.rounds.methods import METHODS
 from server.async_strategy import AsyncLoRDOStrategy
 from server.strategy import LoRDOStrategy
 
-PRESETS = Path(__file__).resolve().parents[1] / "examples" / "flower"  # travels in the FAB
 app = ServerApp()
 
 
@@ -31,7 +29,7 @@ def main(grid: Grid, context: Context) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request otherwise
     explicit = explicit_run_config_keys(grid)
-    cfg = load_app_config(context.run_config, PRESETS, explicit)
+    cfg = load_app_config(context.run_config, explicit=explicit)
     if cfg.threads:
         import torch
 

@@ -57,7 +57,7 @@ import sys
 import torch
 import client.app as app
 import lordo_fed.node.runtime as ca
-from lordo_fed.app.config import flat_defaults, load_app_config
+from lordo_fed.app.config import PRESET_DIR, flat_defaults, load_app_config
 
 assert ca.skip_lazy_dynamo_import()
 from lordo_fed.rounds.methods import make_worker, resolve_method
@@ -67,9 +67,9 @@ import numpy as np
 
 rc = {**flat_defaults(), "preset": "quickstart", "variant": "lordo_local", "local-steps": 2, "batch-size": 2,
       "seq-len": 16}
-cfg = ca.app_config(rc, (), app.PRESETS)
-assert cfg == load_app_config(rc, app.PRESETS)
-assert ca.app_config(rc, (), app.PRESETS) == cfg  # from the cache
+cfg = ca.app_config(rc, (), PRESET_DIR)
+assert cfg == load_app_config(rc, PRESET_DIR)
+assert ca.app_config(rc, (), PRESET_DIR) == cfg  # from the cache
 settings = resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
 model = build_model(cfg.model, 256)
 worker = make_worker(0, model, settings, TokenShard(np.arange(10_000) % 256), lowrank_parameter_names(model),

@@ -469,7 +469,7 @@ def test_outlier_norm_is_dropped_by_the_configured_multiple_of_the_median(tmp_pa
 def hostile_app(tmp_path: Path) -> Path:
     """This app with tests/hostile_clientapp.py as its ClientApp (a throwaway app directory)."""
     app = tmp_path / "app"
-    for d in ("server", "client", "examples/flower"):
+    for d in ("server", "client"):
         shutil.copytree(ROOT / d, app / d, ignore=shutil.ignore_patterns("__pycache__"))
     (app / "tests").mkdir()
     shutil.copy(ROOT / "tests" / "hostile_clientapp.py", app / "tests" / "hostile_clientapp.py")

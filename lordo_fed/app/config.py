@@ -1,7 +1,7 @@
 """Settings of a Flower run: flat run-config keys, Hydra presets, one validation before round 1.
 
 Precedence, lowest first: the defaults of `AppConfig`; the Hydra preset named by the `preset`
-run-config key (a YAML file in examples/flower/, composed with Hydra's Compose API because
+run-config key (a YAML file in `PRESET_DIR`, lordo_fed/app/presets/, composed with Hydra's Compose API because
 `@hydra.main` cannot wrap Flower code); then every flat run-config key whose value differs from
 its default in pyproject.toml (which equals `AppConfig`'s, a test checks it). So
 `flwr run . --run-config "preset='paper-16m' rank=32"` takes the 16M preset with rank 32.
@@ -20,7 +20,9 @@ from lordo_fed.rounds.config import CommonConfig
 from lordo_fed.rounds.methods import METHODS
 from lordo_fed.transport.config import DataPlaneConfig
 
-PRESET_DIR = Path(__file__).resolve().parents[2] / "examples" / "flower"
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+"""The Hydra presets of the Flower app (`preset` run-config key): installed with the package, so the
+ServerApp, every ClientApp and every node worker read the same files."""
 CLIENT_STATE_STORES = ("disk", "context")
 
 

@@ -43,11 +43,11 @@ def check_local(address: str) -> str:
 
 def run_on_node_worker(address: str, kind: str, run_id: int, run_config: dict, explicit: tuple[str, ...],
                        node_config: dict, node_id: int, ticket: bytes = b"", payload: bytes = b"",
-                       presets_dir: str = "", timeout: float | None = None) -> pb.NodeResult:
+                       timeout: float | None = None) -> pb.NodeResult:
     """Hand one server message to the node worker and wait for its result."""
     job = pb.NodeJob(kind=kind, run_id=int(run_id), run_config_json=json.dumps(dict(run_config)),
                      explicit_keys=list(explicit), node_config_json=json.dumps(dict(node_config)),
-                     node_id=int(node_id), ticket=bytes(ticket), payload=bytes(payload), presets_dir=presets_dir)
+                     node_id=int(node_id), ticket=bytes(ticket), payload=bytes(payload))
     deadline = None if timeout is None else time.monotonic() + timeout
     for attempt in (1, 2):
         left = None if deadline is None else max(0.0, deadline - time.monotonic())

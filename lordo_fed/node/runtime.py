@@ -215,13 +215,13 @@ def skip_lazy_dynamo_import() -> bool:
     return done
 
 
-def runtime_for(job: Job, presets: Path = PRESET_DIR) -> Runtime:
+def runtime_for(job: Job) -> Runtime:
     """The process's Runtime for this run (built on the first message)."""
     key = json.dumps({"run": job.run_id, "config": dict(job.run_config), "explicit": sorted(job.explicit)},
                      sort_keys=True, default=str)
     if key not in _RUNTIMES:
         skip_lazy_dynamo_import()
-        cfg = app_config(job.run_config, job.explicit, presets)
+        cfg = app_config(job.run_config, job.explicit)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         device = pick_device(cfg.device)
@@ -290,7 +290,7 @@ def _train_early(worker: Worker, save: Future | None) -> float:
 
 
 def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
-            store_for: Callable[[AppConfig, int], StateStore] = disk_store, presets: Path = PRESET_DIR,
+            store_for: Callable[[AppConfig, int], StateStore] = disk_store,
             save_in_background: bool = False, stream_reply: bool = False, encode_reply: bool = True
             ) -> tuple[bytes | StreamingEncode, dict[str, float]]:
     """One server message: the received state in, the encoded reply and its metrics out.
@@ -316,7 +316,7 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
     """
     started = time.perf_counter()
     pid, nparts = job.partition
-    rt = runtime_for(job, presets)
+    rt = runtime_for(job)
     shard = rt.shard(pid, nparts, str(job.node_config.get("data-path", "")))
     download_started = time.perf_counter()
     received = receive(rt.cfg.round_timeout)

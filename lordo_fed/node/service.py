@@ -23,11 +23,9 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 
-from lordo_fed.app.config import PRESET_DIR
 from lordo_fed.node.channel import OPTIONS, check_local
 from lordo_fed.node import runtime
 from lordo_fed.node.ranks import LocalRanks
@@ -43,8 +41,7 @@ log = logging.getLogger("lordo_fed.node")
 class NodeWorkerServicer(pb_grpc.NodeWorkerServicer):
     """Runs the jobs of one node, one at a time (they share the node's device and state)."""
 
-    def __init__(self, presets: Path = PRESET_DIR, ranks: LocalRanks | None = None):
-        self.presets = presets
+    def __init__(self, ranks: LocalRanks | None = None):
         self.ranks = ranks
         """A node of several ranks: this is its lead, which hands every job on to the others."""
         self._lock = threading.Lock()
@@ -72,10 +69,9 @@ class NodeWorkerServicer(pb_grpc.NodeWorkerServicer):
         else:
             def receive(timeout: float) -> bytes:
                 return request.payload
-        presets = Path(request.presets_dir) if request.presets_dir else self.presets
         if self.ranks is not None:  # the other ranks run the same job on the same bytes
             receive = self._hand_on(request, receive)
-        sent, metrics = run_job(job, receive, presets=presets, save_in_background=True, stream_reply=ticket is not None)
+        sent, metrics = run_job(job, receive, save_in_background=True, stream_reply=ticket is not None)
         self.jobs += 1
         metrics["node-worker-jobs"] = self.jobs
         if "first_byte" in stats:  # before the first byte, the node waited for the server to publish
@@ -84,7 +80,7 @@ class NodeWorkerServicer(pb_grpc.NodeWorkerServicer):
             result = pb.NodeResult(payload=bytes(sent))  # protobuf takes bytes only (one copy, Flower's path)
         else:
             upload_started = time.perf_counter()
-            timeout = runtime_for(job, presets).cfg.round_timeout
+            timeout = runtime_for(job).cfg.round_timeout
             if isinstance(sent, StreamingEncode):  # the upload streams the reply while it is encoded
                 try:
                     sha = upload(ticket, request.node_id, sent.buffer, ca, timeout=timeout, ready=sent.wait_for)
@@ -110,8 +106,7 @@ class NodeWorkerServicer(pb_grpc.NodeWorkerServicer):
         ranks = self.ranks
         ranks.broadcast_bytes(json.dumps({
             "kind": request.kind, "run_id": request.run_id, "run_config_json": request.run_config_json,
-            "explicit_keys": list(request.explicit_keys), "node_config_json": request.node_config_json,
-            "presets_dir": request.presets_dir}).encode())
+            "explicit_keys": list(request.explicit_keys), "node_config_json": request.node_config_json}).encode())
 
         def handed_on(timeout: float):
             try:
@@ -123,7 +118,7 @@ class NodeWorkerServicer(pb_grpc.NodeWorkerServicer):
         return handed_on
 
 
-def follow(ranks: LocalRanks, presets: Path = PRESET_DIR) -> None:
+def follow(ranks: LocalRanks) -> None:
     """A rank that is not its node's lead: run every job the lead hands on, on the state it hands
     on, until it hands on an empty job (its shutdown). Such a rank loads the lead's copy of the
     node's state (`ReadOnlyStore`) and saves, encodes and uploads nothing."""
@@ -144,7 +139,6 @@ def follow(ranks: LocalRanks, presets: Path = PRESET_DIR) -> None:
             return data
         try:
             run_job(job, receive, store_for=lambda cfg, pid: ReadOnlyStore(disk_store(cfg, pid)),
-                    presets=Path(spec["presets_dir"]) if spec["presets_dir"] else presets,
                     save_in_background=True, encode_reply=False)
             jobs += 1
         except Exception:  # noqa: BLE001 (the lead reports the job's failure to the server)
@@ -160,12 +154,12 @@ def stop_followers(ranks: LocalRanks | None) -> None:
             log.info("the other ranks are gone already (%s)", err)
 
 
-def serve(listen: str, presets: Path = PRESET_DIR, ranks: LocalRanks | None = None) -> grpc.Server:
+def serve(listen: str, ranks: LocalRanks | None = None) -> grpc.Server:
     """Start the node worker's gRPC server on `listen` (a unix socket or a loopback port); with
     `ranks`, as the lead of a node of several ranks."""
     runtime.LOCAL_RANKS = ranks
     server = grpc.server(ThreadPoolExecutor(max_workers=2), options=OPTIONS)
-    pb_grpc.add_NodeWorkerServicer_to_server(NodeWorkerServicer(presets, ranks), server)
+    pb_grpc.add_NodeWorkerServicer_to_server(NodeWorkerServicer(ranks), server)
     if server.add_insecure_port(check_local(listen)) == 0:
         raise OSError(f"node worker: cannot listen on {listen}")
     server.start()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17lordo_fed/v1/node.proto\x12\x0clordo_fed.v1\"\xb8\x01\n\x07NodeJob\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\x04\x12\x17\n\x0frun_config_json\x18\x03 \x01(\t\x12\x15\n\rexplicit_keys\x18\x04 \x03(\t\x12\x18\n\x10node_config_json\x18\x05 \x01(\t\x12\x0f\n\x07node_id\x18\x06 \x01(\x04\x12\x0e\n\x06ticket\x18\x07 \x01(\x0c\x12\x0f\n\x07payload\x18\x08 \x01(\x0c\x12\x13\n\x0bpresets_dir\x18\t \x01(\t\"\x9c\x01\n\nNodeResult\x12\x15\n\rupload_sha256\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x36\n\x07metrics\x18\x03 \x03(\x0b\x32%.lordo_fed.v1.NodeResult.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\x44\n\nNodeWorker\x12\x36\n\x03Run\x12\x15.lordo_fed.v1.NodeJob\x1a\x18.lordo_fed.v1.NodeResultb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17lordo_fed/v1/node.proto\x12\x0clordo_fed.v1\"\xb6\x01\n\x07NodeJob\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\x04\x12\x17\n\x0frun_config_json\x18\x03 \x01(\t\x12\x15\n\rexplicit_keys\x18\x04 \x03(\t\x12\x18\n\x10node_config_json\x18\x05 \x01(\t\x12\x0f\n\x07node_id\x18\x06 \x01(\x04\x12\x0e\n\x06ticket\x18\x07 \x01(\x0c\x12\x0f\n\x07payload\x18\x08 \x01(\x0cJ\x04\x08\t\x10\nR\x0bpresets_dir\"\x9c\x01\n\nNodeResult\x12\x15\n\rupload_sha256\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x36\n\x07metrics\x18\x03 \x03(\x0b\x32%.lordo_fed.v1.NodeResult.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\x44\n\nNodeWorker\x12\x36\n\x03Run\x12\x15.lordo_fed.v1.NodeJob\x1a\x18.lordo_fed.v1.NodeResultb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NODERESULT_METRICSENTRY']._loaded_options = None
   _globals['_NODERESULT_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_NODEJOB']._serialized_start=42
-  _globals['_NODEJOB']._serialized_end=226
-  _globals['_NODERESULT']._serialized_start=229
-  _globals['_NODERESULT']._serialized_end=385
-  _globals['_NODERESULT_METRICSENTRY']._serialized_start=339
-  _globals['_NODERESULT_METRICSENTRY']._serialized_end=385
-  _globals['_NODEWORKER']._serialized_start=387
-  _globals['_NODEWORKER']._serialized_end=455
+  _globals['_NODEJOB']._serialized_end=224
+  _globals['_NODERESULT']._serialized_start=227
+  _globals['_NODERESULT']._serialized_end=383
+  _globals['_NODERESULT_METRICSENTRY']._serialized_start=337
+  _globals['_NODERESULT_METRICSENTRY']._serialized_end=383
+  _globals['_NODEWORKER']._serialized_start=385
+  _globals['_NODEWORKER']._serialized_end=453
 # @@protoc_insertion_point(module_scope)

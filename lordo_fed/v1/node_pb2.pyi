@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NodeJob(_message.Message):
-    __slots__ = ("kind", "run_id", "run_config_json", "explicit_keys", "node_config_json", "node_id", "ticket", "payload", "presets_dir")
+    __slots__ = ("kind", "run_id", "run_config_json", "explicit_keys", "node_config_json", "node_id", "ticket", "payload")
     KIND_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -16,7 +16,6 @@ class NodeJob(_message.Message):
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
-    PRESETS_DIR_FIELD_NUMBER: _ClassVar[int]
     kind: str
     run_id: int
     run_config_json: str
@@ -25,8 +24,7 @@ class NodeJob(_message.Message):
     node_id: int
     ticket: bytes
     payload: bytes
-    presets_dir: str
-    def __init__(self, kind: _Optional[str] = ..., run_id: _Optional[int] = ..., run_config_json: _Optional[str] = ..., explicit_keys: _Optional[_Iterable[str]] = ..., node_config_json: _Optional[str] = ..., node_id: _Optional[int] = ..., ticket: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., presets_dir: _Optional[str] = ...) -> None: ...
+    def __init__(self, kind: _Optional[str] = ..., run_id: _Optional[int] = ..., run_config_json: _Optional[str] = ..., explicit_keys: _Optional[_Iterable[str]] = ..., node_config_json: _Optional[str] = ..., node_id: _Optional[int] = ..., ticket: _Optional[bytes] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class NodeResult(_message.Message):
     __slots__ = ("upload_sha256", "payload", "metrics")
