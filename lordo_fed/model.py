@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lordo_fed.config import setting
+
 log = logging.getLogger(__name__)
 
 # Leaf module names of the block matrices that get low-rank optimizer states, followed by
@@ -60,7 +62,7 @@ _DEFAULT_MAX_SEQ_LEN = 256  # for preset="custom" when max_seq_len is not given
 class ModelConfig:
     """Model architecture. Fields left at None are filled by `resolve_model_config`."""
 
-    preset: str = "tiny"
+    preset: str = setting("model-preset", "tiny")
     """Name of a preset in PRESETS, or "custom" (then dim, n_layers, n_heads are required)."""
     dim: int | None = None
     """Model width (residual stream size). None = the preset's."""

@@ -246,7 +246,7 @@ def test_a_ticket_that_does_not_parse_or_is_incomplete():
 
 
 def test_data_plane_tls_settings_name_what_is_missing(tmp_path):
-    from lordo_fed.transport.config import DataPlaneConfig
+    from lordo_fed.app.config import DataPlaneConfig
 
     with pytest.raises(ValueError, match="data-plane='grpc' needs TLS: set data-plane-certfile and data-plane-keyfile"):
         DataPlaneConfig().tls()

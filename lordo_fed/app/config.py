@@ -16,45 +16,111 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from lordo_fed.config import FlatKey, flat_keys, get_dotted, section, setting
 from lordo_fed.rounds.config import CommonConfig
 from lordo_fed.rounds.methods import METHODS
-from lordo_fed.transport.config import DataPlaneConfig
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 """The Hydra presets of the Flower app (`preset` run-config key): installed with the package, so the
 ServerApp, every ClientApp and every node worker read the same files."""
 CLIENT_STATE_STORES = ("disk", "context")
+DATA_PLANE_MODES = ("auto", "grpc", "flower")
+
+
+@dataclass
+class DataPlaneConfig:
+    """Where a round's payloads travel: Flower's messages, or the gRPC data plane beside them."""
+
+    mode: str = setting("data-plane", "auto")
+    """'grpc' (payloads over the data plane, Flower carries tickets), 'flower' (payloads inside
+    Flower's messages) or 'auto' (grpc in a deployment, flower in simulation)."""
+    bind: str = setting("data-plane-bind", "127.0.0.1")
+    """Address the ServerApp's data plane listens on ('0.0.0.0' for nodes on other machines)."""
+    address: str = setting("data-plane-address", "")
+    """Host the nodes dial ('' = the bind address; set it when binding 0.0.0.0)."""
+    port: int = setting("data-plane-port", 0)
+    """Port of the data plane (0 = any free port; fix it to open it in a firewall)."""
+    certfile: str = setting("data-plane-certfile", "")
+    """TLS certificate (PEM) of the data plane: the SuperLink's server.pem (generate_certs.py)."""
+    keyfile: str = setting("data-plane-keyfile", "")
+    """Private key (PEM) of that certificate: the SuperLink's server.key."""
+    insecure: bool = setting("data-plane-insecure", False)
+    """Serve plaintext without a certificate (as Flower's --insecure); refused otherwise."""
+    stall_timeout: float = setting("data-plane-stall-timeout", 30.0)
+    """Seconds a transfer may go without a chunk before the data plane drops it."""
+    memory_mb: int = setting("data-plane-memory-mb", 1024)
+    """MB of replies the server holds in memory; the rest spill to disk (bounded server memory)."""
+    max_uploads: int = setting("data-plane-max-uploads", 4)
+    """Uploads the server reads at once; later ones wait their turn (memory flat in the number of nodes)."""
+
+    def validate(self) -> "DataPlaneConfig":
+        if self.mode not in DATA_PLANE_MODES:
+            raise ValueError(f"data_plane.mode={self.mode!r}: expected one of {DATA_PLANE_MODES}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"data_plane.port={self.port!r}: expected 0 (any free port) or 1..65535")
+        if not self.stall_timeout > 0:
+            raise ValueError(f"data_plane.stall_timeout={self.stall_timeout!r}: expected seconds > 0")
+        if self.memory_mb < 0:
+            raise ValueError(f"data_plane.memory_mb={self.memory_mb!r}: expected MB >= 0")
+        if isinstance(self.max_uploads, bool) or not isinstance(self.max_uploads, int) or self.max_uploads < 1:
+            raise ValueError(f"data_plane.max_uploads={self.max_uploads!r}: expected an integer >= 1")
+        if self.certfile and not self.keyfile:
+            raise ValueError(f"data_plane.certfile={self.certfile!r} without data_plane.keyfile: expected both "
+                             "(TLS) or neither")
+        if self.keyfile and not self.certfile:
+            raise ValueError(f"data_plane.keyfile={self.keyfile!r} without data_plane.certfile: expected both "
+                             "(TLS) or neither")
+        if self.certfile and self.insecure:
+            raise ValueError("data_plane.insecure=True with a certfile: expected one or the other")
+        return self
+
+    def tls(self) -> tuple[bytes, bytes] | None:
+        """(certificate chain, private key) PEM bytes; None when insecure. Raises ValueError naming
+        what is missing when a grpc data plane has neither TLS files nor insecure=True."""
+        if self.insecure:
+            return None
+        if not self.certfile:
+            raise ValueError("data-plane='grpc' needs TLS: set data-plane-certfile and data-plane-keyfile (the "
+                             "SuperLink's server.pem and server.key from scripts/generate_certs.py), or "
+                             "data-plane-insecure=true for a plaintext deployment (as flower-superlink --insecure)")
+        out = []
+        for key, path in (("data-plane-certfile", self.certfile), ("data-plane-keyfile", self.keyfile)):
+            try:
+                out.append(Path(path).expanduser().read_bytes())
+            except OSError as err:
+                raise ValueError(f"run-config key {key!r}={path!r}: cannot read it ({err.strerror})") from err
+        return out[0], out[1]
 
 
 @dataclass
 class AppConfig(CommonConfig):
     """One Flower run of one method."""
 
-    out_dir: str = "outputs/flower"
+    out_dir: str = setting("output-dir", "outputs/flower")
     """Where metrics, plots, checkpoints and client state go (give an absolute path: Flower runs the
     app from an installed copy, in its own working directory)."""
-    variant: str = "lordo_global"
+    variant: str = setting("variant", "lordo_global")
     """Method: lordo_global, lordo_local, diloco, local_adam, desloc; asynchronous: async_diloco, async_lookahead, heloco,
     async_lordo, heloco_lordo."""
-    num_rounds: int = 4
+    num_rounds: int = setting("num-server-rounds", 4)
     """Federated rounds (K local steps each); asynchronous variants: the same tokens, num_rounds x nodes replies."""
-    min_clients: int = 2
+    min_clients: int = setting("min-clients", 2)
     """Replies needed to apply a round; fewer, and the round is skipped (θ unchanged)."""
-    round_timeout: float = 600.0
+    round_timeout: float = setting("round-timeout", 600.0)
     """Seconds to wait for the replies of a round; later replies are excluded from it."""
-    resume: str = ""
+    resume: str = setting("resume", "")
     """Checkpoint to resume from: a round JSON or a checkpoint directory ('' = start fresh)."""
     checkpoint_keep: int = 2
     """Newest checkpoints kept in out_dir/checkpoints."""
-    outlier_factor: float = 0.0
+    outlier_factor: float = setting("outlier-factor", 0.0)
     """Drop a reply whose ||Δ|| exceeds this multiple of the round's median (0 = off)."""
-    client_state: str = "disk"
+    client_state: str = setting("client-state", "disk")
     """Where a client keeps its state between rounds: 'disk' (node-local files) or 'context'."""
     client_state_dir: str = ""
     """Directory for client state files ('' = <out_dir>/client_state)."""
     progress: bool = False
     """Show a progress bar of the local steps on each client."""
-    data_plane: DataPlaneConfig = dataclasses.field(default_factory=DataPlaneConfig)
+    data_plane: DataPlaneConfig = section(DataPlaneConfig)
     """How payloads travel: inside Flower's messages, or over the gRPC data plane beside them."""
 
     def validate(self) -> "AppConfig":
@@ -84,77 +150,20 @@ class AppConfig(CommonConfig):
         return self.num_rounds * self.rounds.local_steps
 
 
-# Flat run-config key -> dotted field of AppConfig. These are the keys of
-# [tool.flwr.app.config] in pyproject.toml, plus `preset`.
-FLAT_KEYS: dict[str, str] = {
-    "num-server-rounds": "num_rounds",
-    "variant": "variant",
-    "local-steps": "rounds.local_steps",
-    "dense-sync-factor": "rounds.dense_sync_factor",
-    "rank": "inner.rank",
-    "omega": "inner.omega",
-    "lr": "inner.lr",
-    "warmup-steps": "inner.warmup_steps",
-    "proj-method": "inner.proj_method",
-    "error-feedback": "inner.error_feedback",
-    "full-rank-term": "inner.full_rank_term",
-    "ef-decay": "inner.ef_decay",
-    "ef-density": "inner.ef_density",
-    "ef-reset": "inner.ef_reset",
-    "sync-ef": "rounds.sync_ef",
-    "overlap-delay": "rounds.overlap_delay",
-    "switch-step": "inner.switch_step",
-    "model-preset": "model.preset",
-    "outer": "outer.name",
-    "outer-lr": "outer.lr",
-    "payload-dtype": "payload_dtype",
-    "data-path": "data.path",
-    "val-path": "data.val_path",
-    "text-field": "data.text_field",
-    "batch-size": "data.batch_size",
-    "seq-len": "data.seq_len",
-    "output-dir": "out_dir",
-    "seed": "seed",
-    "device": "device",
-    "threads": "threads",
-    "eval-every": "eval_every",
-    "eval-batches": "eval_batches",
-    "min-clients": "min_clients",
-    "round-timeout": "round_timeout",
-    "resume": "resume",
-    "tensorboard": "tensorboard",
-    "client-state": "client_state",
-    "outlier-factor": "outlier_factor",
-    "data-plane": "data_plane.mode",
-    "data-plane-bind": "data_plane.bind",
-    "data-plane-address": "data_plane.address",
-    "data-plane-port": "data_plane.port",
-    "data-plane-certfile": "data_plane.certfile",
-    "data-plane-keyfile": "data_plane.keyfile",
-    "data-plane-insecure": "data_plane.insecure",
-    "data-plane-stall-timeout": "data_plane.stall_timeout",
-    "data-plane-memory-mb": "data_plane.memory_mb",
-    "data-plane-max-uploads": "data_plane.max_uploads",
-    "async-order": "async_rounds.order",
-    "async-weight": "async_rounds.weight",
-    "async-max-staleness": "async_rounds.max_staleness",
-    "async-speeds": "async_rounds.speeds",
-    "async-local-steps": "async_rounds.local_steps",
-}
-LIST_KEYS: dict[str, type] = {"async-speeds": float, "async-local-steps": int}
+FLAT: dict[str, FlatKey] = flat_keys(AppConfig)
+"""Every flat run-config key of a Flower run, derived from the fields of `AppConfig`'s tree that are
+declared with `setting` (lordo_fed.config). These, plus `preset`, are the keys of
+[tool.flwr.app.config] in pyproject.toml (a test checks both hold the same defaults)."""
+FLAT_KEYS: dict[str, str] = {k: f.dotted for k, f in FLAT.items()}
+"""Flat key -> dotted field of AppConfig."""
+LIST_KEYS: dict[str, type] = {k: f.item_type for k, f in FLAT.items() if f.item_type is not None}
 """Flat keys of list fields, written as comma-separated numbers ('1,1,4'; '' = []), and their item type."""
-
-
-def _get(obj: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def flat_defaults() -> dict[str, Any]:
     """The default of every flat key (what pyproject.toml's [tool.flwr.app.config] must hold)."""
     base = AppConfig()
-    return {"preset": "", **{k: ("" if k in LIST_KEYS else _get(base, v)) for k, v in FLAT_KEYS.items()}}
+    return {"preset": "", **{k: ("" if k in LIST_KEYS else get_dotted(base, v)) for k, v in FLAT_KEYS.items()}}
 
 
 def _parse_list(key: str, value: str) -> list:

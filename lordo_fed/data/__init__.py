@@ -39,6 +39,7 @@ from typing import Iterator, Optional, Union
 import numpy as np
 import torch
 
+from lordo_fed.config import setting
 from lordo_fed.data.readers import SourceFile, list_sources, read_documents, read_token_bin
 from lordo_fed.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -62,9 +63,9 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 class DataConfig:
     """Where the text comes from, how it is tokenised, split, partitioned and batched."""
 
-    path: str = ""
+    path: str = setting("data-path", "")
     """A corpus file or directory (text, JSON Lines, Parquet, HF dataset on disk, token bins); "" = DEFAULT_CORPUS."""
-    text_field: str = "text"
+    text_field: str = setting("text-field", "text")
     """The field (JSON Lines) or column (Parquet, HF datasets) that holds each document's text."""
     tokenizer: str = "byte"
     """'byte' (UTF-8 bytes, vocab 256), or a local tokenizer.json or a directory holding one."""
@@ -72,12 +73,12 @@ class DataConfig:
     """Where tokenised corpora are cached; "" = ~/.cache/lordo_fed/tokens."""
     val_fraction: float = 0.1
     """Fraction of each source's tokens (its tail) held out for validation, in [0, 1); unused with val_path."""
-    val_path: str = ""
+    val_path: str = setting("val-path", "")
     """A separate evaluation corpus (file or directory, same tokenizer) evaluated instead of the tail
     split, so quality is measured on text no run trained on; the train corpus is then used whole."""
-    seq_len: int = 128
+    seq_len: int = setting("seq-len", 128)
     """Tokens per training sequence (the model's context length)."""
-    batch_size: int = 16
+    batch_size: int = setting("batch-size", 16)
     """Sequences per batch, per worker."""
     partition: str = "iid"
     """How train tokens are split among clients: "iid", "by_source" or "dirichlet"."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lordo_fed.config import setting
 from lordo_fed.optim.batched import BatchedLoRDO
 from lordo_fed.optim.bias import MOMENT_BETA
 from lordo_fed.optim.lordo import EF_DTYPES, FULL_RANK_TERMS, PROJECTION_SOURCES, QH_PLACEMENTS, LoRDO
@@ -25,7 +26,7 @@ class InnerConfig:
 
     name: str = "lordo"
     """'lordo' (low-rank LoRDO step) or 'adamw' (torch.optim.AdamW, the DDP/DiLoCo baseline)."""
-    lr: float = 8e-3
+    lr: float = setting("lr", 8e-3)
     """Peak learning rate η."""
     betas: tuple[float, float] = (0.9, 0.999)
     """(β1, β2) of the Adam moments."""
@@ -33,23 +34,23 @@ class InnerConfig:
     """ε of the Adam denominator."""
     weight_decay: float = 0.0
     """Decoupled weight decay λ, applied to 2-D weights only (not to norms or biases)."""
-    omega: float = 0.95
+    omega: float = setting("omega", 0.95)
     """Quasi-hyperbolic weight ω in [0, 1]; 1 drops the full-rank term (GaLore/Adam)."""
-    rank: int = 8
+    rank: int = setting("rank", 8)
     """Rank r of the low-rank optimizer states (parameters matched by the model's low-rank pattern)."""
-    error_feedback: bool = True
+    error_feedback: bool = setting("error-feedback", True)
     """Keep the full-size buffer of what the projection dropped and feed it back next step."""
     ef_dtype: str = "fp32"
     """Storage dtype of the error-feedback buffer: 'fp32' or 'bf16'."""
-    ef_density: float = 1.0
+    ef_density: float = setting("ef-density", 1.0)
     """Share of the error-feedback buffer kept: 1 keeps E whole; ρ < 1 keeps its top ⌈ρ·pq⌉ entries
     per matrix with int8 values (MicroAdam-style, lordo_fed.optim.ef_compress; ef_dtype then unused)."""
-    ef_decay: float = 0.9
+    ef_decay: float = setting("ef-decay", 0.9)
     """γ in V = G + γ E: how much of the error-feedback buffer is fed back each step (1 = the paper;
     0.9, the default, measured best: docs/results.md, section 8)."""
-    ef_reset: bool = False
+    ef_reset: bool = setting("ef-reset", False)
     """Zero the error-feedback buffer whenever the projection changes (every round under LoRDO-Global)."""
-    full_rank_term: str = "error_fed"
+    full_rank_term: str = setting("full-rank-term", "error_fed")
     """Input of the full-rank QH term: 'error_fed' (V = G + E, the paper) or 'gradient' (G alone)."""
     qh_placement: str = "outside"
     """Full-rank QH term 'outside' the projection (the paper) or 'inside' it."""
@@ -58,7 +59,7 @@ class InnerConfig:
     init_projection: str = "gradient"
     """Round-1 basis of LoRDO-Global: 'gradient' (fitted to the workers' averaged gradient at θ0,
     one extra exchange before round 1) or 'random' (seeded random orthonormal basis)."""
-    proj_method: str = "auto"
+    proj_method: str = setting("proj-method", "auto")
     """Projection fit: 'svd' (exact), 'rsvd' (randomized), 'dct' (DCT columns, sent as indices) or
     'auto': exact, except LoRDO-Local's refits on a CUDA device, which are randomized (an SVD per
     matrix inside the step; rsvd measured no worse: docs/results.md, section 2)."""
@@ -75,13 +76,13 @@ class InnerConfig:
     """Global gradient-norm clip ρ applied by the training loop (0 disables)."""
     schedule: str = "wsd"
     """Learning-rate schedule: 'wsd' (warmup-stable-decay), 'cosine' or 'constant' (after warmup)."""
-    warmup_steps: int = 20
+    warmup_steps: int = setting("warmup-steps", 20)
     """Linear warmup length in steps."""
     decay_fraction: float = 0.2
     """Share of the run spent decaying (wsd) at the end."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak (wsd, cosine)."""
-    switch_step: int = 0
+    switch_step: int = setting("switch-step", 0)
     """The authors' two-phase recipe: the global step where phase 2 starts (0 = one phase)."""
     switch_betas: tuple[float, float] = (0.999, 0.999)
     """(β1, β2) from `switch_step` on (the authors' 720M runs: 0.999, 0.999)."""

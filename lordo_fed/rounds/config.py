@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import List
 
+from lordo_fed.config import section, setting
 from lordo_fed.data import DataConfig
 from lordo_fed.device import DEVICE_CHOICES
 from lordo_fed.model import ModelConfig, resolve_model_config
@@ -24,19 +25,19 @@ from lordo_fed.wire.payload import payload_codecs
 class RoundConfig:
     """How often workers synchronise what (DES-LOC periods, in rounds of K local steps)."""
 
-    local_steps: int = 32
+    local_steps: int = setting("local-steps", 32)
     """K: local optimizer steps per round."""
     sync_exp_avg_every: int = 1
     """K_u: rounds between first-moment averages (0 = never: the moments stay local)."""
     sync_exp_avg_sq_every: int = 1
     """K_v: rounds between second-moment averages (0 = never)."""
-    dense_sync_factor: int = 1
+    dense_sync_factor: int = setting("dense-sync-factor", 1)
     """F: moments of parameters that are not low-rank (embeddings, norms; every AdamW parameter) are
     averaged every F·K_u and F·K_v rounds (1 = with the rest, the paper; 0 = never)."""
-    sync_ef: bool = False
+    sync_ef: bool = setting("sync-ef", False)
     """Also average LoRDO's error-feedback buffers E of the low-rank matrices every round (full size:
     as many bytes again as Δ, each way; the authors' code appears to all-reduce E with the moments)."""
-    overlap_delay: int = 0
+    overlap_delay: int = setting("overlap-delay", 0)
     """τ: a worker starts round r+1 from its own θ as soon as it has sent round r, and merges round r+1's
     global state after τ local steps (Streaming DiLoCo's overlap, docs/algorithm.md; 0 = synchronous rounds)."""
 
@@ -79,15 +80,15 @@ class AsyncConfig:
     """Asynchronous rounds: worker speeds on the virtual clock, per-worker local steps, the
     staleness bound, the order a Flower server applies replies in, HeLoCo."""
 
-    speeds: List[float] = field(default_factory=list)
+    speeds: List[float] = setting("async-speeds", default_factory=list)
     """Virtual seconds per local step of each worker ([] = 1.0 for all); e.g. [1, 1, 1, 4]: one 4x slower."""
-    local_steps: List[int] = field(default_factory=list)
+    local_steps: List[int] = setting("async-local-steps", default_factory=list)
     """Local steps per round of each worker ([] = rounds.local_steps for all): per-node work, GradSkip's idea."""
-    weight: float = 1.0
+    weight: float = setting("async-weight", 1.0)
     """ρ: every arriving Δ is scaled by it before its outer step (HeLoCo's; the paper suggests 1/√K for K workers)."""
-    max_staleness: int = 0
+    max_staleness: int = setting("async-max-staleness", 0)
     """Drop a reply made from a model more than this many outer steps old (0 = no bound, as HeLoCo's code)."""
-    order: str = "arrival"
+    order: str = setting("async-order", "arrival")
     """Flower server: apply replies as they arrive, or in the virtual clock's order ('virtual': reproducible, the reference trainer's)."""
     heloco: HeLoCoConfig = field(default_factory=HeLoCoConfig)
     """HeLoCo's correction settings (method `heloco`)."""
@@ -140,35 +141,35 @@ class AsyncConfig:
 class CommonConfig:
     """Model, data, optimizers and bookkeeping: the same fields in every entry point."""
 
-    seed: int = 0
+    seed: int = setting("seed", 0)
     """Seeds model init, data sampling and projections; identical for every method."""
-    device: str = "auto"
+    device: str = setting("device", "auto")
     """'auto' (CUDA when present), 'cpu', 'cuda' or 'cuda:N'."""
-    threads: int = 0
+    threads: int = setting("threads", 0)
     """torch CPU threads (0 = torch's default)."""
     out_dir: str = "outputs/reference"
     """Where JSONL metrics, TensorBoard logs, plots, summaries (and checkpoints) go."""
-    tensorboard: bool = False
+    tensorboard: bool = setting("tensorboard", False)
     """Also write TensorBoard scalars under out_dir/tb."""
-    eval_every: int = 1
+    eval_every: int = setting("eval-every", 1)
     """Rounds (K steps each) between validation passes."""
-    eval_batches: int = 8
+    eval_batches: int = setting("eval-batches", 8)
     """Validation batches per pass (fixed, sequential windows of the held-out split)."""
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(preset="small"))
+    model: ModelConfig = section(lambda: ModelConfig(preset="small"))
     """The model (preset name or explicit sizes, or a local HF config.json)."""
-    data: DataConfig = field(default_factory=DataConfig)
+    data: DataConfig = section(DataConfig)
     """Corpus, tokenizer, split, partition, batch and sequence length."""
-    inner: InnerConfig = field(default_factory=InnerConfig)
+    inner: InnerConfig = section(InnerConfig)
     """The workers' local optimizer."""
-    rounds: RoundConfig = field(default_factory=RoundConfig)
+    rounds: RoundConfig = section(RoundConfig)
     """K local steps per round and the moment-sync periods."""
-    outer: OuterConfig = field(default_factory=OuterConfig)
+    outer: OuterConfig = section(OuterConfig)
     """Outer optimizer of the round-based methods (LoRDO, Local Adam, DES-LOC)."""
     diloco_outer: OuterConfig = field(default_factory=lambda: OuterConfig(name="nesterov", lr=0.7, momentum=0.9))
     """Outer optimizer of DiLoCo (Nesterov, lr 0.7, momentum 0.9 as in the DiLoCo paper)."""
-    payload_dtype: str = "fp32"
+    payload_dtype: str = setting("payload-dtype", "fp32")
     """How tensors cross the wire: 'fp32', 'bf16' (bit-viewed), or a compressed preset 'int8', 'int4', 'topk2bit', 'lowrank+topk2bit', 'lowrank+topk2bit+rows' (lordo_fed.wire.payload)."""
-    async_rounds: AsyncConfig = field(default_factory=AsyncConfig)
+    async_rounds: AsyncConfig = section(AsyncConfig)
     """Asynchronous methods: worker speeds and local steps, staleness bound, reply order, HeLoCo's settings."""
 
     def validate(self) -> "CommonConfig":

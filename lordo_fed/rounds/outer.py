@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lordo_fed.config import setting
+
 OUTER_NAMES = ("average", "qhm", "nesterov", "mla")
 
 
@@ -297,10 +299,10 @@ class MomentumLookAhead(OuterOptimizer):
 class OuterConfig:
     """Which outer optimizer the server runs, and its hyperparameters."""
 
-    name: str = "average"
+    name: str = setting("outer", "average")
     """Outer optimizer: "average" | "qhm" | "nesterov" | "mla" (HeLoCo's momentum look-ahead)."""
 
-    lr: float = 1.0
+    lr: float = setting("outer-lr", 1.0)
     """Outer learning rate η (> 0); 1.0 with "average" is plain model averaging."""
 
     beta: float = 0.9

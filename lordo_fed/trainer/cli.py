@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from lordo_fed.trainer.configdoc import describe
+from lordo_fed.config import describe
 from lordo_fed.data import load_dataset
 from lordo_fed.device import pick_device
 from lordo_fed.rounds.methods import resolve_method
