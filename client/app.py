@@ -23,9 +23,9 @@ import time
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from lordo_fed.app.records import IDENTIFY, TICKET, UPLOAD_SHA256, explicit_keys, payload_bytes, payload_record
-from lordo_fed.node.channel import NODE_WORKER_KEY
-from lordo_fed.wan.links import LINK_RATE_KEY, parse_rate
+from lordo_fed.app.records import (IDENTIFY, ROUND_TIMEOUT, TICKET, UPLOAD_SHA256, explicit_keys, payload_bytes,
+                                   payload_record)
+from lordo_fed.node.config import NodeConfig
 
 app = ClientApp()
 
@@ -48,20 +48,20 @@ def query(msg: Message, context: Context) -> Message:
 
 def _handle(kind: str, msg: Message, context: Context) -> Message:
     started = time.perf_counter()
+    node = NodeConfig.from_flower(context.node_config)
     config = msg.content.config_records.get("config")
     if kind == "query" and config is not None and config.get(IDENTIFY):
         # Which partition this node trains: the node config says, no model or data needed.
-        pid = int(context.node_config.get("partition-id", 0))
-        return Message(content=RecordDict({"metrics": MetricRecord({"partition-id": pid})}), reply_to=msg)
+        return Message(content=RecordDict({"metrics": MetricRecord({"partition-id": node.partition_id})}), reply_to=msg)
     ticket = bytes(config[TICKET]) if config is not None and TICKET in config else b""
-    worker = str(context.node_config.get(NODE_WORKER_KEY, ""))
+    worker = node.node_worker
     if worker:
         from lordo_fed.node.channel import run_on_node_worker
 
         payload = b"" if ticket else payload_bytes(msg.content["state"])
         result = run_on_node_worker(worker, kind, context.run_id, dict(context.run_config), explicit_keys(msg),
                                     dict(context.node_config), context.node_id, ticket=ticket, payload=payload,
-                                    timeout=3 * _round_timeout(context) + 60)
+                                    timeout=3 * _round_timeout(msg, context) + 60)
         metrics = dict(result.metrics)
         content = (RecordDict({"upload": ConfigRecord({UPLOAD_SHA256: result.upload_sha256})}) if ticket
                    else RecordDict({"update": payload_record(result.payload)}))
@@ -77,8 +77,8 @@ def _handle(kind: str, msg: Message, context: Context) -> Message:
         metrics["upload-seconds"] = time.perf_counter() - upload_started
         metrics["transfer-seconds"] = metrics.get("download-seconds", 0.0) + metrics["upload-seconds"]
     if kind == "train":
-        if context.node_config.get(LINK_RATE_KEY):  # the server's link-bound ideal (lordo_fed.wan.links)
-            metrics["link-bytes-per-second"] = parse_rate(context.node_config[LINK_RATE_KEY])
+        if node.link_rate:  # the server's link-bound ideal (lordo_fed.wan.links)
+            metrics["link-bytes-per-second"] = node.link_bytes_per_second
         metrics["client-seconds"] = time.perf_counter() - started
         metrics["clientapp-torch"] = int("torch" in sys.modules)
         content["metrics"] = MetricRecord(metrics)
@@ -96,9 +96,13 @@ def _store(cfg, context: Context, pid: int):
     return disk_store(cfg, pid)
 
 
-def _round_timeout(context: Context) -> float:
-    """The run's round deadline as the run config sets it (a node-worker ClientApp does not
-    compose presets: it imports no torch, and only bounds its wait with this)."""
+def _round_timeout(msg: Message, context: Context) -> float:
+    """The run's round deadline as the server composed it (its message says: `ROUND_TIMEOUT`,
+    a preset's value included); the run config's own value from a server that does not say. A
+    node-worker ClientApp composes no settings (it imports no torch), and only bounds its wait with this."""
+    config = msg.content.config_records.get("config")
+    if config is not None and ROUND_TIMEOUT in config:
+        return float(config[ROUND_TIMEOUT])
     return float(context.run_config.get("round-timeout", 600.0))
 
 
@@ -128,5 +132,4 @@ def send_reply(msg: Message, context: Context, data: bytes, timeout: float) -> R
 
 def _root_certificates(context: Context) -> str | None:
     """The CA certificate a node verifies the data plane's TLS with: node config `root-certificates`."""
-    path = str(context.node_config.get("root-certificates", ""))
-    return path or None
+    return NodeConfig.from_flower(context.node_config).root_certificates or None

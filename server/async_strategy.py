@@ -41,7 +41,7 @@ from flwr.serverapp.strategy.result import Result
 from lordo_fed.app.config import AppConfig
 from lordo_fed.rounds.async_rounds import Arrival, AsyncServer, Pull, VirtualClock, async_record
 from lordo_fed.wire.codec import PayloadError, decode_update, encode_global_state
-from lordo_fed.app.records import EXPLICIT_KEYS, IDENTIFY, payload_bytes
+from lordo_fed.app.records import IDENTIFY, payload_bytes
 from lordo_fed.metrics import peak_rss_bytes
 from lordo_fed.wire.messages import GlobalState
 from lordo_fed.wire.payload import wire_dtype
@@ -120,7 +120,7 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
     def _identify(self, grid: Grid, timeout: float) -> dict[int, int]:
         """Partition id -> node id of every connected node (a second node with a partition
         already taken is left out, with a warning)."""
-        config = ConfigRecord({IDENTIFY: 1, EXPLICIT_KEYS: self.explicit_keys})
+        config = ConfigRecord({IDENTIFY: 1, **self._message_config(0)})
         messages = [Message(content=RecordDict({"config": config}), dst_node_id=n, message_type=MessageType.QUERY)
                     for n in sorted(grid.get_node_ids())]
         nodes: dict[int, int] = {}

@@ -38,7 +38,7 @@ from lordo_fed.wire.codec import (PayloadError, decode_update, encode_global_sta
 from lordo_fed.data import load_dataset
 from lordo_fed.device import pick_device
 from lordo_fed.evaluation import evaluate
-from lordo_fed.app.records import (EXPLICIT_KEYS, TICKET, UPLOAD_SHA256, is_simulation, payload_bytes, payload_record,
+from lordo_fed.app.records import (EXPLICIT_KEYS, ROUND_TIMEOUT, TICKET, UPLOAD_SHA256, is_simulation, payload_bytes, payload_record,
                               shorten_pull_backoff)
 from lordo_fed.rounds.methods import lowrank_ranks, make_aggregator, resolve_method
 from lordo_fed.metrics import MetricsWriter, peak_rss_bytes, plot_curves
@@ -186,9 +186,14 @@ class LoRDOStrategy(Strategy):
                                            max_upload=self.max_upload)
         return self._ticket_messages(round_idx, tickets, MessageType.TRAIN)
 
+    def _message_config(self, round_idx: int) -> dict[str, Any]:
+        """What every message of a round says besides its payload: the round, the run-config keys
+        the user set (clients compose the same settings from them) and the round deadline."""
+        return {"round": round_idx, EXPLICIT_KEYS: self.explicit_keys, ROUND_TIMEOUT: float(self.cfg.round_timeout)}
+
     def _ticket_messages(self, round_idx: int, tickets: dict[int, Any], message_type: str) -> list[Message]:
         """One message per node carrying its data-plane ticket (no payload)."""
-        config = {"round": round_idx, EXPLICIT_KEYS: self.explicit_keys}
+        config = self._message_config(round_idx)
         return [Message(content=RecordDict({"config": ConfigRecord({**config, TICKET: t.SerializeToString()})}),
                         dst_node_id=n, message_type=message_type) for n, t in tickets.items()]
 
@@ -215,7 +220,7 @@ class LoRDOStrategy(Strategy):
     def _flower_messages(self, round_idx: int, data: bytes, node_ids: Iterable[int], message_type: str) -> list[Message]:
         """One message per node with the encoded state inside it (Flower's own data plane)."""
         record = payload_record(data)
-        config = ConfigRecord({"round": round_idx, EXPLICIT_KEYS: self.explicit_keys})
+        config = ConfigRecord(self._message_config(round_idx))
         return [Message(content=RecordDict({"state": record, "config": config}), dst_node_id=n,
                         message_type=message_type) for n in node_ids]
 

@@ -20,6 +20,10 @@ UPLOAD_SHA256 = "sha256"
 """Key, in a reply's "upload" ConfigRecord, of the sha256 of what the node put on the data plane."""
 EXPLICIT_KEYS = "explicit-keys"
 """ConfigRecord key of every server message: the run-config keys the user set, comma-separated."""
+ROUND_TIMEOUT = "round-timeout"
+"""ConfigRecord key of every server message: the run's round deadline in seconds, as the server
+composed it (preset included). A ClientApp that hands its rounds to a node worker composes no
+settings (it imports no torch) and bounds its wait with this."""
 IDENTIFY = "identify"
 """ConfigRecord key of a query message that asks a node only for its partition id (asynchronous
 rounds map partitions to nodes before the first round); the reply's metrics carry `partition-id`."""

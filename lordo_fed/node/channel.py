@@ -15,8 +15,6 @@ import grpc
 from lordo_fed.v1 import node_pb2 as pb
 from lordo_fed.v1 import node_pb2_grpc as pb_grpc
 
-NODE_WORKER_KEY = "node-worker"
-"""Node-config key naming this node's worker: `unix:///path/to/socket` (or 127.0.0.1:PORT)."""
 OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 
 

@@ -10,10 +10,10 @@ critical path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
-import math
 import os
 import pickle
 import sys
@@ -33,6 +33,7 @@ from lordo_fed.data import TokenShard, load_dataset
 from lordo_fed.device import pick_device
 from lordo_fed.rounds.methods import MethodSettings, lowrank_ranks, make_worker, resolve_method, with_local_steps
 from lordo_fed.model import build_model, lowrank_parameter_names
+from lordo_fed.node.config import NodeConfig
 from lordo_fed.node.ranks import LocalRanks
 from lordo_fed.node.store import DiskStore, StateStore
 from lordo_fed.data.tokenizer import load_tokenizer
@@ -59,30 +60,27 @@ class Job:
     node_config: dict
     """This node's config: partition-id, num-partitions, data-path, ..."""
 
+    @functools.cached_property
+    def node(self) -> NodeConfig:
+        """`node_config`, typed and checked (ValueError naming a bad key or value)."""
+        return NodeConfig.from_flower(self.node_config)
+
     @property
     def partition(self) -> tuple[int, int]:
-        return int(self.node_config.get("partition-id", 0)), int(self.node_config.get("num-partitions", 1))
+        return self.node.partition_id, self.node.num_partitions
 
     @property
     def slowdown(self) -> float:
         """Node config `slowdown` (default 1): this node sleeps after its local steps until a round
         has taken `slowdown` times as long as they did: a really slow node, for tests and demos."""
-        value = self.node_config.get("slowdown", 1.0)
-        try:
-            factor = float(value)
-        except (TypeError, ValueError):
-            factor = math.nan
-        if isinstance(value, bool) or not (math.isfinite(factor) and factor >= 1.0):
-            raise ValueError(f"node config slowdown={value!r}: expected a number >= 1 (how many times slower this "
-                             "node's rounds are than its local steps)")
-        return factor
+        return self.node.slowdown
 
     def local_steps(self, rt: "Runtime") -> int:
         """This node's local steps per round: node config `local-steps`, else the run's
         `async_rounds.local_steps[partition]`, else K. Only asynchronous methods let nodes differ."""
         pid, _ = self.partition
         default = rt.settings.rounds.local_steps
-        value = self.node_config.get("local-steps")
+        value = self.node.local_steps
         if value is None:
             per_worker = rt.cfg.async_rounds.local_steps
             if rt.settings.loop != "async" or not per_worker:
@@ -91,8 +89,6 @@ class Job:
                 raise ValueError(f"async_rounds.local_steps={list(per_worker)!r} has no entry for partition {pid}: "
                                  "expected one value per partition")
             return int(per_worker[pid])
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"node config local-steps={value!r}: expected an integer > 0")
         if rt.settings.loop != "async" and value != default:
             raise ValueError(f"node config local-steps={value}: nodes may run their own number of local steps only "
                              f"with an asynchronous variant (this run's {rt.cfg.variant!r} has K={default} for all)")
@@ -317,7 +313,7 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
     started = time.perf_counter()
     pid, nparts = job.partition
     rt = runtime_for(job)
-    shard = rt.shard(pid, nparts, str(job.node_config.get("data-path", "")))
+    shard = rt.shard(pid, nparts, job.node.data_path)
     download_started = time.perf_counter()
     received = receive(rt.cfg.round_timeout)
     decode_started = time.perf_counter()

@@ -59,7 +59,7 @@ class NodeWorkerServicer(pb_grpc.NodeWorkerServicer):
         started = time.perf_counter()
         job = Job(request.kind, request.run_id, json.loads(request.run_config_json), tuple(request.explicit_keys),
                   json.loads(request.node_config_json))
-        ca = str(job.node_config.get("root-certificates", "")) or None
+        ca = job.node.root_certificates or None
         ticket = parse_ticket(request.ticket) if request.ticket else None
         stats: dict[str, float] = {}
         if ticket is not None:
