@@ -1,6 +1,6 @@
 """Peak memory and time of encoding and decoding one large `WorkerUpdate`: the protobuf-message
-path the codec used to take (kept as `lordo_fed.wire.codec._encode_update_reference` /
-`_decode_update_reference`) against the direct encoder and in-place decoder (`encode_update`,
+path the codec used to take (kept as `lordo_fed.wire.encode.encode_update_reference` /
+`lordo_fed.wire.decode.decode_update_reference`) against the direct encoder and in-place decoder (`encode_update`,
 `encode_update_into`, `decode_update`).
 
 The update is a model-like set of fp32 tensors (eight 2-D matrices of 1024 columns holding
@@ -109,19 +109,20 @@ def child(spec: dict) -> dict:
 def child_steps(spec: dict, pd: str) -> dict:
     import torch
 
-    from lordo_fed.wire import codec
+    from lordo_fed.wire.decode import decode_update, decode_update_reference
+    from lordo_fed.wire.encode import encode_update, encode_update_into, encode_update_reference
 
     old = spec["path"] == "old"
     update = make_update(spec["bytes"])
     spool = Path(spec["tmp"]) / f"{spec['path']}_{pd}.bin"
-    encode = codec._encode_update_reference if old else codec.encode_update
-    decode = codec._decode_update_reference if old else codec.decode_update
+    encode = encode_update_reference if old else encode_update
+    decode = decode_update_reference if old else decode_update
 
     def encode_file() -> int:
         with open(spool, "wb") as f:
             if old:
                 return f.write(encode(update, MODEL_ID, pd))
-            return codec.encode_update_into(update, MODEL_ID, f, pd)
+            return encode_update_into(update, MODEL_ID, f, pd)
 
     def decode_mmap():
         with open(spool, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
@@ -142,7 +143,7 @@ def child_steps(spec: dict, pd: str) -> dict:
 
     run("encode", lambda: encode(update, MODEL_ID, pd))
     run("encode_file", encode_file)
-    data = bytes(codec.encode_update(update, MODEL_ID, pd))
+    data = bytes(encode_update(update, MODEL_ID, pd))
     if spool.read_bytes() != data:
         raise AssertionError(f"{spec['path']}/{pd}: the spooled file differs from the encoded payload")
     reference = decode(data, MODEL_ID)

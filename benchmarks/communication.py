@@ -1,7 +1,7 @@
 """Bytes each worker sends and receives, per round and per training step, measured on the wire.
 
 For every method the real round messages are built with the model's true parameter shapes
-(random values: the encoded size does not depend on them), serialized with `lordo_fed.wire.codec`
+(random values: the encoded size does not depend on them), serialized with `lordo_fed.wire.encode`
 (the `lordo_fed.v1` protobuf the Flower app sends) and measured with `len(bytes)`:
 
 - ddp: one gradient up and one (all-reduced) gradient down per step, each measured as a
@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from lordo_fed.wire import codec
+from lordo_fed.wire.encode import encode_global_state, encode_update
 from lordo_fed.rounds.aggregator import low_rank_shape
 from lordo_fed.rounds.methods import resolve_method
 from lordo_fed.model import ModelConfig, build_model, count_parameters, lowrank_parameter_names
@@ -186,9 +187,9 @@ class Encoder:
         if key not in self.cache:
             t0 = time.perf_counter()
             if kind == "down":
-                data = codec.encode_global_state(msg, self.ms.model_id, self.payload_dtype)
+                data = encode_global_state(msg, self.ms.model_id, self.payload_dtype)
             else:
-                data = codec.encode_update(msg, self.ms.model_id, self.payload_dtype)
+                data = encode_update(msg, self.ms.model_id, self.payload_dtype)
             n = codec.payload_nbytes(data)
             del data  # one message alive at a time (125m with the GPT-2 vocabulary: ~0.5 GB each)
             gc.collect()
@@ -266,7 +267,7 @@ def formula_bytes(ms: ModelShapes, variant: Variant, settings, k: int, dtype: st
     if lordo and settings.inner.projection == "global":
         for name, r in ms.ranks.items():
             p, q = ms.shapes[name]
-            # bases always travel in fp32 (lordo_fed.wire.codec: bf16 would break their orthonormality)
+            # bases always travel in fp32 (lordo_fed.wire.encode: bf16 would break their orthonormality)
             down += 8 * r if variant.proj_method == "dct" else 4 * r * (q if projection_side((p, q)) == "right" else p)
     return float(up), float(down)
 

@@ -6,7 +6,7 @@ pay for their encoding time.
    `dense_sync_factor` F = 1 and 4. The round's two messages are built with the model's true
    shapes, every compressed tensor laid out as the codec lays it out (a compressed tensor's size
    depends on its shape and codec only, `part_sizes`, tested against `encode`), serialized with
-   `lordo_fed.wire.codec` and measured with len(): up (Δ, the due moments) and down (θ or its change,
+   `lordo_fed.wire.encode` and measured with len(): up (Δ, the due moments) and down (θ or its change,
    the bases, the averaged moments), per worker per step, and the ratio to fp32 DDP (a gradient of
    4 bytes per parameter up and the averaged one down, every step). fp32 messages over protobuf's
    2 GiB limit (720m) are counted by their tensor bytes.
@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 
 from lordo_fed.wire import codec
+from lordo_fed.wire.decode import decode_global_state, decode_update
+from lordo_fed.wire.encode import encode_global_state, encode_update
 from lordo_fed.rounds.methods import resolve_method
 from lordo_fed.optim.config import InnerConfig
 from lordo_fed.rounds.outer import OuterConfig
@@ -107,8 +109,8 @@ def message_bytes(msg, ms: ModelShapes, payload: str) -> tuple[int, bool]:
     dtype = wire_dtype(payload)
     if codec.tensors_nbytes(msg, dtype) > 2 ** 31 - (64 << 20):
         return codec.tensors_nbytes(msg, dtype), True
-    data = (codec.encode_update(msg, ms.model_id, dtype) if isinstance(msg, WorkerUpdate)
-            else codec.encode_global_state(msg, ms.model_id, dtype))
+    data = (encode_update(msg, ms.model_id, dtype) if isinstance(msg, WorkerUpdate)
+            else encode_global_state(msg, ms.model_id, dtype))
     return len(data), False
 
 
@@ -190,9 +192,9 @@ def _time_once(preset: str, payload: str) -> dict:
         up_moments = codecs.encode_moments(moments)
     else:
         delta, up_moments = params, moments
-    up = codec.encode_update(WorkerUpdate(0, 2, delta, up_moments, 4096, 64, coords=coords), ms.model_id, dtype)
+    up = encode_update(WorkerUpdate(0, 2, delta, up_moments, 4096, 64, coords=coords), ms.model_id, dtype)
     t1 = time.perf_counter()
-    received = codec.decode_update(up, ms.model_id, codecs=receiver_codecs(payload))
+    received = decode_update(up, ms.model_id, codecs=receiver_codecs(payload))
     for n, c in received.coords.items():  # the server rebuilds Δ = P·Ĉ + R̂
         lowrank.join(received.delta[n], c, *bases[n])
     t2 = time.perf_counter()
@@ -201,10 +203,10 @@ def _time_once(preset: str, payload: str) -> dict:
         down_moments = codecs.encode_moments(moments)
     else:
         theta, down_moments = params, moments
-    down = codec.encode_global_state(GlobalState(2, theta, projections, down_moments, 64, params_delta=codecs is not None),
+    down = encode_global_state(GlobalState(2, theta, projections, down_moments, 64, params_delta=codecs is not None),
                                      ms.model_id, dtype)
     t3 = time.perf_counter()
-    codec.decode_global_state(down, ms.model_id, codecs=downlink_codecs(payload))
+    decode_global_state(down, ms.model_id, codecs=downlink_codecs(payload))
     t4 = time.perf_counter()
     # what a compressed preset adds to a worker's state (saved with it, held between rounds): Δ's
     # compression residual (as measured on the object) and the clients' copy θ_c (fp32, every parameter)

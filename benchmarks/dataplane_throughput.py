@@ -397,7 +397,8 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 import lordo_fed
-from lordo_fed.wire.codec import decode_update, encode_global_state
+from lordo_fed.wire.decode import decode_update
+from lordo_fed.wire.encode import encode_global_state
 from lordo_fed.app.records import TICKET, UPLOAD_SHA256, payload_bytes, payload_record, shorten_pull_backoff
 from lordo_fed.metrics import peak_rss_bytes
 from lordo_fed.wire.messages import GlobalState
@@ -553,7 +554,8 @@ import time
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from lordo_fed.wire.codec import decode_global_state, encode_update
+from lordo_fed.wire.decode import decode_global_state
+from lordo_fed.wire.encode import encode_update
 from lordo_fed.app.records import TICKET, UPLOAD_SHA256, payload_bytes, payload_record
 from lordo_fed.metrics import peak_rss_bytes
 from lordo_fed.wire.messages import WorkerUpdate

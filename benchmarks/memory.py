@@ -229,6 +229,8 @@ def client_child(spec: dict) -> dict:
     import numpy as np
 
     from lordo_fed.wire import codec
+    from lordo_fed.wire.decode import decode_global_state
+    from lordo_fed.wire.encode import encode_update
     from lordo_fed.data import TokenShard
     from lordo_fed.rounds.methods import make_worker, resolve_method  # noqa: F401 (imported before the first stage)
     from lordo_fed.rounds.outer import OuterConfig  # noqa: F401
@@ -245,13 +247,13 @@ def client_child(spec: dict) -> dict:
                          batch_size=spec["batch_size"], seq_len=spec["seq_len"], seed=0)
     stages["after_model"] = _stage()
     model_id = codec.model_id(dict(model.named_parameters()))
-    state = codec.decode_global_state(Path(spec["global_state"]).read_bytes(), model_id)
+    state = decode_global_state(Path(spec["global_state"]).read_bytes(), model_id)
     stages["after_decode"] = _stage()
     t0 = time.perf_counter()
     update = worker.train_round(state)
     seconds = time.perf_counter() - t0
     stages["after_round"] = _stage()
-    up = codec.encode_update(update, model_id, spec.get("payload_dtype", "fp32"))
+    up = encode_update(update, model_id, spec.get("payload_dtype", "fp32"))
     stages["after_encode"] = _stage()
     # on a GPU: the device's peak (parameters, gradients, optimizer state, activations), bf16 autocast
     device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -265,6 +267,7 @@ def peak_memory(preset: str, config: str, tmp: Path, local_steps: int, batch_siz
     """Run `client_child` in a fresh interpreter for one config; the server side (the encoded
     GlobalState of round 1) is prepared here and handed over as a file."""
     from lordo_fed.wire import codec
+    from lordo_fed.wire.encode import encode_global_state
     from lordo_fed.rounds.methods import lowrank_ranks, make_aggregator
 
     rank = RANKS[preset]
@@ -277,7 +280,7 @@ def peak_memory(preset: str, config: str, tmp: Path, local_steps: int, batch_siz
     n_params = count_parameters(model)
     # fp32 payloads of 720m exceed protobuf's 2 GiB message limit (the codec refuses them): bf16 there
     payload_dtype = "fp32" if 4 * n_params < 0.9 * 2**31 else "bf16"
-    path.write_bytes(codec.encode_global_state(agg.global_state(), codec.model_id(dict(model.named_parameters())),
+    path.write_bytes(encode_global_state(agg.global_state(), codec.model_id(dict(model.named_parameters())),
                                                payload_dtype))
     del agg, model
     seq_len = min(128, ModelConfig(preset=preset).max_seq_len or 128)

@@ -3,7 +3,7 @@ down (server -> client) and back up (client -> server), encoded exactly as the a
 
 A dedicated minimal Flower app (written to a temporary directory) runs on a real SuperLink and one
 SuperNode (tests/flower_harness.Deployment). Each exchange: the ServerApp encodes a random fp32
-tensor as a `lordo_fed.v1.GlobalState` (lordo_fed.wire.codec.encode_global_state), wraps it with
+tensor as a `lordo_fed.v1.GlobalState` (lordo_fed.wire.encode.encode_global_state), wraps it with
 lordo_fed.app.records.payload_record, pushes it (grid.push_messages) and polls for the reply every
 20 ms; the ClientApp unwraps and decodes it, encodes a random fp32 Δ of the same size as a
 `WorkerUpdate` (encode_update + payload_record) and replies; the server unwraps and decodes that.
@@ -64,7 +64,8 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from lordo_fed.wire.codec import decode_update, encode_global_state
+from lordo_fed.wire.decode import decode_update
+from lordo_fed.wire.encode import encode_global_state
 from lordo_fed.app.records import payload_bytes, payload_record, shorten_pull_backoff
 from lordo_fed.metrics import peak_rss_bytes
 from lordo_fed.wire.messages import GlobalState
@@ -143,7 +144,8 @@ import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from lordo_fed.wire.codec import decode_global_state, encode_update
+from lordo_fed.wire.decode import decode_global_state
+from lordo_fed.wire.encode import encode_update
 from lordo_fed.app.records import payload_bytes, payload_record
 from lordo_fed.metrics import peak_rss_bytes
 from lordo_fed.wire.messages import WorkerUpdate
@@ -197,7 +199,8 @@ def local_codec(mb: float, repeats: int) -> dict[str, float]:
     import numpy as np
     import torch
 
-    from lordo_fed.wire.codec import decode_global_state, encode_global_state
+    from lordo_fed.wire.decode import decode_global_state
+    from lordo_fed.wire.encode import encode_global_state
     from lordo_fed.app.records import payload_bytes, payload_record
     from lordo_fed.wire.messages import GlobalState
 

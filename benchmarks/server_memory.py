@@ -3,7 +3,7 @@
 The server's round (shared/docs/ALGORITHM.md, "One round", step 3) averages M replies, each a
 full-size pseudo-gradient Δ plus the due moments. Two ways to do it over the same replies:
 
-- list: today's path. Every reply is decoded into memory (`codec.decode_update`) and the list
+- list: today's path. Every reply is decoded into memory (`decode_update`) and the list
   handed to `Aggregator.aggregate`: memory grows with M.
 - stream: each reply is decoded on arrival, checked (`Aggregator.check_reply`) and dropped,
   keeping a `ReplyRef` whose `load` decodes its file again; `screen_round` applies the round's
@@ -13,7 +13,7 @@ full-size pseudo-gradient Δ plus the due moments. Two ways to do it over the sa
 Set-up: the preset's real model (LoRDO-Global, `make_aggregator`, rank dim/8, both moments due,
 projections refitted from Δ̄ by `--proj-method`). The replies are random tensors of the shapes a
 worker sends (Δ of every parameter, u and v low-rank for the low-rank matrices and full-size for
-the rest), tokens differing per worker, each encoded fp32 with `codec.encode_update` to a file
+the rest), tokens differing per worker, each encoded fp32 with `encode_update` to a file
 written before any measurement. Each (path, M) runs in a fresh interpreter: it builds the
 aggregator, then resets its peak-RSS mark (writing 5 to /proc/self/clear_refs) so that the peak
 read afterwards (VmHWM) is the round's alone, receives the M replies from their files and
@@ -40,6 +40,8 @@ from pathlib import Path
 import torch
 
 from lordo_fed.wire import codec
+from lordo_fed.wire.decode import decode_update
+from lordo_fed.wire.encode import encode_update
 from lordo_fed.rounds.aggregator import Aggregator, low_rank_shape
 from lordo_fed.rounds.methods import MethodSettings, lowrank_ranks, make_aggregator, resolve_method
 from lordo_fed.metrics import peak_rss_bytes
@@ -106,7 +108,7 @@ def write_replies(spec: dict, count: int, folder: Path) -> dict:
     for worker in range(count):
         update = random_update(shapes, ranks, rounds, worker)
         path = folder / f"reply_{worker}.bin"
-        path.write_bytes(codec.encode_update(update, model_id, "fp32"))
+        path.write_bytes(encode_update(update, model_id, "fp32"))
         paths.append(str(path))
         sizes.append(path.stat().st_size)
         del update
@@ -152,7 +154,7 @@ class LoadCounter:
         return len(self.loaded)
 
     def load(self, path: str, model_id: str) -> WorkerUpdate:
-        update = codec.decode_update(Path(path).read_bytes(), model_id)
+        update = decode_update(Path(path).read_bytes(), model_id)
         self.loaded.append([weakref.ref(t) for t in (*update.delta.values(), *update.moments.values())])
         self.max_alive = max(self.max_alive, sum(any(r() is not None for r in refs) for refs in self.loaded))
         return update
@@ -163,7 +165,7 @@ def receive_and_stream(agg: Aggregator, paths: list[str], model_id: str, counter
     tensors; then the round's rules and one pass that loads each usable reply once."""
     refs, norms, reasons = [], [], []
     for path in paths:
-        update = codec.decode_update(Path(path).read_bytes(), model_id)
+        update = decode_update(Path(path).read_bytes(), model_id)
         reason, norm = agg.check_reply(update)
         refs.append(ReplyRef.of(update, load=partial(counter.load, path, model_id)))
         norms.append(norm)
@@ -179,7 +181,7 @@ def receive_and_stream(agg: Aggregator, paths: list[str], model_id: str, counter
 
 def receive_and_aggregate_list(agg: Aggregator, paths: list[str], model_id: str) -> dict:
     """Today's server: decode every reply into memory, then aggregate the list."""
-    updates = [codec.decode_update(Path(path).read_bytes(), model_id) for path in paths]
+    updates = [decode_update(Path(path).read_bytes(), model_id) for path in paths]
     received = _stage()
     result = agg.aggregate(updates)
     del updates

@@ -55,7 +55,9 @@ from flwr.clientapp import ClientApp
 
 from benchmarks.server_memory import random_update
 from client.app import receive_state, send_reply
-from lordo_fed.wire.codec import decode_global_state, encode_update, model_id
+from lordo_fed.wire.codec import model_id
+from lordo_fed.wire.decode import decode_global_state
+from lordo_fed.wire.encode import encode_update
 from lordo_fed.data.tokenizer import load_tokenizer
 from lordo_fed.app.records import explicit_keys
 from lordo_fed.rounds.methods import lowrank_ranks, resolve_method

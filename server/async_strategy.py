@@ -40,7 +40,9 @@ from flwr.serverapp.strategy.result import Result
 
 from lordo_fed.app.config import AppConfig
 from lordo_fed.rounds.async_rounds import Arrival, AsyncServer, Pull, VirtualClock, async_record
-from lordo_fed.wire.codec import PayloadError, decode_update, encode_global_state
+from lordo_fed.wire.codec import PayloadError
+from lordo_fed.wire.decode import decode_update
+from lordo_fed.wire.encode import encode_global_state
 from lordo_fed.app.records import IDENTIFY, payload_bytes
 from lordo_fed.metrics import peak_rss_bytes
 from lordo_fed.wire.messages import GlobalState

@@ -33,8 +33,9 @@ from flwr.serverapp.strategy.result import Result
 from lordo_fed.app.config import AppConfig, as_dict
 from lordo_fed.checkpoint import (check_compatible, checkpoint_stem, load_checkpoint, rng_state, save_checkpoint,
                                   set_rng_state)
-from lordo_fed.wire.codec import (PayloadError, decode_update, encode_global_state, encode_global_state_into, encoded_size,
-                             model_id, new_buffer)
+from lordo_fed.wire.codec import PayloadError, model_id
+from lordo_fed.wire.decode import decode_update
+from lordo_fed.wire.encode import encode_global_state, encode_global_state_into, encoded_size, new_buffer
 from lordo_fed.data import load_dataset
 from lordo_fed.device import pick_device
 from lordo_fed.evaluation import evaluate
@@ -171,7 +172,7 @@ class LoRDOStrategy(Strategy):
         dtype = wire_dtype(self.cfg.payload_dtype)
         if self.data_plane is None:
             data = encode_global_state(state, self.model_id, dtype)
-        else:  # no memset of a fresh buffer on the round's critical path (codec.new_buffer)
+        else:  # no memset of a fresh buffer on the round's critical path (encode.new_buffer)
             data = new_buffer(encoded_size(state, self.model_id, dtype))
             encode_global_state_into(state, self.model_id, data, dtype)
         self._round_log = RoundLog(sent_bytes=len(data), encode_seconds=time.perf_counter() - encode_started,

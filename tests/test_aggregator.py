@@ -26,7 +26,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lordo_fed.wire import codec
+from lordo_fed.wire.decode import decode_update
+from lordo_fed.wire.encode import encode_update
 from lordo_fed.rounds.aggregator import Aggregator, RoundResult, fit_projections, low_rank_shape
 from lordo_fed.optim.bias import restep
 from lordo_fed.rounds.outer import QHM, Average, Nesterov, OuterConfig
@@ -862,7 +863,7 @@ class Spool:
 
     def loader(self, payload: bytes):
         def load() -> WorkerUpdate:
-            update = codec.decode_update(payload)
+            update = decode_update(payload)
             self.loaded.append([weakref.ref(x) for x in (*update.delta.values(), *update.moments.values())])
             self.peak_alive = max(self.peak_alive, self.alive())
             return update
@@ -872,8 +873,8 @@ class Spool:
         """Screen on arrival, keep refs only: the usable refs and the refused replies' reasons."""
         refs, norms, reasons = [], [], []
         for u in updates:
-            payload = codec.encode_update(u, "test-model")
-            arrived = codec.decode_update(payload)
+            payload = encode_update(u, "test-model")
+            arrived = decode_update(payload)
             reason, norm = agg.check_reply(arrived)
             refs.append(ReplyRef.of(arrived, load=self.loader(payload)))
             norms.append(norm)
@@ -1014,7 +1015,7 @@ def test_initial_projections_from_refs_equal_the_list_path_one_gradient_at_a_tim
     reasons = [streamed.check_gradient(u) for u in gradients]
     reasons = streamed.screen_gradient_round([u.worker_id for u in gradients], reasons)
     assert reasons == [None] * 3
-    refs = [ReplyRef.of(u, load=spool.loader(codec.encode_update(u, "test-model"))) for u in gradients]
+    refs = [ReplyRef.of(u, load=spool.loader(encode_update(u, "test-model"))) for u in gradients]
     result = streamed.init_projections_refs(refs)
     assert result.accepted == expected.accepted == [0, 1, 2]
     assert all(torch.equal(streamed.projections[n], listed.projections[n]) for n in ("w", "v"))

@@ -1,4 +1,4 @@
-"""lordo_fed.wire.codec: round trips, sizes, and every refusal of a bad payload."""
+"""lordo_fed.wire.codec, .encode, .decode and .protowire: round trips, sizes, and every refusal of a bad payload."""
 
 from __future__ import annotations
 
@@ -18,9 +18,15 @@ import pytest
 import torch
 
 from lordo_fed.wire import codec
-from lordo_fed.wire.codec import (PAYLOAD_DTYPES, SCHEMA, PayloadError, decode_global_state, decode_update,
-                             encode_global_state, encode_update, model_id, payload_nbytes,
-                             tensors_nbytes)
+from lordo_fed.wire import decode as wire_decode
+from lordo_fed.wire import encode as wire_encode
+from lordo_fed.wire.codec import PAYLOAD_DTYPES, SCHEMA, PayloadError, model_id, payload_nbytes, tensors_nbytes
+from lordo_fed.wire.decode import (decode_global_state, decode_global_state_reference, decode_update,
+                                   decode_update_reference, mapped_payload)
+from lordo_fed.wire.encode import (StreamingEncode, encode_global_state, encode_global_state_into,
+                                   encode_global_state_reference, encode_into, encode_update, encode_update_into,
+                                   encode_update_reference, encoded_size)
+from lordo_fed.wire.protowire import read_varint, varint
 from lordo_fed.wire.messages import GlobalState, WorkerUpdate
 from lordo_fed.v1 import wire_pb2 as pb
 
@@ -456,8 +462,8 @@ def test_memoryview_and_bytearray_accepted():
 def test_no_check_before_size_reads_data(monkeypatch):
     """Metadata is validated for every tensor before any tensor's data is touched."""
     built = []
-    real = codec._build_tensor
-    monkeypatch.setattr(codec, "_build_tensor", lambda *a: built.append(a[0].name) or real(*a))
+    real = wire_decode._build_tensor
+    monkeypatch.setattr(wire_decode, "_build_tensor", lambda *a: built.append(a[0].name) or real(*a))
 
     def bad_last(m):
         m.moments[-1].nbytes += 4
@@ -468,7 +474,7 @@ def test_no_check_before_size_reads_data(monkeypatch):
 # --- the direct encoder and the in-place decoder against the protobuf path -------------------
 #
 # `encode_*` write the wire format themselves and `decode_*` read it in place; the protobuf
-# message path they replace is kept as `codec._encode_*_reference` / `codec._decode_*_reference`
+# message path they replace is kept as `encode.encode_*_reference` / `decode.decode_*_reference`
 # and is the oracle here: same bytes out, same tensors or the same refusal back.
 
 
@@ -552,8 +558,8 @@ def _encode(msg, mid, pd):
 
 def _reference(msg, mid, pd, deterministic=True) -> bytes:
     if isinstance(msg, GlobalState):
-        return codec._encode_global_state_reference(msg, mid, pd, deterministic)
-    return codec._encode_update_reference(msg, mid, pd, deterministic)
+        return encode_global_state_reference(msg, mid, pd, deterministic)
+    return encode_update_reference(msg, mid, pd, deterministic)
 
 
 def _map_entries(data: bytes, start: int) -> list[bytes]:
@@ -561,7 +567,7 @@ def _map_entries(data: bytes, start: int) -> list[bytes]:
     view, entries = memoryview(data), []
     while start < len(data):
         assert data[start] == (9 << 3) | 2, data[start:]
-        size, pos = codec._read_varint(view, start + 1, len(data))
+        size, pos = read_varint(view, start + 1, len(data))
         entries.append(data[start:pos + size])
         start = pos + size
     return entries
@@ -572,7 +578,7 @@ def _check_against_reference(msg, mid, pd, tmp_path=None):
     the metrics map: same entries, byte for byte, written sorted by key)."""
     want = _reference(msg, mid, pd, deterministic=False)
     got = _encode(msg, mid, pd)
-    assert isinstance(got, bytearray) and codec.encoded_size(msg, mid, pd) == len(got) == len(want)
+    assert isinstance(got, bytearray) and encoded_size(msg, mid, pd) == len(got) == len(want)
     if isinstance(msg, WorkerUpdate) and len({str(k) for k in msg.metrics}) > 1:
         head = len(_reference(dataclasses.replace(msg, metrics={}), mid, pd))
         assert bytes(got[:head]) == want[:head]
@@ -586,14 +592,14 @@ def _check_against_reference(msg, mid, pd, tmp_path=None):
         assert bytes(got) == want
     # into a caller's buffer (larger than needed: the tail is left alone) and into files
     buf = bytearray(b"\xab" * (len(want) + 7))
-    assert codec.encode_into(msg, mid, buf, pd) == len(want)
+    assert encode_into(msg, mid, buf, pd) == len(want)
     assert bytes(buf[:len(want)]) == want and buf[len(want):] == b"\xab" * 7
     sink = io.BytesIO()
-    assert codec.encode_into(msg, mid, sink, pd) == len(want) and sink.getvalue() == want
+    assert encode_into(msg, mid, sink, pd) == len(want) and sink.getvalue() == want
     if tmp_path is not None:
         path = tmp_path / "payload.bin"
         with open(path, "wb") as f:
-            codec.encode_into(msg, mid, f, pd)
+            encode_into(msg, mid, f, pd)
         assert path.read_bytes() == want
     return want
 
@@ -612,7 +618,7 @@ def test_encoder_matches_protobuf_on_random_messages(seed):
         data = _check_against_reference(msg, mid, pd)
         decoded = (decode_global_state if isinstance(msg, GlobalState) else decode_update)(data, mid)
         assert _outcome_of(decoded) == _outcome_of(
-            (codec._decode_global_state_reference if isinstance(msg, GlobalState) else codec._decode_update_reference)(data, mid))
+            (decode_global_state_reference if isinstance(msg, GlobalState) else decode_update_reference)(data, mid))
 
 
 def test_length_varints_of_every_width():
@@ -626,7 +632,7 @@ def test_length_varints_of_every_width():
 def test_file_encoding_in_small_chunks(monkeypatch, tmp_path):
     """Through the staging buffer (casts, bf16, non-contiguous tensors) in 64-byte chunks: the
     chunks cover each tensor in C order."""
-    monkeypatch.setattr(codec, "_CHUNK_BYTES", 64)
+    monkeypatch.setattr(wire_encode, "_CHUNK_BYTES", 64)
     base = torch.randn(9, 7, 5, generator=_gen())
     u = WorkerUpdate(0, 1, {"nc": base.permute(2, 0, 1), "rows": base.transpose(0, 1)[:, 2:], "f64": base.double(),
                             "big_rows": torch.randn(3, 40, generator=_gen()).T, "i": torch.arange(100)},
@@ -637,25 +643,25 @@ def test_file_encoding_in_small_chunks(monkeypatch, tmp_path):
 
 def test_encode_into_refuses_bad_outputs():
     u = _update()
-    size = codec.encoded_size(u, MID)
+    size = encoded_size(u, MID)
     with pytest.raises(ValueError, match=f"smaller than the {size}-byte payload"):
-        codec.encode_update_into(u, MID, bytearray(size - 1))
+        encode_update_into(u, MID, bytearray(size - 1))
     with pytest.raises(TypeError, match="read-only"):
-        codec.encode_update_into(u, MID, bytes(size))
+        encode_update_into(u, MID, bytes(size))
     with pytest.raises(TypeError, match="writable buffer or a binary file"):
-        codec.encode_update_into(u, MID, "out.bin")
+        encode_update_into(u, MID, "out.bin")
     with pytest.raises(TypeError, match="expected a WorkerUpdate"):
-        codec.encode_update_into(_state(), MID, bytearray(size))
+        encode_update_into(_state(), MID, bytearray(size))
     with pytest.raises(TypeError, match="expected a GlobalState"):
-        codec.encode_global_state_into(u, MID, bytearray(size))
+        encode_global_state_into(u, MID, bytearray(size))
     with pytest.raises(ValueError, match="out of the int64 range"):
         encode_update(WorkerUpdate(0, 2 ** 63, {}, {}, 1, 1), MID)
     with pytest.raises(ValueError):  # the protobuf path refuses it too
-        codec._encode_update_reference(WorkerUpdate(0, 2 ** 63, {}, {}, 1, 1), MID)
+        encode_update_reference(WorkerUpdate(0, 2 ** 63, {}, {}, 1, 1), MID)
     # refused before anything is written
     buf = bytearray(size)
     with pytest.raises(ValueError, match="torch.bool"):
-        codec.encode_update_into(WorkerUpdate(0, 1, {"a": torch.ones(3), "m": torch.ones(2, dtype=torch.bool)}, {}, 1, 1),
+        encode_update_into(WorkerUpdate(0, 1, {"a": torch.ones(3), "m": torch.ones(2, dtype=torch.bool)}, {}, 1, 1),
                                  MID, buf)
     assert buf == bytearray(size)
 
@@ -664,12 +670,12 @@ def test_encode_into_a_numpy_array_and_a_writable_mmap(tmp_path):
     s = _state()
     want = _reference(s, MID, "bf16")
     arr = np.zeros(len(want) // 4 + 1, dtype=np.float32)  # any writable buffer, whatever its item type
-    codec.encode_global_state_into(s, MID, arr, "bf16")
+    encode_global_state_into(s, MID, arr, "bf16")
     assert arr.tobytes()[:len(want)] == want
     path = tmp_path / "spool.bin"
     path.write_bytes(b"\0" * len(want))
     with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
-        codec.encode_global_state_into(s, MID, mm, "bf16")
+        encode_global_state_into(s, MID, mm, "bf16")
         got = decode_global_state(mm, MID)
     assert path.read_bytes() == want
     _assert_same(got.params, s.params, True)
@@ -700,8 +706,8 @@ def _decode_outcome(decode, data, mid) -> tuple:
 
 
 def _same_decision(data, mid=None, update=True) -> tuple:
-    new, ref = (decode_update, codec._decode_update_reference) if update else \
-        (decode_global_state, codec._decode_global_state_reference)
+    new, ref = (decode_update, decode_update_reference) if update else \
+        (decode_global_state, decode_global_state_reference)
     got = _decode_outcome(new, data, mid)
     assert got == _decode_outcome(ref, data, mid)
     return got
@@ -712,8 +718,8 @@ def no_fallback(monkeypatch):
     """Fail if a decode leaves the in-place path for the protobuf one."""
     def fail(*args):
         raise AssertionError("decoded through the protobuf path")
-    monkeypatch.setattr(codec, "_decode_update_reference", fail)
-    monkeypatch.setattr(codec, "_decode_global_state_reference", fail)
+    monkeypatch.setattr(wire_decode, "decode_update_reference", fail)
+    monkeypatch.setattr(wire_decode, "decode_global_state_reference", fail)
 
 
 @pytest.mark.parametrize("payload_dtype", PAYLOAD_DTYPES)
@@ -747,14 +753,14 @@ def test_mapped_payload(tmp_path, no_fallback):
     path = tmp_path / "upload.bin"
     u = _update()
     with open(path, "wb") as f:
-        codec.encode_update_into(u, MID, f, "bf16")
-    with codec.mapped_payload(path) as data:
+        encode_update_into(u, MID, f, "bf16")
+    with mapped_payload(path) as data:
         assert isinstance(data, mmap.mmap)
         got = decode_update(data, MID)
     assert data.closed
     _assert_same(got.delta, u.delta, True)
     path.write_bytes(b"")  # an empty upload: no mapping, refused as an empty message is
-    with codec.mapped_payload(path) as data, pytest.raises(PayloadError, match="no schema"):
+    with mapped_payload(path) as data, pytest.raises(PayloadError, match="no schema"):
         decode_update(data)
 
 
@@ -806,8 +812,8 @@ def test_adopt_uses_a_writable_buffers_fp32_tensors_in_place(payload_dtype, tmp_
 
 
 def _field(number: int, wire_type: int, payload: bytes) -> bytes:
-    key = codec._varint((number << 3) | wire_type)
-    return key + (codec._varint(len(payload)) + payload if wire_type == 2 else payload)
+    key = varint((number << 3) | wire_type)
+    return key + (varint(len(payload)) + payload if wire_type == 2 else payload)
 
 
 def _tensor_bytes(*fields: bytes) -> bytes:
@@ -843,9 +849,9 @@ WIRE_EDGE_CASES = {
     "moments as fixed32": _update_with(b"".join(_GOOD_TENSOR), extra=_field(8, 5, b"\0\0\0\0")),
     "round as bytes": _update_with(extra=_field(3, 2, b"\x01")),
     "tensor of nothing": _update_with(b""),
-    "enum beyond int32": _update_with(_field(1, 2, b"w") + _field(3, 0, codec._varint(2 ** 32 + 1))
+    "enum beyond int32": _update_with(_field(1, 2, b"w") + _field(3, 0, varint(2 ** 32 + 1))
                                       + b"".join(_GOOD_TENSOR[2:])),
-    "negative enum": _update_with(_field(1, 2, b"w") + _field(3, 0, codec._varint(-1)) + b"".join(_GOOD_TENSOR[2:])),
+    "negative enum": _update_with(_field(1, 2, b"w") + _field(3, 0, varint(-1)) + b"".join(_GOOD_TENSOR[2:])),
     "invalid utf-8 name": _update_with(_field(1, 2, b"\xff") + b"".join(_GOOD_TENSOR[1:])),
     "invalid utf-8 schema": _update_with(extra=_field(1, 2, b"\xc3")),
     "metrics entry with an unknown field": _update_with(extra=_field(9, 2, _field(1, 2, b"a") + _field(2, 1, _ONE * 2)
@@ -857,12 +863,12 @@ WIRE_EDGE_CASES = {
     "11-byte varint": _update_with(extra=b"\x18" + b"\xff" * 10 + b"\x01"),
     "10-byte varint": _update_with(extra=b"\x18" + b"\xff" * 9 + b"\x7f"),
     "overlong key": _update_with(extra=b"\x98\x00\x05"),
-    "overlong key of a tensor": _update_with(extra=b"\xba\x00" + codec._varint(len(b"".join(_GOOD_TENSOR)))
+    "overlong key of a tensor": _update_with(extra=b"\xba\x00" + varint(len(b"".join(_GOOD_TENSOR)))
                                              + b"".join(_GOOD_TENSOR)),
     "overlong length of data": _update_with(b"".join(_GOOD_TENSOR[:4]) + b"\x32\x84\x00" + _ONE),
     "6-byte key": _update_with(extra=b"\x98\x80\x80\x80\x80\x00\x05"),
     "field number 0": _update_with(extra=b"\x00\x01"),
-    "field number 2^29": _update_with(extra=codec._varint(2 ** 29 << 3) + b"\x01"),
+    "field number 2^29": _update_with(extra=varint(2 ** 29 << 3) + b"\x01"),
     "group at the top": _update_with(extra=b"\x53\x08\x01\x54"),
     "group in a tensor": _update_with(b"".join(_GOOD_TENSOR) + b"\x53\x08\x01\x54"),
     "known field as group": _update_with(extra=b"\x1b\x1c"),
@@ -955,8 +961,8 @@ def test_tampered_payloads_decide_as_protobuf_does():
 def test_hostile_claims_allocate_nothing_in_place(monkeypatch, no_fallback):
     """A self-consistent 4 TiB claim carried by a few bytes is refused from the data span's
     length; nothing of the claimed size is allocated (numpy would raise MemoryError first)."""
-    body = (_field(1, 2, b"w") + _field(2, 2, codec._varint(2 ** 20) * 2) + _field(3, 0, b"\x01")
-            + _field(4, 0, b"\x01") + _field(5, 0, codec._varint(2 ** 42)) + _field(6, 2, _ONE))
+    body = (_field(1, 2, b"w") + _field(2, 2, varint(2 ** 20) * 2) + _field(3, 0, b"\x01")
+            + _field(4, 0, b"\x01") + _field(5, 0, varint(2 ** 42)) + _field(6, 2, _ONE))
     allocations = []
     real = np.frombuffer
     monkeypatch.setattr(np, "frombuffer", lambda *a, **k: allocations.append(a) or real(*a, **k))
@@ -968,7 +974,8 @@ def test_hostile_claims_allocate_nothing_in_place(monkeypatch, no_fallback):
 MEMORY_PROBE = r"""
 import gc, json, sys
 import torch
-from lordo_fed.wire import codec
+from lordo_fed.wire.decode import decode_update, decode_update_reference
+from lordo_fed.wire.encode import encode_update, encode_update_reference
 from lordo_fed.wire.messages import WorkerUpdate
 
 def status(key):
@@ -988,12 +995,12 @@ def extra(fn, *args):
 torch.set_num_threads(1)
 n = int(sys.argv[1])
 update = WorkerUpdate(0, 1, {"w": torch.randn(n // 4 - 64), "b": torch.randn(64)}, {}, 1, 1)
-result = {"encode_new": extra(codec.encode_update, update, "m"),
-          "encode_old": extra(codec._encode_update_reference, update, "m")}
-data = bytes(codec.encode_update(update, "m"))
+result = {"encode_new": extra(encode_update, update, "m"),
+          "encode_old": extra(encode_update_reference, update, "m")}
+data = bytes(encode_update(update, "m"))
 del update
-result["decode_new"] = extra(codec.decode_update, data, "m")
-result["decode_old"] = extra(codec._decode_update_reference, data, "m")
+result["decode_new"] = extra(decode_update, data, "m")
+result["decode_old"] = extra(decode_update_reference, data, "m")
 print(json.dumps(result))
 """
 
@@ -1021,15 +1028,15 @@ def test_peak_memory_of_encoding_and_decoding(tmp_path):
 def test_params_from_seed_round_trips_and_refuses_params_beside_it():
     """Round 1's state carries no θ (the seeded θ0 both sides build), only the flag."""
     state = GlobalState(round=1, params={}, projections={"w": torch.randn(3, 8)}, params_from_seed=True)
-    data = codec.encode_global_state(state, "m")
-    assert bytes(data) == codec._encode_global_state_reference(state, "m")
-    for decode in (codec.decode_global_state, codec._decode_global_state_reference):
+    data = encode_global_state(state, "m")
+    assert bytes(data) == encode_global_state_reference(state, "m")
+    for decode in (decode_global_state, decode_global_state_reference):
         back = decode(bytes(data), expected_model_id="m")
         assert back.params_from_seed and back.params == {} and torch.equal(back.projections["w"], state.projections["w"])
-    assert not codec.decode_global_state(codec.encode_global_state(GlobalState(round=2, params={}), "m")).params_from_seed
+    assert not decode_global_state(encode_global_state(GlobalState(round=2, params={}), "m")).params_from_seed
     both = GlobalState(round=1, params={"w": torch.zeros(2)}, params_from_seed=True)
     with pytest.raises(codec.PayloadError, match="params_from_seed is set but 1 parameter tensors came too"):
-        codec.decode_global_state(codec.encode_global_state(both, "m"))
+        decode_global_state(encode_global_state(both, "m"))
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -1037,8 +1044,8 @@ def test_streaming_encode_writes_encode_update_bytes_in_order(dtype):
     """StreamingEncode (a node uploads its reply while it is encoded) gives exactly encode_update's
     bytes; `wait_for(n)` returns only once the first n bytes are final, in every prefix."""
     update = _update(3)
-    oracle = codec.encode_update(update, "m" * 16, dtype)
-    stream = codec.StreamingEncode(update, "m" * 16, dtype)
+    oracle = encode_update(update, "m" * 16, dtype)
+    stream = StreamingEncode(update, "m" * 16, dtype)
     assert len(stream.buffer) == len(oracle)
     for n in (1, 100, len(oracle) // 2, len(oracle)):
         stream.wait_for(n)
@@ -1051,8 +1058,8 @@ def test_streaming_encode_reraises_an_encoding_error_in_the_waiter(monkeypatch):
         progress(10)
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(codec, "_write_plan_into", broken)
-    stream = codec.StreamingEncode(_update(1), "m" * 16)
+    monkeypatch.setattr(wire_encode, "_write_plan_into", broken)
+    stream = StreamingEncode(_update(1), "m" * 16)
     stream.wait_for(10)  # what was written is readable
     with pytest.raises(RuntimeError, match="disk on fire"):
         stream.wait_for(11)

@@ -206,7 +206,7 @@ def test_bad_specs_are_named():
             spec.validate()
 
 
-# ----------------------------------------------------------------------------- on the wire (lordo_fed.wire.codec)
+# ----------------------------------------------------------------------------- on the wire (lordo_fed.wire.encode/decode)
 def compressed_update():
     from lordo_fed.wire.messages import WorkerUpdate
 
@@ -219,20 +219,21 @@ def compressed_update():
 
 
 def test_compressed_tensors_round_trip_the_wire_as_protobuf_writes_them():
-    from lordo_fed.wire.codec import (_decode_update_reference, _encode_update_reference, decode_update, encode_update,
-                                 tensors_nbytes)
+    from lordo_fed.wire.codec import tensors_nbytes
+    from lordo_fed.wire.decode import decode_update, decode_update_reference
+    from lordo_fed.wire.encode import encode_update, encode_update_reference
     from lordo_fed.v1 import wire_pb2 as pb
 
     update, specs, x, m = compressed_update()
     data = encode_update(update, "mid")
-    assert data == _encode_update_reference(update, "mid", deterministic=True)
+    assert data == encode_update_reference(update, "mid", deterministic=True)
     msg = pb.WorkerUpdate.FromString(data)
     assert msg.schema == "lordo_fed.v2.WorkerUpdate"
     assert (msg.delta[0].codec, msg.delta[0].bits, msg.delta[0].chunk, msg.delta[0].topk) == (pb.TOPK_QUANT, 2, 1024, 31)
     assert (msg.moments[0].codec, msg.moments[0].bits, msg.moments[0].block) == (pb.QUANT, 4, 32)
     assert tensors_nbytes(update) == tensors_nbytes(msg) < 4 * (x.numel() + m.numel()) / 5
     for decoded in (decode_update(data, "mid", codecs=specs.values()),
-                    _decode_update_reference(data, "mid", codecs=frozenset(s.canonical() for s in specs.values()))):
+                    decode_update_reference(data, "mid", codecs=frozenset(s.canonical() for s in specs.values()))):
         assert torch.equal(decoded.delta["w"], decode(encode(x, specs["delta"])).view(64, 48))
         assert torch.equal(decoded.moments["exp_avg_sq/w"], decode(encode(m, specs["moment"])).view(8, 48))
         assert torch.equal(decoded.delta["norm"], update.delta["norm"])
@@ -247,7 +248,7 @@ def dataclasses_replace(obj, **changes):
 
 
 def tampered(edit) -> bytes:
-    from lordo_fed.wire.codec import encode_update
+    from lordo_fed.wire.encode import encode_update
     from lordo_fed.v1 import wire_pb2 as pb
 
     update, _, _, _ = compressed_update()
@@ -277,7 +278,8 @@ def _repeat_first_index(msg) -> None:
      "WorkerUpdate.moments['exp_avg_sq/w']: a block scale is NaN"),
 ])
 def test_hostile_compressed_payloads_are_refused_with_a_reason(edit, reason):
-    from lordo_fed.wire.codec import PayloadError, decode_update
+    from lordo_fed.wire.codec import PayloadError
+    from lordo_fed.wire.decode import decode_update
 
     _, specs, _, _ = compressed_update()
     with pytest.raises(PayloadError, match=reason.replace("[", r"\[").replace("(", r"\(")):
@@ -404,7 +406,9 @@ def test_second_moments_quantise_their_square_roots_rounded_up():
 
 
 def test_a_second_moment_on_the_wire_carries_its_sqrt_flag():
-    from lordo_fed.wire.codec import PayloadError, _encode_update_reference, decode_update, encode_update
+    from lordo_fed.wire.codec import PayloadError
+    from lordo_fed.wire.decode import decode_update
+    from lordo_fed.wire.encode import encode_update, encode_update_reference
     from lordo_fed.wire.messages import WorkerUpdate
     from lordo_fed.v1 import wire_pb2 as pb
     from lordo_fed.wire.payload import PRESETS
@@ -413,7 +417,7 @@ def test_a_second_moment_on_the_wire_carries_its_sqrt_flag():
     v = torch.rand(8, 48) ** 4
     update = WorkerUpdate(0, 1, {"w": torch.zeros(8, 48)}, codecs.encode_moments({"exp_avg_sq/w": v}), 4, 1)
     data = encode_update(update, "mid")
-    assert data == _encode_update_reference(update, "mid", deterministic=True)
+    assert data == encode_update_reference(update, "mid", deterministic=True)
     assert pb.WorkerUpdate.FromString(data).moments[0].sqrt
     got = decode_update(data, "mid", codecs=codecs.specs()).moments["exp_avg_sq/w"]
     assert bool((got >= v).all()) and torch.equal(got, decode(encode(v, codecs.moment_spec("exp_avg_sq/w"))).view(8, 48))
@@ -508,7 +512,9 @@ def test_row_sparse_tensors_cross_the_wire():
     """Codec ROWS with its row count in `topk`: both encoders agree, both decoders return the
     same tensor, the receiver's configured spec is the kind and value bits only (the count and
     threshold are the sender's), and a count that does not match the bytes is refused."""
-    from lordo_fed.wire.codec import PayloadError, _decode_update_reference, _encode_update_reference, decode_update, encode_update
+    from lordo_fed.wire.codec import PayloadError
+    from lordo_fed.wire.decode import decode_update, decode_update_reference
+    from lordo_fed.wire.encode import encode_update, encode_update_reference
     from lordo_fed.wire.messages import WorkerUpdate
     from lordo_fed.v1 import wire_pb2 as pb
 
@@ -516,11 +522,11 @@ def test_row_sparse_tensors_cross_the_wire():
     spec = CodecSpec("rows", bits=8, threshold=0.5)
     update = WorkerUpdate(1, 2, {"emb": encode(x, spec)}, {}, 100, 7)
     data = encode_update(update, "mid")
-    assert data == _encode_update_reference(update, "mid", deterministic=True)
+    assert data == encode_update_reference(update, "mid", deterministic=True)
     msg = pb.WorkerUpdate.FromString(data)
     assert (msg.delta[0].codec, msg.delta[0].bits, msg.delta[0].topk) == (pb.ROWS, 8, update.delta["emb"].spec.topk)
     for got in (decode_update(data, "mid", codecs=[CodecSpec("rows", bits=8, threshold=0.9)]),
-                _decode_update_reference(data, "mid", codecs=frozenset({CodecSpec("rows", bits=8)}))):
+                decode_update_reference(data, "mid", codecs=frozenset({CodecSpec("rows", bits=8)}))):
         assert torch.equal(got.delta["emb"], decode(encode(x, spec)).view(300, 16))
     with pytest.raises(PayloadError, match="is not one this receiver configured"):
         decode_update(data, "mid", codecs=[CodecSpec("rows", bits=4)])

@@ -41,7 +41,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from lordo_fed.app.config import load_app_config
 from lordo_fed.checkpoint import load_checkpoint
-from lordo_fed.wire.codec import encode_update
+from lordo_fed.wire.encode import encode_update
 from lordo_fed.app.records import payload_record
 from lordo_fed.wire.messages import WorkerUpdate, moment_key
 from lordo_fed.v1 import wire_pb2 as pb
@@ -344,7 +344,7 @@ def test_a_node_that_missed_a_round_gets_the_clients_copy_whole(tmp_path):
     """A compressed downlink (payload int8): round 2 sends the nodes that replied to round 1 the
     int8 change of the clients' copy θ_c, and a node that did not (it may not hold round 1's
     copy) θ_c whole, inside its message; both end with the same copy, the server's."""
-    from lordo_fed.wire.codec import decode_global_state
+    from lordo_fed.wire.decode import decode_global_state
     from lordo_fed.app.records import payload_bytes
     from lordo_fed.wire.payload import downlink_codecs
 

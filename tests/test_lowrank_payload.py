@@ -75,8 +75,9 @@ def test_coordinates_cross_the_wire_as_a_v2_field():
     """WorkerUpdate.delta_coords: both encoders write the same bytes, both decoders read the same
     tensors; a v1 payload carrying the field, and a coordinate codec the receiver did not
     configure, are refused with a reason."""
-    from lordo_fed.wire.codec import (PayloadError, _decode_update_reference, _encode_update_reference, decode_update,
-                                 encode_update)
+    from lordo_fed.wire.codec import PayloadError
+    from lordo_fed.wire.decode import decode_update, decode_update_reference
+    from lordo_fed.wire.encode import encode_update, encode_update_reference
     from lordo_fed.v1 import wire_pb2 as pb
 
     c = torch.randn(8, 48, generator=torch.Generator().manual_seed(6))
@@ -84,12 +85,12 @@ def test_coordinates_cross_the_wire_as_a_v2_field():
     update = WorkerUpdate(1, 2, {"w": encode(residual, TOPK2BIT)}, {}, 100, 7, {"train_loss": 1.5},
                           coords={"w": encode(c, INT8)})
     data = encode_update(update, "mid")
-    assert data == _encode_update_reference(update, "mid", deterministic=True)
+    assert data == encode_update_reference(update, "mid", deterministic=True)
     msg = pb.WorkerUpdate.FromString(data)
     assert msg.schema == "lordo_fed.v2.WorkerUpdate" and [t.name for t in msg.delta_coords] == ["w"]
     specs = [INT8, TOPK2BIT]
     for got in (decode_update(data, "mid", codecs=specs),
-                _decode_update_reference(data, "mid", codecs=frozenset(s.canonical() for s in specs))):
+                decode_update_reference(data, "mid", codecs=frozenset(s.canonical() for s in specs))):
         assert torch.equal(got.coords["w"], decode(encode(c, INT8)).view(8, 48))
         assert torch.equal(got.delta["w"], decode(encode(residual, TOPK2BIT)).view(64, 48))
 

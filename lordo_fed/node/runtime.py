@@ -28,7 +28,9 @@ import torch
 from torch import nn
 
 from lordo_fed.app.config import PRESET_DIR, AppConfig, load_app_config
-from lordo_fed.wire.codec import StreamingEncode, decode_global_state, encode_update, model_id
+from lordo_fed.wire.codec import model_id
+from lordo_fed.wire.decode import decode_global_state
+from lordo_fed.wire.encode import StreamingEncode, encode_update
 from lordo_fed.data import TokenShard, load_dataset
 from lordo_fed.device import pick_device
 from lordo_fed.rounds.methods import MethodSettings, lowrank_ranks, make_worker, resolve_method, with_local_steps

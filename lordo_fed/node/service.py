@@ -30,7 +30,7 @@ from lordo_fed.node.channel import OPTIONS, check_local
 from lordo_fed.node import runtime
 from lordo_fed.node.ranks import LocalRanks
 from lordo_fed.node.runtime import Job, ReadOnlyStore, disk_store, run_job, runtime_for
-from lordo_fed.wire.codec import StreamingEncode
+from lordo_fed.wire.encode import StreamingEncode
 from lordo_fed.transport.client import DataPlaneError, download, parse_ticket, transfer_timeout, upload
 from lordo_fed.v1 import node_pb2 as pb
 from lordo_fed.v1 import node_pb2_grpc as pb_grpc

@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 
 import grpc
 
-from lordo_fed.wire.codec import new_buffer
+from lordo_fed.wire.encode import new_buffer
 from lordo_fed.transport.framing import frame, unframe
 from lordo_fed.transport.server import (CHUNK_BYTES, CHUNK_DATA, DOWNLOAD_METHOD, UPLOAD_DATA, UPLOAD_METHOD,
                                         _identity, channel_options)
@@ -69,7 +69,7 @@ def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: f
     """The round's encoded GlobalState, checked against the size and sha256 that the ticket
     names or, for a round announced before its state existed, that the stream's first chunk
     declares (the call then waits for the server to publish the round). Returns a writable buffer
-    of this node's own (the decoder may adopt it, lordo_fed.wire.codec.new_buffer). `stats`, when given,
+    of this node's own (the decoder may adopt it, lordo_fed.wire.encode.new_buffer). `stats`, when given,
     gets `first_byte`: the time.perf_counter() of the first chunk (before it, the node waited)."""
     out, view = None, None
     size, expected = ticket.size, ticket.sha256
@@ -133,7 +133,7 @@ def upload(ticket: pb.Ticket, node_id: int, data: bytes | bytearray | memoryview
            ready: Callable[[int], None] | None = None) -> str:
     """Send this node's encoded WorkerUpdate; returns its sha256 once the server confirmed it.
     `ready(n)`, when given, blocks until the first `n` bytes of `data` are final: the upload then
-    streams a payload that is still being encoded (lordo_fed.wire.codec.StreamingEncode)."""
+    streams a payload that is still being encoded (lordo_fed.wire.encode.StreamingEncode)."""
     view = memoryview(data).cast("B")
     digest = hashlib.sha256()
     with open_channel(ticket, root_certificates) as channel:

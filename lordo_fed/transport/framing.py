@@ -18,7 +18,7 @@ from typing import TypeVar
 
 from google.protobuf.message import Message
 
-from lordo_fed.wire.codec import _WT_LEN, _Irregular, _key, _read_key, _read_length, _skip_value, _varint
+from lordo_fed.wire.protowire import WT_LEN, Irregular, key, read_key, read_length, skip_value, varint
 
 M = TypeVar("M", bound=Message)
 
@@ -26,7 +26,7 @@ M = TypeVar("M", bound=Message)
 def frame(head: M, field: int, data) -> bytes:
     """The serialized message `head` with bytes field `field` set to `data` (any buffer): the
     header fields first, then the data field; one copy of `data` (into the returned bytes)."""
-    return b"".join((head.SerializeToString(), _key(field, _WT_LEN), _varint(len(data)), data))
+    return b"".join((head.SerializeToString(), key(field, WT_LEN), varint(len(data)), data))
 
 
 def unframe(raw: bytes, cls: type[M], field: int) -> tuple[M, memoryview]:
@@ -39,19 +39,19 @@ def unframe(raw: bytes, cls: type[M], field: int) -> tuple[M, memoryview]:
     try:
         pos, span, head = 0, None, []
         while pos < end:
-            number, wire_type, after_key = _read_key(view, pos, end)
-            if number == field and wire_type == _WT_LEN:
+            number, wire_type, after_key = read_key(view, pos, end)
+            if number == field and wire_type == WT_LEN:
                 if span is not None:
-                    raise _Irregular
-                size, start = _read_length(view, after_key, end)
+                    raise Irregular
+                size, start = read_length(view, after_key, end)
                 span, pos = (start, start + size), start + size
             else:
-                after = _skip_value(view, after_key, end, wire_type)
+                after = skip_value(view, after_key, end, wire_type)
                 head.append(view[pos:after])
                 pos = after
         msg = cls.FromString(b"".join(head))
         return msg, (view[span[0]:span[1]] if span is not None else memoryview(b""))
-    except _Irregular:
+    except Irregular:
         msg = cls.FromString(raw)
         data = memoryview(getattr(msg, cls.DESCRIPTOR.fields_by_number[field].name))
         msg.ClearField(cls.DESCRIPTOR.fields_by_number[field].name)

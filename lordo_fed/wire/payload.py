@@ -78,7 +78,7 @@ class PayloadCodecs:
         return {k: encode(v, self.moment_spec(k)) for k, v in moments.items()}
 
     def specs(self) -> frozenset[CodecSpec]:
-        """What the server configures for replies (`lordo_fed.wire.codec.decode_update`'s `codecs`)."""
+        """What the server configures for replies (`lordo_fed.wire.decode.decode_update`'s `codecs`)."""
         return frozenset(s.canonical() for s in (self.delta, self.moments, self.moment_spec("exp_avg_sq/"),
                                                  self.lowrank, self.dense, self.rows) if s is not None)
 
