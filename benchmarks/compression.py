@@ -48,7 +48,7 @@ from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.optim.projection import projection_side
 from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import Encoded, ErrorFeedback, encode, part_sizes
-from lordo_fed.wire.payload import PAYLOADS, payload_codecs, receiver_codecs, downlink_codecs, wire_dtype
+from lordo_fed.wire.payload import PAYLOADS, resolve_payload
 
 try:
     from benchmarks.common import GPT2_VOCAB, RANKS, make_parser, new_figure, png_path, result_header, write_json
@@ -83,7 +83,7 @@ def round_messages(ms: ModelShapes, payload: str, k: int, factor: int, t: int) -
     settings = resolve_method("lordo_global", InnerConfig(rank=ms.rank), RoundConfig(local_steps=k, dense_sync_factor=factor),
                               OuterConfig())
     rounds = settings.rounds
-    codecs = payload_codecs(payload)
+    codecs = resolve_payload(payload).codecs
     params = ms.params()
     up_moments, down_moments = ms.moments(rounds, t, True), ms.moments(rounds, t - 1, True)
     coords = {}
@@ -106,7 +106,7 @@ def round_messages(ms: ModelShapes, payload: str, k: int, factor: int, t: int) -
 
 def message_bytes(msg, ms: ModelShapes, payload: str) -> tuple[int, bool]:
     """(len of the serialized message, whether it was counted by tensor bytes: over 2 GiB)."""
-    dtype = wire_dtype(payload)
+    dtype = resolve_payload(payload).wire_dtype
     if codec.tensors_nbytes(msg, dtype) > 2 ** 31 - (64 << 20):
         return codec.tensors_nbytes(msg, dtype), True
     data = (encode_update(msg, ms.model_id, dtype) if isinstance(msg, WorkerUpdate)
@@ -175,8 +175,8 @@ def _time_once(preset: str, payload: str) -> dict:
     params = ms.params()
     moments = ms.moments(rounds, 2, True)
     projections = ms.projections("svd")
-    codecs = payload_codecs(payload)
-    dtype = wire_dtype(payload)
+    codecs = resolve_payload(payload).codecs
+    dtype = resolve_payload(payload).wire_dtype
     t0 = time.perf_counter()
     bases = {n: (b, projection_side(ms.shapes[n])) for n, b in projections.items()}
     coords = {}
@@ -194,7 +194,7 @@ def _time_once(preset: str, payload: str) -> dict:
         delta, up_moments = params, moments
     up = encode_update(WorkerUpdate(0, 2, delta, up_moments, 4096, 64, coords=coords), ms.model_id, dtype)
     t1 = time.perf_counter()
-    received = decode_update(up, ms.model_id, codecs=receiver_codecs(payload))
+    received = decode_update(up, ms.model_id, codecs=resolve_payload(payload).receiver_specs)
     for n, c in received.coords.items():  # the server rebuilds Δ = P·Ĉ + R̂
         lowrank.join(received.delta[n], c, *bases[n])
     t2 = time.perf_counter()
@@ -206,7 +206,7 @@ def _time_once(preset: str, payload: str) -> dict:
     down = encode_global_state(GlobalState(2, theta, projections, down_moments, 64, params_delta=codecs is not None),
                                      ms.model_id, dtype)
     t3 = time.perf_counter()
-    decode_global_state(down, ms.model_id, codecs=downlink_codecs(payload))
+    decode_global_state(down, ms.model_id, codecs=resolve_payload(payload).downlink_specs)
     t4 = time.perf_counter()
     # what a compressed preset adds to a worker's state (saved with it, held between rounds): Δ's
     # compression residual (as measured on the object) and the clients' copy θ_c (fp32, every parameter)

@@ -46,7 +46,6 @@ from lordo_fed.wire.encode import encode_global_state
 from lordo_fed.app.records import IDENTIFY, payload_bytes
 from lordo_fed.metrics import peak_rss_bytes
 from lordo_fed.wire.messages import GlobalState
-from lordo_fed.wire.payload import wire_dtype
 from server.strategy import LoRDOStrategy, _array
 
 log = logging.getLogger("lordo_fed.server")
@@ -171,7 +170,7 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
             state = GlobalState(round=r, params=pull.params, projections=pull.projections, moments=pull.moments,
                                 opt_step=self.opt_steps.get(pid, 0) if pull.opt_step is None else pull.opt_step)
             state = self._without_theta0(state)
-            payload = encode_global_state(state, self.model_id, wire_dtype(self.cfg.payload_dtype))
+            payload = encode_global_state(state, self.model_id, self.payload.wire_dtype)
             sizes["sent"] = len(payload)
             ids = self._push(grid, self._outgoing(r, payload, [nodes[pid]], MessageType.TRAIN))
             if not ids:

@@ -20,7 +20,6 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -31,23 +30,20 @@ from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
 
 from lordo_fed.app.config import AppConfig, as_dict
+from lordo_fed.app.records import (EXPLICIT_KEYS, ROUND_TIMEOUT, TICKET, UPLOAD_SHA256, is_simulation, payload_bytes,
+                                   payload_record, shorten_pull_backoff)
 from lordo_fed.checkpoint import (check_compatible, checkpoint_stem, load_checkpoint, rng_state, save_checkpoint,
                                   set_rng_state)
-from lordo_fed.wire.codec import PayloadError, model_id
+from lordo_fed.data import load_dataset
+from lordo_fed.evaluation import evaluate
+from lordo_fed.metrics import MetricsWriter, peak_rss_bytes, plot_curves
+from lordo_fed.rounds.build import build_run
+from lordo_fed.transport.server import DataPlaneServer
+from lordo_fed.wan.links import NodeLink, ideal_round_seconds, overlap_bound_seconds
+from lordo_fed.wire.codec import PayloadError
 from lordo_fed.wire.decode import decode_update
 from lordo_fed.wire.encode import encode_global_state, encode_global_state_into, encoded_size, new_buffer
-from lordo_fed.data import load_dataset
-from lordo_fed.device import pick_device
-from lordo_fed.evaluation import evaluate
-from lordo_fed.app.records import (EXPLICIT_KEYS, ROUND_TIMEOUT, TICKET, UPLOAD_SHA256, is_simulation, payload_bytes, payload_record,
-                              shorten_pull_backoff)
-from lordo_fed.rounds.methods import lowrank_ranks, make_aggregator, resolve_method
-from lordo_fed.metrics import MetricsWriter, peak_rss_bytes, plot_curves
-from lordo_fed.wan.links import NodeLink, ideal_round_seconds, overlap_bound_seconds
-from lordo_fed.model import build_model
 from lordo_fed.wire.messages import GlobalState, ReplyRef, WorkerUpdate
-from lordo_fed.transport.server import DataPlaneServer
-from lordo_fed.wire.payload import receiver_codecs, wire_dtype
 
 log = logging.getLogger("lordo_fed.server")
 
@@ -98,18 +94,14 @@ class LoRDOStrategy(Strategy):
         # The run-config keys the user set: every message names them, so that clients compose the
         # same settings from the same merged run config (lordo_fed.app.config.load_app_config).
         self.explicit_keys = ",".join(sorted(explicit_keys))
-        self.settings = resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
         self.out_dir = Path(cfg.out_dir).expanduser().resolve()
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.device = pick_device(cfg.device)
         dataset = load_dataset(cfg.data, 1)  # the validation split is the same for any partitioning
         self.val_batches = dataset.val_batches(cfg.eval_batches)
-        torch.manual_seed(cfg.seed)  # θ0: the same seeded init as the reference trainer
-        self.model = build_model(cfg.model, dataset.vocab_size).to(self.device)
-        ranks = lowrank_ranks(self.model, cfg.model.lowrank_pattern, self.settings.inner.rank, self.settings.inner.name)
-        self.aggregator = make_aggregator(self.model, self.settings, ranks, seed=cfg.seed,
-                                          outlier_factor=cfg.outlier_factor, payload=cfg.payload_dtype)
-        self.model_id = model_id(dict(self.model.named_parameters()))
+        self.run = build_run(cfg, cfg.variant, dataset.vocab_size)  # θ0: the reference trainer's and the nodes'
+        self.settings, self.model, self.model_id = self.run.settings, self.run.model, self.run.model_id
+        self.payload = self.run.payload
+        self.aggregator = self.run.aggregator(outlier_factor=cfg.outlier_factor)
         self.checkpoint_dir = self.out_dir / "checkpoints"
         self.history: list[dict] = []
         self.tokens = 0
@@ -126,7 +118,7 @@ class LoRDOStrategy(Strategy):
         # The largest reply a node may upload: Δ plus at most three full-size states (u, v, E) in
         # fp32, and room for names and metrics. A bigger upload is refused before it is stored.
         self.max_upload = 4 * 4 * sum(p.numel() for p in self.model.parameters()) + (1 << 20)
-        self.codecs = receiver_codecs(cfg.payload_dtype)
+        self.codecs = self.payload.receiver_specs
         """The compressed codecs replies may use: those of the run's payload preset (none for fp32/bf16)."""
         if cfg.resume:
             self.resume(cfg.resume)
@@ -159,7 +151,7 @@ class LoRDOStrategy(Strategy):
         messages = self._outgoing(server_round, data, [n for n in nodes if n in self._acked], MessageType.TRAIN)
         if resync:
             log.info("round %d: nodes %s get θ whole (no reply from them last round)", server_round, resync)
-            whole = encode_global_state(self.aggregator.resync_state(), self.model_id, wire_dtype(self.cfg.payload_dtype))
+            whole = encode_global_state(self.aggregator.resync_state(), self.model_id, self.payload.wire_dtype)
             messages += self._flower_messages(server_round, whole, resync, MessageType.TRAIN)
         return messages
 
@@ -169,7 +161,7 @@ class LoRDOStrategy(Strategy):
         if state.round != server_round:
             raise RuntimeError(f"aggregator is at round {state.round}, asked to configure {server_round}")
         encode_started = time.perf_counter()
-        dtype = wire_dtype(self.cfg.payload_dtype)
+        dtype = self.payload.wire_dtype
         if self.data_plane is None:
             data = encode_global_state(state, self.model_id, dtype)
         else:  # no memset of a fresh buffer on the round's critical path (encode.new_buffer)
@@ -436,7 +428,7 @@ class LoRDOStrategy(Strategy):
         client returns its gradient at θ0, the round-1 projections are fitted to their mean."""
         self._wait_for_nodes(grid, timeout)
         data = encode_global_state(self._without_theta0(self.aggregator.gradient_request()), self.model_id,
-                                   wire_dtype(self.cfg.payload_dtype))
+                                   self.payload.wire_dtype)
         messages = self._outgoing(0, data, grid.get_node_ids(), MessageType.QUERY)
         self.fit_initial_projections(self._receive(grid, self._push(grid, messages), timeout, 0), len(data))
 

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from lordo_fed.wire.payload import resolve_payload
 from lordo_fed.wire.compress import (CodecSpec, CompressionError, Encoded, ErrorFeedback, chunk_layout, decode,
                                      encode, index_bits, pack, packed_size, quantize, topk, unpack)
 
@@ -325,13 +326,14 @@ def test_a_workers_compression_residual_travels_with_its_state(tmp_path):
     model = build_model(cfg.model, data.vocab_size)
     settings = resolve_method("diloco", cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
     worker = make_worker(0, model, settings, data.train_shards[0], [], cfg.total_steps, 4, 32, seed=0,
-                         payload="topk2bit")
+                         payload=resolve_payload("topk2bit"))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     update = worker.train_round(GlobalState(round=1, params=params))
     assert all(isinstance(d, Encoded) for d in update.delta.values())
     tensors, meta = worker.flat_state()
     assert {k for k in tensors if k.startswith("wire_ef/")} == {f"wire_ef/{n}" for n in params}
-    again = make_worker(0, model, settings, data.train_shards[0], [], cfg.total_steps, 4, 32, seed=0, payload="topk2bit")
+    again = make_worker(0, model, settings, data.train_shards[0], [], cfg.total_steps, 4, 32, seed=0,
+                        payload=resolve_payload("topk2bit"))
     again.load_flat_state(tensors, meta)
     assert all(torch.equal(again.wire_ef.residual[n], worker.wire_ef.residual[n]) for n in params)
     assert any(float(r.abs().sum()) > 0 for r in again.wire_ef.residual.values())
@@ -353,9 +355,10 @@ def test_server_and_workers_agree_bit_for_bit_on_the_clients_copy(tmp_path):
     torch.manual_seed(0)
     model = build_model(cfg.model, data.vocab_size)
     settings = resolve_method("diloco", cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
-    workers = [make_worker(m, model, settings, data.train_shards[m], [], 12, 4, 32, seed=0, payload="int8")
+    workers = [make_worker(m, model, settings, data.train_shards[m], [], 12, 4, 32, seed=0,
+                           payload=resolve_payload("int8"))
                for m in range(3)]
-    agg = make_aggregator(model, settings, {}, seed=0, payload="int8")
+    agg = make_aggregator(model, settings, {}, seed=0, payload=resolve_payload("int8"))
     from lordo_fed.trainer.run import as_received
 
     for r in range(1, 5):

@@ -346,13 +346,13 @@ def test_a_node_that_missed_a_round_gets_the_clients_copy_whole(tmp_path):
     copy) θ_c whole, inside its message; both end with the same copy, the server's."""
     from lordo_fed.wire.decode import decode_global_state
     from lordo_fed.app.records import payload_bytes
-    from lordo_fed.wire.payload import downlink_codecs
+    from lordo_fed.wire.payload import resolve_payload
 
     s = new_strategy(tmp_path / "out", **{"payload-dtype": "int8"})
     before = {n: t.clone() for n, t in s.aggregator.client_params.items()}
     messages = s.configure_train(ROUND, ArrayRecord(), ConfigRecord(), NodeIds([*GOOD, HOSTILE_NODE]))
     states = {m.metadata.dst_node_id: decode_global_state(payload_bytes(m.content["state"]), s.model_id,
-                                                          codecs=downlink_codecs("int8")) for m in messages}
+                                                          codecs=resolve_payload("int8").downlink_specs) for m in messages}
     assert set(states) == {*GOOD, HOSTILE_NODE}
     copy = s.aggregator.client_copy()
     for node in GOOD:

@@ -15,7 +15,7 @@ from lordo_fed.wire.messages import WorkerUpdate
 from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import CodecSpec, Encoded, ErrorFeedback, decode, encode
-from lordo_fed.wire.payload import PRESETS, check_payload_method
+from lordo_fed.wire.payload import PRESETS, resolve_payload
 
 INT8 = CodecSpec("quant", bits=8, block=64)
 TOPK2BIT = CodecSpec("topk", bits=2, chunk=256, density=0.03)
@@ -158,12 +158,12 @@ def test_coordinates_are_refused_by_a_server_that_did_not_configure_them():
 
 
 def test_lowrank_presets_need_shared_bases():
-    check_payload_method("lowrank+topk2bit", shared_bases=True)
-    check_payload_method("topk2bit", shared_bases=False, asynchronous=True)
+    resolve_payload("lowrank+topk2bit").check_method(shared_bases=True)
+    resolve_payload("topk2bit").check_method(shared_bases=False, asynchronous=True)
     with pytest.raises(ValueError, match="only LoRDO-Global"):
-        check_payload_method("lowrank+topk2bit", shared_bases=False)
+        resolve_payload("lowrank+topk2bit").check_method(shared_bases=False)
     with pytest.raises(ValueError, match="asynchronous rounds"):
-        check_payload_method("lowrank+topk2bit", shared_bases=True, asynchronous=True)
+        resolve_payload("lowrank+topk2bit").check_method(shared_bases=True, asynchronous=True)
 
 
 def test_workers_send_coordinates_of_the_low_rank_matrices_and_learn(tmp_path):

@@ -25,22 +25,17 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from torch import nn
 
 from lordo_fed.app.config import PRESET_DIR, AppConfig, load_app_config
-from lordo_fed.wire.codec import model_id
-from lordo_fed.wire.decode import decode_global_state
-from lordo_fed.wire.encode import StreamingEncode, encode_update
 from lordo_fed.data import TokenShard, load_dataset
-from lordo_fed.device import pick_device
-from lordo_fed.rounds.methods import MethodSettings, lowrank_ranks, make_worker, resolve_method, with_local_steps
-from lordo_fed.model import build_model, lowrank_parameter_names
 from lordo_fed.node.config import NodeConfig
 from lordo_fed.node.ranks import LocalRanks
 from lordo_fed.node.store import DiskStore, StateStore
-from lordo_fed.data.tokenizer import load_tokenizer
-from lordo_fed.wire.payload import downlink_codecs, wire_dtype
+from lordo_fed.rounds.build import Run, build_run
+from lordo_fed.rounds.methods import MethodSettings
 from lordo_fed.rounds.worker import Worker
+from lordo_fed.wire.decode import decode_global_state
+from lordo_fed.wire.encode import StreamingEncode, encode_update
 
 log = logging.getLogger("lordo_fed.client")
 CONFIG_CACHE = Path("~/.cache/lordo_fed/appconfig")
@@ -102,13 +97,20 @@ class Runtime:
     """Everything a client process builds once per run and keeps between messages."""
 
     cfg: AppConfig
-    settings: MethodSettings
-    model: nn.Module
-    model_id: str
-    lowrank: list[str]
-    shards: dict[int, TokenShard]
+    """The run's settings, as the server composed them."""
+    run: Run
+    """The run's components (lordo_fed.rounds.build: the same θ0 as the server's)."""
+    shards: dict[int, TokenShard] = field(default_factory=dict)
     workers: dict[int, Worker] = field(default_factory=dict)
     last_round: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def settings(self) -> MethodSettings:
+        return self.run.settings
+
+    @property
+    def model_id(self) -> str:
+        return self.run.model_id
 
     def shard(self, partition_id: int, num_partitions: int, data_path: str) -> TokenShard:
         if partition_id not in self.shards:
@@ -121,11 +123,7 @@ class Runtime:
         return self.shards[partition_id]
 
     def new_worker(self, partition_id: int, shard: TokenShard, local_steps: int | None = None) -> Worker:
-        data = self.cfg.data
-        settings = with_local_steps(self.settings, local_steps or self.settings.rounds.local_steps)
-        return make_worker(partition_id, self.model, settings, shard, self.lowrank, self.cfg.total_steps,
-                           data.batch_size, data.seq_len, seed=data.seed, payload=self.cfg.payload_dtype,
-                           ranks=LOCAL_RANKS)
+        return self.run.worker(partition_id, shard, self.cfg.total_steps, local_steps, ranks=LOCAL_RANKS)
 
 
 LOCAL_RANKS: LocalRanks | None = None
@@ -222,27 +220,9 @@ def runtime_for(job: Job) -> Runtime:
         cfg = app_config(job.run_config, job.explicit)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        device = pick_device(cfg.device)
-        settings = resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
-        torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size).to(device)
-        lowrank = lowrank_parameter_names(model, cfg.model.lowrank_pattern) if settings.inner.name == "lordo" else []
         _RUNTIMES.clear()  # one run at a time per process: free the previous run's model
-        _RUNTIMES[key] = Runtime(cfg, settings, model, model_id(dict(model.named_parameters())), lowrank, {})
+        _RUNTIMES[key] = Runtime(cfg, build_run(cfg, cfg.variant))
     return _RUNTIMES[key]
-
-
-def seeded_params(rt: Runtime) -> dict[str, torch.Tensor]:
-    """θ0 as the server built it (the same seed, model config and vocabulary: the server sends a
-    flag instead of these bytes). Built on the CPU under a forked RNG, so that this process's
-    random state, which training may draw from, is as if it had not been built."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(rt.cfg.seed)
-        model = build_model(rt.cfg.model, load_tokenizer(rt.cfg.data.tokenizer).vocab_size)
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    if model_id(params) != rt.model_id:
-        raise ValueError(f"θ0 built from the seed has model id {model_id(params)}, expected {rt.model_id}")
-    return params
 
 
 def disk_store(cfg: AppConfig, partition_id: int) -> DiskStore:
@@ -322,11 +302,11 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
     # A download is a writable buffer of our own: its fp32 tensors are used in place (no copy).
     own = isinstance(received, bytearray) or (isinstance(received, memoryview) and not received.readonly)
     state = decode_global_state(received, expected_model_id=rt.model_id, adopt=own,
-                                codecs=downlink_codecs(rt.cfg.payload_dtype))
+                                codecs=rt.run.payload.downlink_specs)
     received_bytes = len(received)
     del received
     if state.params_from_seed:
-        state.params = seeded_params(rt)
+        state.params = rt.run.seeded_params()
     decode_seconds = time.perf_counter() - decode_started
     # The previous round's background saves read the live worker state (no copy): they finish
     # before this round touches it, while the download above overlapped them.
@@ -339,9 +319,7 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
     store = store_for(rt.cfg, pid)
     if job.kind == QUERY:
         worker, _ = worker_for_round(rt, store, pid, shard, 1)
-        names = sorted(lowrank_ranks(rt.model, rt.cfg.model.lowrank_pattern, rt.settings.inner.rank,
-                                     rt.settings.inner.name))
-        return encode_update(worker.gradient(state, names), rt.model_id, wire_dtype(rt.cfg.payload_dtype)), {}
+        return encode_update(worker.gradient(state, sorted(rt.run.ranks)), rt.model_id, rt.run.payload.wire_dtype), {}
     if job.kind != TRAIN:
         raise ValueError(f"job kind {job.kind!r}: expected {TRAIN!r} or {QUERY!r}")
     worker, state_source = worker_for_round(rt, store, pid, shard, state.round, job.local_steps(rt))
@@ -376,9 +354,9 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
     if not encode_reply:
         sent = b""
     elif stream_reply:  # encoded on a thread while the caller uploads it (its encode-seconds are set then)
-        sent = StreamingEncode(update, rt.model_id, wire_dtype(rt.cfg.payload_dtype))
+        sent = StreamingEncode(update, rt.model_id, rt.run.payload.wire_dtype)
     else:
-        sent = encode_update(update, rt.model_id, wire_dtype(rt.cfg.payload_dtype))
+        sent = encode_update(update, rt.model_id, rt.run.payload.wire_dtype)
     encode_seconds = time.perf_counter() - encode_started
     metrics = {
         **update.metrics, "partition-id": pid, "tokens": update.tokens, "bytes-received": received_bytes,

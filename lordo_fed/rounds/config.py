@@ -18,7 +18,7 @@ from lordo_fed.optim.config import InnerConfig
 from lordo_fed.rounds.heloco import HeLoCoConfig
 from lordo_fed.rounds.outer import OuterConfig, build_outer_optimizer
 from lordo_fed.wire.messages import MOMENT_KEYS
-from lordo_fed.wire.payload import payload_codecs
+from lordo_fed.wire.payload import resolve_payload
 
 
 @dataclass
@@ -187,7 +187,7 @@ class CommonConfig:
         self.inner.validate()
         self.rounds.validate()
         self.async_rounds.validate()
-        payload_codecs(self.payload_dtype)
+        resolve_payload(self.payload_dtype)
         model = resolve_model_config(self.model)
         if model.hf_config_path is None and self.data.seq_len > model.max_seq_len:
             raise ValueError(f"DataConfig.seq_len={self.data.seq_len!r}: expected an int <= the model's max_seq_len="

@@ -37,7 +37,7 @@ from lordo_fed.optim.config import InnerConfig, build_inner_optimizer, resolved_
 from lordo_fed.rounds.outer import OuterConfig, build_outer_optimizer
 from lordo_fed.optim.projection import get_projection_method
 from lordo_fed.rounds.config import RoundConfig
-from lordo_fed.wire.payload import check_payload_method, payload_codecs
+from lordo_fed.wire.payload import FP32, Payload
 from lordo_fed.rounds.worker import Worker
 
 
@@ -126,7 +126,7 @@ def lowrank_ranks(model: nn.Module, pattern: str, rank: int, inner_name: str) ->
 
 
 def make_worker(worker_id: int, model: nn.Module, settings: MethodSettings, shard: TokenShard, lowrank: list[str],
-                total_steps: int, batch_size: int, seq_len: int, seed: int, payload: str = "fp32",
+                total_steps: int, batch_size: int, seq_len: int, seed: int, payload: Payload = FP32,
                 ranks=None) -> Worker:
     """A worker with its own inner optimizer over (possibly shared) `model`; `payload` the run's
     `payload_dtype` (a compressed preset compresses what the worker sends: lordo_fed.wire.payload);
@@ -136,7 +136,7 @@ def make_worker(worker_id: int, model: nn.Module, settings: MethodSettings, shar
     optimizer = build_inner_optimizer(model, settings.inner, lowrank, seed=seed,
                                       local_steps=settings.rounds.local_steps)
     return Worker(worker_id, model, optimizer, shard, settings.inner, settings.rounds, total_steps,
-                  batch_size, seq_len, data_seed=seed, payload=payload_codecs(payload), ranks=ranks)
+                  batch_size, seq_len, data_seed=seed, payload=payload.codecs, ranks=ranks)
 
 
 def with_local_steps(settings: MethodSettings, local_steps: int) -> MethodSettings:
@@ -148,13 +148,13 @@ def with_local_steps(settings: MethodSettings, local_steps: int) -> MethodSettin
 
 
 def make_aggregator(model: nn.Module, settings: MethodSettings, ranks: dict[str, int], seed: int,
-                    outlier_factor: float = 0.0, payload: str = "fp32") -> Aggregator:
+                    outlier_factor: float = 0.0, payload: Payload = FP32) -> Aggregator:
     """The server side for `settings`: owns projections only under LoRDO-Global; with a
     compressed `payload` preset of a round-based method, sends the moments quantised and θ as the
     compressed change of the clients' copy (asynchronous methods: each pull carries θ whole)."""
     inner = settings.inner
     server_projections = inner.name == "lordo" and inner.projection == "global" and bool(ranks)
-    check_payload_method(payload, server_projections, asynchronous=settings.loop != "rounds")
+    payload.check_method(server_projections, asynchronous=settings.loop != "rounds")
     with torch.no_grad():
         params = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
     device = next(model.parameters()).device  # the model's device fits the projections (a GPU if any)
@@ -164,5 +164,5 @@ def make_aggregator(model: nn.Module, settings: MethodSettings, ranks: dict[str,
         seed=seed, outlier_factor=outlier_factor, betas=tuple(inner.betas), bias_correction=inner.bias_correction,
         rotate=inner.rotate, init_projection=inner.init_projection, switch_step=inner.switch_step,
         switch_betas=tuple(inner.switch_betas), fit_device=device if device.type != "cpu" else None,
-        payload=payload_codecs(payload) if settings.loop == "rounds" else None,
+        payload=payload.codecs if settings.loop == "rounds" else None,
     )

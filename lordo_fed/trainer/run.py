@@ -16,21 +16,20 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from lordo_fed.rounds.aggregator import fit_projections, initial_projections
-from lordo_fed.rounds.async_rounds import AsyncServer, VirtualClock, async_record
 from lordo_fed.data import Dataset
 from lordo_fed.evaluation import evaluate
-from lordo_fed.rounds.methods import MethodSettings, lowrank_ranks, make_aggregator, make_worker, with_local_steps
 from lordo_fed.metrics import optimizer_state_bytes, tensor_bytes
-from lordo_fed.model import build_model, lowrank_parameter_names
-from lordo_fed.rounds.outer import build_outer_optimizer
 from lordo_fed.optim import LoRDO
 from lordo_fed.optim.config import resolved_proj_method
 from lordo_fed.optim.projection import get_projection_method
-from lordo_fed.wire.messages import DIAGNOSTIC_METRICS, GlobalState, WorkerUpdate
-from lordo_fed.wire.compress import decoded
-from lordo_fed.trainer.config import TrainConfig
+from lordo_fed.rounds.aggregator import fit_projections, initial_projections
+from lordo_fed.rounds.async_rounds import AsyncServer, VirtualClock, async_record
+from lordo_fed.rounds.build import build_run
+from lordo_fed.rounds.methods import MethodSettings, make_worker
 from lordo_fed.rounds.worker import Worker
+from lordo_fed.trainer.config import TrainConfig
+from lordo_fed.wire.compress import decoded
+from lordo_fed.wire.messages import DIAGNOSTIC_METRICS, GlobalState, WorkerUpdate
 
 Record = dict
 RecordFn = Callable[[Record], None]
@@ -47,31 +46,18 @@ class RunContext:
     emit: RecordFn
 
 
-def build_components(ctx: RunContext, settings: MethodSettings) -> tuple[nn.Module, list[str], dict[str, int]]:
-    """The model (seeded: every method starts from the same θ0) and its low-rank parameters."""
-    torch.manual_seed(ctx.cfg.seed)
-    model = build_model(ctx.cfg.model, ctx.dataset.vocab_size).to(ctx.device)
-    if settings.inner.name != "lordo":
-        return model, [], {}
-    names = lowrank_parameter_names(model, ctx.cfg.model.lowrank_pattern)
-    return model, names, lowrank_ranks(model, ctx.cfg.model.lowrank_pattern, settings.inner.rank, settings.inner.name)
-
-
 def _progress(ctx: RunContext, total: int, desc: str) -> tqdm:
     return tqdm(total=total, desc=desc, unit="step", disable=not ctx.cfg.progress, leave=False, dynamic_ncols=True)
 
 
 def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     """Round-based methods: every round, each worker trains K steps, the aggregator combines."""
-    cfg, data = ctx.cfg, ctx.cfg.data
-    model, lowrank, ranks = build_components(ctx, settings)
+    cfg = ctx.cfg
+    run = build_run(cfg, settings, ctx.dataset.vocab_size, ctx.device)  # every method starts from the same θ0
+    model = run.model
     K = settings.rounds.local_steps
-    workers = [
-        make_worker(m, model, settings, ctx.dataset.train_shards[m], lowrank, cfg.total_steps,
-                    data.batch_size, data.seq_len, seed=data.seed, payload=cfg.payload_dtype)
-        for m in range(cfg.workers)
-    ]
-    aggregator = make_aggregator(model, settings, ranks, seed=cfg.seed, payload=cfg.payload_dtype)
+    workers = [run.worker(m, ctx.dataset.train_shards[m], cfg.total_steps) for m in range(cfg.workers)]
+    aggregator = run.aggregator()
     aggregator.diagnostics = cfg.diagnostics
     for w in workers:
         if isinstance(w.optimizer, LoRDO):
@@ -80,7 +66,7 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     sent_total = received_total = 0
     if aggregator.needs_gradient_init:
         request = aggregator.gradient_request()
-        gradients = [w.gradient(request, sorted(ranks)) for w in workers]
+        gradients = [w.gradient(request, sorted(run.ranks)) for w in workers]
         aggregator.init_projections(gradients)
         received_total += tensor_bytes(request.tensors())
         sent_total += max(tensor_bytes(g.tensors()) for g in gradients)
@@ -140,17 +126,16 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     A record every M pushes ("round" = pushes / M): tokens, virtual time, the staleness of the
     pushes since the last record, replies dropped past `async_rounds.max_staleness`."""
     cfg, data, acfg = ctx.cfg, ctx.cfg.data, ctx.cfg.async_rounds
-    model, lowrank, ranks = build_components(ctx, settings)
+    run = build_run(cfg, settings, ctx.dataset.vocab_size, ctx.device)
+    model = run.model
     K, M = settings.rounds.local_steps, cfg.workers
     steps = [acfg.local_steps_of(w, K) for w in range(M)]
-    workers = [make_worker(w, model, with_local_steps(settings, steps[w]), ctx.dataset.train_shards[w], lowrank,
-                           cfg.total_steps, data.batch_size, data.seq_len, seed=data.seed, payload=cfg.payload_dtype)
-               for w in range(M)]
+    workers = [run.worker(w, ctx.dataset.train_shards[w], cfg.total_steps, steps[w]) for w in range(M)]
     # θ, the outer step and (async LoRDO) the shared projections and averaged moments: the aggregator's
-    aggregator = make_aggregator(model, settings, ranks, seed=cfg.seed)
+    aggregator = run.aggregator()
     if aggregator.needs_gradient_init:
         request = aggregator.gradient_request()
-        aggregator.init_projections([w.gradient(request, sorted(ranks)) for w in workers])
+        aggregator.init_projections([w.gradient(request, sorted(run.ranks)) for w in workers])
     server = AsyncServer(aggregator.params, aggregator.outer, settings.async_rule, acfg,
                          lowrank=aggregator if aggregator.projection is not None else None, workers=M)
     step_tokens = data.batch_size * data.seq_len
@@ -226,10 +211,11 @@ def run_ddp(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     from the all-reduced (error-fed) gradient every proj_interval steps.
     """
     cfg, data = ctx.cfg, ctx.cfg.data
-    model, lowrank, ranks = build_components(ctx, settings)
+    run = build_run(cfg, settings, ctx.dataset.vocab_size, ctx.device)
+    model, ranks = run.model, run.ranks
     K = settings.rounds.local_steps
-    first = make_worker(0, model, settings, ctx.dataset.train_shards[0], lowrank, cfg.total_steps,
-                        data.batch_size, data.seq_len, seed=data.seed)
+    first = make_worker(0, model, settings, ctx.dataset.train_shards[0], run.lowrank, cfg.total_steps,
+                        data.batch_size, data.seq_len, seed=data.seed)  # DDP: nothing compressed on the wire
     optimizer = first.optimizer
     workers = [first] + [
         Worker(m, model, optimizer, ctx.dataset.train_shards[m], settings.inner, settings.rounds, cfg.total_steps,

@@ -103,43 +103,54 @@ PAYLOADS = (*PAYLOAD_DTYPES, *PRESETS)
 """Every value `payload_dtype` takes."""
 
 
-def payload_codecs(name: str) -> PayloadCodecs | None:
-    """The codecs of preset `name` (None for fp32 and bf16); ValueError naming the choices."""
+@dataclass(frozen=True)
+class Payload:
+    """A run's `payload_dtype`, resolved once (`resolve_payload`) into what each side needs."""
+
+    name: str
+    """The preset's name: 'fp32', 'bf16', or a compressed preset of `PRESETS`."""
+    codecs: PayloadCodecs | None
+    """The codecs of a compressed preset (None for fp32 and bf16)."""
+
+    @property
+    def wire_dtype(self) -> str:
+        """How the tensors the preset leaves uncompressed travel: bf16 for 'bf16', else fp32."""
+        return "bf16" if self.name == "bf16" else "fp32"
+
+    @property
+    def receiver_specs(self) -> frozenset[CodecSpec] | None:
+        """The compressed specs a server accepts in replies (None: none)."""
+        return None if self.codecs is None else self.codecs.specs()
+
+    @property
+    def downlink_specs(self) -> frozenset[CodecSpec] | None:
+        """The compressed specs a worker accepts in the server's states (None: none)."""
+        return None if self.codecs is None else self.codecs.down_specs()
+
+    def check_method(self, shared_bases: bool, asynchronous: bool = False) -> None:
+        """Refuse a `lowrank+` preset (ValueError naming it) where no shared basis exists to send Δ's
+        coordinates in: methods other than LoRDO-Global, and asynchronous rounds (a stale reply's
+        basis is not the server's)."""
+        if self.codecs is None or self.codecs.lowrank is None:
+            return
+        if asynchronous:
+            raise ValueError(f"payload_dtype={self.name!r}: low-rank Δ needs the round's shared basis, which "
+                             "asynchronous rounds do not have (a reply trained in an older one); use 'int8', 'int4' "
+                             "or 'topk2bit'")
+        if not shared_bases:
+            raise ValueError(f"payload_dtype={self.name!r}: low-rank Δ is sent in the round's shared basis, which only "
+                             "LoRDO-Global (method 'lordo_global', with low-rank matrices) has; use 'topk2bit' "
+                             "otherwise")
+
+
+FP32 = Payload("fp32", None)
+"""Uncompressed fp32 tensors both ways (the default)."""
+
+
+def resolve_payload(name: str) -> Payload:
+    """`payload_dtype` `name` as a `Payload`; ValueError naming the choices."""
     if name in PAYLOAD_DTYPES:
-        return None
+        return Payload(name, None)
     if name not in PRESETS:
         raise ValueError(f"payload_dtype={name!r}: expected one of {PAYLOADS}")
-    return PRESETS[name]
-
-
-def wire_dtype(name: str) -> str:
-    """How the tensors a preset leaves uncompressed travel: bf16 for 'bf16', else fp32."""
-    payload_codecs(name)
-    return "bf16" if name == "bf16" else "fp32"
-
-
-def receiver_codecs(name: str) -> frozenset[CodecSpec] | None:
-    """The compressed specs a server of preset `name` accepts in replies (None: none)."""
-    codecs = payload_codecs(name)
-    return None if codecs is None else codecs.specs()
-
-
-def downlink_codecs(name: str) -> frozenset[CodecSpec] | None:
-    """The compressed specs a worker of preset `name` accepts in the server's states (None: none)."""
-    codecs = payload_codecs(name)
-    return None if codecs is None else codecs.down_specs()
-
-
-def check_payload_method(name: str, shared_bases: bool, asynchronous: bool = False) -> None:
-    """Refuse a `lowrank+` preset (ValueError naming it) where no shared basis exists to send Δ's
-    coordinates in: methods other than LoRDO-Global, and asynchronous rounds (a stale reply's
-    basis is not the server's)."""
-    codecs = payload_codecs(name)
-    if codecs is None or codecs.lowrank is None:
-        return
-    if asynchronous:
-        raise ValueError(f"payload_dtype={name!r}: low-rank Δ needs the round's shared basis, which asynchronous "
-                         "rounds do not have (a reply trained in an older one); use 'int8', 'int4' or 'topk2bit'")
-    if not shared_bases:
-        raise ValueError(f"payload_dtype={name!r}: low-rank Δ is sent in the round's shared basis, which only "
-                         "LoRDO-Global (method 'lordo_global', with low-rank matrices) has; use 'topk2bit' otherwise")
+    return Payload(name, PRESETS[name])
