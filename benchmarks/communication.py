@@ -20,7 +20,7 @@ For every method the real round messages are built with the model's true paramet
 Steady state is measured (a round whose predecessor averaged moments, i.e. round > the longest
 sync period), so the first round's smaller broadcast is not counted. The periods, the moment
 shapes and the ranks come from `lordo_fed.rounds.methods` / `lordo_fed.rounds.aggregator`, not from this file.
-Every message is also checked against the analytic count of shared/docs/ALGORITHM.md
+Every message is also checked against the analytic count of docs/algorithm.md
 ("Communication per low-rank p×q matrix"): the tensor bytes must match it exactly; what the
 measured size adds is protobuf framing (names, shapes, headers).
 

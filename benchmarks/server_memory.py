@@ -1,6 +1,6 @@
 """Server memory of one aggregation at M = 2, 4, 8 replies: every reply in memory, or streamed.
 
-The server's round (shared/docs/ALGORITHM.md, "One round", step 3) averages M replies, each a
+The server's round (docs/algorithm.md, "One round", step 3) averages M replies, each a
 full-size pseudo-gradient Δ plus the due moments. Two ways to do it over the same replies:
 
 - list: today's path. Every reply is decoded into memory (`decode_update`) and the list

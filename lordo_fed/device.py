@@ -2,7 +2,7 @@
 
 CUDA when present (bf16 autocast, fp32 master weights and optimizer states), CPU otherwise.
 On CPU we flush denormals: without it the backward matmuls of a small transformer run ~20x
-slower on these machines (see shared/docs/FLOWER.md).
+slower on the 2-core CPUs this project is tested on.
 """
 
 from __future__ import annotations

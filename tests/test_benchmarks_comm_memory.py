@@ -1,5 +1,5 @@
 """The communication and memory benchmarks in --quick mode: they run, and their numbers mean what
-they claim (shared/docs/ALGORITHM.md's communication and memory tables)."""
+they claim (docs/algorithm.md, "Communication and memory per low-rank p×q matrix")."""
 
 from pathlib import Path
 

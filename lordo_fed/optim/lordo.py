@@ -1,4 +1,4 @@
-"""The LoRDO local (inner) optimizer step (shared/docs/ALGORITHM.md, "The local (inner) step").
+"""The LoRDO local (inner) optimizer step (docs/algorithm.md, "The local (inner) step").
 
 For a low-rank weight W (p×q) with projection basis P on GaLore's side:
 

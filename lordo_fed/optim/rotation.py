@@ -8,7 +8,7 @@ which is exact for the per-coordinate statistics of a gradient distribution whos
 are independent. Right projection (bases r×q): C = P_old P_newᵀ, coordinates are rows.
 Left projection (bases p×r): C = P_newᵀ P_old, applied from the left.
 
-Deviation from shared/docs/ALGORITHM.md, on purpose: it writes σ² = max(v̂ − m̂², 0) before the
+Deviation from the rule as docs/algorithm.md ("Projection refresh") states it, on purpose: it writes σ² = max(v̂ − m̂², 0) before the
 absolute value. With β1 ≠ β2 an EMA can have m̂² > v̂, and the clamp then changes v even when
 the basis does not change; LDAdam's own rule (no clamp, absolute value only) keeps rotation by
 the identity exact, which this project requires.

@@ -21,7 +21,7 @@ asynchronous method's arrivals by it), is the G of the outer step. A tensor with
 θ̄ = θ − η·μ·m (Eq. 5; `look_ahead`), not θ.
 
 This follows the authors' code (PanocularAI/torchft, torchft/heloco.py at 0b0bae4; the same
-mathematics in PanocularAI/panofabric-engine), as shared/docs/HELOCO.md records it: ρ is a
+mathematics in PanocularAI/panofabric-engine): ρ is a
 constant (the paper suggests 1/√K for K concurrent workers; the code defaults to 1),
 β is computed as above (an older variant, rcloyd/torchft, differs), the cosine is not clamped,
 c = 0 blends, the blend mixes unit vectors and keeps ‖Δ‖, and the result takes Δ's dtype.

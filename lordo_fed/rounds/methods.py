@@ -1,7 +1,7 @@
 """The training methods this framework runs, and how each one is assembled from the library.
 
-Every method is the same machinery with different choices (shared/docs/ALGORITHM.md,
-"Relatives worth supporting as baselines"):
+Every method is the same machinery with different choices (docs/algorithm.md,
+"Relatives run in the same framework"):
 
 | method        | sync          | inner optimizer            | states averaged (K_u, K_v) | outer    |
 |---------------|---------------|----------------------------|----------------------------|----------|

@@ -2,7 +2,7 @@
 their replies, over gRPC, beside Flower (which only carries a small `Ticket` per node).
 
 Why: Flower 1.41's SuperLink-SuperNode path moves 25-33 MB/s on these machines where a bare
-gRPC stream moves ~500 MB/s (shared/docs/FLOWER.md), and a 125M-parameter round is ~0.5 GB each
+gRPC stream moves ~500 MB/s (docs/deployment.md, "The data plane"), and a 125M-parameter round is ~0.5 GB each
 way per node. The payload format does not change: the encoded `lordo_fed.v1.GlobalState` goes
 down and the encoded `lordo_fed.v1.WorkerUpdate` comes up, cut into chunks
 (proto/lordo_fed/v1/dataplane.proto).

@@ -1,6 +1,6 @@
 """What one round exchanges, as plain tensors (no Flower types), and when states are due.
 
-A round (shared/docs/ALGORITHM.md, "One round"): the aggregator hands every worker a
+A round (docs/algorithm.md, "One round"): the aggregator hands every worker a
 `GlobalState` (θ, the shared projections under LoRDO-Global, the averaged optimizer states that
 are due); each worker runs K local steps and answers with a `WorkerUpdate` (Δ = θ_ref − θ_local,
 its states that are due, tokens trained, metrics). The Flower app serializes exactly these.
