@@ -6,7 +6,7 @@ Each step is a subprocess that writes its own `benchmarks/results/gpu_*.json`; t
 
 | step | what | result file |
 |---|---|---|
-| `tests` | `pytest -m cuda` (tests/test_cuda.py: the LoRDO step on CUDA equals the CPU step for every option, bf16 autocast training lowers the loss, a worker + aggregator round on CUDA matches the CPU) | `gpu_tests.json` |
+| `tests` | `pytest -m cuda` (tests/gpu/test_cuda.py: the LoRDO step on CUDA equals the CPU step for every option, bf16 autocast training lowers the loss, a worker + aggregator round on CUDA matches the CPU) | `gpu_tests.json` |
 | `step16m`, `step125m` | benchmarks/step_cost.py on the GPU: `optimizer.step()` and the whole step, batched LoRDO and the reference against fused AdamW; projection refreshes (svd / rsvd / dct) on 720m shapes, per matrix and as the aggregator's batched whole-model refit | `gpu_step_cost_16m.json`, `gpu_step_cost_125m.json` |
 | `memory` | benchmarks/memory.py --device cuda: a worker's peak device memory (and RSS) for one round at 125m, 360m, 720m: AdamW, LoRDO with EF fp32 / bf16 / none (GaLore's state) / compressed | `gpu_memory.json` |
 | `round125m` | benchmarks/framework_overhead.py, 125m preset: the reference trainer against a deployment with the server and two node workers on this one GPU (issue 11: a round split into transfer, training, aggregation) | `gpu_framework_overhead_125m.json` |
@@ -51,7 +51,7 @@ def commands(step: str, device: str, quick: bool, out_dir: Path) -> tuple[list[s
     py, bench = sys.executable, ROOT / "benchmarks"
     q = ["--quick"] if quick else []
     if step == "tests":
-        return [py, "-m", "pytest", "-q", "-m", "cuda", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py"], \
+        return [py, "-m", "pytest", "-q", "-m", "cuda", "-rs", "-p", "no:cacheprovider", "tests/gpu/test_cuda.py"], \
             out_dir / "gpu_tests.json", 540
     if step in ("step16m", "step125m"):
         preset = "tiny" if quick else step.removeprefix("step")

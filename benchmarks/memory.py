@@ -5,8 +5,8 @@ factory the workers use) over the preset's model and stepped once; every tensor 
 `optimizer.state` (moments, error-feedback buffer, projection, step counters) is counted with
 `lordo_fed.metrics.optimizer_state_bytes`. 125m and 720m are built on the `meta` device (real
 shapes and dtypes, no storage); 16m is also built for real and stepped once on random tokens,
-and both counts must agree. Each count is checked against docs/algorithm.md ("Memory per
-low-rank matrix"): AdamW 2pq floats per matrix; GaLore 2pr + rq (moments and basis); LoRDO
+and both counts must agree. Each count is checked against docs/algorithm.md ("Communication and memory per
+low-rank p×q matrix"): AdamW 2pq floats per matrix; GaLore 2pr + rq (moments and basis); LoRDO
 2pr + rq + pq (the error-feedback buffer, fp32 or bf16); parameters that are not low-rank
 (embedding, norms) keep two full-size moments under every method; plus one fp32 step counter per
 parameter tensor.

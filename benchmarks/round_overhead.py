@@ -1,6 +1,6 @@
 """Per-round overhead of a Flower round on 127.0.0.1 with a tiny payload: stock Flower against this app.
 
-Configurations, each on a real SuperLink + 2 SuperNodes (tests/flower_harness.Deployment) and in
+Configurations, each on a real SuperLink + 2 SuperNodes (harness/flower.Deployment) and in
 the simulation engine (run_simulation, 2 virtual nodes with 1 CPU each):
 
 - stock: a minimal stock Flower app written below (a torch ClientApp with @app.train and
@@ -9,7 +9,7 @@ the simulation engine (run_simulation, 2 virtual nodes with 1 CPU each):
   The "before" of the issue.
 - app-default-poll: this app (server/, client/) with the tiny model preset, local-steps=1 (a
   ~0.75 MB payload each way), under Flower's defaults (each SuperExec polls for work every 1 s).
-- app: the same with FLWR_SUPEREXEC_TASK_POLL_INTERVAL=0.1, which tests/flower_harness.flower_env
+- app: the same with FLWR_SUPEREXEC_TASK_POLL_INTERVAL=0.1, which harness/flower.flower_env
   and scripts/_common.sh now set: the "after" with stock Flower components.
 - app-node-workers: stock Flower processes; each node's rounds run in a long-lived node worker
   (`python -m lordo_fed.node`, lordo_fed/node/) that the ClientApp (which then does not import
@@ -61,7 +61,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import median_rounds_2_to_n  # noqa: E402
-from tests.flower_harness import Deployment, flower_app_pyproject, flower_env, run_simulation  # noqa: E402
+from harness.flower import Deployment, flower_app_pyproject, flower_env, run_simulation  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 POLL_VAR = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
@@ -468,7 +468,7 @@ def _run_deployment(name: str, label: str, stock_dir: Path, app_dir: Path, work:
             settings.append("SuperNode waits (3 s fleet poll, 0.5 s reply poll) capped at 0.1 s")
     workers = []
     if variant == "-node-workers":
-        from tests.flower_harness import start_node_worker
+        from harness.flower import start_node_worker
 
         socks = [work / f"nw{i}.sock" for i in range(2)]
         workers = [start_node_worker(sock, work / f"node-worker-{i}.log") for i, sock in enumerate(socks)]
@@ -483,7 +483,7 @@ def _run_deployment(name: str, label: str, stock_dir: Path, app_dir: Path, work:
                 entry = run_app_deployment(dep, app_dir, work, name, rounds)
             entry["startup"] = {k: round(v, 2) for k, v in dep.timings.items()}
     finally:
-        from tests.flower_harness import stop_process
+        from harness.flower import stop_process
 
         for proc in workers:
             stop_process(proc)

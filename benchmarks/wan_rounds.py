@@ -71,7 +71,7 @@ HETERO_CASES = {  # name -> run config on top of HETERO_MODEL
     "async": {"variant": "async_lordo", "data-plane": "flower", "async-weight": 0.577},
 }
 QUICK_CASES = [(2, "8mbit", "grpc", 3, 2)]
-"""--quick: one overlapped case (the synchronous path is tests/test_wan.py's deployment)."""
+"""--quick: one overlapped case (the synchronous path is tests/integration/test_wan.py's deployment)."""
 
 
 def emulate(nodes: int, link: str, run_config: dict[str, Any], work: Path, timeout: float, what: str,

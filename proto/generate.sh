@@ -2,7 +2,7 @@
 # Regenerate the Python bindings of the lordo_fed wire format and data plane (run from anywhere;
 # needs grpcio-tools in the active Python). Output: lordo_fed/v1/wire_pb2.py(i),
 # lordo_fed/v1/{dataplane,node}_pb2.py(i) and lordo_fed/v1/{dataplane,node}_pb2_grpc.py.
-# tests/test_proto.py fails when the committed bindings differ from what this produces.
+# tests/integration/test_proto.py fails when the committed bindings differ from what this produces.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"

@@ -32,7 +32,7 @@ class DiskStore:
     data plane it publishes round r + 1 before that checkpoint is written (its evaluation and
     checkpoint overlap the nodes' download). A server killed in between resumes at round r and
     asks for every client's state as of round r - 1, while the clients may have saved rounds r and
-    r + 1 already (tests/test_reliability.py). Older states are pruned when round r + 2 is saved,
+    r + 1 already (tests/integration/test_reliability.py). Older states are pruned when round r + 2 is saved,
     i.e. once the server has checkpointed round r.
     """
 

@@ -34,8 +34,8 @@ next step; that is a round-boundary cost, not a per-step one.
 A bf16 or compressed E is whole after every step (E ← V − back(g) in V's memory, then stored).
 Falls back to the reference, per parameter: LoRDO-Local at its refit steps (an SVD per matrix;
 the steps in between are batched) and the `track_update_split` diagnostic. Equality with the
-reference to fp32 rounding, for every option, is tests/test_batched.py; on CUDA,
-tests/test_cuda.py. Parameters sharded by FSDP2 step on their chunks (`sharded.py`): the stacks hold
+reference to fp32 rounding, for every option, is tests/unit/test_batched.py; on CUDA,
+tests/gpu/test_cuda.py. Parameters sharded by FSDP2 step on their chunks (`sharded.py`): the stacks hold
 chunks, and s is one all-reduce per stack. No host sync: step counts are CPU scalars (stacked like the rest: one add per
 stack, not one per parameter), the QH normaliser s stays a tensor.
 """

@@ -9,7 +9,7 @@ the transport alone at 0.41 of a bare grpcio stream, raw bytes at 0.60). The byt
 are protobuf's wire format: a chunk is its small header fields (serialized by protobuf) followed
 by the `data` field as key, length and bytes (fields may come in any order on the wire), so a
 client built from the generated stubs talks to this server and the other way round
-(tests/test_transport.py).
+(tests/unit/test_transport.py).
 """
 
 from __future__ import annotations

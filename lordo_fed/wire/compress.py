@@ -25,7 +25,7 @@ composition, and the error feedback that carries each compression's residual int
   leaves out of one round is sent in a later one (Seide et al. 2014; Karimireddy et al. 2019).
 
 Everything is plain torch on whatever device the tensor lives on, one pass per tensor; the
-simple reference of each codec (a loop per block or chunk) lives in tests/test_compress.py as
+simple reference of each codec (a loop per block or chunk) lives in tests/unit/test_compress.py as
 its oracle.
 """
 

@@ -9,7 +9,7 @@ zero-copy view of its span into memory it owns (the bf16 -> fp32 widening being 
 bytes of fp32 tensors for an N-byte payload instead of ~2-3N. Wire forms the scanner does not
 delimit itself (groups, non-minimal varints, ...) go to the protobuf path
 (`decode_*_reference`), which decides as it always did; the same functions are the oracle of
-tests/test_codec.py.
+tests/unit/test_codec.py.
 
 Why validate this much: a payload comes from another machine. Decoding checks everything before
 building a tensor and raises `PayloadError` (a `ValueError`) naming the tensor and the problem.

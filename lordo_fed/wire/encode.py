@@ -11,7 +11,7 @@ used), the few header bytes of each tensor are written, and the tensor is copied
 through a view of the output, the fp32 cast or bf16 rounding happening in that copy. Encoding a
 payload of N bytes thus needs N bytes (the output) instead of ~4N (tensor -> `tobytes` -> message
 field -> `SerializeToString`, plus the cast); into a file, it needs a 4 MiB staging buffer at
-most. The bytes are those `SerializeToString` writes for the same message (tests/test_codec.py
+most. The bytes are those `SerializeToString` writes for the same message (tests/unit/test_codec.py
 compares them with the protobuf-message encoders kept here as `encode_*_reference`), except for
 the order of the metrics map entries, written sorted by key where `SerializeToString` follows
 upb's hash table (a map has no order for a reader). Messages over protobuf's 2 GiB limit are
@@ -364,7 +364,7 @@ class StreamingEncode:
     fills: a node starts uploading the first bytes while the rest is still being encoded, so the
     encoding hides behind the link (benchmarks/wan_rounds.py). `wait_for(n)` blocks until the first
     `n` bytes are final; `result()` returns the whole buffer. The bytes are exactly
-    `encode_update`'s (its test oracle, tests/test_codec.py)."""
+    `encode_update`'s (its test oracle, tests/unit/test_codec.py)."""
 
     def __init__(self, update: WorkerUpdate, model_id: str, payload_dtype: str = "fp32"):
         plan = _update_plan(update, model_id, payload_dtype)  # errors in the inputs raise here

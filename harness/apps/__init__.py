@@ -1,0 +1,1 @@
+"""Flower apps the tests and benchmarks run besides the real one (server/, client/)."""

@@ -1,0 +1,302 @@
+"""Benchmarks are not tests, but their --quick modes run here so they cannot rot."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_quick(script: str, tmp_path: Path, timeout: float = 300, **extra_env: str) -> dict:
+    """Run `benchmarks/<script> --quick --out <tmp_path>/<stem>.json` (environment plus `extra_env`);
+    returns the result, checked to be a quick one that names its torch."""
+    out = tmp_path / f"{Path(script).stem}.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", **extra_env)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["quick"] is True and result["machine"]["torch"]
+    return result
+
+
+def test_client_state_quick(tmp_path):
+    result = run_quick("client_state.py", tmp_path)
+    (row,) = result["rows"]
+    assert row["state_bytes"] > 0 and row["disk_per_round_s"] > 0 and row["context_per_round_s"] > 0
+
+
+def test_quality_quick(tmp_path):
+    result = run_quick("quality.py", tmp_path)
+    runs = result["runs"]
+    assert {r["group"] for r in runs.values()} == {"baseline", "rank", "K", "MxB", "projection", "error feedback"}
+    assert len({r["tokens"] for r in runs.values()}) == 1, "every run must see the same tokens"
+    g, ref = runs["rank8_lordo_global"], runs["rank8_lowrank_ddp"]
+    assert g["gap_to_lowrank_ddp"] == pytest.approx(g["val_ppl"] / ref["val_ppl"] - 1)
+    assert runs["K2_lordo_global"]["K"] == 2 and runs["M2xB8_lordo_local"]["M"] == 2
+    assert runs["proj_dct_lordo_global"]["proj_method"] == "dct"
+    # The stagnation diagnostic: without the QH term every low-rank update lies in the shared
+    # subspace, so all of ||Δ̄||² is inside it; with ω < 1 the full-rank term leaves part outside.
+    with_qh, without = g["diagnostics"], runs["rank8_lordo_global_omega1"]["diagnostics"]
+    assert len(with_qh["delta_stable_rank"]) == len(with_qh["round"]) == 2
+    assert min(without["delta_in_subspace"]) > 0.999
+    assert max(with_qh["delta_in_subspace"]) < 0.99
+    assert Path(tmp_path / "quality.png").stat().st_size > 10_000
+    # the error-feedback diagnostics of the trainer: ‖U_out‖/‖U_in‖ per round, lower with the
+    # full-rank term on G than on G + E (the build-up of E inside a round)
+    fr_grad = runs["fr_grad_lordo_global"]["diagnostics"]
+    assert len(with_qh["update_out_in_ratio"]) == len(fr_grad["update_out_in_ratio"]) == len(with_qh["ef_norm"]) == 2
+    assert fr_grad["update_out_in_ratio_last"][-1] < with_qh["update_out_in_ratio_last"][-1]
+    assert all(r == 0 for r in without["update_out_in_ratio"])  # ω = 1: nothing outside the subspace
+
+
+def test_long_horizon_quick(tmp_path):
+    result = run_quick("long_horizon.py", tmp_path)
+    runs, gaps, summary = result["runs"], result["gaps"], result["summary"]
+    assert set(runs) == {f"{v}_s{s}" for v in ("lowrank_ddp", "global", "local") for s in (0, 1)}
+    assert len({r["tokens"] for r in runs.values()}) == 1, "every run must see the same tokens"
+    for s in (0, 1):  # the gap at the end is the ratio of the perplexities of the same seed
+        g, ref = runs[f"global_s{s}"], runs[f"lowrank_ddp_s{s}"]
+        assert gaps["global"]["per_seed"][str(s)][-1] == pytest.approx(g["val_ppl"] / ref["val_ppl"] - 1, rel=1e-9)
+    row = summary["global"]
+    assert row["final_gap_min"] <= row["final_gap_mean"] <= row["final_gap_max"]
+    assert summary["lowrank_ddp"]["final_gap_mean"] == 0
+    assert Path(tmp_path / "long_horizon.png").stat().st_size > 10_000
+
+
+def test_step_cost_quick(tmp_path):
+    result = run_quick("step_cost.py", tmp_path)
+    step = result["inner_step"]
+    for name in ("adamw", "adamw_fast", "lordo", "lordo_batched"):
+        med = step["median_seconds"][name]
+        assert med["fwd_bwd"] > 0 and med["step"] > 0
+        assert len(step["samples"][name]["step"]) == step["timed_steps"]
+    assert step["adamw_fast"] == "foreach"
+    # the headline ratio: the product's (batched) step against AdamW's fastest form
+    assert step["step_ratio_lordo_to_adamw"] == pytest.approx(
+        step["median_seconds"]["lordo_batched"]["step"] / step["median_seconds"]["adamw_fast"]["step"])
+    assert step["step_ratio_lordo_vs_adamw_fast"] == pytest.approx(
+        step["median_seconds"]["lordo"]["step"] / step["median_seconds"]["adamw_fast"]["step"])
+    batched = result["whole_model_refresh"]["batched_seconds"]
+    assert set(batched) == {"rsvd", "dct"} and all(v > 0 for v in batched.values())
+    methods = {(r["method"], tuple(r["shape"])) for r in result["refresh"]}
+    assert {m for m, _ in methods} == {"svd", "rsvd", "dct"}
+    assert all(r["median_seconds"] > 0 for r in result["refresh"])
+    # every low-rank shape of the preset was timed, and the whole-model figure sums them
+    matrices = result["whole_model_refresh"]["matrices"]
+    assert all(("svd", tuple(int(x) for x in s.split("x"))) in methods for s in matrices)
+    assert set(result["whole_model_refresh"]["seconds"]) == {"svd", "rsvd", "dct"}
+    assert Path(tmp_path / "step_cost.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_framework_overhead_quick(tmp_path):
+    result = run_quick("framework_overhead.py", tmp_path, timeout=600)
+    ref = result["modes"]["reference"]["median_rounds_2_to_n"]
+    sim = result["modes"]["simulation"]["median_rounds_2_to_n"]
+    assert 0 < ref["aggregation"] < ref["round_seconds"]
+    assert ref["ideal_parallel_round_seconds"] < ref["round_seconds"]
+    # every part was measured, and the measured parts fit inside the round
+    for part in ("client compute", "client other", "serialization", "aggregation", "transport + Flower"):
+        assert sim[part] > 0, part
+    assert sim["bytes_down"] > 0 and sim["bytes_up"] > 0
+    assert sim["ratio_to_ideal_parallel_round"] > 0
+    assert Path(tmp_path / "framework_overhead.png").stat().st_size > 10_000
+
+
+def test_server_memory_quick(tmp_path):
+    """Both paths end at the same θ; streaming loads each reply once and holds one at a time; its
+    round peak does not grow from M = 2 to 4, while the list path's grows by about the two replies
+    it holds more (16m: a 17 MB reply, against a few MB of allocator noise)."""
+    result = run_quick("server_memory.py", tmp_path, timeout=120)
+    rows = {(r["path"], r["M"]): r for r in result["rows"]}
+    assert set(rows) == {(p, m) for p in ("list", "stream") for m in (2, 4)}
+    reply = result["config"]["reply_bytes"]
+    assert result["config"]["model_bytes"] > 0 and reply > result["config"]["model_bytes"]
+    for m in (2, 4):
+        assert rows["list", m]["theta_sha256"] == rows["stream", m]["theta_sha256"]
+        assert rows["stream", m]["loads"] == m and rows["stream", m]["max_replies_loaded"] == 1
+        assert rows["list", m]["max_replies_loaded"] == m
+        assert all(rows[p, m]["accepted"] == list(range(m)) for p in ("list", "stream"))
+    growth = {p: rows[p, 4]["round_peak_bytes"] - rows[p, 2]["round_peak_bytes"] for p in ("list", "stream")}
+    assert growth["list"] > 1.5 * reply
+    assert growth["stream"] < 0.5 * reply
+
+
+def test_server_memory_deployment_quick(tmp_path):
+    """The product ServerApp in a real deployment with M = 1 and 2 stand-in nodes on the data
+    plane: every round has every client, the stand-ins' replies are the size of a worker's, and
+    server.jsonl carries the peak RSS the benchmark reports (structure, not the figures)."""
+    result = run_quick("server_memory_deployment.py", tmp_path, timeout=240)
+    rows = result["rows"]
+    assert [(r["M"], r["data_plane"]) for r in rows] == [(1, "grpc"), (2, "grpc")]
+    model = result["config"]["model_bytes"]
+    for r in rows:
+        assert [p["round"] for p in r["per_round"]] == [1, 2]
+        assert all(p["clients_ok"] == r["M"] for p in r["per_round"])
+        assert r["server_peak_rss_bytes"] == max(p["server_peak_rss_bytes"] for p in r["per_round"]) > model
+        # round 1 sends no θ (seeded); round 2 sends θ; replies carry Δ of every parameter
+        assert r["per_round"][0]["bytes_sent_per_client"] < model < r["per_round"][1]["bytes_sent_per_client"]
+        assert r["per_round"][1]["bytes_received_per_client"] > model
+
+
+def test_gpu_check_orchestrates_its_steps(tmp_path):
+    """benchmarks/gpu_check.py on a CPU (--quick --device cpu): each step runs as a subprocess and
+    leaves its result file; the CUDA tests are collected and, without a GPU, all skipped."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--quick", "--device", "cpu",
+                           "--only", "tests,step16m", "--out-dir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert list(summary["steps"]) == ["tests", "step16m"]
+    assert all(s["rc"] == 0 and s["result_written"] for s in summary["steps"].values())
+    counts = summary["steps"]["tests"]["counts"]
+    assert counts.get("skipped", 0) >= 10 and not counts.get("failed") and not counts.get("passed")
+    step = json.loads((tmp_path / "gpu_step_cost_16m.json").read_text())
+    assert step["config"]["device"] == "cpu" and step["inner_step"]["step_ratio_lordo_to_adamw"] > 0
+
+
+def test_corpus_tokenize_quick(tmp_path):
+    """Every format and tokenizer ran; the record formats gave the same tokens (the benchmark
+    checks their sha256); one thread and all cores tokenise to the same stream."""
+    result = run_quick("corpus_tokenize.py", tmp_path, timeout=300)
+    rows = result["rows"]
+    assert {(r["format"], r["tokenizer"]) for r in rows} == {
+        (f, t) for f in ("text", "jsonl", "parquet", "hf") for t in ("byte", "bpe-8192, all cores", "bpe-8192, 1 thread")}
+    for fmt in ("text", "jsonl", "parquet", "hf"):
+        bpe = {r["tokens_sha256"] for r in rows if r["format"] == fmt and r["tokenizer"].startswith("bpe")}
+        assert len(bpe) == 1
+    assert all(r["mb_per_s"] > 0 and r["tokens"] > 0 for r in rows)
+
+
+def test_codec_memory_quick(tmp_path):
+    """The direct encoder and in-place decoder need about their output (the payload, or the fp32
+    tensors decoded from it); the protobuf path about 4x / 2x more, which the run must see."""
+    result = run_quick("codec_memory.py", tmp_path, timeout=300)
+    summary = {(s["step"], s["payload_dtype"]): s for s in result["summary"]}
+    assert set(summary) == {(step, pd) for step in ("encode", "encode_file", "decode", "decode_mmap")
+                            for pd in ("fp32", "bf16")}
+    slack = 4e6  # code pages of a first call, Python objects
+    for pd, widen in (("fp32", 1), ("bf16", 2)):
+        payload = summary[("encode", pd)]["payload_bytes"]
+        assert payload == pytest.approx(16e6 / widen, rel=0.01)
+        assert summary[("encode", pd)]["new_peak_extra_bytes"] < 1.25 * payload + slack
+        assert summary[("encode", pd)]["old_peak_extra_bytes"] > 2.5 * payload
+        assert summary[("encode_file", pd)]["new_peak_extra_bytes"] < 4 * 2 ** 20 + slack  # the staging buffer
+        assert summary[("decode", pd)]["new_peak_extra_bytes"] < 1.25 * widen * payload + slack
+        assert summary[("decode", pd)]["old_peak_extra_bytes"] > summary[("decode", pd)]["new_peak_extra_bytes"] + 0.3 * payload
+        for step in ("encode", "encode_file", "decode", "decode_mmap"):
+            s = summary[(step, pd)]
+            assert s["old_seconds"] > 0 and s["new_seconds"] > 0
+
+
+@pytest.mark.slow
+def test_dataplane_throughput_quick(tmp_path):
+    """Structure and verification of benchmarks/dataplane_throughput.py --quick (not its speed):
+    every variant ran, every transfer arrived whole (sha256, sizes, content), ratios are ratios."""
+    result = run_quick("dataplane_throughput.py", tmp_path, timeout=300)
+    size = int(result["config"]["size_mb"] * 1e6)
+    nodes = result["config"]["nodes"]
+    assert nodes == 2 and result["verified"] is True
+    variants = result["variants"]
+    assert set(variants) == {"bare grpc", "bare grpc TLS", "dp transport only", "dp transport only TLS",
+                             "dp transport, sha256 off",
+                             "data plane", "flower"}  # --quick: no TLS deployment
+    for name, v in variants.items():
+        assert v["verified"] is True, name
+        if name.startswith(("bare", "dp transport")):
+            assert v["seconds"] > 0 and v["mb_per_s"] > 0, name
+        # (in a deployment, big - tiny exchange can come out <= 0 at --quick's 20 MB on a loaded
+        # machine: Flower's control latency varies by more than the transfer takes)
+        bare = variants["bare grpc TLS" if v["security"] == "tls" else "bare grpc"]["mb_per_s"]
+        # (the benchmark rounds ratios to 3 decimals: allow that rounding, which is large for a small ratio)
+        assert v["ratio_to_bare"] == pytest.approx(v["mb_per_s"] / bare, rel=1e-2, abs=5e-4), name
+        if name.startswith(("bare", "dp transport")):
+            assert v["bytes_moved"] == 2 * nodes * size, name  # each node: size down and size up
+        else:  # the encoded GlobalState / WorkerUpdate: the tensor plus a small header
+            assert 2 * nodes * size <= v["bytes_moved"] < 2 * nodes * size + 4096, name
+            assert v["end_to_end_s"] >= v["seconds"] and v["tiny_exchange_s"] > 0, name
+    # the Flower-less streams: both directions of every client checked by sha256 after the timed part
+    for runs in result["stream_runs"].values():
+        for run in runs:
+            assert run["verified"] is True
+            for c in run["clients"]:
+                assert c["down_sha256_ok"] and c["up_sha256_ok"] and c["down_bytes"] == c["up_bytes"] == size
+    # the deployment: every exchange, every node, both directions
+    rows = result["deployments"]["plaintext"]["rows"]
+    assert sorted((r["mode"], r["size_mb"]) for r in rows) == [
+        ("flower", 0.001), ("flower", 20.0), ("grpc", 0.001), ("grpc", 20.0)]
+    for r in rows:
+        assert r["verified"] is True and len(r["nodes"]) == nodes
+        for n in r["nodes"].values():
+            assert n["down_ok"] and n["up_content_ok"], r["mode"]  # decoded tensors equal what was drawn
+            assert n["down_bytes"] == r["payload_bytes_down"] and n["up_bytes"] == n["up_bytes_received"] > 0
+            assert n["up_sha256_ok"] is (True if r["mode"] == "grpc" else None)
+    breakdown = variants["data plane"]["breakdown"]
+    for key in ("server_encode_s", "publish_sha256_s", "download_s", "client_decode_s", "client_encode_s",
+                "upload_s", "server_decode_s", "control_down_s", "control_up_s", "critical_path_s"):
+        assert breakdown[key] >= 0, key
+    assert variants["data plane"]["critical_path_s"] == breakdown["critical_path_s"]
+    assert len(result["table"]) == 2 + len(variants)
+
+
+def test_async_rounds_quick(tmp_path):
+    """Structure of benchmarks/async_rounds.py --quick: on IID and non-IID data every method trained
+    on the same tokens, the asynchronous ones on the same deterministic schedule (not their
+    quality), async LoRDO's pushes carrying more bytes than async DiLoCo's (moments, bases)."""
+    result = run_quick("async_rounds.py", tmp_path)
+    assert set(result["settings"]) == {"iid", "non_iid"}
+    for summary in result["settings"].values():
+        methods = summary["methods"]
+        assert set(methods) == {"diloco", "async_diloco", "async_lookahead", "heloco", "lordo_global", "async_lordo",
+                                "heloco_lordo"}
+        assert len({m["final_tokens"] for m in methods.values()}) == 1
+        schedules = {json.dumps([m["staleness"], m["pushes_by_worker"]]) for k, m in methods.items()
+                     if k not in ("diloco", "lordo_global")}
+        assert len(schedules) == 1
+        slow = methods["heloco"]["pushes_by_worker"]
+        assert slow[-1] < slow[0]  # the 4x slower worker pushes less often
+        assert methods["async_lordo"]["bytes_per_worker"] > methods["async_diloco"]["bytes_per_worker"]
+    assert (tmp_path / "async_rounds.png").exists()
+
+
+def test_compression_quick(tmp_path):
+    """Structure of benchmarks/compression.py --quick: the presets' serialized bytes at 16m against
+    fp32 DDP (fp32 LoRDO-Global equal to communication.py's 12x, every compressed preset fewer
+    bytes than bf16), encode/decode time and a tiny quality run (not its figures' quality)."""
+    result = run_quick("compression.py", tmp_path)
+    by = {r["payload"]: r for r in result["bytes"]}
+    assert set(by) == {"fp32", "bf16", "int8", "int4", "topk2bit", "lowrank+topk2bit", "lowrank+topk2bit+rows"}
+    assert round(by["fp32"]["reduction_vs_ddp_fp32"]) == 12
+    assert by["fp32"]["reduction_vs_ddp_fp32"] < by["bf16"]["reduction_vs_ddp_fp32"] < by["int8"]["reduction_vs_ddp_fp32"]
+    up = {p: r["up_bytes_per_round"] for p, r in by.items()}
+    # the embedding travels int8 in every compressed preset: top-k saves on the blocks' matrices only
+    assert up["int8"] > up["int4"] and up["int8"] > up["lowrank+topk2bit"] > up["topk2bit"]
+    # all of the embedding's rows (--row-share 1): a scale and an index per row of 256 values cost
+    # less than int8's scale per 64 values
+    assert up["lowrank+topk2bit"] > up["lowrank+topk2bit+rows"] and up["lowrank+topk2bit"] > up["topk2bit"]
+    times = {r["payload"]: r for r in result["time"]}
+    assert all(times[p]["up_bytes"] < times["fp32"]["up_bytes"] for p in ("int8", "int4", "topk2bit", "lowrank+topk2bit"))
+    assert all(r["codec_s"] > 0 for r in result["time"])
+    quality = {r["payload"]: r for r in result["quality"]}
+    assert set(quality) == {"fp32", "int8"} and quality["int8"]["bytes_vs_fp32"] > 1.5
+    assert (tmp_path / "compression.png").exists()
+
+
+def test_node_ranks_quick(tmp_path):
+    """benchmarks/node_ranks.py --quick: local steps through DDP and FSDP2 (gloo, one rank) against
+    the bare model; the bytes two ranks of one node hold under each (FSDP2: about half each)."""
+    result = run_quick("node_ranks.py", tmp_path, timeout=180)
+    o = result["overhead"]
+    assert o["bare_seconds_per_step"] > 0 and o["samples"] == 5
+    for name in ("ddp", "fsdp"):
+        assert o[f"{name}_seconds_per_step"] > 0 and len(o[f"samples_{name}"]) == 6
+        assert o[f"{name}_over_bare"] == o[f"{name}_seconds_per_step"] / o["bare_seconds_per_step"]
+        assert o[f"{name}_over_bare_paired"] > 0
+    ddp, fsdp = ([r[w] for r in result["held"]["ranks"]] for w in ("ddp", "fsdp"))
+    assert ddp[0] == ddp[1] and fsdp[0]["theta_bytes"] + fsdp[1]["theta_bytes"] == ddp[0]["theta_bytes"]
+    assert all(f["total_bytes"] < 0.75 * ddp[0]["total_bytes"] for f in fsdp), result["held"]

@@ -1,0 +1,190 @@
+"""The Flower app for real: simulation engine and a SuperLink with SuperNodes on 127.0.0.1.
+
+- Parity: a Flower simulation run and the reference trainer, same seed and config, fp32, one
+  thread each, end at the same θ (max |Δθ| ≤ 1e-5): the app adds nothing and drops nothing.
+- Deployment: a real SuperLink and two real SuperNodes run 2 rounds; metrics are checked; every
+  process started is stopped. A bad config value stops a run before round 1 with a message.
+"""
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from lordo_fed.app.config import load_app_config
+from lordo_fed.checkpoint import load_checkpoint
+from lordo_fed.data import load_dataset
+from lordo_fed.device import pick_device
+from lordo_fed.rounds.methods import resolve_method
+from lordo_fed.model import DEFAULT_LOWRANK_PATTERN
+from lordo_fed.trainer.config import TrainConfig
+from lordo_fed.trainer.run import RunContext, run_rounds
+from harness.flower import Deployment, flower_env, run_simulation
+from tests.unit.test_appconfig import pyproject_config
+
+APP = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def tiny_run_config(tmp_path: Path, **kw) -> dict:
+    cfg = {
+        "preset": "quickstart", "num-server-rounds": 2, "local-steps": 3, "batch-size": 4, "seq-len": 32,
+        "eval-batches": 2, "threads": 1, "min-clients": 2, "output-dir": str(tmp_path / "out"),
+    }
+    cfg.update(kw)
+    return cfg
+
+
+def reference_theta(run_config: dict, workers: int) -> dict[str, torch.Tensor]:
+    """The reference trainer on the same settings (what the Flower run must reproduce)."""
+    app = load_app_config({**pyproject_config(), **run_config})
+    common = {f.name: getattr(app, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(app, f.name)}
+    cfg = TrainConfig(**{**common, "methods": [app.variant], "workers": workers, "total_steps": app.total_steps,
+                         "progress": False})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dataset = load_dataset(cfg.data, workers)
+        ctx = RunContext(cfg, dataset, pick_device("cpu"), dataset.val_batches(cfg.eval_batches), lambda r: None)
+        model = run_rounds(ctx, resolve_method(app.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer))
+    finally:
+        torch.set_num_threads(threads)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def server_records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "server.jsonl").read_text().splitlines()]
+
+
+EF_OPTIONS = {"sync-ef": True, "ef-reset": True, "ef-decay": 0.8, "full-rank-term": "gradient", "switch-step": 4}
+
+
+@pytest.mark.parametrize("variant,extra", [("lordo_global", {}),
+                                           ("lordo_global", {"dense-sync-factor": 2, "overlap-delay": 2}),
+                                           ("lordo_global", EF_OPTIONS), ("diloco", {}), ("desloc", {}),
+                                           ("lordo_global", {"payload-dtype": "lowrank+topk2bit+rows"})])
+def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
+    """Baselines run through the same app by config: DiLoCo (AdamW, Nesterov outer, no state
+    sync) and DES-LOC (AdamW, states averaged at their own periods); LoRDO-Global also with the
+    embedding's and norms' moments averaged every second round only (dense-sync-factor=2) in
+    overlapped rounds (overlap-delay=2), and
+    with the error-feedback options and the two-phase switch (E crosses the wire both ways; the
+    switch at step 4 falls inside round 2); and with compressed payloads (`lowrank+topk2bit+rows`:
+    the matrices' Δ as int8 coordinates in the round's shared basis plus a top-k 2-bit residual, the
+    embedding row-sparse int8, the norms int8, with error feedback on the clients; moments int8),
+    which the server decodes with the run's codecs and rebuilds. Overlapped rounds: round 2 starts
+    from each client's own θ and merges the global state after 2 of its 3 steps (the clients keep
+    the round they sent in their state between messages)."""
+    run_config = tiny_run_config(tmp_path, variant=variant, **extra)
+    env = flower_env(tmp_path)
+    proc = run_simulation(APP, env, num_supernodes=2, run_config=run_config, timeout=240, check=True,
+                          log_path=tmp_path / "sim.log")
+    out = tmp_path / "out"
+    records = server_records(out)
+    assert [r["round"] for r in records] == [0, 1, 2]
+    assert all(r["clients_ok"] == 2 for r in records[1:])
+    assert records[-1]["val_loss"] < records[0]["val_loss"]
+    assert (out / "val_loss.png").exists() and (out / "bytes.png").exists()
+    assert "lordo-fed: metrics" in proc.stdout
+
+    tensors, meta = load_checkpoint(out / "checkpoints")
+    assert meta["round"] == 2
+    flower = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
+    reference = reference_theta(run_config, workers=2)
+    assert set(flower) == set(reference)
+    worst = max((flower[n] - reference[n]).abs().max().item() for n in reference)
+    assert worst <= 1e-5, f"max |θ_flower − θ_reference| = {worst}"
+    print(f"parity: max |θ_flower − θ_reference| = {worst:.3g}")
+    assert records[-1]["tokens"] == 2 * 2 * 3 * 4 * 32
+    if "dense-sync-factor" in extra:  # round 1 sends the low-rank moments only, round 2 the full-size ones too
+        assert records[1]["bytes_received_per_client"] < records[2]["bytes_received_per_client"]
+    if extra.get("payload-dtype") == "lowrank+topk2bit+rows":  # Δ: r·max(p, q) bytes + ~3% x (2 + 12) bits, moments 8 bits
+        plain = 4 * sum(t.numel() for t in reference.values())
+        assert all(r["bytes_received_per_client"] < plain / 2 for r in records[1:]), records
+    if extra.get("overlap-delay"):
+        assert [r["clients_overlapped"] for r in records[1:]] == [0, 2], records
+    if extra.get("sync-ef"):  # each reply carries Δ of every parameter and E of every low-rank matrix
+        lowrank = [n for n in reference if re.search(DEFAULT_LOWRANK_PATTERN, n)]
+        floats = sum(t.numel() for t in reference.values()) + sum(reference[n].numel() for n in lowrank)
+        assert lowrank and all(r["bytes_received_per_client"] >= 4 * floats for r in records[1:])
+
+
+def test_a_run_config_key_at_its_default_wins_over_the_preset(tmp_path):
+    """`--run-config "preset='quickstart' local-steps=32"`: 32 is pyproject's default and quickstart
+    says 16. The server reads the keys the user set from Flower's Run and names them in every
+    message, so the server (step counter) and both clients (tokens trained) run K = 32."""
+    run_config = tiny_run_config(tmp_path, **{"local-steps": 32, "num-server-rounds": 1})
+    run_simulation(APP, flower_env(tmp_path), 2, run_config, timeout=240, check=True)
+    (_, first) = server_records(tmp_path / "out")
+    assert first["step"] == 32 and first["tokens"] == 2 * 32 * 4 * 32
+
+
+def test_resume_continues_from_the_checkpoint(tmp_path):
+    """A second run with `resume` picks up θ, counters and history at round 2 and the clients'
+    own state (their disk store, keyed by partition), then trains round 3."""
+    env = flower_env(tmp_path)
+    out = tmp_path / "out"
+    run_simulation(APP, env, 2, tiny_run_config(tmp_path), timeout=240, check=True)
+    first = server_records(out)
+    proc = run_simulation(APP, env, 2, tiny_run_config(tmp_path, **{"num-server-rounds": 3, "resume": str(out / "checkpoints")}),
+                          timeout=240, check=True)
+    records = server_records(out)
+    assert [r["round"] for r in records] == [0, 1, 2, 3]
+    assert records[:3] == first
+    assert records[3]["tokens"] == 3 * 2 * 3 * 4 * 32
+    assert "resumed from" in proc.stdout
+    assert records[3]["clients_fresh_state"] == 0  # both clients found their round-2 state
+    assert load_checkpoint(out / "checkpoints")[1]["round"] == 3
+
+
+def test_deployment_on_both_data_planes_matches_the_reference_and_bad_configs_stop(tmp_path):
+    """A real SuperLink and two SuperNodes: the payloads over the gRPC data plane (plaintext,
+    explicitly insecure) and inside Flower's messages end at the same θ as the reference trainer,
+    bit for bit (round 1's θ0 built by the clients from the seed, not sent), and so do compressed
+    payloads over the data plane (lowrank+topk2bit+rows: Δ up as coordinates in the shared basis
+    plus a residual, with error feedback, θ down as the int8 change of the clients' copy, which each
+    node keeps in its state); bad values stop a run before round 1
+    with a message naming them."""
+    with Deployment(tmp_path, num_nodes=2) as dep:
+        bad = dep.run(APP, tiny_run_config(tmp_path, omega=1.5, **{"output-dir": str(tmp_path / "bad")}), timeout=120)
+        assert "run-config key 'omega': inner.omega=1.5: expected a number in [0, 1]" in bad.stdout
+        assert not (tmp_path / "bad" / "server.jsonl").exists()
+        no_tls = dep.run(APP, tiny_run_config(tmp_path, **{"output-dir": str(tmp_path / "no_tls")}), timeout=120)
+        assert "data-plane='grpc' needs TLS: set data-plane-certfile and data-plane-keyfile" in no_tls.stdout
+        assert not (tmp_path / "no_tls" / "server.jsonl").exists()
+
+        thetas = {}
+        for plane in ("grpc", "flower", "grpc-compressed"):
+            out = tmp_path / plane
+            extra = {"payload-dtype": "lowrank+topk2bit+rows"} if plane.endswith("compressed") else {}
+            dep.run(APP, tiny_run_config(tmp_path, **{"output-dir": str(out), "data-plane": plane.split("-")[0],
+                                                      "data-plane-insecure": plane.startswith("grpc"), **extra}),
+                    timeout=240, check=True)
+            records = server_records(out)
+            assert [r["round"] for r in records] == [0, 1, 2]
+            assert all(r["clients_ok"] == 2 and r["clients_missing"] == 0 for r in records[1:])
+            assert records[-1]["val_loss"] < records[0]["val_loss"]
+            assert ("upload_seconds" in records[1]) == plane.startswith("grpc")
+            tensors, _ = load_checkpoint(out / "checkpoints")
+            thetas[plane] = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
+            # θ0 is the seeded init both sides build: round 1 sends no θ, round 2 sends θ (compressed:
+            # the int8 change of the clients' copy, about a quarter of it).
+            theta_bytes = 4 * sum(t.numel() for t in thetas[plane].values())
+            if extra:
+                assert records[1]["bytes_sent_per_client"] < theta_bytes / 4 < records[2]["bytes_sent_per_client"]
+                assert records[2]["bytes_sent_per_client"] < theta_bytes / 2, records
+            else:
+                assert records[1]["bytes_sent_per_client"] < theta_bytes <= records[2]["bytes_sent_per_client"], records
+        assert not list((tmp_path / "grpc" / "dataplane_spool").glob("*")), "spooled replies left behind"
+        pids = dep.all_pids()
+    from harness.flower import alive
+
+    assert not alive(pids)
+    for plane, theta in thetas.items():
+        extra = {"payload-dtype": "lowrank+topk2bit+rows"} if plane.endswith("compressed") else {}
+        reference = reference_theta(tiny_run_config(tmp_path, **extra), workers=2)
+        worst = max((theta[n] - reference[n]).abs().max().item() for n in reference)
+        assert worst == 0.0, f"{plane}: max |θ_deployment − θ_reference| = {worst}"

@@ -1,0 +1,295 @@
+"""A node of several ranks (lordo_fed.node.ranks): two gloo processes on this CPU train as one
+worker whose batch is both ranks' rows together, with each intra-node wrapper (DDP: the state
+replicated; FSDP2: θ, gradients and optimizer state sharded across the ranks).
+
+The oracle is a one-process worker with the doubled batch: after two rounds (so LoRDO-Global's
+refitted basis and the moments' rotation are in play) its Δ, its moments, its θ and its loss must
+equal the two-rank node's, to fp32 rounding (an all-reduce sums the two halves' gradients in
+another order than one backward pass does), for LoRDO-Global, LoRDO-Local and DiLoCo. Model and
+data as tests/unit/test_worker.py (tiny model, random tokens).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lordo_fed.rounds.methods import lowrank_ranks, make_aggregator, make_worker, resolve_method
+from lordo_fed.model import DEFAULT_LOWRANK_PATTERN, lowrank_parameter_names
+from lordo_fed.node.ranks import WRAPPERS, LocalRanks
+from lordo_fed.optim.sharded import gather, local
+from lordo_fed.optim.config import InnerConfig
+from lordo_fed.rounds.outer import OuterConfig
+from lordo_fed.rounds.config import RoundConfig
+from tests.unit.test_worker import BATCH, K, RANK, SEQ, TOTAL_STEPS, shard, snapshot, tiny_model
+
+METHODS = ("lordo_global", "lordo_local", "diloco")
+ROUNDS = 2
+
+
+def node_rounds(method: str, ranks: LocalRanks | None, batch: int, resume: bool = False) -> dict:
+    """Two rounds of one node (its worker and its own aggregator, as a one-node federation):
+    every round's update and the final θ and optimizer moments, as whole host tensors, and the
+    elements this rank holds of θ. With `resume`, the worker is rebuilt between the rounds from
+    the state it saved (`flat_state`, the lead's copy on every rank), as a restarted node is."""
+    torch.set_num_threads(1)
+    s = resolve_method(method, InnerConfig(rank=RANK), RoundConfig(local_steps=K), OuterConfig())
+    model = tiny_model(0)
+    lowrank = lowrank_parameter_names(model) if s.inner.name == "lordo" else []
+    ranks_of = lowrank_ranks(model, DEFAULT_LOWRANK_PATTERN, RANK, s.inner.name)
+    agg = make_aggregator(model, s, ranks_of, seed=0)  # before the worker: FSDP2 shards the model it is given
+    worker = make_worker(0, model, s, shard(0), lowrank, TOTAL_STEPS, batch, SEQ, seed=0, ranks=ranks)
+    if agg.needs_gradient_init:
+        agg.init_projections([worker.gradient(agg.gradient_request(), sorted(ranks_of))])
+    updates = []
+    for r in range(ROUNDS):
+        if resume and r:
+            saved = worker.flat_state()
+            worker = make_worker(0, model, s, shard(0), lowrank, TOTAL_STEPS, batch, SEQ, seed=0, ranks=ranks)
+            worker.load_flat_state(*saved)
+        update = worker.train_round(snapshot(agg.global_state()))
+        updates.append({"delta": update.delta, "moments": update.moments, "tokens": update.tokens,
+                        "loss": update.metrics["train_loss"]})
+        agg.aggregate([update])
+    moments = {f"{n}/{k}": gather(v.detach(), p).clone() for n, p in worker.params.items()
+               for k, v in worker.optimizer.state[p].items() if k in ("exp_avg", "exp_avg_sq", "ef")}
+    return {"updates": updates, "theta": worker._host_params(), "state": moments,
+            "held": sum(local(p).numel() for p in worker.params.values())}
+
+
+def _rank_main(rank: int, world: int, rendezvous: str, out: str, wrapper: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        results = {m: node_rounds(m, LocalRanks(rank, world, wrapper), BATCH) for m in METHODS}
+        results["resumed"] = node_rounds("lordo_global", LocalRanks(rank, world, wrapper), BATCH, resume=True)
+        torch.save(results, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=WRAPPERS)
+def two_rank_node(request, tmp_path_factory):
+    """(wrapper, both ranks' results of every method): one spawn of two gloo processes per wrapper."""
+    tmp = tmp_path_factory.mktemp(f"ranks-{request.param}")
+    mp.spawn(_rank_main, args=(2, str(tmp / "rendezvous"), str(tmp / "result"), request.param), nprocs=2, join=True)
+    return request.param, [torch.load(tmp / f"result.{r}", weights_only=False) for r in range(2)]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Equal up to fp32 rounding as the Adam steps amplify it: a first step divides by √v, so an
+    entry with a tiny gradient moves by ~lr whatever its last bits (measured: at most 6e-4 of the
+    tensor's largest entry after two rounds; another batch moves it by its whole size)."""
+    assert a.shape == b.shape, what
+    worst, scale = (a - b).abs().max().item(), b.abs().max().item()
+    assert worst <= 2e-3 * scale + 1e-9, f"{what}: max |a − b| = {worst:.3g}, max |b| = {scale:.3g}"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_two_ranks_equal_one_process_with_both_batches(two_rank_node, method):
+    wrapper, results = two_rank_node
+    reference = node_rounds(method, None, 2 * BATCH)
+    lead, other = (r[method] for r in results)
+    for r, (mine, ref) in enumerate(zip(lead["updates"], reference["updates"]), start=1):
+        assert mine["tokens"] == ref["tokens"] == K * 2 * BATCH * SEQ
+        assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert set(mine["delta"]) == set(ref["delta"]) and set(mine["moments"]) == set(ref["moments"])
+        for n in ref["delta"]:
+            _close(mine["delta"][n], ref["delta"][n], f"round {r} Δ {n}")
+        for k in ref["moments"]:
+            _close(mine["moments"][k], ref["moments"][k], f"round {r} {k}")
+    for n in reference["theta"]:
+        _close(lead["theta"][n], reference["theta"][n], f"θ {n}")
+    for k in reference["state"]:
+        _close(lead["state"][k], reference["state"][k], f"state {k}")
+    # DDP: each rank holds θ whole; FSDP2: half of it each (a 2-D weight a chunk of rows or columns)
+    whole = sum(t.numel() for t in reference["theta"].values())
+    if wrapper == "ddp":
+        assert lead["held"] == other["held"] == whole
+    else:
+        assert lead["held"] + other["held"] == whole and lead["held"] <= whole // 2 + 64, (lead["held"], whole)
+    # the ranks hold the same node state (whole under DDP, gathered under FSDP2), and send none of it
+    for n in lead["theta"]:
+        assert torch.equal(lead["theta"][n], other["theta"][n]), n
+    for k in lead["state"]:
+        assert torch.equal(lead["state"][k], other["state"][k]), k
+    # and the comparison can fail: one rank's batch alone is another run
+    single = node_rounds(method, None, BATCH)["updates"][0]["delta"]
+    first = reference["updates"][0]["delta"]
+    assert max((single[n] - first[n]).abs().max().item() / first[n].abs().max().item() for n in first) > 0.1
+
+
+def test_a_node_resumes_from_its_saved_state(two_rank_node):
+    """Rebuilt between the rounds from the state it saved (the lead's copy, read by both ranks and
+    cut to each one's chunk under FSDP2), the node trains round 2 as if it had not stopped."""
+    _, results = two_rank_node
+    for rank in results:
+        straight, resumed = rank["lordo_global"], rank["resumed"]
+        for a, b in zip(straight["updates"], resumed["updates"]):
+            for n in a["delta"]:
+                assert torch.equal(a["delta"][n], b["delta"][n]), n
+        for k in straight["state"]:
+            assert torch.equal(straight["state"][k], resumed["state"][k]), k
+
+
+def test_sharded_lordo_refuses_what_it_does_not_shard(tmp_path):
+    """A low-rank matrix cut along the dimension its basis spans, or with a compressed E, is
+    refused with a message naming the placement or the option (one gloo rank: a mesh of one)."""
+    mp.spawn(_refusals_main, args=(str(tmp_path / "rendezvous"), str(tmp_path / "out")), nprocs=1, join=True)
+    messages = (tmp_path / "out").read_text().split("\n---\n")
+    assert "expected Shard(1), the dimension its low-rank coordinates keep" in messages[0], messages[0]
+    assert "ef_density=0.5 on a sharded parameter" in messages[1], messages[1]
+
+
+def _refusals_main(rank: int, rendezvous: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lordo_fed.optim import LoRDO
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    messages = []
+    for placement, density in ((Shard(0), 1.0), (Shard(1), 0.5)):
+        wide = torch.nn.Parameter(distribute_tensor(torch.randn(8, 16), mesh, [placement]))  # left projection
+        wide.grad = distribute_tensor(torch.randn(8, 16), mesh, [placement])
+        opt = LoRDO([wide], rank=2, ef_density=density, projection_source="local")
+        try:
+            opt.step()
+            messages.append("no error")
+        except ValueError as err:
+            messages.append(str(err))
+    with open(out, "w") as f:
+        f.write("\n---\n".join(messages))
+    dist.destroy_process_group()
+
+
+def _uneven_main(rank: int, rendezvous: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from lordo_fed.optim.sharded import chunk_of, coords_mean, shard_placement
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    checks = []
+    for shape in ((5, 3), (3, 7), (7,), (1,)):  # chunks of 3 and 2 rows, of 4 and 3 columns, 1-D, one empty
+        whole = torch.arange(float(torch.Size(shape).numel())).reshape(shape) + 1
+        param = distribute_tensor(whole, mesh, [shard_placement(whole)])
+        mine = chunk_of(whole, param)
+        checks.append(torch.equal(mine, param.to_local()))  # cut as DTensor (and FSDP2) cuts
+        checks.append(torch.equal(gather(mine, param), whole))
+        if whole.ndim == 2:
+            checks.append(torch.allclose(coords_mean(mine, param), whole.mean()))
+            stack = torch.stack([mine, 2 * mine])
+            checks.append(torch.allclose(coords_mean(stack, param).flatten(), torch.stack([whole.mean(), 2 * whole.mean()])))
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(" ".join(str(c) for c in checks))
+    dist.destroy_process_group()
+
+
+def test_chunks_gathers_and_means_agree_with_the_whole_tensor(tmp_path):
+    """`sharded`'s cut (`chunk_of`) is DTensor's, also when the chunks are uneven or one is empty;
+    `gather` undoes it; the QH mean over a matrix's chunks (`coords_mean`) is the whole one's."""
+    mp.spawn(_uneven_main, args=(str(tmp_path / "rendezvous"), str(tmp_path / "out")), nprocs=2, join=True)
+    for rank in range(2):
+        checks = (tmp_path / f"out.{rank}").read_text().split()
+        assert len(checks) == 12 and all(c == "True" for c in checks), (rank, checks)
+
+
+def test_bad_local_ranks_are_refused():
+    with pytest.raises(ValueError, match="intra-node wrapper 'fsdp9'"):
+        LocalRanks(0, 2, "fsdp9")
+    with pytest.raises(ValueError, match="rank=2 of world=2"):
+        LocalRanks(2, 2)
+    assert LocalRanks.from_environment() is None or os.environ.get("WORLD_SIZE", "1") != "1"
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_ranks_match_the_reference_with_the_doubled_batch(tmp_path):
+    """A real deployment: two SuperNodes, each with a node worker of two ranks (torchrun, gloo)
+    on the gRPC data plane, node 0's sharing gradients by DDP and node 1's sharded by FSDP2, over
+    three overlapped rounds (both ranks train the next round's early steps on a thread while the
+    lead uploads and hands on the next job); node 1's whole worker (both ranks) is SIGKILLed once
+    round 1 is saved, and restarted: both ranks resume from the lead's saved copy of the node's
+    state (each cut to its chunk), the round it sent included. The run ends at the θ of the
+    reference trainer with two workers of the doubled batch (to fp32 rounding, as above), each node weighted by both ranks' tokens, and each node sends
+    one reply the size of a one-process worker's (only the lead talks)."""
+    import signal
+
+    from lordo_fed.checkpoint import load_checkpoint
+    from harness.flower import Deployment, alive, check_run, start_node_worker, stop_process
+    from tests.integration.test_flower_app import APP, reference_theta, server_records, tiny_run_config
+    from tests.integration.test_node_worker import wait_for_round_1_saved
+    from tests.integration.test_reliability import Background
+
+    socks = [tmp_path / f"nw{i}.sock" for i in range(2)]
+    logs = [tmp_path / f"node-worker-{i}.log" for i in range(2)]
+    wrappers = ("ddp", "fsdp")
+    workers = [start_node_worker(s, log, ranks=2, timeout=120, intra_node=w) for s, log, w in zip(socks, logs, wrappers)]
+    out = tmp_path / "out"
+    cfg = tiny_run_config(tmp_path, **{"num-server-rounds": 3, "data-plane-insecure": True, "output-dir": str(out),
+                                       "overlap-delay": 2})
+    try:
+        with Deployment(tmp_path, num_nodes=2, node_configs=[{"node-worker": f"unix://{s}"} for s in socks]) as dep:
+            run = Background(dep.run, APP, cfg, timeout=300, log_path=tmp_path / "run.log")
+            wait_for_round_1_saved(out, run, tmp_path / "run.log")
+            os.killpg(workers[1].pid, signal.SIGKILL)  # torchrun and both its ranks
+            workers[1].wait(timeout=10)
+            workers[1] = start_node_worker(socks[1], logs[1], ranks=2, timeout=120, intra_node=wrappers[1])
+            check_run(run.result(300))
+            pids = dep.all_pids()
+        assert not alive(pids)
+    finally:
+        for w in workers:
+            stop_process(w)
+    assert all(f"lead of 2 ranks, {w}" in log.read_text() for log, w in zip(logs, wrappers)), logs[0].read_text()[-2000:]
+    records = server_records(out)
+    assert [r["round"] for r in records] == [0, 1, 2, 3]
+    assert all(r["clients_ok"] == 2 and r["clientapps_with_torch"] == 0 for r in records[1:]), records
+    assert all(r["clients_fresh_state"] == 0 for r in records[1:]), "the restarted node lost its state"
+    assert [r["clients_overlapped"] for r in records[1:]] == [0, 2, 2], records
+    doubled = {**cfg, "batch-size": 2 * cfg["batch-size"]}
+    assert records[-1]["tokens"] == 3 * 2 * cfg["local-steps"] * doubled["batch-size"] * cfg["seq-len"]
+    tensors, _ = load_checkpoint(out / "checkpoints")
+    theta = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
+    reference = reference_theta(doubled, workers=2)
+    worst = max((theta[n] - reference[n]).abs().max().item() for n in reference)
+    assert worst <= 1e-4, f"max |θ_two_rank_nodes − θ_reference| = {worst}"
+    # one voice per node: the reply is Δ and the due moments of one worker, whatever the ranks
+    one_worker = 4 * sum(t.numel() for t in reference.values())
+    assert all(one_worker <= r["bytes_received_per_client"] < 1.5 * one_worker for r in records[1:]), records
+
+
+def _dead_peer_main(rank: int, rendezvous: str, out: str) -> None:
+    import time
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=20))
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    ranks = LocalRanks(rank, 2, control=control)
+    assert bytes(ranks.broadcast_bytes(b"job" if ranks.lead else None)) == b"job"
+    if rank == 1:
+        os._exit(0)  # a rank dies between jobs
+    started = time.monotonic()
+    try:
+        ranks.broadcast_bytes(b"next job")
+        outcome = "no error"
+    except Exception as err:  # noqa: BLE001
+        outcome = f"{type(err).__name__}: {err}"
+    with open(out, "w") as f:
+        f.write(f"{time.monotonic() - started:.1f}\n{outcome}")
+    os._exit(0)
+
+
+def test_a_dead_rank_fails_the_leads_next_job_instead_of_hanging(tmp_path):
+    """The lead hands a job on to a rank that has died: the collective raises (the node's job
+    fails and the server goes on without the node), within the rank timeout, instead of hanging."""
+    out = tmp_path / "outcome"
+    mp.spawn(_dead_peer_main, args=(str(tmp_path / "rendezvous"), str(out)), nprocs=2, join=True)
+    seconds, outcome = out.read_text().split("\n", 1)
+    assert outcome != "no error" and float(seconds) < 25, outcome

@@ -1,0 +1,80 @@
+"""Flower run settings: pyproject keys, Hydra presets, precedence, errors before round 1."""
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from lordo_fed.app.config import FLAT_KEYS, PRESET_DIR, flat_defaults, load_app_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def pyproject_config() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+
+
+def test_pyproject_keys_and_defaults_match_the_app_config():
+    assert pyproject_config() == flat_defaults()
+
+
+def test_every_preset_composes_and_validates():
+    presets = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+    assert {"quickstart", "paper-16m", "paper-125m", "paper-360m", "paper-720m", "diloco", "local-adam",
+            "desloc", "lordo-local"} <= set(presets)
+    for name in presets:
+        cfg = load_app_config({**pyproject_config(), "preset": name})
+        assert cfg.num_rounds > 0, name
+
+
+def test_precedence_defaults_then_preset_then_run_config():
+    base = pyproject_config()
+    cfg = load_app_config(base)
+    assert (cfg.model.preset, cfg.inner.rank) == ("small", 8)
+    cfg = load_app_config({**base, "preset": "paper-16m"})
+    assert (cfg.model.preset, cfg.inner.rank, cfg.num_rounds) == ("16m", 32, 256)
+    cfg = load_app_config({**base, "preset": "paper-16m", "rank": 16, "num-server-rounds": 3})
+    assert (cfg.model.preset, cfg.inner.rank, cfg.num_rounds) == ("16m", 16, 3)
+    assert load_app_config({**base, "preset": "diloco"}).variant == "diloco"
+
+
+def test_a_key_the_user_set_wins_over_the_preset_even_at_its_default():
+    """Flower merges pyproject's defaults into the run config: local-steps=32 (the default) looks
+    unset, and quickstart's 16 stays, unless the key is named as set (Run.override_config)."""
+    run_config = {**pyproject_config(), "preset": "quickstart", "local-steps": 32, "model-preset": "small"}
+    merged = load_app_config(run_config)
+    assert (merged.rounds.local_steps, merged.model.preset) == (16, "tiny")
+    chosen = load_app_config(run_config, explicit=("local-steps", "model-preset", "preset"))
+    assert (chosen.rounds.local_steps, chosen.model.preset) == (32, "small")
+    assert chosen.inner.rank == merged.inner.rank == 8 and chosen.data.seq_len == 64  # the rest: quickstart's
+
+
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("omega", 1.5, "run-config key 'omega': inner.omega=1.5: expected a number in [0, 1]"),
+        ("seq-len", 0, "run-config key 'seq-len': DataConfig.seq_len=0"),
+        ("payload-dtype", "fp8", "run-config key 'payload-dtype': payload_dtype='fp8': expected one of ('fp32', 'bf16', 'int8', 'int4', 'topk2bit', 'lowrank+topk2bit', 'lowrank+topk2bit+rows')"),
+        ("variant", "ddp", "run-config key 'variant': variant='ddp': expected one of"),
+        ("rank", "x", "run-config key 'rank'='x': expected a number"),
+        ("preset", "nope", "run-config key 'preset'='nope': no nope.yaml"),
+        ("outer-lr", -1.0, "run-config key 'outer-lr': outer.lr=-1.0"),
+        ("model-preset", "1b", "model-preset"),
+        ("proj-method", "qr", "run-config key 'proj-method': inner.proj_method='qr'"),
+        ("min-clients", 0, "run-config key 'min-clients': min_clients=0"),
+    ],
+)
+def test_bad_values_name_the_key_the_value_and_what_is_allowed(key, value, message):
+    with pytest.raises(ValueError) as err:
+        load_app_config({**pyproject_config(), key: value})
+    assert message in str(err.value)
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ValueError, match="unknown run-config key\\(s\\) \\['ranks'\\]"):
+        load_app_config({**pyproject_config(), "ranks": 4})
+
+
+def test_flat_keys_point_at_real_fields():
+    defaults = flat_defaults()
+    assert set(defaults) == set(FLAT_KEYS) | {"preset"}

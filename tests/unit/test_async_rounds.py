@@ -1,0 +1,250 @@
+"""Asynchronous rounds on the virtual clock (lordo_fed.rounds.async_rounds, the reference trainer's
+run_async): the arrival order and staleness by hand, the staleness bound, one worker equal to
+synchronous DiLoCo, HeLoCo learning and reproducible."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lordo_fed.rounds.async_rounds import AsyncRule, AsyncServer, VirtualClock
+from lordo_fed.rounds.config import AsyncConfig
+from lordo_fed.rounds.methods import resolve_method
+from lordo_fed.rounds.outer import Average, MomentumLookAhead, Nesterov
+from lordo_fed.wire.messages import WorkerUpdate
+from lordo_fed.rounds.config import RoundConfig
+from lordo_fed.trainer.run import run_async, run_rounds
+
+from tests.unit.test_trainer import context, tiny_config
+
+
+def test_the_clock_orders_by_time_then_worker():
+    clock = VirtualClock()
+    clock.start(1, 0.0, 6.0)
+    clock.start(0, 0.0, 2.0)
+    clock.start(2, 2.0, 4.0)  # also at 6: after worker 1
+    assert [clock.next() for _ in range(3)] == [(2.0, 0), (6.0, 1), (6.0, 2)]
+
+
+def reply(worker: int, **delta: torch.Tensor) -> WorkerUpdate:
+    return WorkerUpdate(worker_id=worker, round=1, delta=delta, moments={}, tokens=1, opt_step=0)
+
+
+def test_staleness_and_the_bound():
+    """Steps applied between a pull and its push are its staleness; past the bound it is dropped
+    (θ and the version unchanged)."""
+    server = AsyncServer({"w": torch.zeros(2)}, Average(lr=1.0), AsyncRule(False, False), AsyncConfig(max_staleness=1))
+    first, second = server.pull(), server.pull()
+    assert first.version == second.version == 0
+    assert server.push(reply(0, w=torch.ones(2)), first, 1.0).staleness == 0
+    late = server.push(reply(1, w=torch.ones(2)), second, 2.0)
+    assert late.applied and late.staleness == 1  # at the bound: applied
+    dropped = server.push(reply(1, w=torch.ones(2)), second, 3.0)
+    assert not dropped.applied and dropped.reason == "staleness 2 > max_staleness 1"
+    assert server.version == 2 and torch.equal(server.params["w"], torch.full((2,), -2.0))
+
+
+def test_every_rule_weights_its_arrivals_by_rho():
+    """G = ρΔ for async DiLoCo (here with a plain average step: θ moves by −ηρΔ); HeLoCo's first
+    arrival (no momentum) likewise."""
+    server = AsyncServer({"w": torch.zeros(2)}, Average(lr=1.0), AsyncRule(False, False), AsyncConfig(weight=0.25))
+    server.push(reply(0, w=torch.tensor([4.0, -8.0])), server.pull(), 1.0)
+    assert torch.equal(server.params["w"], torch.tensor([-1.0, 2.0]))
+    heloco = AsyncServer({"w": torch.zeros(1)}, MomentumLookAhead(lr=1.0, momentum=0.5), AsyncRule(True, True),
+                         AsyncConfig(weight=0.5))
+    heloco.push(reply(0, w=torch.tensor([2.0])), heloco.pull(), 1.0)  # G = 1: m = 0.5, θ = −(1 + 0.25)
+    assert torch.equal(heloco.params["w"], torch.tensor([-1.25]))
+
+
+def test_look_ahead_pulls_need_the_look_ahead_step():
+    with pytest.raises(ValueError, match="need the momentum look-ahead outer step"):
+        AsyncServer({"w": torch.zeros(1)}, Nesterov(), AsyncRule(True, False), AsyncConfig())
+    server = AsyncServer({"w": torch.zeros(1)}, MomentumLookAhead(lr=1.0, momentum=0.5), AsyncRule(True, False),
+                         AsyncConfig())
+    server.push(reply(0, w=torch.ones(1)), server.pull(), 1.0)  # m = 0.5, θ = -(1 + 0.25) = -1.25
+    pull = server.pull()  # θ̄ = θ − η μ m = -1.25 − 0.25
+    assert pull.version == 1 and torch.equal(pull.params["w"], torch.tensor([-1.5]))
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(speeds=[1.0]), r"speeds=\[1.0\]: expected 2 values"),
+    (dict(speeds=[1.0, 0.0]), "expected virtual seconds per step > 0"),
+    (dict(max_staleness=-1), "max_staleness=-1: expected an integer >= 0"),
+    (dict(weight=0.0), "weight=0.0: expected a weight > 0"),
+    (dict(local_steps=[4]), r"local_steps=\[4\]: expected 2 values"),
+    (dict(local_steps=[4, 0]), "expected integers > 0"),
+    (dict(order="lifo"), "order='lifo': expected one of"),
+])
+def test_bad_async_settings_are_named(bad, message):
+    with pytest.raises(ValueError, match=message):
+        AsyncConfig(**bad).validate(workers=2)
+
+
+def test_arrival_order_and_staleness_on_the_virtual_clock(tmp_path):
+    """M = 2, speeds 1 and 3, K = 2, 4 pushes. Worker 0 pushes at t = 2, 4, 6 (from versions 0, 1,
+    2: staleness 0 each), worker 1 at t = 6 from version 0, after worker 0's (same time, lower
+    id): staleness 3. With max_staleness 2 that push is dropped."""
+    for bound, dropped in ((0, 0), (2, 1)):
+        cfg = tiny_config(tmp_path, workers=2, total_steps=4, rounds=RoundConfig(local_steps=2),
+                          async_rounds=AsyncConfig(speeds=[1.0, 3.0], max_staleness=bound))
+        records: list = []
+        settings = resolve_method("async_diloco", cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
+        run_async(context(cfg, records), settings)
+        first, second = [r for r in records if r.get("pushes")]
+        assert (first["virtual_time"], first["pushes_by_worker"], first["staleness"]) == (4.0, [2, 0], {"0": 2})
+        assert (second["virtual_time"], second["pushes_by_worker"]) == (6.0, [1, 1])
+        assert second["staleness"] == {"0": 1, "3": 1} and second["staleness_max"] == 3
+        assert second["dropped"] == dropped and second["outer_steps"] == 4 - dropped
+        assert second["tokens"] == 4 * 2 * cfg.data.batch_size * cfg.data.seq_len
+
+
+@pytest.mark.parametrize("method", ["diloco", "lordo_global"])
+def test_one_async_worker_is_the_synchronous_method(tmp_path, method):
+    """M = 1 with the synchronous rule (pull θ, no correction, ρ = 1): every push is fresh
+    (staleness 0) and one outer step per round. DiLoCo: as its rounds. LoRDO-Global (async LoRDO):
+    the moments are the worker's (blend weight 1/M = 1), the basis is refitted after each arrival
+    from G = Δ with the round's seed: LoRDO-Global's rounds, step for step."""
+    cfg = tiny_config(tmp_path, total_steps=6, rounds=RoundConfig(local_steps=2))
+    records: list = []
+    ctx = context(cfg, records)
+    sync = resolve_method(method, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
+    a = dict(run_rounds(ctx, sync).named_parameters())
+    b = dict(run_async(ctx, dataclasses.replace(sync, loop="async",
+                                                async_rule=AsyncRule(look_ahead=False, correct=False)))
+             .named_parameters())
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=name)
+    moved = [r for r in records if r["method"] == method and r["round"] == 3][0]
+    assert moved["val_loss"] < records[0]["val_loss"]  # the two models trained, and equally
+
+
+def test_heloco_learns_and_is_reproducible(tmp_path):
+    cfg = tiny_config(tmp_path, workers=3, total_steps=8, rounds=RoundConfig(local_steps=2),
+                      async_rounds=AsyncConfig(speeds=[1.0, 1.0, 3.0]))
+    runs = []
+    for _ in range(2):
+        records: list = []
+        settings = resolve_method("heloco", cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
+        assert settings.outer.name == "mla" and settings.outer.lr == cfg.diloco_outer.lr
+        model = run_async(context(cfg, records), settings)
+        runs.append((records, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    (records, theta), (_, again) = runs
+    assert all(torch.equal(theta[n], again[n]) for n in theta)
+    last = records[-1]
+    assert last["pushes"] == 12 and last["val_loss"] < records[0]["val_loss"]
+    assert sum(r.get("staleness_max", 0) for r in records) > 0  # the slow worker's pushes were stale
+    # The correction is wired in: HeLoCo leaves the look-ahead-only run (same schedule, same pulls).
+    lookahead = resolve_method("async_lookahead", cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
+    plain = dict(run_async(context(cfg, []), lookahead).named_parameters())
+    assert any(not torch.equal(plain[n], theta[n]) for n in theta)
+
+
+def test_per_worker_local_steps_on_the_virtual_clock(tmp_path):
+    """GradSkip's per-node work: worker 1 runs 1 step per round where worker 0 runs 2, both at
+    speed 1, so worker 1 pushes twice as often with half the tokens; the budget is tokens
+    (2 workers x 4 steps), 4 + 2 pushes: worker 0 at t = 2, 4; worker 1 at t = 1, 2, 3, 4, so the
+    records (every 2 pushes) see [w1, w0], [w1, w1], [w0, w1]."""
+    cfg = tiny_config(tmp_path, workers=2, total_steps=4, rounds=RoundConfig(local_steps=2),
+                      async_rounds=AsyncConfig(local_steps=[2, 1]))
+    records: list = []
+    run_async(context(cfg, records), resolve_method("async_diloco", cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer))
+    pushes = [r for r in records if r.get("pushes")]
+    assert [r["pushes_by_worker"] for r in pushes] == [[1, 1], [0, 2], [1, 1]]
+    assert [r["virtual_time"] for r in pushes] == [2.0, 3.0, 4.0]
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    assert pushes[-1]["tokens"] == 8 * tokens and pushes[-1]["step"] == 4
+
+
+def test_node_settings_for_asynchronous_rounds_are_checked(tmp_path):
+    """A node's `slowdown` and `local-steps` (node config) are checked with a message naming them;
+    nodes may run their own local steps only in an asynchronous run; the gRPC data plane does not
+    carry asynchronous rounds yet."""
+    from lordo_fed.app.config import load_app_config
+    from lordo_fed.node.runtime import Job, runtime_for
+
+    for value in (0.5, "fast", True):
+        with pytest.raises(ValueError, match=f"node config slowdown={value!r}: expected a number >= 1"):
+            Job("train", 1, {}, (), {"slowdown": value}).slowdown
+    assert Job("train", 1, {}, (), {"slowdown": 3}).slowdown == 3.0
+    base = {"model-preset": "tiny", "output-dir": str(tmp_path), "seq-len": 16}
+    sync = Job("train", 7, base, (), {"local-steps": 4})
+    with pytest.raises(ValueError, match="node config local-steps=4: nodes may run their own number of local steps "
+                                         "only with an asynchronous variant"):
+        sync.local_steps(runtime_for(sync))
+    run = {**base, "variant": "heloco", "async-local-steps": "5,6"}
+    assert Job("train", 8, run, (), {"partition-id": 1}).local_steps(runtime_for(Job("train", 8, run, (), {}))) == 6
+    assert Job("train", 8, run, (), {"local-steps": 2}).local_steps(runtime_for(Job("train", 8, run, (), {}))) == 2
+    with pytest.raises(ValueError, match=r"no entry for partition 2"):
+        Job("train", 8, run, (), {"partition-id": 2}).local_steps(runtime_for(Job("train", 8, run, (), {})))
+    with pytest.raises(ValueError, match="data_plane.mode='grpc' with the asynchronous variant 'heloco': not built yet"):
+        load_app_config({"variant": "heloco", "data-plane": "grpc", "data-plane-insecure": True})
+    cfg = load_app_config({"variant": "async_lordo", "sync-ef": True})
+    with pytest.raises(ValueError, match="rounds.sync_ef=True with the asynchronous method 'async_lordo'"):
+        resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
+
+
+def test_async_lordo_learns_with_stale_bases(tmp_path):
+    """Three workers, one 3x slower: its replies come from bases refitted since its pull (their
+    moments are rotated into the current basis); the loss goes down and HeLoCo's correction
+    changes the result."""
+    cfg = tiny_config(tmp_path, workers=3, total_steps=8, rounds=RoundConfig(local_steps=2),
+                      async_rounds=AsyncConfig(speeds=[1.0, 1.0, 3.0], weight=0.6))
+    thetas = {}
+    for method in ("async_lordo", "heloco_lordo"):
+        records: list = []
+        settings = resolve_method(method, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
+        assert settings.inner.name == "lordo" and settings.outer.name == "mla"
+        thetas[method] = {n: p.detach().clone() for n, p in run_async(context(cfg, records), settings).named_parameters()}
+        assert records[-1]["pushes"] == 12 and records[-1]["val_loss"] < records[0]["val_loss"]
+        assert max(r.get("staleness_max", 0) for r in records) >= 2
+        # replies carry Δ and the low-rank moments; pulls θ, the bases and the moments
+        assert records[-1]["bytes_sent_per_worker"] > 4 * sum(t.numel() for t in thetas[method].values())
+    assert any(not torch.equal(thetas["async_lordo"][n], thetas["heloco_lordo"][n]) for n in thetas["async_lordo"])
+
+
+def test_a_stale_replys_moments_are_rotated_from_the_basis_it_trained_in():
+    """M = 2, one 5x3 matrix at rank 2. A worker pulls basis 0; two other arrivals refit the
+    basis (1); its reply's moments (step 4) are then moved to the shared step count (6) and
+    rotated from basis 0 into basis 1 with LDAdam's rule, and blended with weight 1/M into the
+    averaged moments; the refit is the top-2 subspace of the two applied updates."""
+    from lordo_fed.rounds.aggregator import Aggregator
+    from lordo_fed.optim.bias import restep
+    from lordo_fed.optim.rotation import rotate_moments
+    from lordo_fed.optim.projection import get_projection_method, projection_side
+
+    torch.manual_seed(0)
+    shape, betas = (5, 3), (0.9, 0.99)
+    agg = Aggregator({"w": torch.zeros(shape)}, {"w": 2}, RoundConfig(local_steps=2), Average(lr=1.0),
+                     get_projection_method("svd"), seed=3, betas=betas)
+    server = AsyncServer(agg.params, agg.outer, AsyncRule(False, False), AsyncConfig(), lowrank=agg, workers=2)
+    side = projection_side(shape)
+    low = (5, 2) if side == "right" else (2, 3)
+
+    def moments(scale: float) -> dict[str, torch.Tensor]:
+        return {"exp_avg/w": scale * torch.randn(low), "exp_avg_sq/w": scale * torch.rand(low)}
+
+    stale = server.pull()
+    assert stale.basis == 0 and set(stale.projections) == {"w"}
+    deltas = [torch.randn(shape), torch.randn(shape)]
+    for i, d in enumerate(deltas):
+        server.push(WorkerUpdate(1, 1, {"w": d}, moments(1.0), 4, opt_step=6), server.pull(), float(i))
+    assert server.basis == 1 and server.since_refit == 0
+    old_basis = agg.projection.basis(stale.projections["w"], shape, side)
+    new_basis = agg.projection.basis(agg.projections["w"], shape, side)
+    summed = deltas[0] + deltas[1]
+    u, s, vh = torch.linalg.svd(summed)
+    expected_basis = u[:, :2] if side == "left" else vh[:2]
+    assert torch.allclose((new_basis @ new_basis.T) if side == "left" else (new_basis.T @ new_basis),
+                          (expected_basis @ expected_basis.T) if side == "left" else (expected_basis.T @ expected_basis),
+                          atol=1e-5)
+    before = {k: v.clone() for k, v in agg.moments.items()}
+    theirs = moments(2.0)
+    server.push(WorkerUpdate(0, 1, {"w": torch.randn(shape)}, theirs, 4, opt_step=4), stale, 2.0)
+    u4 = restep(theirs["exp_avg/w"], "exp_avg", 4, 6, betas)
+    v4 = restep(theirs["exp_avg_sq/w"], "exp_avg_sq", 4, 6, betas)
+    u_rot, v_rot = rotate_moments(u4, v4, old_basis, new_basis, side, 6, betas)
+    torch.testing.assert_close(agg.moments["exp_avg/w"], 0.5 * before["exp_avg/w"] + 0.5 * u_rot)
+    torch.testing.assert_close(agg.moments["exp_avg_sq/w"], 0.5 * before["exp_avg_sq/w"] + 0.5 * v_rot)
+    assert agg.opt_step == 6 and server._bases == {}  # basis 0 is let go once no pull trains in it

@@ -1,0 +1,392 @@
+"""The gRPC data plane on 127.0.0.1 (lordo_fed.transport): transfers are exact, and every bad
+call is refused, logged with the node and the reason, and leaves nothing behind.
+
+Bad streams are written by hand against the generated stub, as a hostile or broken node would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from lordo_fed.transport import client
+from lordo_fed.transport.server import DataPlaneServer
+from lordo_fed.transport.tokens import TokenError, TokenIssuer
+from lordo_fed.v1 import dataplane_pb2 as pb
+from lordo_fed.v1 import dataplane_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+NODE, OTHER = 11, 12
+MB = 1 << 20
+
+
+@pytest.fixture
+def plane(tmp_path):
+    with DataPlaneServer(tmp_path / "spool", chunk_bytes=256 << 10, stall_timeout=1.0) as server:
+        yield server
+
+
+def publish(server: DataPlaneServer, round_idx: int = 1, size: int = MB, max_upload: int = 4 * MB):
+    data = os.urandom(size)
+    return data, server.publish(round_idx, data, [NODE, OTHER], ttl=60, max_upload=max_upload)
+
+
+def raw_upload(server: DataPlaneServer, messages, timeout: float = 10.0) -> grpc.RpcError | pb.UploadReceipt:
+    with grpc.insecure_channel(server.address) as channel:
+        try:
+            return pb_grpc.DataPlaneStub(channel).Upload(iter(messages), timeout=timeout)
+        except grpc.RpcError as err:
+            return err
+
+
+def assert_refused(server, caplog, result, what: str, reason: str, node: int = NODE):
+    assert isinstance(result, grpc.RpcError), result
+    assert reason in result.details()
+    assert any(f"refused {what} of node {node}" in r.getMessage() and reason in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert server.upload(NODE, 1) is None
+    assert not list(server.spool_dir.glob("*")), "a refused upload left bytes on the spool"
+
+
+@pytest.mark.parametrize("budget", [1 << 30, 0], ids=["in-memory", "spilled"])
+def test_round_trip_is_exact(tmp_path, budget):
+    with DataPlaneServer(tmp_path / "spool", chunk_bytes=256 << 10, memory_budget=budget) as server:
+        state, tickets = publish(server, size=3 * MB + 17)
+        assert client.download(tickets[NODE], NODE) == state
+        reply = os.urandom(2 * MB + 5)
+        sha = client.upload(tickets[NODE], NODE, reply)
+        assert sha == hashlib.sha256(reply).hexdigest()
+        got = server.upload(NODE, 1)
+        assert got.size == len(reply) and got.sha256 == sha and bytes(got.buffer()) == reply
+        assert (got.path is None) == (budget > 0)  # spilled to a file only beyond the budget
+        got.discard()
+        assert server._memory_used == 0 and not list(server.spool_dir.glob("*"))
+
+
+def test_bad_tokens_are_refused(plane, caplog):
+    caplog.set_level(logging.WARNING, "lordo_fed.dataplane")
+    _, tickets = publish(plane)
+    t = tickets[NODE]
+    cases = [
+        (pb.Ticket(address=t.address, size=t.size, sha256=t.sha256, download_token=""), NODE, "no token"),
+        (pb.Ticket(address=t.address, size=t.size, sha256=t.sha256, download_token=t.download_token[:-4] + "AAAA"),
+         NODE, "invalid token"),
+        (pb.Ticket(address=t.address, size=t.size, sha256=t.sha256, download_token=TokenIssuer().issue(NODE, 1, "download", 60)),
+         NODE, "invalid token (not issued by this server run)"),
+        (t, OTHER, f"token issued to node {NODE}, presented by node {OTHER}"),
+        (pb.Ticket(address=t.address, size=t.size, sha256=t.sha256, download_token=t.upload_token), NODE,
+         "an upload token presented for a download"),
+    ]
+    for ticket, node, reason in cases:
+        with pytest.raises(client.DataPlaneError, match="PERMISSION_DENIED") as err:
+            client.download(ticket, node)
+        assert reason in str(err.value)
+        assert any(f"refused download of node {node}" in r.getMessage() and reason in r.getMessage()
+                   for r in caplog.records), reason
+
+
+def test_expired_and_other_round_tokens_are_refused(tmp_path):
+    now = [1000.0]
+    issuer = TokenIssuer(clock=lambda: now[0])
+    token = issuer.issue(NODE, 3, "upload", ttl=10)
+    assert issuer.check(token, NODE, "upload", 3).round == 3
+    with pytest.raises(TokenError, match="token for round 3, the data plane serves round 4"):
+        issuer.check(token, NODE, "upload", 4)  # (the server checks rounds itself: a window for downloads)
+    now[0] += 11
+    with pytest.raises(TokenError, match="token expired 1.0s ago"):
+        issuer.check(token, NODE, "upload", 3)
+    # Through the server: after round 2 was published, round 1's state is still served (a node
+    # that fell behind trains it and keeps its own state continuous), its reply is refused;
+    # after round 3, round 1 is no longer served.
+    with DataPlaneServer(tmp_path / "spool") as server:
+        state1, old = publish(server, 1)
+        publish(server, 2)
+        assert client.download(old[NODE], NODE) == state1
+        with pytest.raises(client.DataPlaneError, match="token for round 1, the data plane takes replies for round 2"):
+            client.upload(old[NODE], NODE, b"x" * 100)
+        publish(server, 3)
+        with pytest.raises(client.DataPlaneError, match=r"token for round 1, the data plane serves rounds \[2, 3\]"):
+            client.download(old[NODE], NODE)
+
+
+def test_replayed_upload_and_another_nodes_upload_token(plane, caplog):
+    caplog.set_level(logging.WARNING, "lordo_fed.dataplane")
+    _, tickets = publish(plane)
+    client.upload(tickets[NODE], NODE, b"first reply")
+    with pytest.raises(client.DataPlaneError, match="upload token already used \\(replayed\\)"):
+        client.upload(tickets[NODE], NODE, b"second reply")
+    with pytest.raises(client.DataPlaneError, match=f"token issued to node {OTHER}, presented by node {NODE}"):
+        client.upload(tickets[OTHER], NODE, b"a reply under another node's token")
+    assert bytes(plane.upload(NODE, 1).buffer()) == b"first reply"
+    assert plane.upload(OTHER, 1) is None
+    reasons = [(r.node_id, r.what, r.reason) for r in plane.take_refusals()]
+    assert (NODE, "upload", "upload token already used (replayed)") in reasons
+
+
+def header(ticket, size: int, data: bytes = b"") -> pb.UploadChunk:
+    return pb.UploadChunk(token=ticket.upload_token, node_id=NODE, size=size, data=data)
+
+
+def test_oversized_truncated_and_mismatched_uploads(plane, caplog):
+    caplog.set_level(logging.WARNING, "lordo_fed.dataplane")
+    _, tickets = publish(plane, max_upload=4 * MB)
+    t = tickets[NODE]
+    body = os.urandom(1000)
+    sha = hashlib.sha256(body).hexdigest()
+    assert_refused(plane, caplog, raw_upload(plane, [header(t, 5 * MB)]), "upload",
+                   f"declares {5 * MB} bytes; expected 1..{4 * MB}")
+    assert_refused(plane, caplog, raw_upload(plane, [header(t, 1000, body), pb.UploadChunk(data=b"more")]), "upload",
+                   "sent more than the 1000 bytes it declared")
+    assert_refused(plane, caplog, raw_upload(plane, [header(t, 2000, body), pb.UploadChunk(sha256=sha)]), "upload",
+                   "stream ended after 1000 of the 2000 declared bytes (truncated)")
+    tampered = bytes([body[0] ^ 1]) + body[1:]
+    assert_refused(plane, caplog, raw_upload(plane, [header(t, 1000, tampered), pb.UploadChunk(sha256=sha)]), "upload",
+                   "sha256 mismatch")
+    # The token is spent only by an accepted upload: the node can still send its real reply.
+    receipt = raw_upload(plane, [header(t, 1000, body), pb.UploadChunk(sha256=sha)])
+    assert receipt.sha256 == sha and bytes(plane.upload(NODE, 1).buffer()) == body
+
+
+def test_a_stalled_upload_is_dropped_at_its_deadline(plane, caplog):
+    caplog.set_level(logging.WARNING, "lordo_fed.dataplane")
+    _, tickets = publish(plane)
+
+    def stalling():
+        yield header(tickets[NODE], 1000, b"x" * 10)
+        time.sleep(3.0)  # the server's stall_timeout is 1 s
+        yield pb.UploadChunk(data=b"y" * 990)
+
+    started = time.monotonic()
+    result = raw_upload(plane, stalling())
+    assert_refused(plane, caplog, result, "upload", "stream stalled for more than 1s after 10 of 1000 bytes")
+    assert result.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - started < 3.0
+
+
+_KILLED_UPLOADER = """
+import sys, time
+import grpc
+from lordo_fed.v1 import dataplane_pb2 as pb, dataplane_pb2_grpc as pb_grpc
+address, token = sys.argv[1], sys.argv[2]
+def chunks():
+    yield pb.UploadChunk(token=token, node_id=11, size=4 << 20, data=b"x" * (1 << 20))
+    print("streaming", flush=True)
+    time.sleep(60)  # killed here, mid-upload
+with grpc.insecure_channel(address) as ch:
+    pb_grpc.DataPlaneStub(ch).Upload(chunks())
+"""
+
+
+def test_a_node_killed_mid_upload_leaves_nothing(plane, caplog):
+    caplog.set_level(logging.WARNING, "lordo_fed.dataplane")
+    _, tickets = publish(plane, max_upload=8 * MB)
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_UPLOADER, plane.address, tickets[NODE].upload_token],
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert proc.stdout.readline().strip() == "streaming"
+        deadline = time.monotonic() + 10
+        while plane._memory_used == 0 and time.monotonic() < deadline:  # the server took the header
+            time.sleep(0.01)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 10
+    while not any("refused upload of node 11" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # A killed peer reads as a stream that ends early (or, on some gRPC versions, a cancellation).
+    assert any(re.search(r"refused upload of node 11 \(round 1\): (stream ended after 1048576 of the 4194304 "
+                         r"declared bytes \(truncated\)|connection lost mid-upload)", r.getMessage())
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    deadline = time.monotonic() + 10
+    while plane._memory_used and time.monotonic() < deadline:  # released as the handler unwinds
+        time.sleep(0.01)
+    assert plane._memory_used == 0
+    assert plane.upload(NODE, 1) is None and not list(plane.spool_dir.glob("*"))
+
+
+def test_tls_with_the_deployments_certificates(tmp_path):
+    """The data plane serves TLS with the SuperLink's server.pem/server.key; a node verifies it
+    with ca.crt, and cannot talk to it without the CA or in plaintext."""
+    certs = tmp_path / "certs"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "generate_certs.py"), str(certs), "--nodes", "0"],
+                   check=True, capture_output=True, timeout=60)
+    tls = ((certs / "server.pem").read_bytes(), (certs / "server.key").read_bytes())
+    with DataPlaneServer(tmp_path / "spool", tls=tls) as server:
+        state, tickets = publish(server)
+        assert tickets[NODE].tls
+        assert client.download(tickets[NODE], NODE, certs / "ca.crt") == state
+        client.upload(tickets[NODE], NODE, b"reply", certs / "ca.crt")
+        assert bytes(server.upload(NODE, 1).buffer()) == b"reply"
+        with pytest.raises(client.DataPlaneError, match="serves TLS but this node has no CA certificate"):
+            client.download(tickets[NODE], NODE)
+        plain = pb.Ticket()
+        plain.CopyFrom(tickets[OTHER])
+        plain.tls = False
+        with pytest.raises(client.DataPlaneError, match="UNAVAILABLE"):
+            client.download(plain, OTHER, timeout=5)
+
+
+def test_a_ticket_that_does_not_parse_or_is_incomplete():
+    with pytest.raises(client.DataPlaneError, match="does not parse"):
+        client.parse_ticket(b"\xff\xff\xff")
+    with pytest.raises(client.DataPlaneError, match="ticket incomplete"):
+        client.parse_ticket(pb.Ticket(address="127.0.0.1:1", size=3).SerializeToString())
+
+
+def test_data_plane_tls_settings_name_what_is_missing(tmp_path):
+    from lordo_fed.app.config import DataPlaneConfig
+
+    with pytest.raises(ValueError, match="data-plane='grpc' needs TLS: set data-plane-certfile and data-plane-keyfile"):
+        DataPlaneConfig().tls()
+    assert DataPlaneConfig(insecure=True).tls() is None
+    missing = str(tmp_path / "server.pem")
+    with pytest.raises(ValueError, match=f"run-config key 'data-plane-certfile'='{missing}': cannot read it"):
+        DataPlaneConfig(certfile=missing, keyfile=missing).tls()
+
+
+def test_an_announced_round_is_downloaded_once_published(plane):
+    """Tickets handed out before the round's state exists: the download waits for the publish
+    and checks what the stream's first chunk declares; the upload is taken once published."""
+    import threading
+
+    tickets = plane.announce(1, [NODE], ttl=60, max_upload=4 * MB)
+    assert tickets[NODE].size == 0 and tickets[NODE].sha256 == ""
+    got: dict = {}
+    waiter = threading.Thread(target=lambda: got.update(state=client.download(tickets[NODE], NODE, timeout=30)))
+    waiter.start()
+    time.sleep(0.5)
+    assert waiter.is_alive(), "the download did not wait for the publish"
+    state = os.urandom(MB + 3)
+    plane.publish(1, state)
+    waiter.join(timeout=30)
+    assert got["state"] == state
+    client.upload(tickets[NODE], NODE, b"reply")
+    assert bytes(plane.upload(NODE, 1).buffer()) == b"reply"
+
+
+@pytest.mark.parametrize("cls,field,head", [
+    (pb.Chunk, 1, {"size": 5 * MB, "sha256": "ab" * 32}),
+    (pb.Chunk, 1, {}),
+    (pb.UploadChunk, 5, {"token": "t.k", "node_id": 2 ** 63 + 5, "size": 7}),
+    (pb.UploadChunk, 5, {}),
+])
+def test_hand_framed_chunks_are_protobufs_bytes(cls, field, head):
+    """framing.py writes what protobuf parses back to the same message (byte for byte protobuf's
+    own output when the data field has the highest number, as in UploadChunk) and reads what
+    protobuf reads, the data as a view into the message (no copy); repeated data fields follow
+    protobuf's last-one-wins."""
+    from lordo_fed.transport.framing import frame, unframe
+
+    name = cls.DESCRIPTOR.fields_by_number[field].name
+    data = os.urandom(1000)
+    raw = frame(cls(**head), field, memoryview(data))
+    assert cls.FromString(raw) == cls(**head, **{name: data})
+    if cls is pb.UploadChunk:
+        assert raw == cls(**head, **{name: data}).SerializeToString()
+    msg, view = unframe(raw, cls, field)
+    assert msg == cls(**head) and bytes(view) == data and view.obj is raw
+    # data before the header, and two data fields: protobuf's parse decides
+    swapped = cls(**{name: b"first"}).SerializeToString() + cls(**head).SerializeToString() + \
+        cls(**{name: data}).SerializeToString()
+    msg, view = unframe(swapped, cls, field)
+    assert msg == cls(**head) and bytes(view) == data
+    assert unframe(cls(**head).SerializeToString(), cls, field)[1].nbytes == 0
+
+
+def test_a_client_on_the_generated_stubs_interoperates(plane):
+    """The hand-framed server serves a node built from the generated protobuf stubs (the
+    schema is the contract, not lordo_fed's client)."""
+    data, tickets = publish(plane, size=3 * MB + 17)
+    ticket = tickets[NODE]
+    with grpc.insecure_channel(plane.address) as channel:
+        chunks = list(pb_grpc.DataPlaneStub(channel).Download(
+            pb.DownloadRequest(token=ticket.download_token, node_id=NODE), timeout=10))
+    assert b"".join(c.data for c in chunks) == data
+    assert (chunks[0].size, chunks[0].sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    reply = os.urandom(MB + 3)
+    receipt = raw_upload(plane, [pb.UploadChunk(token=ticket.upload_token, node_id=NODE, size=len(reply), data=reply),
+                                 pb.UploadChunk(sha256=hashlib.sha256(reply).hexdigest())])
+    assert receipt.size == len(reply)
+    assert bytes(plane.upload(NODE, 1).buffer()) == reply
+
+
+def test_uploads_beyond_max_uploads_wait_their_turn_past_the_stall_deadline(tmp_path):
+    """`max_uploads` = 1: a second node's upload, its header checked, waits while the first one
+    streams for longer than the stall deadline (1 s), then goes through; never two read at once."""
+    import threading
+
+    with DataPlaneServer(tmp_path / "spool", chunk_bytes=256 << 10, stall_timeout=1.0, max_uploads=1) as server:
+        _, tickets = publish(server)
+        bodies = {NODE: os.urandom(1000), OTHER: os.urandom(1500)}
+        first_reading = threading.Event()
+
+        def slow(node: int):  # 10 bytes, then one every 0.4 s: alive, and 2.4 s in all
+            body, t = bodies[node], tickets[node]
+            yield pb.UploadChunk(token=t.upload_token, node_id=node, size=len(body))
+            yield pb.UploadChunk(data=body[:10])
+            first_reading.set()
+            for i in range(6):
+                time.sleep(0.4)
+                yield pb.UploadChunk(data=body[10 + i:11 + i])
+            yield pb.UploadChunk(data=body[16:], sha256=hashlib.sha256(body).hexdigest())
+
+        results = {}
+        worker = threading.Thread(target=lambda: results.__setitem__(NODE, raw_upload(server, slow(NODE))))
+        worker.start()
+        assert first_reading.wait(10)
+        started = time.monotonic()
+        results[OTHER] = client.upload(tickets[OTHER], OTHER, bodies[OTHER])  # queued behind NODE
+        waited = time.monotonic() - started
+        worker.join(10)
+        assert isinstance(results[NODE], pb.UploadReceipt), results[NODE]
+        assert waited > 1.5, f"the second upload did not wait for the first ({waited:.2f} s)"
+        assert server.peak_active_uploads == 1 and server.active_uploads == 0
+        assert server.take_refusals() == []
+        for node, body in bodies.items():
+            assert bytes(server.upload(node, 1).buffer()) == body
+
+
+def test_upload_buffers_are_reused_within_the_budget(tmp_path):
+    """A discarded upload's buffer serves the next one (no new memory to fault in each round);
+    spares count against the memory budget with the uploads held, and make room when needed."""
+    with DataPlaneServer(tmp_path / "spool", chunk_bytes=256 << 10, memory_budget=4 * MB) as server:
+        _, tickets = publish(server, round_idx=1)
+        first = os.urandom(MB + 3)
+        client.upload(tickets[NODE], NODE, first)
+        got = server.upload(NODE, 1)
+        assert bytes(got.buffer()) == first
+        base = got._base
+        got.discard()
+        assert server._memory_used == 0 and server._spare == [base]
+        _, tickets = publish(server, round_idx=2)
+        second = os.urandom(MB - 100)  # smaller: fits the spare
+        client.upload(tickets[NODE], NODE, second)
+        got = server.upload(NODE, 2)
+        assert got._base is base and bytes(got.buffer()) == second and got.size == len(second)
+        big = os.urandom(2 * MB)  # needs a new buffer: 2 MB + the held 1 MB fit the 4 MB budget
+        client.upload(tickets[OTHER], OTHER, big)
+        other = server.upload(OTHER, 2)
+        assert other.path is None and other._base is not base and bytes(other.buffer()) == big
+        got.discard()
+        other.discard()  # 1 MB + 2 MB spare: within the budget, both kept
+        assert sorted(map(len, server._spare)) == [MB + 3, 2 * MB]
+        _, tickets = publish(server, round_idx=3)
+        huge = os.urandom(2 * MB + 10)  # fits no spare, and not beside them: they are dropped
+        client.upload(tickets[NODE], NODE, huge)
+        got = server.upload(NODE, 3)
+        assert got.path is None and bytes(got.buffer()) == huge
+        assert server._memory_used + sum(map(len, server._spare)) <= server.memory_budget
+        got.discard()
+        assert server._memory_used == 0
