@@ -38,6 +38,7 @@ from lordo_fed.rounds.outer import OuterConfig, build_outer_optimizer
 from lordo_fed.optim.projection import get_projection_method
 from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.wire.payload import FP32, Payload
+from lordo_fed.rounds.ranks import NodeRanks
 from lordo_fed.rounds.worker import Worker
 
 
@@ -127,10 +128,10 @@ def lowrank_ranks(model: nn.Module, pattern: str, rank: int, inner_name: str) ->
 
 def make_worker(worker_id: int, model: nn.Module, settings: MethodSettings, shard: TokenShard, lowrank: list[str],
                 total_steps: int, batch_size: int, seq_len: int, seed: int, payload: Payload = FP32,
-                ranks=None) -> Worker:
+                ranks: NodeRanks | None = None) -> Worker:
     """A worker with its own inner optimizer over (possibly shared) `model`; `payload` the run's
     `payload_dtype` (a compressed preset compresses what the worker sends: lordo_fed.wire.payload);
-    `ranks` a node of several ranks (lordo_fed.node.ranks.LocalRanks; None: one process)."""
+    `ranks` a node of several ranks (`NodeRanks`; None: one process)."""
     if ranks is not None:
         ranks.wrap(model)  # FSDP2 replaces the parameters by sharded ones: before the optimizer takes them
     optimizer = build_inner_optimizer(model, settings.inner, lowrank, seed=seed,

@@ -8,16 +8,16 @@ same object runs inside the reference trainer and inside a Flower ClientApp.
 Several workers may share one `nn.Module` when they run in turn (the reference trainer): θ is
 loaded at the start of every round, and only the optimizer state is each worker's own.
 
-On a node whose ranks shard the model (FSDP2: `lordo_fed.node.ranks`), each rank holds a chunk of
-θ and of the optimizer state: what comes in whole (θ, moments, E) is cut to the rank's chunk
-(`sharded.chunk_of`), and what goes out (Δ, due moments, the saved state) is gathered whole
-(`sharded.gather`, a collective: every rank calls the same methods in the same order).
+On a node whose ranks shard the model (FSDP2; docs/algorithm.md, "Nodes of several ranks"), each
+rank holds a chunk of θ and of the optimizer state: what comes in whole (θ, moments, E) is cut to
+the rank's chunk (`sharded.chunk_of`), and what goes out (Δ, due moments, the saved state) is
+gathered whole (`sharded.gather`, a collective: every rank calls the same methods in the same order).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -36,12 +36,10 @@ from lordo_fed.optim.projection import projection_side
 from lordo_fed.wire.messages import (
     DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, WorkerUpdate, moment_key, split_moment_key)
 from lordo_fed.rounds.config import RoundConfig
+from lordo_fed.rounds.ranks import NodeRanks
 from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import Encoded, ErrorFeedback, decoded
 from lordo_fed.wire.payload import PayloadCodecs
-
-if TYPE_CHECKING:
-    from lordo_fed.node.ranks import LocalRanks
 
 ProgressFn = Callable[[int, Tensor], None]
 """Called after every local step with its index and its loss, a device tensor (reading it is a
@@ -88,7 +86,7 @@ class Worker:
         seq_len: int,
         data_seed: int = 0,
         payload: PayloadCodecs | None = None,
-        ranks: "LocalRanks | None" = None,
+        ranks: NodeRanks | None = None,
     ):
         self.worker_id = worker_id
         self.model = model
@@ -104,8 +102,8 @@ class Worker:
         self.params = dict(model.named_parameters())
         self.device = next(model.parameters()).device
         self.ranks = ranks
-        """A node of several ranks (lordo_fed.node.ranks): this rank trains its rows of the node's
-        batch of N x `batch_size` windows, gradients averaged across the ranks every step."""
+        """A node of several ranks (`NodeRanks`): this rank trains its rows of the node's batch of
+        N x `batch_size` windows, gradients averaged across the ranks every step."""
         self.forward_module = model if ranks is None else ranks.wrap(model)
         """What the local steps run forward through (the intra-node wrapper, or the model)."""
         self.payload = payload

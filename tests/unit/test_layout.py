@@ -1,0 +1,116 @@
+"""The layout holds (docs/architecture.md): imports run one way down the layers, Flower stays in
+its adapter, no module reaches into another's private names, no module grows past ~600 lines, and
+nothing cites a file outside the repository."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("basics", ("lordo_fed", "lordo_fed.config", "lordo_fed.device", "lordo_fed.model", "lordo_fed.checkpoint",
+                "lordo_fed.metrics", "lordo_fed.evaluation", "lordo_fed.v1")),
+    ("optim/wire/data", ("lordo_fed.optim", "lordo_fed.wire", "lordo_fed.data")),
+    ("rounds", ("lordo_fed.rounds",)),
+    ("app", ("lordo_fed.app",)),
+    ("node/transport/wan", ("lordo_fed.node", "lordo_fed.transport", "lordo_fed.wan")),
+    ("apps", ("lordo_fed.trainer", "server", "client")),
+]
+"""Top to bottom in docs/architecture.md: a module may import its own layer and the layers above
+in this list (lower floors), never one below it."""
+FLOWER = ("server", "client", "lordo_fed.app.records")
+"""The only modules that import flwr."""
+MAX_LINES = 600
+
+
+def product_modules() -> dict[str, Path]:
+    """Every hand-written module of the library and the Flower app, by dotted name."""
+    found = {}
+    for top in ("lordo_fed", "server", "client"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                continue
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the deepest prefix that names `module`'s package."""
+    best, depth = -1, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and prefix.count(".") > depth:
+                best, depth = i, prefix.count(".")
+    return best
+
+
+def imports_of(path: Path, module: str) -> list[tuple[str, list[str], int]]:
+    """(imported module, imported names, line) for every import in `path`, nested ones included."""
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, [], node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            found.append((base, [a.name for a in node.names], node.lineno))
+    return found
+
+
+MODULES = product_modules()
+
+
+def test_every_module_has_a_layer():
+    assert {m: layer_of(m) for m in MODULES if layer_of(m) < 0} == {}
+
+
+def test_imports_run_down_the_layers():
+    upward = []
+    for module, path in MODULES.items():
+        mine = layer_of(module)
+        for target, names, line in imports_of(path, module):
+            if not target.startswith(("lordo_fed", "server", "client")):
+                continue
+            targets = [f"{target}.{n}" if f"{target}.{n}" in MODULES else target for n in names] or [target]
+            for t in targets:
+                if layer_of(t) > mine:
+                    upward.append(f"{path.relative_to(ROOT)}:{line} ({LAYERS[mine][0]}) imports {t} "
+                                  f"({LAYERS[layer_of(t)][0]})")
+    assert upward == []
+
+
+def test_flower_is_imported_only_by_its_adapter():
+    outside = [f"{path.relative_to(ROOT)}:{line}" for module, path in MODULES.items()
+               for target, _, line in imports_of(path, module)
+               if target.split(".")[0] == "flwr" and not module.startswith(FLOWER)]
+    assert outside == []
+
+
+def test_no_module_imports_another_modules_private_names():
+    private = [f"{path.relative_to(ROOT)}:{line} imports {name} from {target}"
+               for module, path in MODULES.items() for target, names, line in imports_of(path, module)
+               for name in names if name.startswith("_") and not name.startswith("__") and target != module]
+    assert private == []
+
+
+@pytest.mark.parametrize("top", ["lordo_fed", "server", "client", "harness"])
+def test_no_module_is_over_600_lines(top):
+    long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / top).rglob("*.py"))
+            if not p.name.endswith(("_pb2.py", "_pb2_grpc.py")) and (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_nothing_cites_a_file_outside_the_repository():
+    citing = [str(p.relative_to(ROOT)) for top in ("lordo_fed", "server", "client", "harness", "tests", "benchmarks",
+                                                   "scripts", "docs", "examples", "proto")
+              for p in sorted((ROOT / top).rglob("*")) if p.is_file() and p.suffix in (".py", ".md", ".yaml", ".sh",
+                                                                                      ".proto", ".toml")
+              and "shared/docs" in p.read_text(errors="replace") and p.name != "test_layout.py"]
+    assert citing == []
