@@ -10,8 +10,8 @@ loaded at the start of every round, and only the optimizer state is each worker'
 
 On a node whose ranks shard the model (FSDP2; docs/algorithm.md, "Nodes of several ranks"), each
 rank holds a chunk of θ and of the optimizer state: what comes in whole (θ, moments, E) is cut to
-the rank's chunk (`sharded.chunk_of`), and what goes out (Δ, due moments, the saved state) is
-gathered whole (`sharded.gather`, a collective: every rank calls the same methods in the same order).
+the rank's chunk, and what goes out (Δ, due moments, the saved state) is gathered whole, a
+collective: every rank calls the same methods in the same order (`lordo_fed.rounds.sharding`).
 """
 
 from __future__ import annotations
@@ -31,12 +31,14 @@ from lordo_fed.optim.ef_compress import ef_values
 from lordo_fed.optim.lordo import EF_DTYPES
 from lordo_fed.optim.config import InnerConfig, apply_phase, lr_at, set_lr
 from lordo_fed.optim.rotation import rotate_moments
-from lordo_fed.optim.sharded import SHARDED_STATE, chunk_of, gather, is_sharded, local
+from lordo_fed.optim.sharded import gather
 from lordo_fed.optim.projection import projection_side
 from lordo_fed.wire.messages import (
     DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, WorkerUpdate, moment_key, split_moment_key)
 from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.rounds.ranks import NodeRanks
+from lordo_fed.rounds.sharding import (
+    add_to_params, chunk_state, host_grads, host_params, optimizer_state_dict, set_params)
 from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import Encoded, ErrorFeedback, decoded
 from lordo_fed.wire.payload import PayloadCodecs
@@ -188,7 +190,7 @@ class Worker:
         first = sent.round * self.rounds.local_steps
         if first + tau > self.total_steps:
             return False
-        self._set_params(sent.theta)  # several workers may share one module (the reference trainer)
+        set_params(self.params, sent.theta)  # several workers may share one module (the reference trainer)
         if isinstance(self.optimizer, LoRDO):
             self.optimizer.update_split.clear()
         sent.early = self.local_steps(first, tau, progress)
@@ -213,8 +215,7 @@ class Worker:
         if isinstance(opt, LoRDO):
             opt.sync_state()
         theta = self._client_theta(state)
-        for name, p in self.params.items():
-            local(p).add_(chunk_of(theta[name].float() - sent.theta[name], p).to(device=p.device, dtype=p.dtype))
+        add_to_params(self.params, lambda name: theta[name].float() - sent.theta[name])
         self.align_step_counts(state.opt_step + tau)
         group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
         self._set_projections(state)
@@ -235,7 +236,7 @@ class Worker:
                 if kind not in mine:
                     continue
                 decay = betas[0 if kind == "exp_avg" else 1] ** tau
-                st[kind].add_(self._chunk((value.float() - mine[kind]).mul_(decay).to(self.device), p))
+                st[kind].add_(chunk_state((value.float() - mine[kind]).mul_(decay).to(self.device), p, opt))
                 if kind == "exp_avg_sq":
                     st[kind].clamp_min_(0.0)
         self.sent = None
@@ -305,10 +306,10 @@ class Worker:
         """The gradient at the given θ of this worker's next batch (the cursor does not move: the
         batch is trained on in round 1), for `names`: what LoRDO-Global's round-1 projections are
         fitted to (Aggregator.init_projections)."""
-        self._set_params(state.params)
+        set_params(self.params, state.params)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.forward_backward(self.cursor)
-        grads = to_host({n: gather(local(self.params[n].grad), self.params[n]) for n in names})
+        grads = host_grads(self.params, names)
         self.optimizer.zero_grad(set_to_none=True)
         return WorkerUpdate(worker_id=self.worker_id, round=0, delta=grads, moments={},
                             tokens=self.node_batch * self.seq_len, opt_step=0, metrics={"loss": float(loss)})
@@ -353,7 +354,7 @@ class Worker:
         which must be that round's (else `ResyncNeeded`: the server sends θ_c whole next time).
         Returns θ as loaded (host tensors, by name)."""
         theta = self._client_theta(state)
-        self._set_params(theta)
+        set_params(self.params, theta)
         self.align_step_counts(state.opt_step)
         self._set_projections(state)
         for name, kinds in self._received_moments(state).items():
@@ -361,7 +362,7 @@ class Worker:
             st = self.optimizer.state[p]
             if "ef" in kinds:  # E has no step count: always adopted, in this worker's storage dtype
                 dtype = st["ef"].dtype if "ef" in st else EF_DTYPES[self.optimizer.group_of(p)["ef_dtype"]]
-                st["ef"] = self._chunk(kinds.pop("ef").to(device=self.device, dtype=dtype), p).clone()
+                st["ef"] = chunk_state(kinds.pop("ef").to(device=self.device, dtype=dtype), p, self.optimizer).clone()
             if not kinds:
                 continue
             if "exp_avg" not in st:
@@ -369,7 +370,7 @@ class Worker:
                     continue  # joined when only one moment was due: start this parameter afresh
                 st["step"] = torch.tensor(float(state.opt_step))
             for kind, value in kinds.items():
-                st[kind] = self._chunk(value.to(device=self.device, dtype=torch.float32), p).clone()
+                st[kind] = chunk_state(value.to(device=self.device, dtype=torch.float32), p, self.optimizer).clone()
         return theta
 
     def _set_projections(self, state: GlobalState) -> None:
@@ -412,32 +413,9 @@ class Worker:
             return self.client_params
         return theta
 
-    @torch.no_grad()
-    def _set_params(self, theta: dict[str, Tensor]) -> None:
-        """θ ← `theta` (whole host tensors by name; a sharded parameter takes its chunk)."""
-        for name, p in self.params.items():
-            local(p).copy_(chunk_of(theta[name], p))
-
-    def _chunk(self, whole: Tensor, param: Tensor) -> Tensor:
-        """This rank's chunk of a state tensor of `param` (`whole` when not sharded): a plain tensor
-        for LoRDO, a DTensor for torch's own optimizers (AdamW keeps DTensor state)."""
-        return chunk_of(whole, param, as_dtensor=not isinstance(self.optimizer, LoRDO))
-
     def _host_params(self) -> dict[str, Tensor]:
         """θ as whole fp32 host tensors that own their memory (gathered when sharded)."""
-        return to_host({n: gather(local(p.detach()), p) for n, p in self.params.items()})
-
-    def _optimizer_state(self, sd: dict, cut: bool) -> dict:
-        """A torch optimizer state dict with the chunked entries (`SHARDED_STATE`) of sharded
-        parameters gathered whole (`cut` False: what is saved) or cut to this rank's chunk (`cut`
-        True: what is loaded); the same dict when no parameter is sharded."""
-        groups = self.optimizer.param_groups
-        if not any(is_sharded(p) for g in groups for p in g["params"]):
-            return sd
-        param_of = {pid: p for saved, g in zip(sd["param_groups"], groups) for pid, p in zip(saved["params"], g["params"])}
-        state = {pid: {k: (self._chunk(v, param_of[pid]) if cut else gather(v, param_of[pid])) if k in SHARDED_STATE else v
-                       for k, v in st.items()} for pid, st in sd["state"].items()}
-        return {**sd, "state": state}
+        return host_params(self.params)
 
     def align_step_counts(self, step: int) -> None:
         """Bring every parameter's optimizer state to `step` steps, its moments rescaled so their
@@ -477,7 +455,7 @@ class Worker:
     def state_dict(self) -> dict:
         """What stays on the worker between rounds: optimizer (EF buffer, moments not due), data
         cursor and, with a compressed payload, Δ's compression residual and the clients' copy θ_c."""
-        return {"optimizer": self._optimizer_state(self.optimizer.state_dict(), cut=False),
+        return {"optimizer": optimizer_state_dict(self.optimizer, self.optimizer.state_dict(), cut=False),
                 "cursor": torch.tensor(self.cursor),
                 "wire_ef": self.wire_ef.state_dict(),
                 "client": {} if self.client_params is None else dict(self.client_params),
@@ -505,7 +483,7 @@ class Worker:
         self.sent = Sent(int(meta["round"]), parts["theta"], parts["m"], parts["basis"], int(meta["opt_step"]))
 
     def load_state_dict(self, sd: dict) -> None:
-        self.optimizer.load_state_dict(self._optimizer_state(sd["optimizer"], cut=True))
+        self.optimizer.load_state_dict(optimizer_state_dict(self.optimizer, sd["optimizer"], cut=True))
         self.cursor = int(sd["cursor"])
         self.wire_ef.load_state_dict(sd.get("wire_ef", {}))
         client = sd.get("client") or {}
@@ -515,7 +493,7 @@ class Worker:
 
     def flat_state(self) -> tuple[dict[str, Tensor], dict]:
         """`state_dict()` as flat named tensors plus JSON-able metadata (safetensors, Flower records)."""
-        sd = self._optimizer_state(self.optimizer.state_dict(), cut=False)
+        sd = optimizer_state_dict(self.optimizer, self.optimizer.state_dict(), cut=False)
         tensors = {f"opt/{pid}/{key}": value for pid, st in sd["state"].items() for key, value in st.items()}
         tensors.update(self.wire_ef.state_dict())  # "wire_ef/<param>"
         tensors.update({f"client/{n}": t for n, t in (self.client_params or {}).items()})
