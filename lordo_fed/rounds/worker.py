@@ -23,19 +23,17 @@ import torch
 from torch import Tensor, nn
 
 from lordo_fed.data import TokenShard
-from lordo_fed.device import autocast, to_host
+from lordo_fed.device import autocast
 from lordo_fed.model import lm_loss
 from lordo_fed.optim import LoRDO
-from lordo_fed.optim.bias import restep, restep_state
+from lordo_fed.optim.bias import restep
 from lordo_fed.optim.ef_compress import ef_values
-from lordo_fed.optim.lordo import EF_DTYPES
 from lordo_fed.optim.config import InnerConfig, apply_phase, lr_at, set_lr
 from lordo_fed.optim.rotation import rotate_moments
-from lordo_fed.optim.sharded import gather
 from lordo_fed.optim.projection import projection_side
-from lordo_fed.wire.messages import (
-    DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, WorkerUpdate, moment_key, split_moment_key)
+from lordo_fed.wire.messages import MOMENT_KEYS, GlobalState, WorkerUpdate, moment_key
 from lordo_fed.rounds.config import RoundConfig
+from lordo_fed.rounds import moments
 from lordo_fed.rounds.ranks import NodeRanks
 from lordo_fed.rounds.sharding import (
     add_to_params, chunk_state, host_grads, host_params, optimizer_state_dict, set_params)
@@ -153,18 +151,18 @@ class Worker:
         theta_send = {n: d.clone() for n, d in delta.items()} if self.rounds.overlap_delay else None
         for n, d in delta.items():
             d.neg_().add_(theta_ref[n])
-        moments = self.due_moments(state.round)
-        self.sent = None if theta_send is None else Sent(state.round, theta_send, dict(moments), self._host_bases(),
+        due = self.due_moments(state.round)
+        self.sent = None if theta_send is None else Sent(state.round, theta_send, dict(due), self._host_bases(),
                                                          self.opt_step())
         coords: dict[str, Encoded] = {}
         if self.payload is not None:  # what crosses the wire: compressed, Δ's residual kept for later rounds
             delta, coords = self.compress_delta(delta, list(state.projections))
-            moments = self.payload.encode_moments(moments)
+            due = self.payload.encode_moments(due)
         return WorkerUpdate(
             worker_id=self.worker_id,
             round=state.round,
             delta=delta,
-            moments=moments,
+            moments=due,
             tokens=len(losses) * self.node_batch * self.seq_len,
             opt_step=self.opt_step(),
             metrics={"train_loss": sum(losses) / len(losses), "train_loss_last": losses[-1],
@@ -216,10 +214,10 @@ class Worker:
             opt.sync_state()
         theta = self._client_theta(state)
         add_to_params(self.params, lambda name: theta[name].float() - sent.theta[name])
-        self.align_step_counts(state.opt_step + tau)
+        moments.align_step_counts(opt, state.opt_step + tau)
         group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
-        self._set_projections(state)
-        for name, kinds in self._received_moments(state).items():
+        moments.set_projections(opt, self.params, state)
+        for name, kinds in moments.received(state).items():
             p, group = self.params[name], group_of[id(self.params[name])]
             st = opt.state.get(p, {})
             mine = {k: sent.moments[moment_key(k, name)] for k in MOMENT_KEYS if moment_key(k, name) in sent.moments}
@@ -271,7 +269,8 @@ class Worker:
         return out, coords
 
     def diagnostics(self) -> dict[str, float]:
-        """`DIAGNOSTIC_METRICS` of the round just trained (empty unless the optimizer tracks them)."""
+        """`lordo_fed.wire.messages.DIAGNOSTIC_METRICS` of the round just trained (empty unless the
+        optimizer tracks them)."""
         opt = self.optimizer
         if not isinstance(opt, LoRDO) or not opt.track_update_split or not opt.update_split:
             return {}
@@ -339,15 +338,9 @@ class Worker:
     @torch.no_grad()
     def load_global_state(self, state: GlobalState) -> dict[str, Tensor]:
         """θ ← global θ; step counts ← the shared one; new projections (rotating local moments);
-        then the averaged moments.
-
-        Step counts and moments stay consistent (`lordo_fed.optim.bias`): every moment this
-        worker keeps is first moved to the server's count `state.opt_step` (it differs after a
-        round the server skipped, or for a worker that joined late), and a parameter without
-        state of its own adopts received moments only when both of them came: a first moment
-        without its second would be used with v = 0 under the shared count, and its first
-        update would explode. Such a parameter starts afresh (u = v = 0, step 0), as a new
-        optimizer would, and its moments are rescaled when it reports them.
+        then the averaged moments (`lordo_fed.rounds.moments`: every moment this worker keeps is
+        first moved to the server's count `state.opt_step`, which differs after a round the
+        server skipped, or for a worker that joined late).
 
         With a compressed downlink (`state.params_delta`) the state carries the change of the
         clients' copy θ_c since the previous round: it is added to the copy this worker holds,
@@ -355,39 +348,10 @@ class Worker:
         Returns θ as loaded (host tensors, by name)."""
         theta = self._client_theta(state)
         set_params(self.params, theta)
-        self.align_step_counts(state.opt_step)
-        self._set_projections(state)
-        for name, kinds in self._received_moments(state).items():
-            p = self.params[name]
-            st = self.optimizer.state[p]
-            if "ef" in kinds:  # E has no step count: always adopted, in this worker's storage dtype
-                dtype = st["ef"].dtype if "ef" in st else EF_DTYPES[self.optimizer.group_of(p)["ef_dtype"]]
-                st["ef"] = chunk_state(kinds.pop("ef").to(device=self.device, dtype=dtype), p, self.optimizer).clone()
-            if not kinds:
-                continue
-            if "exp_avg" not in st:
-                if not all(k in kinds for k in MOMENT_KEYS):
-                    continue  # joined when only one moment was due: start this parameter afresh
-                st["step"] = torch.tensor(float(state.opt_step))
-            for kind, value in kinds.items():
-                st[kind] = chunk_state(value.to(device=self.device, dtype=torch.float32), p, self.optimizer).clone()
+        moments.align_step_counts(self.optimizer, state.opt_step)
+        moments.set_projections(self.optimizer, self.params, state)
+        moments.adopt(self.optimizer, self.params, state, self.device)
         return theta
-
-    def _set_projections(self, state: GlobalState) -> None:
-        """The round's shared projections into the optimizer (LoRDO-Global; rotating its moments)."""
-        if state.projections and not isinstance(self.optimizer, LoRDO):
-            raise ValueError("global state carries projections but the inner optimizer is not LoRDO")
-        for name, stored in state.projections.items():
-            self.optimizer.set_projection(self.params[name], stored)
-
-    @staticmethod
-    def _received_moments(state: GlobalState) -> dict[str, dict[str, Tensor]]:
-        """The averaged states `state` carries, by parameter name then kind (exp_avg, exp_avg_sq, ef)."""
-        received: dict[str, dict[str, Tensor]] = {}
-        for key, value in decoded(state.moments).items():
-            kind, name = split_moment_key(key)
-            received.setdefault(name, {})[kind] = value
-        return received
 
     def _client_theta(self, state: GlobalState) -> dict[str, Tensor]:
         """θ to start the round from: `state.params`, or θ_c plus the change it carries (a state
@@ -417,40 +381,14 @@ class Worker:
         """θ as whole fp32 host tensors that own their memory (gathered when sharded)."""
         return host_params(self.params)
 
-    def align_step_counts(self, step: int) -> None:
-        """Bring every parameter's optimizer state to `step` steps, its moments rescaled so their
-        bias-corrected values do not change (a no-op when the counts already agree)."""
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                st = self.optimizer.state.get(p)
-                if st and "step" in st and "exp_avg" in st:
-                    restep_state(st, step, group["betas"], group.get("bias_correction", True))
-
     # ----------------------------------------------------------------------------- state out
     def due_moments(self, round_idx: int) -> dict[str, Tensor]:
-        """The states this worker sends after round `round_idx` (`RoundConfig.due`: low-rank and
-        other parameters may have different periods; E with `sync_ef`), each moment expressed at
-        the worker's step count `opt_step()` (a parameter that started afresh has fewer steps)."""
-        low_rank = ({id(p) for p, _ in self.optimizer.low_rank_params()} if isinstance(self.optimizer, LoRDO)
-                    else set())
-        count = self.opt_step()
-        group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
-        out: dict[str, Tensor] = {}
-        for name, p in self.params.items():
-            st, group = self.optimizer.state.get(p, {}), group_of[id(p)]
-            for kind in self.rounds.due(round_idx, id(p) in low_rank):
-                if kind not in st:
-                    continue
-                value = gather(st[kind].detach(), p).float()
-                if kind != "ef":  # E has no step count
-                    value = restep(value, kind, int(st["step"]), count, group["betas"],
-                                   group.get("bias_correction", True))
-                out[moment_key(kind, name)] = value
-        return to_host(out)
+        """The states this worker sends after round `round_idx` (`moments.due`)."""
+        return moments.due(self.optimizer, self.params, self.rounds, round_idx)
 
     def opt_step(self) -> int:
-        steps = [int(st["step"]) for st in self.optimizer.state.values() if "step" in st]
-        return max(steps, default=0)
+        """This worker's step count (`moments.step_count`)."""
+        return moments.step_count(self.optimizer)
 
     def state_dict(self) -> dict:
         """What stays on the worker between rounds: optimizer (EF buffer, moments not due), data
