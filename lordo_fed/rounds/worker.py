@@ -33,21 +33,20 @@ from lordo_fed.optim.rotation import rotate_moments
 from lordo_fed.optim.projection import projection_side
 from lordo_fed.wire.messages import MOMENT_KEYS, GlobalState, WorkerUpdate, moment_key
 from lordo_fed.rounds.config import RoundConfig
+from lordo_fed.rounds.downlink import Downlink, ResyncNeeded
 from lordo_fed.rounds import moments
 from lordo_fed.rounds.ranks import NodeRanks
 from lordo_fed.rounds.sharding import (
     add_to_params, chunk_state, host_grads, host_params, optimizer_state_dict, set_params)
 from lordo_fed.wire import lowrank
-from lordo_fed.wire.compress import Encoded, ErrorFeedback, decoded
+from lordo_fed.wire.compress import Encoded, ErrorFeedback
 from lordo_fed.wire.payload import PayloadCodecs
+
+__all__ = ["ProgressFn", "ResyncNeeded", "Sent", "Worker"]  # ResyncNeeded: lordo_fed.rounds.downlink's
 
 ProgressFn = Callable[[int, Tensor], None]
 """Called after every local step with its index and its loss, a device tensor (reading it is a
 host sync: a progress bar should only count)."""
-
-
-class ResyncNeeded(ValueError):
-    """The server sent θ as a change to a copy this worker does not hold (it missed a round)."""
 
 
 @dataclass
@@ -110,12 +109,20 @@ class Worker:
         """Compressed payloads (lordo_fed.wire.payload): Δ sent with error feedback, moments quantised."""
         self.wire_ef = ErrorFeedback()
         """What compression left out of Δ so far, per parameter (sent in later rounds)."""
-        self.client_params: dict[str, Tensor] | None = None
-        """With a compressed downlink: θ_c, the copy of θ the server's changes are added to (host fp32)."""
-        self.client_round = 0
-        """The round whose state `client_params` is."""
+        self.downlink = Downlink(tracks=payload is not None and payload.down is not None)
+        """θ of each round as the server sends it (with a compressed downlink, the clients' copy θ_c)."""
         self.sent: Sent | None = None
         """With `rounds.overlap_delay`: the round last sent, which the next round starts from."""
+
+    @property
+    def client_params(self) -> dict[str, Tensor] | None:
+        """With a compressed downlink: θ_c, the copy of θ the server's changes are added to (host fp32)."""
+        return self.downlink.params
+
+    @property
+    def client_round(self) -> int:
+        """The round whose state `client_params` is."""
+        return self.downlink.round
 
     # ----------------------------------------------------------------------------- one round
     def train_round(self, state: GlobalState, progress: ProgressFn | None = None) -> WorkerUpdate:
@@ -212,7 +219,7 @@ class Worker:
         opt = self.optimizer
         if isinstance(opt, LoRDO):
             opt.sync_state()
-        theta = self._client_theta(state)
+        theta = self.downlink.theta(state, self.params)
         add_to_params(self.params, lambda name: theta[name].float() - sent.theta[name])
         moments.align_step_counts(opt, state.opt_step + tau)
         group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
@@ -346,35 +353,11 @@ class Worker:
         clients' copy θ_c since the previous round: it is added to the copy this worker holds,
         which must be that round's (else `ResyncNeeded`: the server sends θ_c whole next time).
         Returns θ as loaded (host tensors, by name)."""
-        theta = self._client_theta(state)
+        theta = self.downlink.theta(state, self.params)
         set_params(self.params, theta)
         moments.align_step_counts(self.optimizer, state.opt_step)
         moments.set_projections(self.optimizer, self.params, state)
         moments.adopt(self.optimizer, self.params, state, self.device)
-        return theta
-
-    def _client_theta(self, state: GlobalState) -> dict[str, Tensor]:
-        """θ to start the round from: `state.params`, or θ_c plus the change it carries (a state
-        that lacks a parameter of this worker is refused)."""
-        missing = set(self.params) - set(state.params)
-        if missing:
-            raise ValueError(f"global state lacks parameters {sorted(missing)}")
-        tracks = self.payload is not None and self.payload.down is not None
-        if state.params_delta:
-            if self.client_params is None or self.client_round != state.round - 1:
-                held = "no copy" if self.client_params is None else f"the copy of round {self.client_round}"
-                raise ResyncNeeded(f"round {state.round}: the server sent θ as a change to round {state.round - 1}'s "
-                                   f"copy, this worker holds {held}: it needs θ whole (sent to a worker whose last "
-                                   "reply did not reach the server)")
-            for name, change in decoded(state.params).items():
-                self.client_params[name].add_(change.float())
-            self.client_round = state.round
-            return self.client_params
-        theta = decoded(state.params)
-        if tracks:
-            self.client_params = {n: t.detach().to("cpu", torch.float32).clone() for n, t in theta.items()}
-            self.client_round = state.round
-            return self.client_params
         return theta
 
     def _host_params(self) -> dict[str, Tensor]:
@@ -395,9 +378,7 @@ class Worker:
         cursor and, with a compressed payload, Δ's compression residual and the clients' copy θ_c."""
         return {"optimizer": optimizer_state_dict(self.optimizer, self.optimizer.state_dict(), cut=False),
                 "cursor": torch.tensor(self.cursor),
-                "wire_ef": self.wire_ef.state_dict(),
-                "client": {} if self.client_params is None else dict(self.client_params),
-                "client_round": torch.tensor(self.client_round), **self._sent_state()}
+                "wire_ef": self.wire_ef.state_dict(), **self.downlink.state_dict(), **self._sent_state()}
 
     def _sent_state(self) -> dict:
         """`sent` as flat tensors ('sent/theta/<param>', 'sent/m/<moment key>', 'sent/basis/<param>')
@@ -424,9 +405,7 @@ class Worker:
         self.optimizer.load_state_dict(optimizer_state_dict(self.optimizer, sd["optimizer"], cut=True))
         self.cursor = int(sd["cursor"])
         self.wire_ef.load_state_dict(sd.get("wire_ef", {}))
-        client = sd.get("client") or {}
-        self.client_params = {n: t.float().clone() for n, t in client.items()} or None
-        self.client_round = int(sd.get("client_round", 0))
+        self.downlink.load_state_dict(sd)
         self._load_sent(sd.get("sent", {}), sd.get("sent_meta"))
 
     def flat_state(self) -> tuple[dict[str, Tensor], dict]:
@@ -434,10 +413,10 @@ class Worker:
         sd = optimizer_state_dict(self.optimizer, self.optimizer.state_dict(), cut=False)
         tensors = {f"opt/{pid}/{key}": value for pid, st in sd["state"].items() for key, value in st.items()}
         tensors.update(self.wire_ef.state_dict())  # "wire_ef/<param>"
-        tensors.update({f"client/{n}": t for n, t in (self.client_params or {}).items()})
+        tensors.update({f"client/{n}": t for n, t in (self.downlink.params or {}).items()})
         sent = self._sent_state()
         tensors.update(sent.get("sent", {}))
-        return tensors, {"param_groups": sd["param_groups"], "cursor": self.cursor, "client_round": self.client_round,
+        return tensors, {"param_groups": sd["param_groups"], "cursor": self.cursor, "client_round": self.downlink.round,
                          "sent": sent.get("sent_meta")}
 
     def load_flat_state(self, tensors: dict[str, Tensor], meta: dict) -> None:

@@ -347,7 +347,7 @@ def test_server_and_workers_agree_bit_for_bit_on_the_clients_copy(tmp_path):
     from lordo_fed.rounds.methods import make_aggregator, make_worker, resolve_method
     from lordo_fed.model import build_model
     from lordo_fed.rounds.config import RoundConfig
-    from lordo_fed.rounds.worker import ResyncNeeded
+    from lordo_fed.rounds.downlink import ResyncNeeded
     from tests.unit.test_trainer import tiny_config
 
     cfg = tiny_config(tmp_path, workers=3, rounds=RoundConfig(local_steps=2), payload_dtype="int8")

@@ -1,0 +1,70 @@
+"""A worker's end of the downlink: θ as the server sends it, whole or as the change of the
+clients' copy θ_c.
+
+With a compressed payload preset (docs/algorithm.md, "Compressed payloads", the downlink) the
+server keeps the clients' copy θ_c of θ and, from round 2 on, sends the quantised change θ − θ_c
+instead of θ (`GlobalState.params_delta`). Server and workers add the same decoded change to the
+same tensors, so they agree on θ_c bit for bit; a worker trains from θ_c and measures its Δ from
+it. A worker that gets a change to a copy it does not hold (it missed a round) refuses it
+(`ResyncNeeded`) and the server sends θ_c whole next time. θ_c is part of the worker's saved state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import Tensor
+
+from lordo_fed.wire.compress import decoded
+from lordo_fed.wire.messages import GlobalState
+
+
+class ResyncNeeded(ValueError):
+    """The server sent θ as a change to a copy this worker does not hold (it missed a round)."""
+
+
+class Downlink:
+    """θ of each round as a worker receives it, and θ_c when the downlink is compressed."""
+
+    def __init__(self, tracks: bool) -> None:
+        self.tracks = tracks
+        """Whether the downlink is compressed (`PayloadCodecs.down`): the worker keeps θ_c."""
+        self.params: dict[str, Tensor] | None = None
+        """θ_c, the copy of θ the server's changes are added to (host fp32); None: none held."""
+        self.round = 0
+        """The round whose state `params` is."""
+
+    def theta(self, state: GlobalState, names: Iterable[str]) -> dict[str, Tensor]:
+        """θ to start round `state.round` from, by name: `state.params`, or θ_c plus the change it
+        carries (a state that lacks one of `names`, the worker's parameters, is refused)."""
+        missing = set(names) - set(state.params)
+        if missing:
+            raise ValueError(f"global state lacks parameters {sorted(missing)}")
+        if state.params_delta:
+            if self.params is None or self.round != state.round - 1:
+                held = "no copy" if self.params is None else f"the copy of round {self.round}"
+                raise ResyncNeeded(f"round {state.round}: the server sent θ as a change to round {state.round - 1}'s "
+                                   f"copy, this worker holds {held}: it needs θ whole (sent to a worker whose last "
+                                   "reply did not reach the server)")
+            for name, change in decoded(state.params).items():
+                self.params[name].add_(change.float())
+            self.round = state.round
+            return self.params
+        theta = decoded(state.params)
+        if self.tracks:
+            self.params = {n: t.detach().to("cpu", torch.float32).clone() for n, t in theta.items()}
+            self.round = state.round
+            return self.params
+        return theta
+
+    def state_dict(self) -> dict:
+        """θ_c ('client', by name; empty when none is held) and its round ('client_round'), as the
+        worker's state dict holds them."""
+        return {"client": {} if self.params is None else dict(self.params), "client_round": torch.tensor(self.round)}
+
+    def load_state_dict(self, sd: Mapping) -> None:
+        """θ_c and its round from a worker's state dict (`state_dict`; absent: none held)."""
+        client = sd.get("client") or {}
+        self.params = {n: t.float().clone() for n, t in client.items()} or None
+        self.round = int(sd.get("client_round", 0))
