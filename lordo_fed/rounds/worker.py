@@ -36,10 +36,10 @@ from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.rounds.downlink import Downlink, ResyncNeeded
 from lordo_fed.rounds import moments
 from lordo_fed.rounds.ranks import NodeRanks
+from lordo_fed.rounds.uplink import Uplink
 from lordo_fed.rounds.sharding import (
     add_to_params, chunk_state, host_grads, host_params, optimizer_state_dict, set_params)
-from lordo_fed.wire import lowrank
-from lordo_fed.wire.compress import Encoded, ErrorFeedback
+from lordo_fed.wire.compress import ErrorFeedback
 from lordo_fed.wire.payload import PayloadCodecs
 
 __all__ = ["ProgressFn", "ResyncNeeded", "Sent", "Worker"]  # ResyncNeeded: lordo_fed.rounds.downlink's
@@ -107,12 +107,17 @@ class Worker:
         """What the local steps run forward through (the intra-node wrapper, or the model)."""
         self.payload = payload
         """Compressed payloads (lordo_fed.wire.payload): Δ sent with error feedback, moments quantised."""
-        self.wire_ef = ErrorFeedback()
-        """What compression left out of Δ so far, per parameter (sent in later rounds)."""
+        self.uplink = Uplink(payload)
+        """What the worker sends, compressed per `payload` (Δ's residual kept for later rounds)."""
         self.downlink = Downlink(tracks=payload is not None and payload.down is not None)
         """θ of each round as the server sends it (with a compressed downlink, the clients' copy θ_c)."""
         self.sent: Sent | None = None
         """With `rounds.overlap_delay`: the round last sent, which the next round starts from."""
+
+    @property
+    def wire_ef(self) -> ErrorFeedback:
+        """What compression left out of Δ so far, per parameter (`Uplink.ef`)."""
+        return self.uplink.ef
 
     @property
     def client_params(self) -> dict[str, Tensor] | None:
@@ -161,10 +166,8 @@ class Worker:
         due = self.due_moments(state.round)
         self.sent = None if theta_send is None else Sent(state.round, theta_send, dict(due), self._host_bases(),
                                                          self.opt_step())
-        coords: dict[str, Encoded] = {}
-        if self.payload is not None:  # what crosses the wire: compressed, Δ's residual kept for later rounds
-            delta, coords = self.compress_delta(delta, list(state.projections))
-            due = self.payload.encode_moments(due)
+        delta, due, coords = self.uplink.encode(delta, due, state.projections,
+                                                lambda name: self.optimizer.basis(self.params[name]))
         return WorkerUpdate(
             worker_id=self.worker_id,
             round=state.round,
@@ -258,22 +261,6 @@ class Worker:
                 if basis is not None:
                     out[name] = basis.detach().to("cpu", torch.float32).clone()
         return out
-
-    def compress_delta(self, delta: dict[str, Tensor], shared: list[str]) -> tuple[dict[str, Encoded], dict[str, Encoded]]:
-        """(Δ, coordinates) as the payload preset sends them, with error feedback: with a `lowrank+`
-        preset, each matrix of `shared` (the round's shared bases) as its coordinates in that
-        basis plus the compressed residual (lordo_fed.wire.lowrank), the rest compressed whole."""
-        codecs = self.payload
-        out, coords = {}, {}
-        for name, d in delta.items():
-            if codecs.lowrank is not None and name in shared:
-                basis = self.optimizer.basis(self.params[name]).detach().to("cpu", torch.float32)
-                side = projection_side(d.shape)
-                out[name], coords[name] = self.wire_ef.compress_split(
-                    name, d, codecs.delta, lambda t, b=basis, s=side: lowrank.split(t, b, s, codecs.lowrank))
-            else:
-                out[name] = self.wire_ef.compress(name, d, codecs.delta_spec(name, tuple(d.shape)))[0]
-        return out, coords
 
     def diagnostics(self) -> dict[str, float]:
         """`lordo_fed.wire.messages.DIAGNOSTIC_METRICS` of the round just trained (empty unless the
