@@ -32,7 +32,7 @@ from lordo_fed.model import lm_loss
 from lordo_fed.optim import LoRDO
 from lordo_fed.optim.config import InnerConfig, apply_phase, lr_at, set_lr
 from lordo_fed.optim.ef_compress import ef_values
-from lordo_fed.rounds import moments
+from lordo_fed.rounds import moments, worker_state
 from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.rounds.downlink import Downlink, ResyncNeeded
 from lordo_fed.rounds.overlap import Overlap, Sent
@@ -305,32 +305,9 @@ class Worker:
         self.overlap.load_state_dict(sd)
 
     def flat_state(self) -> tuple[dict[str, Tensor], dict]:
-        """`state_dict()` as flat named tensors plus JSON-able metadata (safetensors, Flower records)."""
-        sd = optimizer_state_dict(self.optimizer, self.optimizer.state_dict(), cut=False)
-        tensors = {f"opt/{pid}/{key}": value for pid, st in sd["state"].items() for key, value in st.items()}
-        tensors.update(self.wire_ef.state_dict())  # "wire_ef/<param>"
-        tensors.update({f"client/{n}": t for n, t in (self.downlink.params or {}).items()})
-        sent = self.overlap.state_dict()
-        tensors.update(sent.get("sent", {}))
-        return tensors, {"param_groups": sd["param_groups"], "cursor": self.cursor, "client_round": self.downlink.round,
-                         "sent": sent.get("sent_meta")}
+        """`state_dict()` as flat named tensors plus JSON-able metadata (safetensors, Flower records:
+        `lordo_fed.rounds.worker_state`)."""
+        return worker_state.flatten(self.state_dict())
 
     def load_flat_state(self, tensors: dict[str, Tensor], meta: dict) -> None:
-        state: dict[int, dict[str, Tensor]] = {}
-        wire_ef, client, sent = {}, {}, {}
-        for key, value in tensors.items():
-            if key.startswith("sent/"):
-                sent[key] = value
-                continue
-            if key.startswith("wire_ef/"):
-                wire_ef[key] = value
-                continue
-            if key.startswith("client/"):
-                client[key.removeprefix("client/")] = value
-                continue
-            _, pid, name = key.split("/", 2)
-            state.setdefault(int(pid), {})[name] = value
-        self.load_state_dict({"optimizer": {"state": state, "param_groups": meta["param_groups"]},
-                              "cursor": meta["cursor"], "wire_ef": wire_ef, "client": client,
-                              "client_round": meta.get("client_round", 0), "sent": sent,
-                              "sent_meta": meta.get("sent")})
+        self.load_state_dict(worker_state.unflatten(tensors, meta))
