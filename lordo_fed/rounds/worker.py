@@ -16,12 +16,13 @@ What is not the loop lives beside it, each in its own module of `lordo_fed.round
 - `overlap`: overlapped rounds (`rounds.overlap_delay`), the round sent and the merge;
 - `sharding`: whole tensors in and out of a node whose ranks shard the model (FSDP2), where
   every rank calls the same methods in the same order (the gathers are collectives);
-- `ranks`: what the worker needs of a node of several ranks (`NodeRanks`).
+- `ranks`: what the worker needs of a node of several ranks (`NodeRanks`);
+- `worker_state`: the saved state as flat named tensors plus metadata.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
