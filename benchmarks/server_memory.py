@@ -48,7 +48,8 @@ from lordo_fed.metrics import peak_rss_bytes
 from lordo_fed.model import ModelConfig, build_model, count_parameters
 from lordo_fed.optim.config import InnerConfig
 from lordo_fed.rounds.outer import OuterConfig
-from lordo_fed.wire.messages import ReplyRef, WorkerUpdate, moment_key
+from lordo_fed.rounds.screening import ReplyRef
+from lordo_fed.wire.messages import WorkerUpdate, moment_key
 from lordo_fed.rounds.config import RoundConfig
 
 try:

@@ -38,12 +38,13 @@ from lordo_fed.data import load_dataset
 from lordo_fed.evaluation import evaluate
 from lordo_fed.metrics import MetricsWriter, peak_rss_bytes, plot_curves
 from lordo_fed.rounds.build import build_run
+from lordo_fed.rounds.screening import ReplyRef
 from lordo_fed.transport.server import DataPlaneServer
 from lordo_fed.wan.links import NodeLink, ideal_round_seconds, overlap_bound_seconds
 from lordo_fed.wire.codec import PayloadError
 from lordo_fed.wire.decode import decode_update
 from lordo_fed.wire.encode import encode_global_state, encode_global_state_into, encoded_size, new_buffer
-from lordo_fed.wire.messages import GlobalState, ReplyRef, WorkerUpdate
+from lordo_fed.wire.messages import GlobalState, WorkerUpdate
 
 log = logging.getLogger("lordo_fed.server")
 

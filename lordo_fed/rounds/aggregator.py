@@ -1,13 +1,15 @@
-"""The aggregator: check, weight by tokens, average, apply the outer update, refresh projections.
+"""The aggregator: weight the screened replies by tokens, average, apply the outer update, refresh projections.
 
-One round on the server side (shared/docs/ALGORITHM.md, "One round", step 3):
+One round on the server side (docs/algorithm.md, "Where each equation lives"; Jovanović et al.,
+LoRDO, arXiv 2602.04396):
     Δ̄ = Σ_m (n_m / Σ n) Δ_m                token-weighted average of the pseudo-gradients
     θ ← outer(θ, Δ̄)                         average / QHM / Nesterov (lordo_fed.rounds.outer)
-    u, v averaged the same way when due      (DES-LOC periods, lordo_fed.wire.messages.RoundConfig)
+    u, v averaged the same way when due      (DES-LOC periods, lordo_fed.rounds.config.RoundConfig)
     P ← top-r subspace of Δ̄ per low-rank W  (LoRDO-Global) and the averaged moments rotated
                                              into it with LDAdam's rule
 Plain tensors in and out: the Flower strategy wraps this object unchanged, and the reference
-trainer calls it directly.
+trainer calls it directly. Why a reply is refused lives in lordo_fed.rounds.screening; the
+`Aggregator` applies those rules against its own expectations (`check`, `screen`, ...).
 
 Bounded memory (the server's peak is flat in M): a caller that spools each reply on arrival
 screens it there (`check_reply`: `check()` and ||Δ||), keeps a `ReplyRef` (tokens, opt_step,
@@ -30,18 +32,19 @@ from torch import Tensor
 
 from lordo_fed.metrics import stable_rank
 from lordo_fed.optim.bias import restep
+from lordo_fed.optim.projection import ProjectionMethod, project, projection_side
 from lordo_fed.optim.rotation import rotate_moments
+from lordo_fed.rounds import screening
+from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.rounds.outer import OuterOptimizer
+from lordo_fed.rounds.screening import ReplyRef
 from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import Encoded, decode, encode
-from lordo_fed.wire.payload import PayloadCodecs
-from lordo_fed.optim.projection import ProjectionMethod, project, projection_side
 from lordo_fed.wire.messages import (
-    DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, ReplyRef, WorkerUpdate, moment_key, split_moment_key)
-from lordo_fed.rounds.config import RoundConfig
+    DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, WorkerUpdate, moment_key, split_moment_key)
+from lordo_fed.wire.payload import PayloadCodecs
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -52,49 +55,6 @@ class RoundResult:
     accepted: list[int]
     rejected: dict[int, str] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-def low_rank_shape(shape: tuple[int, int], rank: int) -> tuple[int, int]:
-    """Shape of a low-rank moment of a p×q weight (GaLore's side rule)."""
-    p, q = shape
-    return (p, rank) if projection_side(shape) == "right" else (rank, q)
-
-
-def fit_projections(deltas: dict[str, Tensor], ranks: dict[str, int], method: ProjectionMethod,
-                    seed: int, device: torch.device | str | None = None) -> dict[str, Tensor]:
-    """Stored-form projections (on the CPU) fitted to each low-rank parameter's pseudo-gradient.
-
-    Matrices of one shape and rank are fitted as one stack (`ProjectionMethod.fit_stack`: one
-    batched SVD or randomized SVD instead of a loop), on `device` (None: where the deltas are),
-    e.g. the server's GPU. Parameter i in name order is seeded with seed + i, as `method.fit`
-    of each matrix alone would be (the test oracle)."""
-    seeds = {name: seed + i for i, name in enumerate(sorted(ranks))}
-    groups: dict[tuple, list[str]] = {}
-    for name in sorted(ranks):
-        groups.setdefault((tuple(deltas[name].shape), ranks[name]), []).append(name)
-    out: dict[str, Tensor] = {}
-    for (shape, rank), names in groups.items():
-        per_stack = max(1, _MAX_STACK_BYTES // (4 * math.prod(shape)))  # bounds the extra host memory
-        for start in range(0, len(names), per_stack):
-            chunk = names[start:start + per_stack]
-            stack = torch.stack([deltas[n].float() for n in chunk])
-            stack = stack.to(device, non_blocking=True) if device is not None else stack
-            fitted = method.fit_stack(stack, rank, projection_side(shape), [seeds[n] for n in chunk]).cpu()
-            out.update((n, f.clone()) for n, f in zip(chunk, fitted.unbind(0)))
-    return {name: out[name] for name in sorted(ranks)}
-
-
-_MAX_STACK_BYTES = 1 << 28
-"""At most 256 MB of pseudo-gradients stacked at once by `fit_projections`."""
-
-
-def initial_projections(shapes: dict[str, tuple[int, int]], ranks: dict[str, int], method: ProjectionMethod,
-                        seed: int) -> dict[str, Tensor]:
-    """The projections of round 1, before any pseudo-gradient exists (seeded, same everywhere)."""
-    return {
-        name: method.initial(shapes[name], rank, projection_side(shapes[name]), seed=seed + i)
-        for i, (name, rank) in enumerate(sorted(ranks.items()))
-    }
 
 
 class Aggregator:
@@ -213,98 +173,11 @@ class Aggregator:
         self._commit_downlink()
         self.round += 1
 
-    @property
-    def needs_gradient_init(self) -> bool:
-        """LoRDO-Global with init_projection='gradient', before round 1's projections exist."""
-        return self.projection is not None and bool(self.ranks) and not self.projections
-
-    def gradient_request(self) -> GlobalState:
-        """What workers get to compute the gradient the round-1 projections are fitted to."""
-        return GlobalState(round=0, params=self.params)
-
-    def check_gradient(self, gradient: WorkerUpdate) -> str | None:
-        """Why one round-0 gradient reply must not be used, or None: round 0, the low-rank
-        parameters' names, shapes, dtypes and finite values, tokens (`check()` of round 0)."""
-        if gradient.round != 0 or set(gradient.delta) != set(self.ranks) or gradient.tokens <= 0:
-            return f"not a gradient reply for round 0 over the low-rank parameters (round {gradient.round})"
-        for name, t in gradient.delta.items():
-            problem = tensor_problem(f"grad/{name}", t, tuple(self.params[name].shape))
-            if problem:
-                return problem
-        return None
-
-    def screen_gradient_round(self, worker_ids: Sequence[int], reasons: Sequence[str | None]) -> list[str | None]:
-        """`screen_round` for round 0 over the verdicts of `check_gradient`: one reply per worker
-        (no outlier rule: gradients at θ0 are not pseudo-gradients of a round)."""
-        reasons = list(reasons)
-        _refuse_repeated_workers(worker_ids, reasons)
-        return reasons
-
-    def screen_gradients(self, gradients: Sequence[WorkerUpdate]) -> list[str | None]:
-        """Why each round-0 gradient reply must not be used (None: usable), in the order given:
-        `check_gradient`, then one reply per worker. Logs nothing and changes nothing (as
-        `screen()` for round replies)."""
-        return self.screen_gradient_round([g.worker_id for g in gradients], [self.check_gradient(g) for g in gradients])
-
-    def init_projections(self, gradients: Sequence[WorkerUpdate], screened: bool = False) -> RoundResult:
-        """Round-1 projections from decoded gradient replies (`init_projections_refs` over
-        in-memory refs). `screened=True`: the caller already dropped what `screen_gradients()`
-        refuses."""
-        rejected: dict[int, str] = {}
-        refs: list[ReplyRef] = []
-        reasons = [None] * len(gradients) if screened else self.screen_gradients(gradients)
-        for g, reason in zip(gradients, reasons):
-            if reason:
-                rejected[g.worker_id] = reason
-                log.warning("initial projections: dropped gradient of worker %s: %s", g.worker_id, reason)
-            else:
-                refs.append(ReplyRef.of(g))
-        return self.init_projections_refs(refs, rejected)
-
-    @torch.no_grad()
-    def init_projections_refs(self, refs: Sequence[ReplyRef], rejected: Mapping[int, str] | None = None) -> RoundResult:
-        """Round-1 projections: top-r subspaces of the token-weighted mean gradient at θ0 (the
-        full-batch gradient GaLore starts from). Each reply carries `delta` = its gradient of the
-        low-rank parameters, round 0. As `aggregate_refs`: screened refs (`check_gradient`,
-        `screen_gradient_round`), loaded one at a time in worker_id order."""
-        rejected = dict(rejected or {})
-        if not refs:
-            raise RuntimeError(f"initial projections: no usable gradient ({rejected})")
-        refs = sorted(refs, key=lambda r: r.worker_id)
-        _check_refs(refs, 0)
-        total = sum(g.tokens for g in refs)
-        sums: dict[str, Tensor] = {}
-        for ref in refs:
-            self._accumulate(ref, ref.tokens / total, self.ranks, sums)
-        mean = {n: sums[n] for n in self.ranks}
-        self.projections = fit_projections(mean, self.ranks, self.projection, self.seed, self.fit_device)
-        return RoundResult(self.global_state(), [g.worker_id for g in refs], rejected, {})
-
     def expected_moment_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of `name`'s moments on the wire (and of its low-rank coordinates): low-rank
+        (`low_rank_shape`) for a parameter in `ranks`, θ's shape otherwise."""
         shape = tuple(self.params[name].shape)
         return low_rank_shape(shape, self.ranks[name]) if name in self.ranks else shape
-
-    # ----------------------------------------------------------------------------- checks
-    def check(self, update: WorkerUpdate) -> str | None:
-        """Why `update` must not be applied, or None if it is well-formed."""
-        if update.round != self.round:
-            return f"reply is for round {update.round}, the server is at round {self.round}"
-        problem = delta_problem(update, self.params) or self._coords_problem(update)
-        if problem:
-            return problem
-        for key, value in update.moments.items():
-            try:
-                kind, name = split_moment_key(key)
-            except ValueError as err:
-                return str(err)
-            due = self.rounds.due(self.round, name in self.ranks)
-            if kind not in due or name not in self.params:
-                return f"unexpected moment {key!r} (due this round for {name!r}: {list(due)})"
-            shape = tuple(self.params[name].shape) if kind == "ef" else self.expected_moment_shape(name)
-            problem = tensor_problem(key, value, shape)
-            if problem:
-                return problem
-        return None
 
     def coords_expected(self) -> list[str]:
         """The parameters whose Δ comes as coordinates in this round's shared basis plus a residual
@@ -313,47 +186,29 @@ class Aggregator:
             return []
         return sorted(self.projections)
 
-    def _coords_problem(self, update: WorkerUpdate) -> str | None:
-        """Why a reply's low-rank coordinates are unusable: exactly `coords_expected()`, each
-        finite and in its low-rank shape (the shape of its moments)."""
-        expected = self.coords_expected()
-        missing, extra = set(expected) - set(update.coords), set(update.coords) - set(expected)
-        if missing or extra:
-            why = "" if expected else " (this run's payload sends no coordinates)"
-            return f"low-rank coordinates differ: missing {sorted(missing)}, unexpected {sorted(extra)}{why}"
-        for name, c in update.coords.items():
-            problem = tensor_problem(f"coords/{name}", c, self.expected_moment_shape(name))
-            if problem:
-                return problem
-        return None
-
-    def _basis(self, name: str) -> tuple[Tensor, str]:
-        """This round's shared basis of `name` (fp32, CPU) and its side."""
-        shape = tuple(self.params[name].shape)
-        side = projection_side(shape)
-        return self.projection.basis(self.projections[name], shape, side).float().cpu(), side
-
-    def _bases(self) -> dict[str, tuple[Tensor, str]]:
-        """The bases of `coords_expected()`, to rebuild Δ."""
-        return {name: self._basis(name) for name in self.coords_expected()}
+    # ----------------------------------------------------------------------------- screening
+    def check(self, update: WorkerUpdate) -> str | None:
+        """Why `update` must not be applied, or None if it is well-formed: `screening.reply_problem`
+        against this round, θ's shapes, the states due and the coordinates the payload sends."""
+        return screening.reply_problem(update, round_idx=self.round, params=self.params, ranks=self.ranks,
+                                       rounds=self.rounds, moment_shape=self.expected_moment_shape,
+                                       coords=self.coords_expected())
 
     def check_reply(self, update: WorkerUpdate) -> tuple[str | None, float]:
         """`check()` and ||Δ|| of one reply: everything screening needs from its tensors, so a
         caller can screen each reply as it arrives and drop the tensors (keeping a `ReplyRef`).
         The norm is NaN for a refused reply (it takes no part in the outlier rule)."""
         reason = self.check(update)
-        return reason, (math.nan if reason is not None else delta_norm(update))
+        return reason, (math.nan if reason is not None else screening.delta_norm(update))
 
     def screen_round(self, worker_ids: Sequence[int], norms: Sequence[float],
                      reasons: Sequence[str | None]) -> list[str | None]:
         """The round's rules over the per-reply verdicts of `check_reply` (in arrival order, which
         decides which of two replies for one partition is kept): a second well-formed reply for a
         worker already answered is refused, then, among the rest, the norm outliers
-        (`outlier_factor`). Returns the final reasons (None: usable); logs nothing."""
-        reasons = list(reasons)
-        _refuse_repeated_workers(worker_ids, reasons)
-        _refuse_outliers(norms, reasons, self.outlier_factor)
-        return reasons
+        (`outlier_factor`): `screening.screen_round`. Returns the final reasons (None: usable);
+        logs nothing."""
+        return screening.screen_round(worker_ids, norms, reasons, self.outlier_factor)
 
     def screen(self, updates: Sequence[WorkerUpdate]) -> list[str | None]:
         """Why each update must not be applied (None: usable), in the order given: `check_reply`
@@ -362,6 +217,23 @@ class Aggregator:
         checked = [self.check_reply(u) for u in updates]
         return self.screen_round([u.worker_id for u in updates], [n for _, n in checked], [r for r, _ in checked])
 
+    def check_gradient(self, gradient: WorkerUpdate) -> str | None:
+        """Why one round-0 gradient reply must not be used, or None: round 0, the low-rank
+        parameters' names, shapes, dtypes and finite values, tokens (`screening.gradient_problem`)."""
+        return screening.gradient_problem(gradient, self.params, self.ranks)
+
+    def screen_gradient_round(self, worker_ids: Sequence[int], reasons: Sequence[str | None]) -> list[str | None]:
+        """`screen_round` for round 0 over the verdicts of `check_gradient`: one reply per worker
+        (no outlier rule: gradients at θ0 are not pseudo-gradients of a round)."""
+        return screening.screen_gradient_round(worker_ids, reasons)
+
+    def screen_gradients(self, gradients: Sequence[WorkerUpdate]) -> list[str | None]:
+        """Why each round-0 gradient reply must not be used (None: usable), in the order given:
+        `check_gradient`, then one reply per worker. Logs nothing and changes nothing (as
+        `screen()` for round replies)."""
+        return self.screen_gradient_round([g.worker_id for g in gradients], [self.check_gradient(g) for g in gradients])
+
+    # ----------------------------------------------------------------------------- aggregation
     def aggregate(self, updates: Sequence[WorkerUpdate], screened: bool = False) -> RoundResult:
         """Apply one round of decoded replies; bad replies are logged and dropped, never applied.
 
@@ -400,7 +272,7 @@ class Aggregator:
             log.warning("round %d: no usable reply; global state unchanged", self.round)
             return RoundResult(self.global_state(), [], rejected, {})
         refs = sorted(refs, key=lambda r: r.worker_id)
-        _check_refs(refs, self.round)
+        screening.check_refs(refs, self.round)
 
         total = sum(r.tokens for r in refs)
         weights = [r.tokens / total for r in refs]
@@ -471,6 +343,11 @@ class Aggregator:
                 value = restep(value, kind, update.opt_step, opt_step, betas, self.bias_correction)
             _add_weighted(moment_sums, key, value, weight / moment_norms[key])
 
+    def round_betas(self) -> tuple[float, float]:
+        """The inner betas at the last local step of the current round (the two-phase recipe)."""
+        last_step = self.round * self.rounds.local_steps - 1
+        return self.switch_betas if 0 < self.switch_step <= last_step else self.betas
+
     def _diagnostics(self, delta: dict[str, Tensor]) -> dict[str, float]:
         """Mean stable rank of Δ̄ over the low-rank matrices and, when the server owns the
         projections, the share of ||Δ̄||² that lies in this round's shared subspace.
@@ -491,10 +368,59 @@ class Aggregator:
             out["delta_in_subspace"] = inside / total if total > 0 else 0.0
         return out
 
-    def round_betas(self) -> tuple[float, float]:
-        """The inner betas at the last local step of the current round (the two-phase recipe)."""
-        last_step = self.round * self.rounds.local_steps - 1
-        return self.switch_betas if 0 < self.switch_step <= last_step else self.betas
+    # ----------------------------------------------------------------------------- projections
+    @property
+    def needs_gradient_init(self) -> bool:
+        """LoRDO-Global with init_projection='gradient', before round 1's projections exist."""
+        return self.projection is not None and bool(self.ranks) and not self.projections
+
+    def gradient_request(self) -> GlobalState:
+        """What workers get to compute the gradient the round-1 projections are fitted to."""
+        return GlobalState(round=0, params=self.params)
+
+    def init_projections(self, gradients: Sequence[WorkerUpdate], screened: bool = False) -> RoundResult:
+        """Round-1 projections from decoded gradient replies (`init_projections_refs` over
+        in-memory refs). `screened=True`: the caller already dropped what `screen_gradients()`
+        refuses."""
+        rejected: dict[int, str] = {}
+        refs: list[ReplyRef] = []
+        reasons = [None] * len(gradients) if screened else self.screen_gradients(gradients)
+        for g, reason in zip(gradients, reasons):
+            if reason:
+                rejected[g.worker_id] = reason
+                log.warning("initial projections: dropped gradient of worker %s: %s", g.worker_id, reason)
+            else:
+                refs.append(ReplyRef.of(g))
+        return self.init_projections_refs(refs, rejected)
+
+    @torch.no_grad()
+    def init_projections_refs(self, refs: Sequence[ReplyRef], rejected: Mapping[int, str] | None = None) -> RoundResult:
+        """Round-1 projections: top-r subspaces of the token-weighted mean gradient at θ0 (the
+        full-batch gradient GaLore starts from). Each reply carries `delta` = its gradient of the
+        low-rank parameters, round 0. As `aggregate_refs`: screened refs (`check_gradient`,
+        `screen_gradient_round`), loaded one at a time in worker_id order."""
+        rejected = dict(rejected or {})
+        if not refs:
+            raise RuntimeError(f"initial projections: no usable gradient ({rejected})")
+        refs = sorted(refs, key=lambda r: r.worker_id)
+        screening.check_refs(refs, 0)
+        total = sum(g.tokens for g in refs)
+        sums: dict[str, Tensor] = {}
+        for ref in refs:
+            self._accumulate(ref, ref.tokens / total, self.ranks, sums)
+        mean = {n: sums[n] for n in self.ranks}
+        self.projections = fit_projections(mean, self.ranks, self.projection, self.seed, self.fit_device)
+        return RoundResult(self.global_state(), [g.worker_id for g in refs], rejected, {})
+
+    def _basis(self, name: str) -> tuple[Tensor, str]:
+        """This round's shared basis of `name` (fp32, CPU) and its side."""
+        shape = tuple(self.params[name].shape)
+        side = projection_side(shape)
+        return self.projection.basis(self.projections[name], shape, side).float().cpu(), side
+
+    def _bases(self) -> dict[str, tuple[Tensor, str]]:
+        """The bases of `coords_expected()`, to rebuild Δ."""
+        return {name: self._basis(name) for name in self.coords_expected()}
 
     def _rotate(self, moments: dict[str, Tensor], old: dict[str, Tensor], new: dict[str, Tensor]) -> dict[str, Tensor]:
         """Move averaged low-rank moments from the old shared basis into the new one."""
@@ -529,6 +455,7 @@ class Aggregator:
         return sd
 
     def load_state_dict(self, sd: dict[str, Tensor]) -> None:
+        """Resume from `state_dict()`; θ's names and shapes must be the model's (ValueError)."""
         def part(prefix: str) -> dict[str, Tensor]:
             return {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
 
@@ -555,25 +482,6 @@ class Aggregator:
                 self._resync_all = True
 
 
-def delta_norm(update: WorkerUpdate) -> float:
-    """||Δ|| of a reply over all its parameters: what the outlier rule compares (with low-rank
-    coordinates, ||C||² counts for ||P·C||², the basis being orthonormal)."""
-    return math.sqrt(sum(float(d.square().sum()) for group in (update.delta, update.coords)
-                         for d in group.values()))
-
-
-def _check_refs(refs: Sequence[ReplyRef], round_idx: int) -> None:
-    """Refuse refs that cannot have passed screening (a caller's mistake, not a bad client)."""
-    ids = [r.worker_id for r in refs]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"round {round_idx}: more than one ref per worker {ids}; screen the replies before "
-                         "aggregating them")
-    stale = [r.worker_id for r in refs if r.round != round_idx]
-    if stale:
-        raise ValueError(f"round {round_idx}: refs of workers {stale} are for another round; screen the replies "
-                         "before aggregating them")
-
-
 def _add_weighted(sums: dict[str, Tensor], key: str, t: Tensor, weight: float) -> None:
     """sums[key] += weight · t in fp32 (created as zeros on first use). Every average of the
     aggregator is a sequence of these additions, so its result depends only on the order of the
@@ -586,58 +494,46 @@ def _add_weighted(sums: dict[str, Tensor], key: str, t: Tensor, weight: float) -
     acc.add_(t.float(), alpha=weight)
 
 
-def _refuse_repeated_workers(worker_ids: Sequence[int], reasons: list[str | None]) -> None:
-    """Give a reason to every usable reply after the first from the same worker (partition).
-
-    Each partition's shard counts once per round; a second reply for it (two nodes started with
-    the same partition-id, or a replayed message) would weight that shard twice. The first one
-    given is kept, so a caller that orders replies reproducibly keeps the same one every time."""
-    seen: set[int] = set()
-    for i, worker_id in enumerate(worker_ids):
-        if reasons[i] is not None:
-            continue
-        if worker_id in seen:
-            reasons[i] = (f"worker (partition) {worker_id} already answered this round; a second reply for "
-                          "it is refused (two nodes with the same partition-id?)")
-        seen.add(worker_id)
+def low_rank_shape(shape: tuple[int, int], rank: int) -> tuple[int, int]:
+    """Shape of a low-rank moment of a p×q weight (GaLore's side rule)."""
+    p, q = shape
+    return (p, rank) if projection_side(shape) == "right" else (rank, q)
 
 
-def _refuse_outliers(norms: Sequence[float], reasons: list[str | None], factor: float) -> None:
-    """Give a reason to every still-usable reply whose ||Δ|| exceeds `factor` x the median over the
-    still-usable replies (0 disables; needs at least 3 of them to have a meaningful median)."""
-    ok = [i for i, r in enumerate(reasons) if r is None]
-    if factor <= 0 or len(ok) < 3:
-        return
-    median = sorted(norms[i] for i in ok)[len(ok) // 2]
-    for i in ok:
-        if median > 0 and norms[i] > factor * median:
-            reasons[i] = (f"pseudo-gradient norm {norms[i]:.4g} > outlier_factor {factor:g} x round median "
-                          f"{median:.4g}")
+def fit_projections(deltas: dict[str, Tensor], ranks: dict[str, int], method: ProjectionMethod,
+                    seed: int, device: torch.device | str | None = None) -> dict[str, Tensor]:
+    """Stored-form projections (on the CPU) fitted to each low-rank parameter's pseudo-gradient.
+
+    Matrices of one shape and rank are fitted as one stack (`ProjectionMethod.fit_stack`: one
+    batched SVD or randomized SVD instead of a loop), on `device` (None: where the deltas are),
+    e.g. the server's GPU. Parameter i in name order is seeded with seed + i, as `method.fit`
+    of each matrix alone would be (the test oracle)."""
+    seeds = {name: seed + i for i, name in enumerate(sorted(ranks))}
+    groups: dict[tuple, list[str]] = {}
+    for name in sorted(ranks):
+        groups.setdefault((tuple(deltas[name].shape), ranks[name]), []).append(name)
+    out: dict[str, Tensor] = {}
+    for (shape, rank), names in groups.items():
+        per_stack = max(1, _MAX_STACK_BYTES // (4 * math.prod(shape)))  # bounds the extra host memory
+        for start in range(0, len(names), per_stack):
+            chunk = names[start:start + per_stack]
+            stack = torch.stack([deltas[n].float() for n in chunk])
+            stack = stack.to(device, non_blocking=True) if device is not None else stack
+            fitted = method.fit_stack(stack, rank, projection_side(shape), [seeds[n] for n in chunk]).cpu()
+            out.update((n, f.clone()) for n, f in zip(chunk, fitted.unbind(0)))
+    return {name: out[name] for name in sorted(ranks)}
 
 
-def delta_problem(update: WorkerUpdate, params: dict[str, Tensor]) -> str | None:
-    """Why a reply's tokens and Δ are unusable against the global `params`, or None: positive
-    integer tokens, a finite floating Δ of every parameter in its shape, no other name."""
-    if isinstance(update.tokens, bool) or not isinstance(update.tokens, int) or update.tokens <= 0:
-        return f"tokens={update.tokens!r}: expected a positive integer"
-    missing, extra = set(params) - set(update.delta), set(update.delta) - set(params)
-    if missing or extra:
-        return f"pseudo-gradient names differ: missing {sorted(missing)}, unexpected {sorted(extra)}"
-    for name, d in update.delta.items():
-        problem = tensor_problem(f"delta/{name}", d, tuple(params[name].shape))
-        if problem:
-            return problem
-    return None
+_MAX_STACK_BYTES = 1 << 28
+"""At most 256 MB of pseudo-gradients stacked at once by `fit_projections`."""
 
 
-def tensor_problem(label: str, t: Tensor, shape: tuple[int, ...]) -> str | None:
-    """Why `t` is not a finite floating tensor of `shape` (a reply screened on arrival), or None."""
-    if not isinstance(t, Tensor):
-        return f"{label}: expected a tensor, got {type(t).__name__}"
-    if tuple(t.shape) != shape:
-        return f"{label}: shape {tuple(t.shape)}, expected {shape}"
-    if not t.is_floating_point():
-        return f"{label}: dtype {t.dtype}, expected a floating-point tensor"
-    if not torch.isfinite(t).all():
-        return f"{label}: contains NaN or Inf"
-    return None
+
+def initial_projections(shapes: dict[str, tuple[int, int]], ranks: dict[str, int], method: ProjectionMethod,
+                        seed: int) -> dict[str, Tensor]:
+    """The projections of round 1, before any pseudo-gradient exists (seeded, same everywhere)."""
+    return {
+        name: method.initial(shapes[name], rank, projection_side(shapes[name]), seed=seed + i)
+        for i, (name, rank) in enumerate(sorted(ranks.items()))
+    }
+

@@ -36,7 +36,8 @@ from lordo_fed.rounds.heloco import correct, look_ahead
 from lordo_fed.optim.bias import restep
 from lordo_fed.wire.messages import WorkerUpdate, split_moment_key
 from lordo_fed.rounds.outer import MomentumLookAhead, OuterOptimizer
-from lordo_fed.rounds.aggregator import Aggregator, delta_problem, fit_projections, tensor_problem
+from lordo_fed.rounds.aggregator import Aggregator, fit_projections
+from lordo_fed.rounds.screening import delta_problem, tensor_problem
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ its states that are due, tokens trained, metrics). The Flower app serializes exa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 from torch import Tensor
 
@@ -93,49 +92,3 @@ class WorkerUpdate:
         out.update(self.moments)
         out.update({f"coords/{k}": v for k, v in self.coords.items()})
         return out
-
-
-@dataclass(frozen=True)
-class ReplyRef:
-    """A reply the server has screened but does not hold: what aggregation needs to know before
-    reading its tensors, and how to read them.
-
-    Holding M decoded replies makes the server's memory grow with M (each carries a full-size Δ);
-    a ref keeps only these few numbers, so the aggregator can weight every reply up front (tokens,
-    opt_step, which moments it carries) and then load the replies one at a time
-    (`Aggregator.aggregate_refs`). `load` must return the same reply every time: a decode of a
-    spooled payload (file, mmap) or, for replies already in memory, the update itself
-    (`ReplyRef.of`).
-    """
-
-    worker_id: int
-    round: int
-    tokens: int
-    opt_step: int
-    moment_keys: frozenset[str]
-    """The `moment_key`s of the states it carries (each averaged over the replies that carry it)."""
-    load: Callable[[], WorkerUpdate] = field(repr=False, compare=False)
-    """Decodes the full `WorkerUpdate` on demand; the caller drops it before loading the next."""
-    metrics: dict[str, float] = field(default_factory=dict, compare=False)
-
-    @classmethod
-    def of(cls, update: WorkerUpdate, load: Callable[[], WorkerUpdate] | None = None) -> "ReplyRef":
-        """The ref of a decoded `update`. With `load` (e.g. a decode of the payload spooled to a
-        file) the ref does not keep `update`, so the caller can drop its tensors; without, it
-        loads from memory (the list path, `Aggregator.aggregate`)."""
-        if load is None:
-            def load() -> WorkerUpdate:
-                return update
-        return cls(worker_id=update.worker_id, round=update.round, tokens=update.tokens,
-                   opt_step=update.opt_step, moment_keys=frozenset(update.moments), load=load,
-                   metrics=dict(update.metrics))
-
-    def matches(self, update: WorkerUpdate) -> str | None:
-        """Why `update` (what `load` returned) is not the reply this ref describes, or None: the
-        weights were fixed from the ref, so a loader returning another reply must not be averaged."""
-        for name in ("worker_id", "round", "tokens", "opt_step"):
-            if getattr(update, name) != getattr(self, name):
-                return f"{name}={getattr(update, name)!r}, the ref says {getattr(self, name)!r}"
-        if frozenset(update.moments) != self.moment_keys:
-            return f"moment keys {sorted(update.moments)}, the ref says {sorted(self.moment_keys)}"
-        return None

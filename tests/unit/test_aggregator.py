@@ -33,7 +33,8 @@ from lordo_fed.optim.bias import restep
 from lordo_fed.rounds.outer import QHM, Average, Nesterov, OuterConfig
 from lordo_fed.optim.projection import SVDProjection, projection_side
 from lordo_fed.wire.messages import (
-    DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, ReplyRef, WorkerUpdate, moment_key, split_moment_key)
+    DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, WorkerUpdate, moment_key, split_moment_key)
+from lordo_fed.rounds.screening import ReplyRef
 from lordo_fed.rounds.config import RoundConfig
 
 AGG_LOGGER = "lordo_fed.rounds.aggregator"
