@@ -1,6 +1,6 @@
 """Corpus readers: the formats users keep pre-training text in, each read as *sources* (a file,
 or a dataset saved to disk) of *documents*, streamed in batches so that a corpus larger than
-memory is tokenised once into the token cache (lordo_fed.data) without ever being held whole.
+memory is tokenised once into the token cache (lordo_fed.data.cache) without ever being held whole.
 
 | format | recognised by | what is read | documents |
 |---|---|---|---|
@@ -18,6 +18,7 @@ for them. Parquet needs `pyarrow` and datasets saved to disk need `datasets`
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Union
@@ -33,6 +34,10 @@ TOKEN_BIN_DTYPE = np.dtype("<u2")
 """nanoGPT's token bins: uint16 ids (vocabularies up to 65,536, GPT-2's included)."""
 DOCS_PER_BATCH = 1024
 TOKENS_PER_CHUNK = 1 << 24
+# A paragraph break: a newline followed by one or more blank (or whitespace-only) lines.
+# The break stays attached to the paragraph before it, so documents concatenate back to the
+# exact file text, and the next paragraph keeps its indentation.
+_PARAGRAPH_BREAK = re.compile(r"\n(?:[ \t]*\n)+")
 
 
 @dataclass(frozen=True)
@@ -106,9 +111,30 @@ def read_documents(source: SourceFile, text_field: str = "text",
     yield from readers[source.kind](source.path, text_field, batch or DOCS_PER_BATCH)
 
 
-def _read_text_file(path: Path, text_field: str, batch: int) -> Iterator[tuple[list[str], int]]:
-    from lordo_fed.data import split_documents
+def split_documents(text: str) -> list[str]:
+    """Split text into paragraphs on blank lines, losslessly: "".join(docs) == text.
 
+    Each document keeps the blank lines that follow it, so that concatenated documents read
+    exactly like the file. Leading blank lines are glued to the first paragraph rather than
+    making a whitespace-only document. Changing the rule changes every text corpus's documents:
+    bump the token cache's version (lordo_fed.data.cache) with it.
+    """
+    docs: list[str] = []
+    start = 0
+    for m in _PARAGRAPH_BREAK.finditer(text):
+        if text[start : m.end()].strip():  # don't cut off a whitespace-only chunk
+            docs.append(text[start : m.end()])
+            start = m.end()
+    tail = text[start:]
+    if tail:
+        if docs and not tail.strip():
+            docs[-1] += tail  # trailing whitespace belongs to the last paragraph
+        else:
+            docs.append(tail)
+    return docs
+
+
+def _read_text_file(path: Path, text_field: str, batch: int) -> Iterator[tuple[list[str], int]]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
