@@ -17,7 +17,7 @@ int8 of v itself zeroes 74% of a realistic v and multiplies Adam's largest step 
 sends the compressed change θ − θ_c, which both sides add to θ_c (lordo_fed.rounds.aggregator): what the
 change leaves out stays in θ − θ_c and goes with a later round. The shared bases travel fp32 (they
 must stay orthonormal), integer tensors raw. A receiver accepts exactly the specs of the run's
-preset (`receiver_codecs`, `downlink_codecs`).
+preset (`Payload.receiver_specs`, `Payload.downlink_specs`).
 """
 
 from __future__ import annotations
