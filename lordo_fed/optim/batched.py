@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from lordo_fed.optim.ef_compress import EF_KEYS, add_decompressed, compress, empty_compressed
-from lordo_fed.optim.lordo import EF_DTYPES, LoRDO, _bias_corrections
+from lordo_fed.optim.lordo import EF_DTYPES, LoRDO, bias_corrections
 from lordo_fed.optim.sharded import coords_mean, local
 from lordo_fed.optim.projection import Side, projection_side
 
@@ -211,7 +211,7 @@ class BatchedLoRDO(LoRDO):
         lr, omega, eps = group["lr"], group["omega"], group["eps"]
         self._stacked(params, "step", _zero_step).add_(1)
         params = [local(p) for p in params]  # a sharded parameter: this rank's chunk (elementwise)
-        bc1, bc2 = _bias_corrections(group, k_before + 1)
+        bc1, bc2 = bias_corrections(group, k_before + 1)
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
@@ -278,7 +278,7 @@ class BatchedLoRDO(LoRDO):
         exp_avg = self._stacked(params, "exp_avg", lambda p: g.new_zeros(g.shape[1:]))
         exp_avg_sq = self._stacked(params, "exp_avg_sq", lambda p: g.new_zeros(g.shape[1:]))
         self._stacked(params, "step", _zero_step).add_(1)
-        bc1, bc2 = _bias_corrections(group, k_before + 1)
+        bc1, bc2 = bias_corrections(group, k_before + 1)
         exp_avg.lerp_(g, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = exp_avg_sq.sqrt().div_(math.sqrt(bc2)).add_(eps)

@@ -270,7 +270,7 @@ class LoRDO(torch.optim.Optimizer):
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bc1, bc2 = _bias_corrections(group, k)
+        bc1, bc2 = bias_corrections(group, k)
         denom = (exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(eps)
         if group["weight_decay"] != 0:
             p.mul_(1 - lr * group["weight_decay"])
@@ -334,7 +334,7 @@ class LoRDO(torch.optim.Optimizer):
         k = k_before + 1
         exp_avg.lerp_(g, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        bc1, bc2 = _bias_corrections(group, k)
+        bc1, bc2 = bias_corrections(group, k)
         denom = (exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(eps)
 
         if group["qh_placement"] == "outside":
@@ -395,7 +395,8 @@ def _accumulate(split: list[Tensor | None], i: int, value: Tensor) -> None:
     split[i] = value if split[i] is None else split[i] + value
 
 
-def _bias_corrections(group: dict[str, Any], k: int) -> tuple[float, float]:
+def bias_corrections(group: dict[str, Any], k: int) -> tuple[float, float]:
+    """The Adam bias corrections (1 − β1^k, 1 − β2^k) of a param group at step k (1, 1 when it has none)."""
     if not group["bias_correction"]:
         return 1.0, 1.0
     beta1, beta2 = group["betas"]

@@ -18,7 +18,7 @@ import grpc
 from lordo_fed.wire.encode import new_buffer
 from lordo_fed.transport.framing import frame, unframe
 from lordo_fed.transport.server import (CHUNK_BYTES, CHUNK_DATA, DOWNLOAD_METHOD, UPLOAD_DATA, UPLOAD_METHOD,
-                                        _identity, channel_options)
+                                        raw_bytes, channel_options)
 from lordo_fed.v1 import dataplane_pb2 as pb
 
 
@@ -76,7 +76,7 @@ def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: f
     digest, offset = hashlib.sha256(), 0
     with open_channel(ticket, root_certificates) as channel:
         call = channel.unary_stream(DOWNLOAD_METHOD, request_serializer=pb.DownloadRequest.SerializeToString,
-                                    response_deserializer=_identity)
+                                    response_deserializer=raw_bytes)
         stream = call(pb.DownloadRequest(token=ticket.download_token, node_id=int(node_id)), timeout=timeout)
         try:
             for raw in stream:
@@ -138,7 +138,7 @@ def upload(ticket: pb.Ticket, node_id: int, data: bytes | bytearray | memoryview
     digest = hashlib.sha256()
     with open_channel(ticket, root_certificates) as channel:
         try:
-            call = channel.stream_unary(UPLOAD_METHOD, request_serializer=_identity,
+            call = channel.stream_unary(UPLOAD_METHOD, request_serializer=raw_bytes,
                                         response_deserializer=pb.UploadReceipt.FromString)
             receipt = call(_chunks(ticket, node_id, view, chunk_bytes, digest, ready), timeout=timeout)
         except grpc.RpcError as err:

@@ -60,7 +60,8 @@ CHUNK_DATA, UPLOAD_DATA = 1, 5
 """Field numbers of `data` in Chunk and UploadChunk (lordo_fed.transport.framing)."""
 
 
-def _identity(raw: bytes) -> bytes:
+def raw_bytes(raw: bytes) -> bytes:
+    """The gRPC (de)serializer of messages framed by hand (lordo_fed.transport.framing): bytes as they are."""
     return raw
 
 
@@ -214,7 +215,7 @@ class DataPlaneServer:
         servicer = _Servicer(self)
         handlers = {
             "Download": grpc.unary_stream_rpc_method_handler(
-                servicer.Download, request_deserializer=pb.DownloadRequest.FromString, response_serializer=_identity),
+                servicer.Download, request_deserializer=pb.DownloadRequest.FromString, response_serializer=raw_bytes),
             "Upload": grpc.stream_unary_rpc_method_handler(
                 servicer.Upload, request_deserializer=_upload_chunk,
                 response_serializer=pb.UploadReceipt.SerializeToString),
