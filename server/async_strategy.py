@@ -27,7 +27,6 @@ resumed θ (consistent, not the same schedule as an uninterrupted run).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -46,6 +45,7 @@ from lordo_fed.wire.encode import encode_global_state
 from lordo_fed.app.records import IDENTIFY, payload_bytes
 from lordo_fed.metrics import peak_rss_bytes
 from lordo_fed.wire.messages import GlobalState
+from server.records import rounded
 from server.strategy import LoRDOStrategy, _array
 
 log = logging.getLogger("lordo_fed.server")
@@ -100,22 +100,19 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
         timeout = timeout or self.cfg.round_timeout
         log.info("Starting asynchronous LoRDO strategy (%s order):", self.cfg.async_rounds.order)
         self.summary()
-        self._started = time.perf_counter()
-        if self.pushes == 0 and not self.history:
-            self._record({"round": 0, "step": 0, "tokens": 0, "pushes": 0, "virtual_time": 0.0, **self._evaluate(),
-                          "elapsed_seconds": 0.0})
-        writer = self._open_writer()
+        self.recorder.start_clock()
+        if self.pushes == 0 and not self.recorder.history:
+            self.recorder.add({"round": 0, "step": 0, "tokens": 0, "pushes": 0, "virtual_time": 0.0,
+                               **self._evaluate(), "elapsed_seconds": 0.0})
+        self.recorder.open()
         self._wait_for_nodes(grid, timeout)
         nodes = self._identify(grid, timeout)
         if self.aggregator.needs_gradient_init:  # async LoRDO-Global: the round-1 bases from the gradients at θ0
             self._init_projections(grid, timeout)
         self._run(grid, nodes, num_rounds, timeout)
-        writer.close()
-        self._plot()
+        self.recorder.close()
         result = Result()
         result.arrays = ArrayRecord({n: _array(p) for n, p in self.aggregator.params.items()})
-        log.info("Finished: metrics %s, plots %s, checkpoints %s", self.out_dir / "server.jsonl",
-                 self.out_dir / "val_loss.png", self.checkpoint_dir)
         return result
 
     def _identify(self, grid: Grid, timeout: float) -> dict[int, int]:
@@ -286,14 +283,14 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
             "bytes_sent_per_client": sizes["sent"], "bytes_received_per_client": sizes["received"],
             "cum_bytes_per_client": self.cum_bytes / M, "server_peak_rss_bytes": peak_rss_bytes(),
             "clients_fresh_state": fresh,
-            "elapsed_seconds": time.perf_counter() - self._started,
+            "elapsed_seconds": self.recorder.elapsed(),
         })
         if r % self.cfg.eval_every == 0 or r >= num_rounds:
             record.update(self._evaluate())
-        self._record(record)
+        self.recorder.add(record)
         self.aggregator.round = r + 1
         tensors, counters = self.server.state_dict()
-        self._checkpoint(r, {"async": {**counters, "pushes": self.pushes, "rounds": self.rounds,
-                                       "opt_steps": self.opt_steps, "virtual_time": self.virtual_time}}, tensors)
-        log.info("round %d (%d pushes): %s", r, self.pushes,
-                 {k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()})
+        self.recorder.save(r, self.aggregator.state_dict(), self.tokens, self.cum_bytes,
+                           {"async": {**counters, "pushes": self.pushes, "rounds": self.rounds,
+                                      "opt_steps": self.opt_steps, "virtual_time": self.virtual_time}}, tensors)
+        log.info("round %d (%d pushes): %s", r, self.pushes, rounded(record))

@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -29,62 +28,22 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
 
-from lordo_fed.app.config import AppConfig, as_dict
+from lordo_fed.app.config import AppConfig
 from lordo_fed.app.records import (EXPLICIT_KEYS, ROUND_TIMEOUT, TICKET, UPLOAD_SHA256, is_simulation, payload_bytes,
                                    payload_record, shorten_pull_backoff)
-from lordo_fed.checkpoint import (check_compatible, checkpoint_stem, load_checkpoint, rng_state, save_checkpoint,
-                                  set_rng_state)
+from lordo_fed.checkpoint import set_rng_state
 from lordo_fed.data import load_dataset
 from lordo_fed.evaluation import evaluate
-from lordo_fed.metrics import MetricsWriter, peak_rss_bytes, plot_curves
 from lordo_fed.rounds.build import build_run
 from lordo_fed.rounds.screening import ReplyRef
 from lordo_fed.transport.server import DataPlaneServer
-from lordo_fed.wan.links import NodeLink, ideal_round_seconds, overlap_bound_seconds
 from lordo_fed.wire.codec import PayloadError
 from lordo_fed.wire.decode import decode_update
 from lordo_fed.wire.encode import encode_global_state, encode_global_state_into, encoded_size, new_buffer
 from lordo_fed.wire.messages import GlobalState, WorkerUpdate
+from server.records import Recorder, RoundLog, rounded
 
 log = logging.getLogger("lordo_fed.server")
-
-
-#: Client metrics kept per client in a round's `links` record: where a node's time went.
-_LINK_METRICS = ("download-seconds", "download-wait-seconds", "upload-seconds", "decode-seconds", "encode-seconds",
-                 "setup-seconds",
-                 "save-seconds", "save-wait-seconds", "early-seconds", "early-wait-seconds", "client-seconds")
-
-
-@dataclass
-class RoundLog:
-    """What one round saw on the wire (measured from the serialized payloads)."""
-
-    sent_bytes: int = 0
-    received: dict[int, int] = field(default_factory=dict)
-    client_seconds: dict[int, float] = field(default_factory=dict)
-    client_train_seconds: dict[int, float] = field(default_factory=dict)
-    client_codec_seconds: dict[int, float] = field(default_factory=dict)
-    client_transfer_seconds: dict[int, float] = field(default_factory=dict)
-    """Each client's own download + upload seconds on the data plane."""
-    encode_seconds: float = 0.0
-    """Server: encoding the global state once for all clients."""
-    decode_seconds: float = 0.0
-    """Server: unwrapping and decoding every reply."""
-    fresh_state: list[int] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-    dropped: dict[str, str] = field(default_factory=dict)
-    transfer_seconds: dict[int, float] = field(default_factory=dict)
-    """Data plane: seconds each reply took to stream in (first to last byte)."""
-    clientapp_torch: int = 0
-    """Replies whose ClientApp process imported torch (0 when every node has a node worker)."""
-    replied: set[int] = field(default_factory=set)
-    """Nodes whose reply arrived (not an error reply): they hold this round's copy of θ."""
-    marks: dict[str, float] = field(default_factory=dict)
-    """When the round reached each phase (time.perf_counter()): 'published', 'uploads_in', 'replies_in'."""
-    link_rate: dict[int, float] = field(default_factory=dict)
-    """Each client's link rate in bytes/s, as its node config `link-rate` declares (lordo_fed.wan)."""
-    client_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
-    """Each client's reply metrics (for the per-client breakdown of `links`)."""
 
 
 class LoRDOStrategy(Strategy):
@@ -103,8 +62,8 @@ class LoRDOStrategy(Strategy):
         self.settings, self.model, self.model_id = self.run.settings, self.run.model, self.run.model_id
         self.payload = self.run.payload
         self.aggregator = self.run.aggregator(outlier_factor=cfg.outlier_factor)
-        self.checkpoint_dir = self.out_dir / "checkpoints"
-        self.history: list[dict] = []
+        self.recorder = Recorder(cfg, self.out_dir, self.model_id)
+        self.checkpoint_dir = self.recorder.checkpoint_dir
         self.tokens = 0
         self.cum_bytes = 0
         self._round_log = RoundLog()
@@ -287,11 +246,11 @@ class LoRDOStrategy(Strategy):
         self.summary()
         result = Result()
         self._start_data_plane(grid)  # before anything is written: a bad TLS setting stops the run here
-        self._started = time.perf_counter()
+        self.recorder.start_clock()
         if self.aggregator.round == 1:
-            self._record({"round": 0, "step": 0, "tokens": 0, **self._evaluate(),
-                          "elapsed_seconds": time.perf_counter() - self._started})
-        writer = self._open_writer()
+            self.recorder.add({"round": 0, "step": 0, "tokens": 0, **self._evaluate(),
+                               "elapsed_seconds": self.recorder.elapsed()})
+        self.recorder.open()
         try:
             if self.aggregator.needs_gradient_init:
                 self._init_projections(grid, timeout)
@@ -320,11 +279,8 @@ class LoRDOStrategy(Strategy):
                 self._finish_round(r, metrics, seconds, aggregation_seconds, num_rounds, rl)
         finally:
             self._stop_data_plane()
-        writer.close()
-        self._plot()
+        self.recorder.close()
         result.arrays = ArrayRecord({n: _array(p) for n, p in self.aggregator.params.items()})
-        log.info("Finished: metrics %s, plots %s, checkpoints %s", self.out_dir / "server.jsonl",
-                 self.out_dir / "val_loss.png", self.checkpoint_dir)
         return result
 
     def _begin_round(self, r: int, grid: Grid, timeout: float, num_rounds: int) -> dict[str, int]:
@@ -344,85 +300,17 @@ class LoRDOStrategy(Strategy):
             self._announced[r + 1] = self._push(grid, self._announce(r + 1, grid.get_node_ids()))
         return ids
 
-    def _open_writer(self) -> MetricsWriter:
-        """server.jsonl (and TensorBoard) rewritten from the history: the checkpoint's history is
-        the truth, records a crashed run wrote after it are dropped."""
-        (self.out_dir / "server.jsonl").unlink(missing_ok=True)
-        writer = MetricsWriter(self.out_dir, "server", tensorboard=self.cfg.tensorboard)
-        for rec in self.history:
-            writer.write(rec)
-        self._writer = writer
-        return writer
-
     def _finish_round(self, r: int, metrics: MetricRecord | None, seconds: float, aggregation_seconds: float,
                       num_rounds: int, rl: RoundLog) -> None:
-        received = list(rl.received.values())
-        self.cum_bytes += rl.sent_bytes + (max(received) if received else 0)
-        K = self.cfg.rounds.local_steps
-        record = {
-            "round": r, "step": r * K, "tokens": self.tokens,
-            "train_loss": (metrics or {}).get("train_loss"),
-            "clients_ok": len(received), "clients_dropped": len(rl.dropped), "clients_missing": len(rl.missing),
-            "clients_fresh_state": len(rl.fresh_state), "clientapps_with_torch": rl.clientapp_torch,
-            "bytes_sent_per_client": rl.sent_bytes,
-            "bytes_received_per_client": (sum(received) / len(received)) if received else 0,
-            "cum_bytes_per_client": self.cum_bytes,
-            "round_seconds": seconds, "aggregation_seconds": aggregation_seconds,
-            "client_seconds": max(rl.client_seconds.values(), default=0.0),
-            "client_train_seconds": max(rl.client_train_seconds.values(), default=0.0),
-            "client_codec_seconds": max(rl.client_codec_seconds.values(), default=0.0),
-            "client_transfer_seconds": max(rl.client_transfer_seconds.values(), default=0.0),
-            "server_encode_seconds": rl.encode_seconds, "server_decode_seconds": rl.decode_seconds,
-            # this process's peak resident memory so far, before this round's evaluation: with the
-            # data plane it should not grow with the number of clients (results.md section 9)
-            "server_peak_rss_bytes": peak_rss_bytes(),
-        }
-        if self.data_plane is not None:
-            record["upload_seconds"] = max(rl.transfer_seconds.values(), default=0.0)
-            refusals = self.data_plane.take_refusals()
-            if refusals:
-                record["data_plane_refusals"] = "; ".join(f"node {x.node_id} {x.what}: {x.reason}" for x in refusals)
-        record["overhead_seconds"] = seconds - record["client_seconds"]
-        if self.cfg.rounds.overlap_delay:  # clients that merged this round into one started from their own θ
-            record["clients_overlapped"] = sum(m.get("overlap_steps", 0) > 0 for m in rl.client_metrics.values())
-            record["client_early_seconds"] = max((m.get("early-seconds", 0.0) for m in rl.client_metrics.values()),
-                                                 default=0.0)
-        if "started" in rl.marks:  # seconds from the round's start to each phase (docs/results.md)
-            record["phase_seconds"] = {k: v - rl.marks["started"] for k, v in rl.marks.items() if k != "started"}
-        record.update(self._link_record(rl, seconds, aggregation_seconds))
-        # seconds since this process entered start(), at the end of this round's aggregation:
-        # consecutive differences are the full round cycle (with evaluation and checkpoint)
-        record["elapsed_seconds"] = time.perf_counter() - self._started
-        if r % self.cfg.eval_every == 0 or r == num_rounds:
-            record.update(self._evaluate())
-        if rl.missing or rl.dropped:
-            record["missing"] = ", ".join(rl.missing)
-            record["dropped"] = "; ".join(f"{k}: {v}" for k, v in rl.dropped.items())
-        self._record(record)
-        self._checkpoint(r)
-        log.info("round %d: %s", r, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()})
-
-    def _link_record(self, rl: RoundLog, seconds: float, aggregation_seconds: float) -> dict[str, Any]:
-        """The round against its link-bound ideal (lordo_fed.wan.links), when every client that
-        replied declared its link rate (node config `link-rate`): `ideal_seconds`,
-        `round_over_ideal`, the bounding node, and per client the bytes each way, its rate and its
-        own download/upload/training seconds."""
-        if not rl.received or set(rl.link_rate) != set(rl.received):
-            return {}
-        nodes = {w: NodeLink(rl.sent_bytes, rl.received[w], rl.link_rate[w], rl.client_train_seconds.get(w, 0.0))
-                 for w in rl.received}
-        ideal, bound = ideal_round_seconds(nodes, aggregation_seconds)
-        overlap = {}
-        if self.cfg.rounds.overlap_delay:
-            limit, _ = overlap_bound_seconds(nodes)
-            overlap = {"overlap_bound_seconds": limit, "round_over_bound": seconds / limit}
-        return {"ideal_seconds": ideal, "round_over_ideal": seconds / ideal, "link_bound_client": bound,
-                "link_seconds": nodes[bound].link_seconds(), **overlap,
-                "links": {str(w): {"down_bytes": n.down_bytes, "up_bytes": n.up_bytes, "rate": n.rate,
-                                   "train_seconds": n.train_seconds,
-                                   **{key.replace("-", "_"): rl.client_metrics.get(w, {})[key] for key in _LINK_METRICS
-                                      if key in rl.client_metrics.get(w, {})}}
-                          for w, n in sorted(nodes.items())}}
+        """Round `r`'s record (with an evaluation when due), then its checkpoint."""
+        self.cum_bytes += rl.sent_bytes + max(rl.received.values(), default=0)
+        due = r % self.cfg.eval_every == 0 or r == num_rounds
+        refusals = self.data_plane.take_refusals() if self.data_plane is not None else None
+        record = self.recorder.round_record(r, rl, (metrics or {}).get("train_loss"), self.tokens, self.cum_bytes,
+                                            seconds, aggregation_seconds, refusals, self._evaluate if due else None)
+        self.recorder.add(record)
+        self.recorder.save(r, self.aggregator.state_dict(), self.tokens, self.cum_bytes)
+        log.info("round %d: %s", r, rounded(record))
 
     def _init_projections(self, grid: Grid, timeout: float) -> None:
         """LoRDO-Global, init_projection='gradient': one query phase before round 1 in which every
@@ -614,59 +502,22 @@ class LoRDOStrategy(Strategy):
                 p.copy_(self.aggregator.params[n])
         return evaluate(self.model, self.val_batches)
 
-    def _record(self, record: dict) -> None:
-        record = {"variant": self.cfg.variant, **record}
-        self.history.append(record)
-        if getattr(self, "_writer", None) is not None:
-            self._writer.write(record)
-
-    def _checkpoint(self, r: int, extra: dict | None = None, extra_tensors: dict | None = None) -> None:
-        """An atomic checkpoint after round `r` (`extra`, `extra_tensors`: more metadata and tensors,
-        e.g. the asynchronous schedule's)."""
-        tensors = {**self.aggregator.state_dict(), **rng_state(), **(extra_tensors or {})}
-        meta = {"model_id": self.model_id, "variant": self.cfg.variant, "round": r, "tokens": self.tokens,
-                "cum_bytes": self.cum_bytes, "config": as_dict(self.cfg), "history": self.history, **(extra or {})}
-        save_checkpoint(self.checkpoint_dir, r, tensors, meta, keep=self.cfg.checkpoint_keep)
-
     def resume(self, path: str) -> None:
         """Continue from a checkpoint: θ, outer state, projections, synced states, counters, RNG.
 
-        `path` is a round JSON or a checkpoint directory (then its newest complete checkpoint:
-        lordo_fed.checkpoint skips, with a warning, one cut off mid-write). Errors and the log
-        name the round file actually loaded, not just the directory: with fallbacks, an operator
-        must be able to tell which one it was. A checkpoint of another run is refused (model id,
-        model preset, method: the preset makes a model mismatch readable), before anything is
-        written, so a wrong `resume` never costs the checkpoints already in out_dir.
+        `path` is a round JSON or a checkpoint directory (`Recorder.load`: its newest complete
+        checkpoint, named in errors and the log). A checkpoint of another run is refused before
+        anything is written, so a wrong `resume` never costs the checkpoints already in out_dir.
         """
-        tensors, meta = load_checkpoint(path)
-        source = Path(path)
-        if (source.is_dir() or source.name == "latest.json") and isinstance(meta.get("round"), int):
-            source = (source if source.is_dir() else source.parent) / f"{checkpoint_stem(meta['round'])}.json"
-        check_compatible(meta, {"model_id": self.model_id, "config.model.preset": self.cfg.model.preset,
-                                "variant": self.cfg.variant}, source)
+        tensors, meta, source = self.recorder.load(path)
         self.aggregator.load_state_dict({k: v for k, v in tensors.items() if not k.startswith("rng/")})
         set_rng_state(tensors)
-        self.tokens, self.cum_bytes, self.history = meta["tokens"], meta["cum_bytes"], list(meta["history"])
+        self.tokens, self.cum_bytes = meta["tokens"], meta["cum_bytes"]
+        self.recorder.history = list(meta["history"])
         self.resumed_meta = meta
         self.resumed_tensors = {k: v for k, v in tensors.items() if k.startswith("async_acc/")}
         log.info("resumed from %s at round %d", source, self.aggregator.round)
-        saved_rounds = meta.get("config", {}).get("num_rounds")
-        if saved_rounds != self.cfg.num_rounds:
-            # The learning-rate schedule's horizon is num_rounds x K: a resumed run with another
-            # num-server-rounds continues fine but no longer matches an uninterrupted run.
-            log.warning("the checkpoint's run had num-server-rounds=%s, this run has %d: the learning-rate "
-                        "schedule differs from the original run's", saved_rounds, self.cfg.num_rounds)
-
-    def _plot(self) -> None:
-        runs = {self.cfg.variant: self.history}
-        plot_curves(runs, "tokens", "val_loss", self.out_dir / "val_loss.png", title="Validation loss against tokens")
-        plot_curves(runs, "tokens", "cum_bytes_per_client", self.out_dir / "bytes.png",
-                    title="Cumulative bytes per client against tokens")
-        linked = [r for r in self.history if r.get("ideal_seconds")]
-        if linked:  # every node declared its link-rate: each round against its link-bound ideal
-            plot_curves({"round": [{"round": r["round"], "seconds": r["round_seconds"]} for r in linked],
-                         "link-bound ideal": [{"round": r["round"], "seconds": r["ideal_seconds"]} for r in linked]},
-                        "round", "seconds", self.out_dir / "link.png", title="Round time against its link-bound ideal")
+        self.recorder.warn_if_schedule_differs(meta)
 
 
 def _array(t: torch.Tensor):
