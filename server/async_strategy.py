@@ -33,16 +33,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.result import Result
 
 from lordo_fed.app.config import AppConfig
 from lordo_fed.rounds.async_rounds import Arrival, AsyncServer, Pull, VirtualClock, async_record
 from lordo_fed.wire.codec import PayloadError
-from lordo_fed.wire.decode import decode_update
-from lordo_fed.wire.encode import encode_global_state
-from lordo_fed.app.records import IDENTIFY, payload_bytes
+from lordo_fed.app.records import payload_bytes
 from lordo_fed.metrics import peak_rss_bytes
 from lordo_fed.wire.messages import GlobalState
 from server.records import rounded
@@ -105,7 +103,7 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
             self.recorder.add({"round": 0, "step": 0, "tokens": 0, "pushes": 0, "virtual_time": 0.0,
                                **self._evaluate(), "elapsed_seconds": 0.0})
         self.recorder.open()
-        self._wait_for_nodes(grid, timeout)
+        self.courier.wait_for_nodes(grid, timeout)
         nodes = self._identify(grid, timeout)
         if self.aggregator.needs_gradient_init:  # async LoRDO-Global: the round-1 bases from the gradients at θ0
             self._init_projections(grid, timeout)
@@ -118,11 +116,10 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
     def _identify(self, grid: Grid, timeout: float) -> dict[int, int]:
         """Partition id -> node id of every connected node (a second node with a partition
         already taken is left out, with a warning)."""
-        config = ConfigRecord({IDENTIFY: 1, **self._message_config(0)})
-        messages = [Message(content=RecordDict({"config": config}), dst_node_id=n, message_type=MessageType.QUERY)
-                    for n in sorted(grid.get_node_ids())]
+        courier = self.courier
+        ids = courier.push(grid, courier.identify_messages(sorted(grid.get_node_ids())))
         nodes: dict[int, int] = {}
-        for msg in sorted(self._receive(grid, self._push(grid, messages), timeout, 0),
+        for msg in sorted(courier.receive(grid, ids, timeout, 0, self._round_log),
                           key=lambda m: m.metadata.src_node_id):
             node = msg.metadata.src_node_id
             if msg.has_error():
@@ -167,9 +164,9 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
             state = GlobalState(round=r, params=pull.params, projections=pull.projections, moments=pull.moments,
                                 opt_step=self.opt_steps.get(pid, 0) if pull.opt_step is None else pull.opt_step)
             state = self._without_theta0(state)
-            payload = encode_global_state(state, self.model_id, self.payload.wire_dtype)
+            payload = self.courier.encode(state)
             sizes["sent"] = len(payload)
-            ids = self._push(grid, self._outgoing(r, payload, [nodes[pid]], MessageType.TRAIN))
+            ids = self.courier.push(grid, self.courier.outgoing(r, payload, [nodes[pid]], MessageType.TRAIN))
             if not ids:
                 server.release(pull)
                 log.warning("partition %d: the message to node %d was not accepted; left out", pid, nodes[pid])
@@ -203,7 +200,7 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
                 payload = payload_bytes(msg.content["update"])
                 sizes["received"] = len(payload)
                 self.cum_bytes += flight.nbytes + len(payload)  # this push's state down and reply up
-                update = decode_update(payload, expected_model_id=self.model_id, codecs=self.codecs)
+                update = self.courier.decode(payload)
                 reason = server.check(update, pid, flight.round)
             except (PayloadError, ValueError, KeyError) as err:
                 update, reason = None, str(err)

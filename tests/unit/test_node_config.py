@@ -46,13 +46,14 @@ def test_the_client_waits_as_long_as_the_servers_round_deadline(tmp_path):
     from client.app import _round_timeout
     from lordo_fed.app.config import load_app_config
     from lordo_fed.app.records import ROUND_TIMEOUT
-    from server.strategy import LoRDOStrategy
+    from lordo_fed.wire.payload import resolve_payload
+    from server.courier import Courier
 
     (tmp_path / "slow.yaml").write_text("defaults:\n  - app\n  - _self_\n\nround_timeout: 45.0\n")
     cfg = load_app_config({"preset": "slow", "round-timeout": 600.0}, tmp_path)
-    strategy = LoRDOStrategy.__new__(LoRDOStrategy)  # its messages' config only: no model, no data
-    strategy.cfg, strategy.explicit_keys = cfg, ""
-    config = strategy._message_config(3)
+    # the server's messages' config only: no model, no data
+    courier = Courier(cfg, (), model_id="", payload=resolve_payload("fp32"), max_upload=0, spool=tmp_path)
+    config = courier.message_config(3)
     assert config["round"] == 3 and config[ROUND_TIMEOUT] == 45.0
     context = Context(run_id=1, node_id=2, node_config={}, state=RecordDict(), run_config={"round-timeout": 600.0})
     told, silent = (received(ConfigRecord(c)) for c in (config, {"round": 3}))

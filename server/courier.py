@@ -1,0 +1,298 @@
+"""The server's side of the wire: state out, replies in.
+
+Out: a round's messages, each carrying the encoded global state (Flower's own data plane) or a
+ticket to fetch it from the gRPC data plane (`lordo_fed.transport.server`), announced a round
+ahead where the nodes can take them early and published once the state is encoded; pushed
+through the Grid. In: replies polled fast until the round deadline, each decoded and checked,
+bad ones dropped with a log line naming the node and the reason (`Courier.screened`).
+
+The strategies (server/strategy.py, server/async_strategy.py) hold one `Courier`; what a round
+saw on the wire goes into its `RoundLog` (server/records.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+
+from lordo_fed.app.config import AppConfig
+from lordo_fed.app.records import (EXPLICIT_KEYS, IDENTIFY, ROUND_TIMEOUT, TICKET, UPLOAD_SHA256, is_simulation,
+                                   payload_bytes, payload_record, shorten_pull_backoff)
+from lordo_fed.transport.server import DataPlaneServer, Upload
+from lordo_fed.wire.codec import PayloadError
+from lordo_fed.wire.decode import decode_update
+from lordo_fed.wire.encode import encode_global_state, encode_global_state_into, encoded_size, new_buffer
+from lordo_fed.rounds.screening import ReplyRef
+from lordo_fed.wire.messages import GlobalState, WorkerUpdate
+from lordo_fed.wire.payload import Payload
+from server.records import RoundLog
+
+log = logging.getLogger("lordo_fed.server")
+
+#: A usable reply: its ref (decoded again when the aggregator asks), its payload size, its client's metrics.
+Usable = tuple[ReplyRef, int, MetricRecord]
+
+
+class Courier:
+    """Messages, tickets, the data plane, polling and the screening of replies, for one run."""
+
+    def __init__(self, cfg: AppConfig, explicit_keys: Iterable[str], model_id: str, payload: Payload,
+                 max_upload: int, spool: Path):
+        self.cfg = cfg
+        # The run-config keys the user set: every message names them, so that clients compose the
+        # same settings from the same merged run config (lordo_fed.app.config.load_app_config).
+        self.explicit_keys = ",".join(sorted(explicit_keys))
+        self.model_id = model_id
+        self.wire_dtype = payload.wire_dtype
+        self.codecs = payload.receiver_specs
+        """The compressed codecs replies may use: those of the run's payload preset (none for fp32/bf16)."""
+        self.max_upload = max_upload
+        """The largest reply a node may upload (a bigger upload is refused before it is stored)."""
+        self.spool = spool
+        self.data_plane: DataPlaneServer | None = None
+        self._announced: dict[int, dict[str, int]] = {}
+        """Rounds whose messages went out ahead of their state: message id -> node id."""
+
+    # ----------------------------------------------------------------------------- the data plane
+    def start(self, grid: Grid) -> None:
+        """Host the gRPC data plane when the run asks for it ('grpc', or 'auto' in a deployment)."""
+        dp = self.cfg.data_plane
+        if dp.mode == "flower" or (dp.mode == "auto" and is_simulation(grid)):
+            return
+        self.data_plane = DataPlaneServer(self.spool, bind=dp.bind, port=dp.port,
+                                          advertise=dp.address, tls=dp.tls(), stall_timeout=dp.stall_timeout,
+                                          memory_budget=dp.memory_mb << 20, max_uploads=dp.max_uploads).start()
+
+    def stop(self) -> None:
+        if self.data_plane is not None:
+            self.data_plane.stop()
+            self.data_plane = None
+
+    def take_refusals(self) -> list | None:
+        """What the data plane refused since the last call (None: no data plane, Flower's own)."""
+        return None if self.data_plane is None else self.data_plane.take_refusals()
+
+    # ----------------------------------------------------------------------------- state out
+    def encode(self, state: GlobalState) -> bytes:
+        """`state` as one `lordo_fed.v1` payload."""
+        return encode_global_state(state, self.model_id, self.wire_dtype)
+
+    def encode_round(self, state: GlobalState) -> bytes | bytearray:
+        """A round's state, encoded once for every node: on the data plane straight into a
+        buffer it may publish (no memset of a fresh buffer on the round's critical path:
+        encode.new_buffer)."""
+        if self.data_plane is None:
+            return self.encode(state)
+        data = new_buffer(encoded_size(state, self.model_id, self.wire_dtype))
+        encode_global_state_into(state, self.model_id, data, self.wire_dtype)
+        return data
+
+    def message_config(self, round_idx: int) -> dict[str, Any]:
+        """What every message of a round says besides its payload: the round, the run-config keys
+        the user set (clients compose the same settings from them) and the round deadline."""
+        return {"round": round_idx, EXPLICIT_KEYS: self.explicit_keys, ROUND_TIMEOUT: float(self.cfg.round_timeout)}
+
+    def outgoing(self, round_idx: int, data: bytes, node_ids: Iterable[int], message_type: str) -> list[Message]:
+        """One message per node: the encoded state itself (data plane 'flower'), or a ticket to
+        fetch it from the gRPC data plane, with the tokens of this node and round."""
+        node_ids = list(node_ids)
+        if self.data_plane is None:
+            return self.flower_messages(round_idx, data, node_ids, message_type)
+        tickets = self.data_plane.publish(round_idx, data, node_ids, ttl=self.cfg.round_timeout + 60,
+                                          max_upload=self.max_upload)
+        return self._ticket_messages(round_idx, tickets, message_type)
+
+    def flower_messages(self, round_idx: int, data: bytes, node_ids: Iterable[int], message_type: str) -> list[Message]:
+        """One message per node with the encoded state inside it (Flower's own data plane)."""
+        record = payload_record(data)
+        config = ConfigRecord(self.message_config(round_idx))
+        return [Message(content=RecordDict({"state": record, "config": config}), dst_node_id=n,
+                        message_type=message_type) for n in node_ids]
+
+    def identify_messages(self, node_ids: Iterable[int]) -> list[Message]:
+        """One query per node asking which partition it trains (no state)."""
+        config = ConfigRecord({IDENTIFY: 1, **self.message_config(0)})
+        return [Message(content=RecordDict({"config": config}), dst_node_id=n, message_type=MessageType.QUERY)
+                for n in node_ids]
+
+    def _ticket_messages(self, round_idx: int, tickets: dict[int, Any], message_type: str) -> list[Message]:
+        """One message per node carrying its data-plane ticket (no payload)."""
+        config = self.message_config(round_idx)
+        return [Message(content=RecordDict({"config": ConfigRecord({**config, TICKET: t.SerializeToString()})}),
+                        dst_node_id=n, message_type=message_type) for n, t in tickets.items()]
+
+    def announce(self, grid: Grid, round_idx: int) -> None:
+        """Push the train messages of a round whose state is not published yet (data plane
+        tickets with no size/sha256: the node's download waits for the publish). Valid two round
+        deadlines: the node may take the message while the previous round still runs."""
+        tickets = self.data_plane.announce(round_idx, list(grid.get_node_ids()), ttl=2 * self.cfg.round_timeout + 60,
+                                           max_upload=self.max_upload)
+        self._announced[round_idx] = self.push(grid, self._ticket_messages(round_idx, tickets, MessageType.TRAIN))
+
+    def is_announced(self, round_idx: int) -> bool:
+        return round_idx in self._announced
+
+    def publish_announced(self, grid: Grid, round_idx: int, data: bytes | bytearray) -> dict[str, int]:
+        """Publish the state of an announced round; nodes that connected since the announcement
+        get their message now. Returns message id -> node id of all the round's messages."""
+        ids = self._announced.pop(round_idx)
+        announced = set(ids.values())
+        late = [n for n in grid.get_node_ids() if n not in announced]
+        if late:  # publishes too
+            ids.update(self.push(grid, self.outgoing(round_idx, data, late, MessageType.TRAIN)))
+        else:
+            self.data_plane.publish(round_idx, data)
+        return ids
+
+    @staticmethod
+    def push(grid: Grid, messages: list[Message]) -> dict[str, int]:
+        """Push `messages`; returns message id -> destination node id."""
+        shorten_pull_backoff()
+        return {mid: msg.metadata.dst_node_id for mid, msg in zip(grid.push_messages(messages), messages) if mid}
+
+    def wait_for_nodes(self, grid: Grid, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while len(list(grid.get_node_ids())) < self.cfg.min_clients:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"fewer than min_clients={self.cfg.min_clients} nodes connected after {timeout:.0f}s")
+            time.sleep(0.2)
+
+    # ----------------------------------------------------------------------------- replies in
+    def receive(self, grid: Grid, ids: dict[str, int], timeout: float, round_idx: int, rl: RoundLog) -> list[Message]:
+        """Poll for the replies to the messages `ids` until all came or the deadline: every 20 ms
+        for a second, then every 0.1 s; on the data plane every 0.5 s while the pending nodes'
+        uploads for round `round_idx` are still to come, and every 20 ms once they are in. The
+        phases reached and the nodes that sent nothing go into `rl`.
+
+        (Flower's `grid.send_and_receive` polls every 3 s. In simulation replies come within
+        ~0.1 s; in deployment not before the SuperNodes' own 3 s polling allows. A pull costs the
+        SuperLink CPU, and on a machine shared with the nodes their training pays for it: on the
+        data plane a node's reply follows its upload, so the server waits on the uploads and polls
+        Flower fast only when the replies are due. Reply chunks still being uploaded are retried
+        after 50 ms, not Flower's 1 s: lordo_fed.app.records.shorten_pull_backoff.)
+        """
+        pending = set(ids)
+        replies: list[Message] = []
+        unavailable: dict[str, str] = {}
+        start = time.monotonic()
+        deadline = start + timeout
+        while pending and time.monotonic() < deadline:
+            got = list(grid.pull_messages(pending))
+            for m in got:
+                node = ids.get(m.metadata.reply_to_message_id)
+                if m.has_error() and node is not None and m.metadata.src_node_id != node:
+                    # An error reply the SuperLink wrote itself (the node missed its heartbeats, e.g.
+                    # it was killed; or the message expired): its src_node_id is the SuperLink's (1),
+                    # not the node's. The node sent nothing: count it as missing, by its own id.
+                    unavailable[m.metadata.reply_to_message_id] = m.error.reason
+                else:
+                    replies.append(m)
+            pending -= {m.metadata.reply_to_message_id for m in got}
+            if not pending:
+                break
+            if self.data_plane is not None:
+                left = max(0.0, deadline - time.monotonic())
+                if self.data_plane.wait_for_uploads(round_idx, [ids[m] for m in pending], min(0.5, left)):
+                    rl.marks.setdefault("uploads_in", time.perf_counter())
+                    time.sleep(0.02)
+            else:
+                time.sleep(0.02 if time.monotonic() - start < 1.0 else 0.1)
+        rl.marks["replies_in"] = time.perf_counter()
+        rl.missing = [f"node {ids[mid]}" for mid in sorted(pending)]
+        for who in rl.missing:
+            log.warning("no reply from %s within the round deadline (%.0fs); excluded from this round", who, timeout)
+        for mid, reason in sorted(unavailable.items()):
+            rl.missing.append(f"node {ids[mid]}")
+            log.warning("no reply from node %s: %s; excluded from this round", ids[mid], reason.rstrip(". "))
+        return replies
+
+    def decode(self, payload: bytes | memoryview) -> WorkerUpdate:
+        """A reply's payload as a WorkerUpdate of this run's model (PayloadError when it is not one)."""
+        return decode_update(payload, expected_model_id=self.model_id, codecs=self.codecs)
+
+    @contextlib.contextmanager
+    def screened(self, replies: Iterable[Message], round_idx: int, phase: str,
+                 check: Callable[[WorkerUpdate], tuple[str | None, float]],
+                 screen_round: Callable[[Sequence[int], Sequence[float], Sequence[str | None]], list[str | None]],
+                 rl: RoundLog) -> Iterator[list[Usable]]:
+        """(ref, payload size, client metrics) of every reply that decodes and passes screening,
+        in partition order (sums in a fixed order are reproducible, whatever the arrival order).
+
+        Bounded server memory: each reply is decoded once on arrival for `check` (its tensors'
+        names, shapes, finiteness, and its ||Δ|| for the outlier rule), then dropped; the ref
+        decodes it again from its payload when the aggregator asks (one reply at a time,
+        `Aggregator.aggregate_refs`). The payloads stay where they arrived until the block ends:
+        on the data plane, in its memory budget or spilled to disk; on Flower's path, in the
+        messages. Each refused reply is logged as `<phase>: dropped reply of node <id>[
+        (partition <p>)]: <reason>` (`<phase>: node <id> failed: ...` for an error reply) and
+        recorded in `rl.dropped`; decoding time goes to `rl.decode_seconds`."""
+        held = []  # data-plane uploads, discarded when the block ends
+        entries: list[tuple[str, ReplyRef, int, MetricRecord, str | None, float]] = []
+        try:
+            for msg in replies:
+                who = f"node {msg.metadata.src_node_id}"
+                if msg.has_error():
+                    rl.dropped[who] = f"error reply: {msg.error.reason}"
+                    log.warning("%s: %s failed: %s", phase, who, msg.error.reason)
+                    continue
+                rl.replied.add(msg.metadata.src_node_id)
+                decode_started = time.perf_counter()
+                try:
+                    if self.data_plane is None:
+                        record = msg.content["update"]
+                        source = (lambda record=record: payload_bytes(record))  # the message keeps the bytes
+                    else:
+                        upload = self._upload_of(msg, round_idx)
+                        held.append(upload)
+                        rl.transfer_seconds[msg.metadata.src_node_id] = upload.seconds
+                        source = upload.buffer
+                    payload = source()
+                    size = len(payload)
+                    update = self.decode(payload)
+                    del payload
+                    reason, norm = check(update)
+                except (PayloadError, ValueError, KeyError) as err:
+                    rl.dropped[who] = str(err)
+                    log.warning("%s: dropped reply of %s: %s", phase, who, err)
+                    continue
+                finally:
+                    rl.decode_seconds += time.perf_counter() - decode_started
+                ref = ReplyRef.of(update, load=lambda source=source: self.decode(source()))
+                del update
+                entries.append((f"{who} (partition {ref.worker_id})", ref, size, msg.content.get("metrics", MetricRecord()),
+                                reason, norm))
+            entries.sort(key=lambda e: e[1].worker_id)
+            reasons = screen_round([e[1].worker_id for e in entries], [e[5] for e in entries], [e[4] for e in entries])
+            usable = []
+            for (who, ref, size, metrics, _, _), reason in zip(entries, reasons):
+                if reason is not None:
+                    rl.dropped[who] = reason
+                    log.warning("%s: dropped reply of %s: %s", phase, who, reason)
+                else:
+                    usable.append((ref, size, metrics))
+            yield usable
+        finally:
+            for upload in held:
+                upload.discard()
+
+    def _upload_of(self, msg: Message, round_idx: int) -> Upload:
+        """The data-plane upload a reply vouches for (its sha256 must match); ValueError naming
+        what is wrong, with the data plane's own refusals of this node when it has any."""
+        node = msg.metadata.src_node_id
+        upload = self.data_plane.upload(node, round_idx)
+        config = msg.content.config_records.get("upload")
+        declared = str(config.get(UPLOAD_SHA256, "")) if config is not None else ""
+        if upload is None:
+            refused = [r.reason for r in self.data_plane.refusals if r.node_id == node and r.round == round_idx]
+            raise ValueError("no verified upload on the data plane" + (f" (refused: {'; '.join(refused)})" if refused else ""))
+        if upload.sha256 != declared:
+            upload.discard()
+            raise ValueError(f"the reply vouches for sha256 {declared[:16] or 'none'}..., the data plane received "
+                             f"{upload.sha256[:16]}...")
+        return upload
