@@ -23,6 +23,9 @@ A node whose message fails (error reply, or no reply within round_timeout) is se
 again, twice at most, then left out. A resumed run continues from the checkpoint's θ, outer
 momentum and per-partition rounds; work in flight when the server stopped is redone from the
 resumed θ (consistent, not the same schedule as an uninterrupted run).
+
+Messages, polling and decoding are the synchronous strategy's courier's (server/courier.py); the
+records, plots and checkpoints its recorder's (server/records.py).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from lordo_fed.app.records import payload_bytes
 from lordo_fed.metrics import peak_rss_bytes
 from lordo_fed.wire.messages import GlobalState
 from server.records import rounded
-from server.strategy import LoRDOStrategy, _array
+from server.strategy import LoRDOStrategy
 
 log = logging.getLogger("lordo_fed.server")
 MAX_FAILURES = 3
@@ -101,16 +104,16 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
         self.recorder.start_clock()
         if self.pushes == 0 and not self.recorder.history:
             self.recorder.add({"round": 0, "step": 0, "tokens": 0, "pushes": 0, "virtual_time": 0.0,
-                               **self._evaluate(), "elapsed_seconds": 0.0})
+                               **self.validate(), "elapsed_seconds": 0.0})
         self.recorder.open()
         self.courier.wait_for_nodes(grid, timeout)
         nodes = self._identify(grid, timeout)
         if self.aggregator.needs_gradient_init:  # async LoRDO-Global: the round-1 bases from the gradients at θ0
-            self._init_projections(grid, timeout)
+            self.init_projections(grid, timeout)
         self._run(grid, nodes, num_rounds, timeout)
         self.recorder.close()
         result = Result()
-        result.arrays = ArrayRecord({n: _array(p) for n, p in self.aggregator.params.items()})
+        result.arrays = self.theta_record()
         return result
 
     def _identify(self, grid: Grid, timeout: float) -> dict[int, int]:
@@ -119,7 +122,7 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
         courier = self.courier
         ids = courier.push(grid, courier.identify_messages(sorted(grid.get_node_ids())))
         nodes: dict[int, int] = {}
-        for msg in sorted(courier.receive(grid, ids, timeout, 0, self._round_log),
+        for msg in sorted(courier.receive(grid, ids, timeout, 0, self.round_log),
                           key=lambda m: m.metadata.src_node_id):
             node = msg.metadata.src_node_id
             if msg.has_error():
@@ -163,7 +166,7 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
             pull = server.pull()
             state = GlobalState(round=r, params=pull.params, projections=pull.projections, moments=pull.moments,
                                 opt_step=self.opt_steps.get(pid, 0) if pull.opt_step is None else pull.opt_step)
-            state = self._without_theta0(state)
+            state = self.without_theta0(state)
             payload = self.courier.encode(state)
             sizes["sent"] = len(payload)
             ids = self.courier.push(grid, self.courier.outgoing(r, payload, [nodes[pid]], MessageType.TRAIN))
@@ -215,7 +218,7 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
                 if not arrival.applied:
                     log.warning("push %d: dropped reply of %s: %s", self.pushes + 1, who, arrival.reason)
                 else:
-                    self._theta_is_seeded = False
+                    self.theta_is_seeded = False
                 self.opt_steps[pid] = update.opt_step
                 self.tokens += update.tokens
                 loss = update.metrics.get("train_loss")
@@ -283,7 +286,7 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
             "elapsed_seconds": self.recorder.elapsed(),
         })
         if r % self.cfg.eval_every == 0 or r >= num_rounds:
-            record.update(self._evaluate())
+            record.update(self.validate())
         self.recorder.add(record)
         self.aggregator.round = r + 1
         tensors, counters = self.server.state_dict()

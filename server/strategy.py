@@ -1,12 +1,16 @@
 """The LoRDO strategy: Flower's message-API Strategy around the library's Aggregator.
 
-Each round (shared/docs/ALGORITHM.md, "One round"): send every connected client the global state
-it needs (θ, the shared projections, the averaged states that are due) as one `lordo_fed.v1`
-payload; collect replies until the round deadline, polling fast; decode and validate each reply
-(schema, model identity, names, shapes, dtypes, finiteness) and drop bad ones with a log line
-naming the client and the reason; aggregate through `lordo_fed.rounds.aggregator.Aggregator` (token
-weights, outer update, Global projection refit and moment rotation); evaluate on the held-out
-split every N rounds; write JSONL/TensorBoard metrics and an atomic checkpoint.
+Each round (docs/algorithm.md): configure (the global state each node needs: θ, the shared
+projections, the averaged states that are due, encoded once as a `lordo_fed.v1` payload) → push
+→ receive (polling fast until the round deadline) → screen (decode and validate each reply:
+schema, model identity, names, shapes, dtypes, finiteness; bad ones dropped with a log line naming
+the client and the reason) → aggregate (`lordo_fed.rounds.aggregator.Aggregator`: token weights,
+outer update, Global projection refit and moment rotation) → evaluate on the held-out split every
+N rounds → record (JSONL/TensorBoard) → checkpoint (atomic).
+
+The wire is the courier's (server/courier.py: messages, tickets, the data plane, polling,
+screening), the records are the recorder's (server/records.py: the round's log and record, plots,
+checkpoints); the asynchronous strategy (server/async_strategy.py) reuses both.
 
 `start()` is our own: the stock loop has a separate evaluate phase per round (a second round trip)
 and polls every 3 s; one phase per round and fast polling cut the per-round overhead.
@@ -22,7 +26,7 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
@@ -61,8 +65,9 @@ class LoRDOStrategy(Strategy):
                                self.out_dir / "dataplane_spool")
         self.tokens = 0
         self.cum_bytes = 0
-        self._round_log = RoundLog()
-        self._theta_is_seeded = not cfg.resume
+        self.round_log = RoundLog()
+        """The log of the round configured last (what `aggregate_train` fills)."""
+        self.theta_is_seeded = not cfg.resume
         """θ is still θ0, the seeded init every client builds itself: it is not sent (until a round is applied)."""
         self._acked: set[int] | None = None
         """Nodes whose reply to the last round arrived (None: any node, e.g. after a resume): with
@@ -102,15 +107,15 @@ class LoRDOStrategy(Strategy):
             messages += self.courier.flower_messages(server_round, whole, resync, MessageType.TRAIN)
         return messages
 
-    def _encode_round(self, server_round: int) -> bytearray | memoryview:
+    def _encode_round(self, server_round: int) -> bytes | bytearray:
         """The round's global state, encoded once for every node; starts the round's log."""
-        state = self._without_theta0(self.aggregator.global_state())
+        state = self.without_theta0(self.aggregator.global_state())
         if state.round != server_round:
             raise RuntimeError(f"aggregator is at round {state.round}, asked to configure {server_round}")
         encode_started = time.perf_counter()
         data = self.courier.encode_round(state)
-        self._round_log = RoundLog(sent_bytes=len(data), encode_seconds=time.perf_counter() - encode_started,
-                                   marks={"published": time.perf_counter()})
+        self.round_log = RoundLog(sent_bytes=len(data), encode_seconds=time.perf_counter() - encode_started,
+                                  marks={"published": time.perf_counter()})
         return data
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -124,7 +129,7 @@ class LoRDOStrategy(Strategy):
         reply reaches the global state. Fewer usable replies than min_clients: the round is
         skipped (θ, outer state, projections, moments unchanged; the round counter moves on).
         """
-        rl = self._round_log
+        rl = self.round_log
         try:
             return self._aggregate_train(server_round, replies, rl)
         finally:
@@ -144,7 +149,7 @@ class LoRDOStrategy(Strategy):
                 self.aggregator.skip_round()  # the next round is a new attempt with the same θ
                 return None, MetricRecord({"clients-ok": len(refs)})
             result = self.aggregator.aggregate_refs(refs)
-        self._theta_is_seeded = False
+        self.theta_is_seeded = False
         self.tokens += sum(r.tokens for r in refs)
         metrics = {k: float(v) for k, v in result.metrics.items()}
         metrics["clients_dropped"] = float(len(rl.dropped))
@@ -170,39 +175,36 @@ class LoRDOStrategy(Strategy):
         self.courier.start(grid)  # before anything is written: a bad TLS setting stops the run here
         self.recorder.start_clock()
         if self.aggregator.round == 1:
-            self.recorder.add({"round": 0, "step": 0, "tokens": 0, **self._evaluate(),
+            self.recorder.add({"round": 0, "step": 0, "tokens": 0, **self.validate(),
                                "elapsed_seconds": self.recorder.elapsed()})
         self.recorder.open()
         try:
             if self.aggregator.needs_gradient_init:
-                self._init_projections(grid, timeout)
-            begun: tuple[int, float, dict[str, int]] | None = None
+                self.init_projections(grid, timeout)
+            ahead: tuple[int, float, dict[str, int]] | None = None
             while self.aggregator.round <= num_rounds:
                 r = self.aggregator.round
-                if begun is not None and begun[0] == r:  # published while the last round was finished
-                    _, started, ids = begun
-                else:
+                if ahead is not None and ahead[0] == r:  # published while the last round was finished
+                    _, started, ids = ahead
+                else:  # configure, push
                     started = time.perf_counter()
                     ids = self._begin_round(r, grid, timeout, num_rounds)
-                begun = None
-                replies = self.courier.receive(grid, ids, timeout, r, self._round_log)
+                rl = self.round_log
+                replies = self.courier.receive(grid, ids, timeout, r, rl)
                 agg_started = time.perf_counter()
-                _, metrics = self.aggregate_train(r, replies)
+                _, metrics = self.aggregate_train(r, replies)  # screen, aggregate
                 aggregation_seconds = time.perf_counter() - agg_started
                 if metrics is not None:
                     result.train_metrics_clientapp[r] = metrics
-                rl, seconds = self._round_log, time.perf_counter() - started
+                seconds = time.perf_counter() - started
                 rl.marks["started"] = started
-                if self.courier.is_announced(self.aggregator.round) and self.aggregator.round <= num_rounds:
-                    # The nodes hold the next round's tickets: publish its state now, so that this
-                    # round's evaluation and checkpoint overlap their download, not add to the round.
-                    begun = (self.aggregator.round, time.perf_counter(),
-                             self._begin_round(self.aggregator.round, grid, timeout, num_rounds))
+                ahead = self._begin_ahead(grid, timeout, num_rounds)
+                # evaluate, record, checkpoint
                 self._finish_round(r, metrics, seconds, aggregation_seconds, num_rounds, rl)
         finally:
             self.courier.stop()
         self.recorder.close()
-        result.arrays = ArrayRecord({n: _array(p) for n, p in self.aggregator.params.items()})
+        result.arrays = self.theta_record()
         return result
 
     def _begin_round(self, r: int, grid: Grid, timeout: float, num_rounds: int) -> dict[str, int]:
@@ -222,6 +224,15 @@ class LoRDOStrategy(Strategy):
             courier.announce(grid, r + 1)
         return ids
 
+    def _begin_ahead(self, grid: Grid, timeout: float, num_rounds: int) -> tuple[int, float, dict[str, int]] | None:
+        """When the nodes hold the next round's tickets already, publish its state now, so that
+        this round's evaluation and checkpoint overlap their download, not add to the round:
+        (that round, when it started, message id -> node id of its messages)."""
+        r = self.aggregator.round
+        if not self.courier.is_announced(r) or r > num_rounds:
+            return None
+        return r, time.perf_counter(), self._begin_round(r, grid, timeout, num_rounds)
+
     def _finish_round(self, r: int, metrics: MetricRecord | None, seconds: float, aggregation_seconds: float,
                       num_rounds: int, rl: RoundLog) -> None:
         """Round `r`'s record (with an evaluation when due), then its checkpoint."""
@@ -229,19 +240,19 @@ class LoRDOStrategy(Strategy):
         due = r % self.cfg.eval_every == 0 or r == num_rounds
         record = self.recorder.round_record(r, rl, (metrics or {}).get("train_loss"), self.tokens, self.cum_bytes,
                                             seconds, aggregation_seconds, self.courier.take_refusals(),
-                                            self._evaluate if due else None)
+                                            self.validate if due else None)
         self.recorder.add(record)
         self.recorder.save(r, self.aggregator.state_dict(), self.tokens, self.cum_bytes)
         log.info("round %d: %s", r, rounded(record))
 
-    def _init_projections(self, grid: Grid, timeout: float) -> None:
+    def init_projections(self, grid: Grid, timeout: float) -> None:
         """LoRDO-Global, init_projection='gradient': one query phase before round 1 in which every
         client returns its gradient at θ0, the round-1 projections are fitted to their mean."""
         courier = self.courier
         courier.wait_for_nodes(grid, timeout)
-        data = courier.encode(self._without_theta0(self.aggregator.gradient_request()))
+        data = courier.encode(self.without_theta0(self.aggregator.gradient_request()))
         ids = courier.push(grid, courier.outgoing(0, data, grid.get_node_ids(), MessageType.QUERY))
-        self.fit_initial_projections(courier.receive(grid, ids, timeout, 0, self._round_log), len(data))
+        self.fit_initial_projections(courier.receive(grid, ids, timeout, 0, self.round_log), len(data))
 
     def fit_initial_projections(self, replies: Iterable[Message], sent_bytes: int) -> None:
         """Decode and check the round-0 gradient replies (dropping bad ones with `initial
@@ -256,17 +267,22 @@ class LoRDOStrategy(Strategy):
         log.info("round-1 projections fitted to the mean gradient of %d clients", len(result.accepted))
 
     # ----------------------------------------------------------------------------- helpers
-    def _without_theta0(self, state: GlobalState) -> GlobalState:
+    def without_theta0(self, state: GlobalState) -> GlobalState:
         """`state` without θ while θ is still the seeded θ0 (both sides derive it: not sent)."""
-        if not self._theta_is_seeded:
+        if not self.theta_is_seeded:
             return state
         return dataclasses.replace(state, params={}, params_from_seed=True, params_delta=False)
 
-    def _evaluate(self) -> dict:
+    def validate(self) -> dict:
+        """The validation metrics of the global θ on the held-out batches."""
         with torch.no_grad():
             for n, p in self.model.named_parameters():
                 p.copy_(self.aggregator.params[n])
         return evaluate(self.model, self.val_batches)
+
+    def theta_record(self) -> ArrayRecord:
+        """The global θ as Flower arrays (the run's Result)."""
+        return ArrayRecord({n: Array(p.detach().cpu().numpy()) for n, p in self.aggregator.params.items()})
 
     def resume(self, path: str) -> None:
         """Continue from a checkpoint: θ, outer state, projections, synced states, counters, RNG.
@@ -284,9 +300,3 @@ class LoRDOStrategy(Strategy):
         self.resumed_tensors = {k: v for k, v in tensors.items() if k.startswith("async_acc/")}
         log.info("resumed from %s at round %d", source, self.aggregator.round)
         self.recorder.warn_if_schedule_differs(meta)
-
-
-def _array(t: torch.Tensor):
-    from flwr.app import Array
-
-    return Array(t.detach().cpu().numpy())

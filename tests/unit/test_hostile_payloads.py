@@ -198,9 +198,9 @@ def check_dropped(tmp_path, caplog, good_only, hostile, reason) -> None:
     lines = dropped_lines(caplog, HOSTILE_NODE)
     assert len(lines) == 1 and lines[0].startswith(f"round {ROUND}: dropped reply of node {HOSTILE_NODE}")
     assert reason in lines[0], lines[0]
-    assert [k for k in s._round_log.dropped if k.startswith(f"node {HOSTILE_NODE}")]
-    assert reason in "".join(s._round_log.dropped.values())
-    assert sorted(s._round_log.received) == sorted(GOOD.values())
+    assert [k for k in s.round_log.dropped if k.startswith(f"node {HOSTILE_NODE}")]
+    assert reason in "".join(s.round_log.dropped.values())
+    assert sorted(s.round_log.received) == sorted(GOOD.values())
     assert metrics["clients_ok"] == 2.0 and metrics["clients_dropped"] == 1.0
     after = snapshot(s)
     assert_same_state(after, good_only["after"])
