@@ -24,10 +24,10 @@ Variants (each moves `size` MB down to each of 2 nodes and `size` MB up from eac
   real SuperLink + 2 SuperNodes (harness/flower.Deployment; with tls_dir for TLS). The
   ServerApp hosts a DataPlaneServer and, per exchange, encodes one random fp32 GlobalState
   (encode_global_state, once for all nodes), publishes it (sha256 + a ticket per node) and sends
-  each node a train message carrying its ticket (as server/strategy.py `_outgoing`); the
+  each node a train message carrying its ticket (as server/courier.py `Courier.outgoing`); the
   ClientApp downloads and decodes it, encodes a random fp32 WorkerUpdate of the same size,
   uploads it and replies with its sha256 (as client/app.py `receive_state` / `send_reply`); the
-  server takes both uploads, checks the sha256 each reply vouches for (as `_upload_of`) and
+  server takes both uploads, checks the sha256 each reply vouches for (as `Courier._upload_of`) and
   decodes them. The node's random Δ is drawn before its timed part; the draw's seconds are
   subtracted from the exchange.
 - `flower`: the same app with the payloads inside the messages (lordo_fed.app.records.payload_record /
@@ -411,7 +411,7 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    shorten_pull_backoff()  # as server/strategy.py does
+    shorten_pull_backoff()  # as server/courier.py does
     cfg = context.run_config
     plan = [(m, float(mb)) for m, mb in (p.split(":") for p in str(cfg["plan"]).split(","))]
     want = int(cfg["nodes"])
@@ -448,7 +448,7 @@ def exchange(grid, plane, nodes, rnd, mode, mb, timeout):
     data = encode_global_state(GlobalState(round=rnd, params={"w": theta}), "dpbench", "fp32")
     t1, c1 = time.time(), time.process_time()
     nbytes = len(data)
-    if mode == "grpc":  # server/strategy.py `_outgoing`: publish once, a ticket per node
+    if mode == "grpc":  # server/courier.py `Courier.outgoing`: publish once, a ticket per node
         tickets = plane.publish(rnd, data, nodes, ttl=timeout + 60, max_upload=nbytes + (1 << 20))
         t2, c2 = time.time(), time.process_time()
         msgs = [Message(RecordDict({"config": ConfigRecord({**base, "bytes": nbytes, "node-seed": node_seed[nd],
@@ -488,7 +488,7 @@ def exchange(grid, plane, nodes, rnd, mode, mb, timeout):
             raise RuntimeError(f"node {nd}: {reply.error.reason}")
         td, cd = time.time(), time.process_time()
         upload = None
-        if mode == "grpc":  # server/strategy.py `_upload_of`
+        if mode == "grpc":  # server/courier.py `Courier._upload_of`
             upload = plane.upload(nd, rnd)
             declared = str(reply.content.config_records["upload"][UPLOAD_SHA256])
             if upload is None or upload.sha256 != declared:

@@ -169,7 +169,7 @@ def run_supernode(max_sleep: float, argv: list[str]) -> None:
     sci.time = _CappedTime()  # the module's `import time`: only its main loop's waits use it
     # Polling that fast, the node often pulls a message whose objects the server is still
     # uploading; `pull_objects` would then wait 1 s before retrying (the ServerApp has the same
-    # issue with replies: lordo_fed.app.records.shorten_pull_backoff, used by server/strategy.py).
+    # issue with replies: lordo_fed.app.records.shorten_pull_backoff, used by server/courier.py).
     from lordo_fed.app.records import shorten_pull_backoff
 
     shorten_pull_backoff()

@@ -76,7 +76,7 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    shorten_pull_backoff()  # as server/strategy.py does
+    shorten_pull_backoff()  # as server/courier.py does
     cfg = context.run_config
     sizes = [float(s) for s in str(cfg["sizes-mb"]).split(",")]
     t_wait = time.time()

@@ -22,7 +22,7 @@ from harness.flower import flower_env, run_simulation
 APP = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
-#: The server.jsonl fields that measure time (server/strategy.py `_finish_round`, `start`):
+#: The server.jsonl fields that measure time (server/records.py `Recorder.round_record`, server/strategy.py `start`):
 #: excluded from the comparison; every other field must match exactly.
 WALL_CLOCK = ("round_seconds", "aggregation_seconds", "client_seconds", "client_train_seconds",
               "client_codec_seconds", "client_transfer_seconds", "upload_seconds", "server_encode_seconds",
