@@ -30,7 +30,8 @@ import torch
 from flwr.app import Context, RecordDict
 from flwr.common.serde import context_from_proto, context_to_proto
 
-from client.state import ContextStore, DiskStore
+from client.state import ContextStore
+from lordo_fed.node.store import DiskStore
 from lordo_fed.data import TokenShard
 from lordo_fed.rounds.methods import make_worker, resolve_method
 from lordo_fed.metrics import tensor_bytes

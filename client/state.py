@@ -8,7 +8,7 @@ from flwr.app import Context
 from torch import Tensor
 
 from lordo_fed.app.records import records_to_tensors, tensors_to_records
-from lordo_fed.node.store import DiskStore, State, StateStore  # noqa: F401 (the stores in one place for callers)
+from lordo_fed.node.store import State
 
 
 class ContextStore:

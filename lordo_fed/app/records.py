@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import io
 import json
+from typing import TYPE_CHECKING
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+
+if TYPE_CHECKING:  # a node-worker ClientApp never imports torch
+    import torch
 
 PAYLOAD = "payload"
 TICKET = "ticket"
