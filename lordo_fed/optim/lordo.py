@@ -1,4 +1,9 @@
-"""The LoRDO local (inner) optimizer step (docs/algorithm.md, "The local (inner) step").
+"""The LoRDO local (inner) optimizer step, one matrix at a time: the readable reference.
+
+The step that runs by default is `batched.py` (`BatchedLoRDO`): the same step on stacks of
+same-shaped matrices, one batched op per stack (`InnerConfig.batched`, on by default). This
+module is its test oracle (tests/unit/test_batched.py: equal to fp32 rounding for every option)
+and the place to read the method (docs/algorithm.md, "The local (inner) step").
 
 For a low-rank weight W (p×q) with projection basis P on GaLore's side:
 
