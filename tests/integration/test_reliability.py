@@ -14,12 +14,16 @@
 - Client failures (real SuperLink + 2 SuperNodes, round deadline DEADLINE s, min-clients 1): a
   SuperNode SIGKILLed mid-round costs that round its deadline and its reply, not the run; the log
   and server.jsonl name the missing node; restarted (a new node id), it takes part in the next
-  round and its reply counts. A SuperNode stalled past the deadline (SIGSTOP on its SuperNode,
-  SuperExec and ClientApp; SIGCONT after the round closed) is excluded from that round only: its
-  late reply is not taken for the next round, in which it counts again.
+  round and its reply counts. A node whose ClientApp stalls past the deadline (SIGSTOP on its
+  SuperExec and ClientApp once the ClientApp runs the round's job; SIGCONT after the round closed)
+  is excluded from that round only: its late reply is not taken for the next round, in which it
+  counts again.
 
 Measured on the 2-core box (other jobs running): resume test ~50-100 s (Δθ = 0, every tensor
-equal), refusals ~8 s each, client failures ~80 s (rounds of 20.2-20.4 s against the 20 s deadline).
+equal), refusals ~8 s each, client failures ~65-85 s (rounds 1-2 of 20.2-21.1 s against the 20 s
+deadline; round 3, where the stalled node finishes its stale round before its new one, 8-9 s with
+two busy loops beside it, 14.6 s at a load average of 9, when its ClientApp had not loaded the
+app yet as round 1 closed).
 """
 
 from __future__ import annotations
@@ -41,9 +45,11 @@ from lordo_fed.checkpoint import LATEST_FORMAT, checkpoint_stem, load_checkpoint
 from harness.flower import (
     Deployment,
     check_run,
+    descendants,
     find_pids,
     flower_env,
     pid_alive,
+    proc_cmdline,
     run_failure,
     run_simulation,
     stop_local_superlink,
@@ -343,11 +349,31 @@ def train_messages(node_log: Path) -> tuple[int, int]:
     return text.count("Receiving: train message"), text.count("Sending: train message")
 
 
+def clientapps(dep: Deployment, i: int) -> set[int]:
+    """Node i's live `flwr-clientapp` processes."""
+    return {pid for pid in dep.node_pids(i) if any("flwr-clientapp" in arg for arg in proc_cmdline(pid))}
+
+
+def runs_the_app(pid: int) -> bool:
+    """Whether ClientApp process `pid` has loaded our app (torch is mapped): it took its message
+    and Flower's token for it from its SuperNode (pull_task_input comes before the app is loaded)."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
 def freeze(dep: Deployment, i: int) -> set[int]:
-    """SIGSTOP node i's SuperNode, SuperExec and ClientApp processes (re-listing until no new
-    child appeared in between); returns the stopped PIDs."""
+    """SIGSTOP node i's SuperExec and ClientApp processes (re-listing until no new child appeared
+    in between); returns the stopped PIDs. Not the SuperNode itself: it sends the node's Flower
+    heartbeats, and the SuperLink takes a node for gone 60 s after its last one (flwr 1.42:
+    2 x 30 s; they come every 17.5-22.5 s), so after a silence of 37.5 s at worst, and answers its
+    pending messages with errors: a stall from the end of round 1 to the end of round 2 (31.6 s
+    measured; longer when the node answers round 1 sooner) comes that close. The SuperNode waits for its ClientApp's reply before it takes
+    another message, so the node stalls all the same."""
     stopped: set[int] = set()
-    while new := dep.node_pids(i) - stopped:
+    supernode = dep.nodes[i].pid
+    while new := descendants({supernode}) - stopped:
         for pid in new:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
@@ -367,8 +393,8 @@ def missing_nodes(record: dict) -> set[str]:
 
 def test_killed_and_stalled_supernodes_cost_one_deadline_not_the_run(tmp_path, deployment):
     """Round 1: node 1 is SIGKILLed while it computes, then restarted (a new node id). Round 2:
-    node 0 is frozen with SIGSTOP once it took its message, thawed after the round closed.
-    Round 3: everyone alive is back."""
+    node 0's ClientApp is frozen with SIGSTOP once it runs the round, thawed after the round
+    closed. Round 3: everyone alive is back."""
     dep = deployment
     out = tmp_path / "out"
     cfg = run_config(out, **{"num-server-rounds": 3, "min-clients": 1, "round-timeout": DEADLINE})
@@ -389,9 +415,16 @@ def test_killed_and_stalled_supernodes_cost_one_deadline_not_the_run(tmp_path, d
     new1 = f"node {dep.node_id(1)}"
     assert new1 != dead
 
-    # Round 2: node 0 stalls past the deadline.
+    # Round 2: node 0 stalls past the deadline. It takes its round-2 message while round 1 still
+    # waits for the killed node (the messages of round r+1 go out with round r's), and its
+    # ClientApp then waits for round 2's state, published when round 1 closes: stopped once it
+    # runs the app (not before: the process start and the imports would be left for round 3,
+    # on top of round 3's own ClientApp; nor after round 2's publish: it could reply in time).
     log0 = dep.nodes[0].log_path
     wait_until(lambda: train_messages(log0)[0] >= 2, "node 0 to take its round-2 message")
+    earlier = clientapps(dep, 0)  # round 1's, exiting
+    wait_until(lambda: any(runs_the_app(p) for p in clientapps(dep, 0) - earlier) or record_of(out, 1) is not None,
+               "node 0's round-2 ClientApp to load the app")
     assert train_messages(log0) == (2, 1), "node 0 replied to round 2 before it could be stopped"
     stopped = freeze(dep, 0)
     try:
