@@ -1255,40 +1255,60 @@ def start_node_worker(sock: str | os.PathLike, log_path: str | os.PathLike, time
     """A node worker (`python -m lordo_fed.node`) listening on the unix socket `sock`, in its own
     session (stop it with `stop_process`), started once its socket exists; its output goes to
     `log_path`. Give the node the node-config key `node-worker = "unix://<sock>"`. With `ranks` > 1,
-    a node of that many ranks under torchrun (gloo on this CPU), sharing gradients by `intra_node`."""
+    a node of that many ranks under torchrun (gloo on this CPU), sharing gradients by `intra_node`.
+
+    Every process of the worker carries OWNER_VAR=<the returned Popen's `owner`> (torchrun starts
+    each rank in a session of its own, so its process group does not reach them: `node_worker_ranks`
+    finds them by it)."""
     sock = Path(sock)
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root), **{OWNER_VAR: f"node-worker-{uuid.uuid4().hex}"})
+    owner = f"node-worker-{uuid.uuid4().hex}"
+    env = dict(os.environ, PYTHONPATH=str(root), **{OWNER_VAR: owner})
     launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     "--nproc-per-node", str(ranks)]
+    with contextlib.suppress(FileNotFoundError):
+        sock.unlink()  # a killed worker's socket: its existence would not say that the new one listens
     with open(log_path, "ab") as log:
         proc = subprocess.Popen([*launcher, "-m", "lordo_fed.node", "--listen", f"unix://{sock}",
                                  "--intra-node", intra_node], cwd=root,
                                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc.owner, proc.ranks = owner, ranks  # type: ignore[attr-defined]
     deadline = time.monotonic() + timeout
     while not sock.exists():
         if proc.poll() is not None:
+            stop_process(proc)  # ranks that outlived their torchrun
             raise RuntimeError(f"node worker exited ({proc.returncode}):\n{tail(log_path)}")
         if time.monotonic() > deadline:
-            proc.kill()
+            stop_process(proc)
             raise TimeoutError(f"node worker did not listen on {sock} within {timeout:.0f}s:\n{tail(log_path)}")
         time.sleep(0.1)
     return proc
 
 
-def stop_process(proc: subprocess.Popen, timeout: float = 15.0) -> None:
-    """SIGTERM, then SIGKILL after `timeout` (a process started by this module in its own session)."""
+def node_worker_ranks(proc: subprocess.Popen) -> set[int]:
+    """The live rank processes of a node worker that `start_node_worker` started, wherever they
+    were re-parented (found by its OWNER_VAR; torchrun itself is not one; a node of one rank is
+    the worker process itself)."""
+    found = find_pids({OWNER_VAR: proc.owner}, ("lordo_fed.node",))
+    return found - {proc.pid} if proc.ranks > 1 else found
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 15.0) -> set[int]:
+    """Stop a process this module started in its own session and everything it started. First
+    SIGTERM to the process alone, waiting up to `timeout`: torchrun passes it on to its ranks and
+    waits for them (a second SIGTERM would cut its shutdown short, and its ranks, which die with it,
+    with it). Then whatever is left, in its process group, among its descendants or, for a node
+    worker, carrying its OWNER_VAR marker (torchrun's ranks run in sessions of their own):
+    SIGTERM, then SIGKILL. Returns the PIDs still alive after that (normally none; the suite's
+    session-end check reports them)."""
     if proc.poll() is None:
         proc.terminate()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=timeout)
-    try:  # what it started in its session (a torchrun's ranks), should any outlive it
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    survivors = terminate([proc.pid], [proc.pid], timeout=5, owner=getattr(proc, "owner", None))
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)  # reap it
+    return survivors
 
 
 def flower_app_pyproject(name: str, module: str, description: str, config: Mapping[str, Any]) -> str:
