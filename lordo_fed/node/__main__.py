@@ -16,10 +16,17 @@ import signal
 import sys
 import threading
 
-from lordo_fed.node import runtime
-from lordo_fed.node.ranks import WRAPPERS, LocalRanks
-from lordo_fed.node.runtime import wait_for_early, wait_for_saves
-from lordo_fed.node.service import follow, serve, stop_followers
+from lordo_fed.node.lifeline import die_with_parent, started_by_torchrun
+
+if __name__ == "__main__" and started_by_torchrun():
+    # Before torch's import (seconds): a rank must not outlive the torchrun agent that started it
+    # in a session of its own, even one SIGKILLed before the rank got this far.
+    die_with_parent()
+
+from lordo_fed.node import runtime  # noqa: E402 (after the parent-death signal: these import torch)
+from lordo_fed.node.ranks import WRAPPERS, LocalRanks  # noqa: E402
+from lordo_fed.node.runtime import wait_for_early, wait_for_saves  # noqa: E402
+from lordo_fed.node.service import follow, serve, stop_followers  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ data as tests/unit/test_worker.py (tiny model, random tokens).
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -213,15 +214,16 @@ def test_two_nodes_of_two_ranks_match_the_reference_with_the_doubled_batch(tmp_p
     """A real deployment: two SuperNodes, each with a node worker of two ranks (torchrun, gloo)
     on the gRPC data plane, node 0's sharing gradients by DDP and node 1's sharded by FSDP2, over
     three overlapped rounds (both ranks train the next round's early steps on a thread while the
-    lead uploads and hands on the next job); node 1's whole worker (both ranks) is SIGKILLed once
-    round 1 is saved, and restarted: both ranks resume from the lead's saved copy of the node's
-    state (each cut to its chunk), the round it sent included. The run ends at the θ of the
+    lead uploads and hands on the next job); node 1's torchrun is SIGKILLed once round 1 is saved
+    (its ranks die with it), and the worker restarted: both ranks resume from the lead's saved copy
+    of the node's state (each cut to its chunk), the round it sent included. The run ends at the θ of the
     reference trainer with two workers of the doubled batch (to fp32 rounding, as above), each node weighted by both ranks' tokens, and each node sends
     one reply the size of a one-process worker's (only the lead talks)."""
     import signal
 
     from lordo_fed.checkpoint import load_checkpoint
-    from harness.flower import Deployment, alive, check_run, start_node_worker, stop_process
+    from harness.flower import (Deployment, alive, check_run, node_worker_ranks, start_node_worker, stop_process,
+                                wait_for)
     from tests.integration.test_flower_app import APP, reference_theta, server_records, tiny_run_config
     from tests.integration.test_node_worker import wait_for_round_1_saved
     from tests.integration.test_reliability import Background
@@ -237,8 +239,11 @@ def test_two_nodes_of_two_ranks_match_the_reference_with_the_doubled_batch(tmp_p
         with Deployment(tmp_path, num_nodes=2, node_configs=[{"node-worker": f"unix://{s}"} for s in socks]) as dep:
             run = Background(dep.run, APP, cfg, timeout=300, log_path=tmp_path / "run.log")
             wait_for_round_1_saved(out, run, tmp_path / "run.log")
-            os.killpg(workers[1].pid, signal.SIGKILL)  # torchrun and both its ranks
+            ranks = node_worker_ranks(workers[1])
+            assert len(ranks) == 2, ranks
+            os.killpg(workers[1].pid, signal.SIGKILL)  # torchrun's group; its ranks die with it (node/lifeline.py)
             workers[1].wait(timeout=10)
+            wait_for(lambda: not alive(ranks), 10, interval=0.05, what="node 1's ranks to die with their torchrun")
             workers[1] = start_node_worker(socks[1], logs[1], ranks=2, timeout=120, intra_node=wrappers[1])
             check_run(run.result(300))
             pids = dep.all_pids()
@@ -262,6 +267,67 @@ def test_two_nodes_of_two_ranks_match_the_reference_with_the_doubled_batch(tmp_p
     # one voice per node: the reply is Δ and the due moments of one worker, whatever the ranks
     one_worker = 4 * sum(t.numel() for t in reference.values())
     assert all(one_worker <= r["bytes_received_per_client"] < 1.5 * one_worker for r in records[1:]), records
+
+
+def test_a_node_workers_ranks_die_with_its_torchrun(tmp_path):
+    """torchrun starts every rank in a session of its own: a SIGKILL to the torchrun agent alone
+    (its process group is itself) must still end both ranks of the node worker, within seconds,
+    rather than leave them holding the node's socket and device under init."""
+    import signal
+
+    from tests.flower_harness import alive, node_worker_ranks, start_node_worker, stop_process, wait_for
+
+    worker = start_node_worker(tmp_path / "nw.sock", tmp_path / "node-worker.log", ranks=2, timeout=120)
+    try:
+        log = tmp_path / "node-worker.log"
+        wait_for(lambda: "follows the lead" in log.read_text() and len(node_worker_ranks(worker)) == 2, 60,
+                 what="both ranks up")
+        ranks = node_worker_ranks(worker)
+        os.kill(worker.pid, signal.SIGKILL)  # the agent only: its ranks are in sessions of their own
+        worker.wait(timeout=10)
+        wait_for(lambda: not alive(ranks), 5, interval=0.05, what=f"ranks {sorted(ranks)} to die with their torchrun")
+    finally:
+        stop_process(worker)
+
+
+def _follower_main(rank: int, rendezvous: str, ready: str) -> None:
+    from datetime import timedelta
+
+    from lordo_fed.node.service import follow
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=300))
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=300))
+    open(f"{ready}.{rank}", "w").close()
+    if rank == 0:
+        time.sleep(300)  # the lead, idle: SIGKILLed by the test
+        return
+    follow(LocalRanks(rank, 2, control=control))  # raises once the lead is gone: the process exits
+
+
+def test_a_follower_leaves_when_its_lead_dies(tmp_path):
+    """A follower waits for the lead's next job in a gloo broadcast: when the lead dies (SIGKILL,
+    no torchrun to stop the others), the broadcast raises at once ("Connection closed by peer"),
+    not after the rank timeout (300 s here), and the follower's process ends."""
+    import signal
+
+    ctx = mp.start_processes(_follower_main, args=(str(tmp_path / "rendezvous"), str(tmp_path / "ready")), nprocs=2,
+                             join=False, start_method="spawn")
+    lead, follower = ctx.processes
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"ready.{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline and follower.is_alive(), "the ranks did not start"
+            time.sleep(0.1)
+        os.kill(lead.pid, signal.SIGKILL)
+        follower.join(30)
+        assert not follower.is_alive(), "the follower outlived its lead"
+        assert follower.exitcode == 1, follower.exitcode  # follow() raised
+    finally:
+        for p in (lead, follower):
+            if p.is_alive():
+                p.kill()
+            p.join(10)
 
 
 def _dead_peer_main(rank: int, rendezvous: str, out: str) -> None:
