@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 
 from lordo_fed.node.lifeline import die_with_parent, started_by_torchrun
 
@@ -23,8 +24,10 @@ if __name__ == "__main__" and started_by_torchrun():
     # in a session of its own, even one SIGKILLed before the rank got this far.
     die_with_parent()
 
-from lordo_fed.node import runtime  # noqa: E402 (after the parent-death signal: these import torch)
-from lordo_fed.node.ranks import WRAPPERS, LocalRanks  # noqa: E402
+import torch.distributed as dist  # noqa: E402 (after the parent-death signal: these import torch)
+
+from lordo_fed.node import runtime  # noqa: E402
+from lordo_fed.node.ranks import WRAPPERS, LocalRanks, exit_rank  # noqa: E402
 from lordo_fed.node.runtime import wait_for_early, wait_for_saves  # noqa: E402
 from lordo_fed.node.service import follow, serve, stop_followers  # noqa: E402
 
@@ -70,5 +73,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run() -> int:
+    """`main()`; a rank of a node of several ranks leaves by `exit_rank`, also when main() raised
+    (a follower whose lead died): gloo's threads outlive the group, and the interpreter's
+    finalization can abort the process under them (lordo_fed/node/ranks.py)."""
+    try:
+        code = main()
+    except Exception:
+        if not dist.is_initialized():
+            raise
+        traceback.print_exc()
+        code = 1
+    if dist.is_initialized():
+        exit_rank(code)
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -28,9 +28,12 @@ A node of one rank has no `LocalRanks` at all: the code paths are today's.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -157,3 +160,25 @@ class LocalRanks:
         if len(buf):
             dist.broadcast(torch.frombuffer(buf, dtype=torch.uint8), src=0, group=self.control)
         return buf
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """End a process that joined a process group, skipping the interpreter's finalization.
+
+    gloo's worker threads outlive `destroy_process_group` (ProcessGroupGloo's runloop threads and
+    its TCP loop are still running after it and a gc.collect(): the groups stay referenced from
+    C++), and each drops its last collective's work after the caller's `wait()` returned. When that
+    work holds the last reference to a tensor made in Python, dropping it takes the GIL; during
+    `Py_FinalizeEx` that terminates the thread (PyThread_exit_thread), whose unwinding through
+    ~AsyncWork (noexcept) calls std::terminate: "terminate called without an active exception",
+    SIGABRT, at the exit of a process that did everything right (a core dump of a rank of
+    tests/test_ranks.py's gloo tests; 3 of 140 spawns of two ranks on the loaded 2-core machine).
+    With no finalization there is no such moment. Logs and stdio are flushed first; atexit handlers
+    do not run."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or its pipe is gone
+            pass
+    os._exit(code)

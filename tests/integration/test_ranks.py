@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import NoReturn
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ import torch.multiprocessing as mp
 
 from lordo_fed.rounds.methods import lowrank_ranks, make_aggregator, make_worker, resolve_method
 from lordo_fed.model import DEFAULT_LOWRANK_PATTERN, lowrank_parameter_names
-from lordo_fed.node.ranks import WRAPPERS, LocalRanks
+from lordo_fed.node.ranks import WRAPPERS, LocalRanks, exit_rank
 from lordo_fed.optim.sharded import gather, local
 from lordo_fed.optim.config import InnerConfig
 from lordo_fed.rounds.outer import OuterConfig
@@ -62,14 +63,22 @@ def node_rounds(method: str, ranks: LocalRanks | None, batch: int, resume: bool 
             "held": sum(local(p).numel() for p in worker.params.values())}
 
 
+def leave() -> NoReturn:
+    """The end of a spawned rank whose results are written: once every rank is here (none closes
+    its connections while another still waits in a collective with it), exit without the
+    interpreter's finalization, under which gloo's threads, still running after
+    destroy_process_group, can abort the process (SIGABRT, lordo_fed.node.ranks.exit_rank).
+    A rank that raised does not get here: mp.spawn reports its exception."""
+    dist.barrier()
+    exit_rank(0)
+
+
 def _rank_main(rank: int, world: int, rendezvous: str, out: str, wrapper: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
-    try:
-        results = {m: node_rounds(m, LocalRanks(rank, world, wrapper), BATCH) for m in METHODS}
-        results["resumed"] = node_rounds("lordo_global", LocalRanks(rank, world, wrapper), BATCH, resume=True)
-        torch.save(results, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+    results = {m: node_rounds(m, LocalRanks(rank, world, wrapper), BATCH) for m in METHODS}
+    results["resumed"] = node_rounds("lordo_global", LocalRanks(rank, world, wrapper), BATCH, resume=True)
+    torch.save(results, f"{out}.{rank}")
+    leave()
 
 
 @pytest.fixture(scope="module", params=WRAPPERS)
@@ -165,7 +174,7 @@ def _refusals_main(rank: int, rendezvous: str, out: str) -> None:
             messages.append(str(err))
     with open(out, "w") as f:
         f.write("\n---\n".join(messages))
-    dist.destroy_process_group()
+    leave()
 
 
 def _uneven_main(rank: int, rendezvous: str, out: str) -> None:
@@ -189,7 +198,7 @@ def _uneven_main(rank: int, rendezvous: str, out: str) -> None:
             checks.append(torch.allclose(coords_mean(stack, param).flatten(), torch.stack([whole.mean(), 2 * whole.mean()])))
     with open(f"{out}.{rank}", "w") as f:
         f.write(" ".join(str(c) for c in checks))
-    dist.destroy_process_group()
+    leave()
 
 
 def test_chunks_gathers_and_means_agree_with_the_whole_tensor(tmp_path):
@@ -301,8 +310,14 @@ def _follower_main(rank: int, rendezvous: str, ready: str) -> None:
     open(f"{ready}.{rank}", "w").close()
     if rank == 0:
         time.sleep(300)  # the lead, idle: SIGKILLed by the test
-        return
-    follow(LocalRanks(rank, 2, control=control))  # raises once the lead is gone: the process exits
+        exit_rank(0)
+    try:
+        follow(LocalRanks(rank, 2, control=control))
+    except RuntimeError as err:  # the lead is gone: as the node worker does (lordo_fed/node/__main__.py)
+        with open(f"{ready}.error", "w") as f:
+            f.write(str(err))
+        exit_rank(1)
+    exit_rank(0)
 
 
 def test_a_follower_leaves_when_its_lead_dies(tmp_path):
@@ -322,7 +337,7 @@ def test_a_follower_leaves_when_its_lead_dies(tmp_path):
         os.kill(lead.pid, signal.SIGKILL)
         follower.join(30)
         assert not follower.is_alive(), "the follower outlived its lead"
-        assert follower.exitcode == 1, follower.exitcode  # follow() raised
+        assert follower.exitcode == 1 and (tmp_path / "ready.error").exists(), follower.exitcode  # follow() raised
     finally:
         for p in (lead, follower):
             if p.is_alive():
