@@ -111,7 +111,7 @@ def _held_main(rank: int, rendezvous: str, preset: str, out: str) -> None:
     from lordo_fed.data import TokenShard
     from lordo_fed.rounds.methods import make_worker, resolve_method
     from lordo_fed.model import ModelConfig, build_model, lowrank_parameter_names
-    from lordo_fed.node.ranks import WRAPPERS, LocalRanks
+    from lordo_fed.node.ranks import WRAPPERS, LocalRanks, exit_rank
     from lordo_fed.optim.config import InnerConfig
     from lordo_fed.optim.sharded import local
     from lordo_fed.rounds.outer import OuterConfig
@@ -122,27 +122,26 @@ def _held_main(rank: int, rendezvous: str, preset: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     held = {}
-    try:
-        s = resolve_method("lordo_local", InnerConfig(rank=16), RoundConfig(local_steps=2), OuterConfig())
-        shard = TokenShard(np.random.default_rng(0).integers(0, 256, size=1 << 16), shard_id=0)
-        for wrapper in WRAPPERS:
-            torch.manual_seed(0)
-            model = build_model(ModelConfig(preset=preset), 256)
-            worker = make_worker(0, model, s, shard, lowrank_parameter_names(model), 100, 2, 64, seed=0,
-                                 ranks=LocalRanks(rank, 2, wrapper))
-            for i in range(2):
-                worker.forward_backward(i)
-                grads = sum(local(p.grad).numel() * 4 for p in worker.params.values() if p.grad is not None)
-                worker.clip_and_step(i)
-            worker.optimizer.sync_state()
-            theta = sum(local(p).numel() * 4 for p in worker.params.values())
-            state = sum(t.numel() * t.element_size() for st in worker.optimizer.state.values()
-                        for t in st.values() if torch.is_tensor(t) and t.ndim)
-            held[wrapper] = {"theta_bytes": theta, "grad_bytes": grads, "optimizer_state_bytes": state,
-                             "total_bytes": theta + grads + state}
-    finally:
-        dist.destroy_process_group()
+    s = resolve_method("lordo_local", InnerConfig(rank=16), RoundConfig(local_steps=2), OuterConfig())
+    shard = TokenShard(np.random.default_rng(0).integers(0, 256, size=1 << 16), shard_id=0)
+    for wrapper in WRAPPERS:
+        torch.manual_seed(0)
+        model = build_model(ModelConfig(preset=preset), 256)
+        worker = make_worker(0, model, s, shard, lowrank_parameter_names(model), 100, 2, 64, seed=0,
+                             ranks=LocalRanks(rank, 2, wrapper))
+        for i in range(2):
+            worker.forward_backward(i)
+            grads = sum(local(p.grad).numel() * 4 for p in worker.params.values() if p.grad is not None)
+            worker.clip_and_step(i)
+        worker.optimizer.sync_state()
+        theta = sum(local(p).numel() * 4 for p in worker.params.values())
+        state = sum(t.numel() * t.element_size() for st in worker.optimizer.state.values()
+                    for t in st.values() if torch.is_tensor(t) and t.ndim)
+        held[wrapper] = {"theta_bytes": theta, "grad_bytes": grads, "optimizer_state_bytes": state,
+                         "total_bytes": theta + grads + state}
     torch.save(held, f"{out}.{rank}")
+    dist.barrier()  # neither rank closes its connections while the other still waits in a collective
+    exit_rank(0)  # not through the interpreter's finalization, which gloo's threads can abort (node/ranks.py)
 
 
 def held_per_rank(preset: str) -> dict[str, Any]:
@@ -196,4 +195,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from lordo_fed.node.ranks import exit_rank
+
+    # wrapper_overhead's process group (destroyed) leaves gloo's threads running: the interpreter's
+    # finalization can abort the process under them (lordo_fed/node/ranks.py)
+    exit_rank(main())
