@@ -284,7 +284,7 @@ def test_a_node_workers_ranks_die_with_its_torchrun(tmp_path):
     rather than leave them holding the node's socket and device under init."""
     import signal
 
-    from tests.flower_harness import alive, node_worker_ranks, start_node_worker, stop_process, wait_for
+    from harness.flower import alive, node_worker_ranks, start_node_worker, stop_process, wait_for
 
     worker = start_node_worker(tmp_path / "nw.sock", tmp_path / "node-worker.log", ranks=2, timeout=120)
     try:

@@ -1,4 +1,4 @@
-"""The session-end check of tests/process_leaks.py can fail: an inner pytest session (a process
+"""The session-end check of harness/process_leaks.py can fail: an inner pytest session (a process
 of its own, with the plugin) whose only test starts `sleep 300` in a session of its own and never
 stops it fails, names the process and the test, and leaves nothing running. (That a session
 which stops what it starts passes, this suite's own run shows.)"""
@@ -10,10 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.flower_harness import find_pids, pid_alive
-from tests.process_leaks import GRACE_VAR
+from harness.flower import find_pids, pid_alive
+from harness.process_leaks import GRACE_VAR
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 INNER_TEST = """
 import os, subprocess
@@ -27,7 +27,7 @@ def inner_session(tmp_path: Path, mark: str) -> subprocess.CompletedProcess:
     (tmp_path / "test_inner.py").write_text(INNER_TEST.replace("{mark}", mark))
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), GRACE_VAR: "1"}
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.process_leaks",
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "harness.process_leaks",
                            "-c", str(tmp_path / "pytest.ini"), str(tmp_path / "test_inner.py")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 

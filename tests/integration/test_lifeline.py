@@ -4,7 +4,7 @@ parent), and one whose parent died before the signal was armed exits at once.
 
 Each case runs a parent process that starts the child and waits; the child arms its lifeline
 and then kills its own parent, so the parent's death comes after the child's first read of it
-(the integration test of a node worker under torchrun is in tests/test_ranks.py).
+(the integration test of a node worker under torchrun is in tests/integration/test_ranks.py).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.flower_harness import pid_alive, wait_for
+from harness.flower import pid_alive, wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 PARENT = """
 import subprocess, sys, time
