@@ -172,7 +172,7 @@ def exit_rank(code: int = 0) -> NoReturn:
     `Py_FinalizeEx` that terminates the thread (PyThread_exit_thread), whose unwinding through
     ~AsyncWork (noexcept) calls std::terminate: "terminate called without an active exception",
     SIGABRT, at the exit of a process that did everything right (a core dump of a rank of
-    tests/test_ranks.py's gloo tests; 3 of 140 spawns of two ranks on the loaded 2-core machine).
+    tests/integration/test_ranks.py's gloo tests; 3 of 140 spawns of two ranks on the loaded 2-core machine).
     With no finalization there is no such moment. Logs and stdio are flushed first; atexit handlers
     do not run."""
     logging.shutdown()
