@@ -21,7 +21,7 @@ Variants (each moves `size` MB down to each of 2 nodes and `size` MB up from eac
   the gap to bare grpc is the integrity hashing the design requires (each byte is hashed by its
   sender and its receiver; ~2 GB/s per core here) rather than the transport.
 - `data plane` / `data plane TLS`: a minimal Flower app (written to a temporary directory) on a
-  real SuperLink + 2 SuperNodes (harness/flower.Deployment; with tls_dir for TLS). The
+  real SuperLink + 2 SuperNodes (harness/deployment.Deployment; with tls_dir for TLS). The
   ServerApp hosts a DataPlaneServer and, per exchange, encodes one random fp32 GlobalState
   (encode_global_state, once for all nodes), publishes it (sha256 + a ticket per node) and sends
   each node a train message carrying its ticket (as server/courier.py `Courier.outgoing`); the
@@ -609,7 +609,7 @@ def train(msg: Message, context: Context) -> Message:
 
 
 def write_app(app_dir: Path) -> Path:
-    from harness.flower import flower_app_pyproject
+    from harness.apps import flower_app_pyproject
 
     pkg = app_dir / "dpbench"
     pkg.mkdir(parents=True, exist_ok=True)
@@ -625,7 +625,8 @@ def write_app(app_dir: Path) -> Path:
 def deployment(work: Path, app_dir: Path, plan: list[tuple[str, float]], tls_dir: Path | None,
                stock_supernode: bool) -> tuple[list[dict], dict[str, Any]]:
     """Run `plan` (mode, MB) in one deployment of NODES SuperNodes; the ServerApp's rows."""
-    from harness.flower import Deployment, flower_env
+    from harness.deployment import Deployment
+    from harness.flower import flower_env
 
     env = flower_env(work / "cli")
     kwargs: dict[str, Any] = {}

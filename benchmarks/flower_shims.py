@@ -32,13 +32,13 @@ HERE = Path(__file__).resolve()
 
 
 def persistent_executor_command(i: int, runtime_api_address: str, supernode_pid: int) -> list[str]:
-    """For harness.flower.Deployment(isolation="process", executor_command=...)."""
+    """For harness.deployment.Deployment(isolation="process", executor_command=...)."""
     return [sys.executable, str(HERE), "serve-clientapp", "--runtime-api-address", runtime_api_address,
             "--parent-pid", str(supernode_pid)]
 
 
 def supernode_command(max_sleep: float) -> list[str]:
-    """For harness.flower.Deployment(supernode_command=...): flower-supernode, waits capped."""
+    """For harness.deployment.Deployment(supernode_command=...): flower-supernode, waits capped."""
     return [sys.executable, str(HERE), "supernode", "--max-sleep", str(max_sleep), "--"]
 
 

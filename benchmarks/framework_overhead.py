@@ -10,7 +10,7 @@ thread per client) runs three ways:
   worker's K steps when two train at once on this machine (the contention every deployment
   here has: 2 cores for 2 clients, the server, the SuperLink and SuperNodes).
 - simulation: `flwr run . local` (Flower's simulation engine, Ray, 2 virtual clients with 1 CPU each).
-- deployment: a real SuperLink and 2 SuperNodes on 127.0.0.1 (harness/flower.Deployment).
+- deployment: a real SuperLink and 2 SuperNodes on 127.0.0.1 (harness/deployment.Deployment).
 - node-workers: the same deployment with a long-lived node worker beside each SuperNode
   (lordo_fed.node: the model and state stay in memory; payloads on the gRPC data plane).
 
@@ -151,7 +151,9 @@ def run_simulation_mode(cfg: dict[str, Any], tmp: Path) -> dict[str, Any]:
 
 
 def run_deployment_mode(cfg: dict[str, Any], tmp: Path, node_workers: bool = False) -> dict[str, Any]:
-    from harness.flower import Deployment, start_node_worker, stop_process
+    from harness.deployment import Deployment
+    from harness.node_workers import start_node_worker
+    from harness.processes import stop_process
 
     name = "nw" if node_workers else "dep"
     out = tmp / f"{name}-out"

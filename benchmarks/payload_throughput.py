@@ -2,7 +2,7 @@
 down (server -> client) and back up (client -> server), encoded exactly as the app does.
 
 A dedicated minimal Flower app (written to a temporary directory) runs on a real SuperLink and one
-SuperNode (harness/flower.Deployment). Each exchange: the ServerApp encodes a random fp32
+SuperNode (harness/deployment.Deployment). Each exchange: the ServerApp encodes a random fp32
 tensor as a `lordo_fed.v1.GlobalState` (lordo_fed.wire.encode.encode_global_state), wraps it with
 lordo_fed.app.records.payload_record, pushes it (grid.push_messages) and polls for the reply every
 20 ms; the ClientApp unwraps and decodes it, encodes a random fp32 Δ of the same size as a
@@ -46,7 +46,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.round_overhead import machine_info  # noqa: E402
-from harness.flower import Deployment, flower_app_pyproject, flower_env  # noqa: E402
+from harness.apps import flower_app_pyproject  # noqa: E402
+from harness.deployment import Deployment  # noqa: E402
+from harness.flower import flower_env  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 TINY_MB = 0.001

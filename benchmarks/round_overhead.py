@@ -1,6 +1,6 @@
 """Per-round overhead of a Flower round on 127.0.0.1 with a tiny payload: stock Flower against this app.
 
-Configurations, each on a real SuperLink + 2 SuperNodes (harness/flower.Deployment) and in
+Configurations, each on a real SuperLink + 2 SuperNodes (harness/deployment.Deployment) and in
 the simulation engine (run_simulation, 2 virtual nodes with 1 CPU each):
 
 - stock: a minimal stock Flower app written below (a torch ClientApp with @app.train and
@@ -61,7 +61,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import median_rounds_2_to_n  # noqa: E402
-from harness.flower import Deployment, flower_app_pyproject, flower_env, run_simulation  # noqa: E402
+from harness.apps import flower_app_pyproject  # noqa: E402
+from harness.deployment import Deployment  # noqa: E402
+from harness.flower import flower_env, run_simulation  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 POLL_VAR = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
@@ -468,7 +470,7 @@ def _run_deployment(name: str, label: str, stock_dir: Path, app_dir: Path, work:
             settings.append("SuperNode waits (3 s fleet poll, 0.5 s reply poll) capped at 0.1 s")
     workers = []
     if variant == "-node-workers":
-        from harness.flower import start_node_worker
+        from harness.node_workers import start_node_worker
 
         socks = [work / f"nw{i}.sock" for i in range(2)]
         workers = [start_node_worker(sock, work / f"node-worker-{i}.log") for i, sock in enumerate(socks)]
@@ -483,7 +485,7 @@ def _run_deployment(name: str, label: str, stock_dir: Path, app_dir: Path, work:
                 entry = run_app_deployment(dep, app_dir, work, name, rounds)
             entry["startup"] = {k: round(v, 2) for k, v in dep.timings.items()}
     finally:
-        from harness.flower import stop_process
+        from harness.processes import stop_process
 
         for proc in workers:
             stop_process(proc)

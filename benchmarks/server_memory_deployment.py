@@ -104,7 +104,7 @@ def app_defaults() -> dict[str, Any]:
 
 
 def write_app(app_dir: Path) -> Path:
-    from harness.flower import flower_app_pyproject
+    from harness.apps import flower_app_pyproject
 
     pkg = app_dir / "srvmem"
     pkg.mkdir(parents=True, exist_ok=True)
@@ -125,7 +125,8 @@ def run_config(preset: str, rank: int, nodes: int, out: Path, plane: str) -> dic
 
 def one_deployment(work: Path, app_dir: Path, preset: str, rank: int, nodes: int, plane: str) -> dict[str, Any]:
     from benchmarks.flower_shims import supernode_command
-    from harness.flower import Deployment, flower_env
+    from harness.deployment import Deployment
+    from harness.flower import flower_env
 
     out = work / "out"
     started = time.perf_counter()

@@ -24,7 +24,8 @@ from lordo_fed.device import pick_device
 from lordo_fed.rounds.methods import resolve_method
 from lordo_fed.trainer.config import TrainConfig
 from lordo_fed.trainer.run import RunContext, run_async
-from harness.flower import Deployment, flower_env, run_simulation
+from harness.deployment import Deployment
+from harness.flower import flower_env, run_simulation
 from tests.unit.test_appconfig import pyproject_config
 from tests.integration.test_flower_app import APP, server_records, tiny_run_config
 

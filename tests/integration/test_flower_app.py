@@ -22,7 +22,8 @@ from lordo_fed.rounds.methods import resolve_method
 from lordo_fed.model import DEFAULT_LOWRANK_PATTERN
 from lordo_fed.trainer.config import TrainConfig
 from lordo_fed.trainer.run import RunContext, run_rounds
-from harness.flower import Deployment, flower_env, run_simulation
+from harness.deployment import Deployment
+from harness.flower import flower_env, run_simulation
 from tests.unit.test_appconfig import pyproject_config
 
 APP = Path(__file__).resolve().parents[2]
@@ -180,7 +181,7 @@ def test_deployment_on_both_data_planes_matches_the_reference_and_bad_configs_st
                 assert records[1]["bytes_sent_per_client"] < theta_bytes <= records[2]["bytes_sent_per_client"], records
         assert not list((tmp_path / "grpc" / "dataplane_spool").glob("*")), "spooled replies left behind"
         pids = dep.all_pids()
-    from harness.flower import alive
+    from harness.processes import alive
 
     assert not alive(pids)
     for plane, theta in thetas.items():

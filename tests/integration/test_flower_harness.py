@@ -1,7 +1,8 @@
-"""The Flower test harness (harness/flower.py): fast unit checks, then a throwaway echo app
-run end to end (slow) in simulation (`flwr run <app> local`, 2 simulated SuperNodes) and in a
-real deployment (flower-superlink + 2 flower-supernode subprocesses on 127.0.0.1). After each,
-no process the harness started may survive.
+"""The Flower test harness (harness/flower.py, harness/deployment.py, harness/processes.py): fast
+unit checks, then a throwaway echo app (harness/apps/) run end to end (slow) in simulation
+(`flwr run <app> local`, 2 simulated SuperNodes) and in a real deployment (flower-superlink + 2
+flower-supernode subprocesses on 127.0.0.1). After each, no process the harness started may
+survive.
 
 Wall times of each phase are printed ('[flower timing] ...'; see them with `pytest -s`).
 Measured on the 2-core CPU box (flwr 1.41.0): simulation ~20 s per `flwr run` (of which round 1
@@ -22,6 +23,9 @@ from pathlib import Path
 import pytest
 
 import harness.flower as fh
+import harness.processes as procs
+from harness.apps import write_echo_app
+from harness.deployment import Deployment
 
 ROUNDS = 2
 
@@ -76,7 +80,7 @@ def test_format_run_config_round_trips_through_flower_parser():
 
 def test_flower_env_writes_connections(tmp_path):
     tomllib = fh.tomllib
-    port = fh.free_port()
+    port = procs.free_port()
     env = fh.flower_env(tmp_path, deployment_port=port)
     for key, value in fh.FLOWER_ENV_DEFAULTS.items():
         assert env[key] == value
@@ -105,22 +109,22 @@ def test_terminate_kills_process_tree_and_owned_orphans(tmp_path):
         "\"import time; time.sleep(60)\"]); time.sleep(60)'], start_new_session=True)\n"
         "print(c.pid, flush=True); time.sleep(60)\n"
     )
-    env = {**__import__("os").environ, fh.OWNER_VAR: "test-owner-" + tmp_path.name}
+    env = {**__import__("os").environ, procs.OWNER_VAR: "test-owner-" + tmp_path.name}
     parent = subprocess.Popen(
         [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True,
         start_new_session=True,
     )
     try:
         int(parent.stdout.readline())
-        fh.wait_for(lambda: len(fh.descendants([parent.pid])) >= 2, 10, what="grandchild")
-        tree = {parent.pid} | fh.descendants([parent.pid])
-        assert fh.find_pids({fh.OWNER_VAR: env[fh.OWNER_VAR]}) == tree
+        procs.wait_for(lambda: len(procs.descendants([parent.pid])) >= 2, 10, what="grandchild")
+        tree = {parent.pid} | procs.descendants([parent.pid])
+        assert procs.find_pids({procs.OWNER_VAR: env[procs.OWNER_VAR]}) == tree
         t0 = time.monotonic()
-        assert fh.terminate([parent.pid], [parent.pid], timeout=5) == set()
+        assert procs.terminate([parent.pid], [parent.pid], timeout=5) == set()
         assert time.monotonic() - t0 < 6
-        assert fh.alive(tree) == set()
+        assert procs.alive(tree) == set()
     finally:
-        fh.terminate([parent.pid], [parent.pid], timeout=2, owner=env[fh.OWNER_VAR])
+        procs.terminate([parent.pid], [parent.pid], timeout=2, owner=env[procs.OWNER_VAR])
         parent.wait(timeout=10)
 
 
@@ -156,7 +160,7 @@ def test_run_failure_detects_flower_exit_codes():
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_simulation_two_supernodes(tmp_path):
-    app = fh.write_echo_app(tmp_path / "app")
+    app = write_echo_app(tmp_path / "app")
     env = fh.flower_env(tmp_path / "sim")
     result_path = tmp_path / "sim_result.json"
     started: set[int] = set()
@@ -175,7 +179,7 @@ def test_simulation_two_supernodes(tmp_path):
         )
         wall = time.monotonic() - t0
         started = fh.local_superlink_pids(env)
-        started |= fh.descendants(started)
+        started |= procs.descendants(started)
         assert started, "flwr run ... local should leave its SuperLink running"
         t1 = time.monotonic()
         stopped = fh.stop_local_superlink(env)
@@ -184,10 +188,10 @@ def test_simulation_two_supernodes(tmp_path):
         fh.stop_local_superlink(env)
     assert "Starting local SuperLink on 127.0.0.1:" + env[fh.LOCAL_SUPERLINK_PORT_VAR] in res.stdout
     assert started <= stopped
-    assert fh.alive(started) == set()
+    assert procs.alive(started) == set()
     assert fh.local_superlink_pids(env) == set()
-    assert fh.find_pids({fh.OWNER_VAR: f"sim-{env[fh.ENV_ID_VAR]}"}) == set()
-    assert not fh.port_open(int(env[fh.LOCAL_SUPERLINK_PORT_VAR]))
+    assert procs.find_pids({procs.OWNER_VAR: f"sim-{env[fh.ENV_ID_VAR]}"}) == set()
+    assert not procs.port_open(int(env[fh.LOCAL_SUPERLINK_PORT_VAR]))
 
     result = assert_echo_result(result_path, 2)
     rounds = [r["seconds"] for r in result["rounds"]]
@@ -202,10 +206,10 @@ def test_simulation_two_supernodes(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_deployment_superlink_and_two_supernodes(tmp_path):
-    app = fh.write_echo_app(tmp_path / "app")
+    app = write_echo_app(tmp_path / "app")
     result_path = tmp_path / "dep_result.json"
     t0 = time.monotonic()
-    with fh.Deployment(tmp_path, num_nodes=2, startup_timeout=60) as dep:
+    with Deployment(tmp_path, num_nodes=2, startup_timeout=60) as dep:
         startup = time.monotonic() - t0
         first_ids = [dep.node_id(i) for i in range(2)]
         assert all(first_ids) and len(set(first_ids)) == 2
@@ -228,9 +232,9 @@ def test_deployment_superlink_and_two_supernodes(tmp_path):
         t3 = time.monotonic()
     stop_s = time.monotonic() - t3
     assert len(pids) >= 5  # SuperLink, its SuperExec, 2 x (SuperNode, SuperExec), ...
-    assert fh.alive(pids) == set()
-    assert fh.find_pids({fh.OWNER_VAR: dep.owner}) == set()
-    assert not fh.port_open(dep.superlink_port)
+    assert procs.alive(pids) == set()
+    assert procs.find_pids({procs.OWNER_VAR: dep.owner}) == set()
+    assert not procs.port_open(dep.superlink_port)
 
     result = assert_echo_result(result_path, 2)
     timing("deployment: SuperLink start (until /health)", dep.timings["superlink_start_s"])

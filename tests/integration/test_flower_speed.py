@@ -60,7 +60,9 @@ def test_client_process_skips_dynamo_and_caches_its_config(tmp_path):
 def test_deployment_with_process_isolation(tmp_path):
     import json
 
-    from harness.flower import Deployment, alive, write_echo_app
+    from harness.apps import write_echo_app
+    from harness.deployment import Deployment
+    from harness.processes import alive
 
     app = write_echo_app(tmp_path / "echo")
     with Deployment(tmp_path, num_nodes=2, isolation="process") as dep:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.flower import pid_alive, wait_for
+from harness.processes import pid_alive, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 

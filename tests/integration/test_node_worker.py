@@ -21,7 +21,10 @@ import pytest
 
 from lordo_fed.checkpoint import load_checkpoint
 from lordo_fed.node.channel import check_local
-from harness.flower import Deployment, alive, check_run, start_node_worker, stop_process
+from harness.deployment import Deployment
+from harness.flower import check_run
+from harness.node_workers import start_node_worker
+from harness.processes import alive, stop_process
 from tests.integration.test_flower_app import APP, reference_theta, server_records, tiny_run_config
 
 ROOT = Path(__file__).resolve().parents[2]

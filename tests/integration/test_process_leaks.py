@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness.flower import find_pids, pid_alive
+from harness.processes import find_pids, pid_alive
 from harness.process_leaks import GRACE_VAR
 
 ROOT = Path(__file__).resolve().parents[2]

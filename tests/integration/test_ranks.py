@@ -265,8 +265,10 @@ def test_two_nodes_of_two_ranks_match_the_reference_with_the_doubled_batch(tmp_p
     import signal
 
     from lordo_fed.checkpoint import load_checkpoint
-    from harness.flower import (Deployment, alive, check_run, node_worker_ranks, start_node_worker, stop_process,
-                                wait_for)
+    from harness.deployment import Deployment
+    from harness.flower import check_run
+    from harness.node_workers import node_worker_ranks, start_node_worker
+    from harness.processes import alive, stop_process, wait_for
     from tests.integration.test_flower_app import APP, reference_theta, server_records, tiny_run_config
     from tests.integration.test_node_worker import wait_for_round_1_saved
     from tests.integration.test_reliability import Background
@@ -318,7 +320,8 @@ def test_a_node_workers_ranks_die_with_its_torchrun(tmp_path):
     rather than leave them holding the node's socket and device under init."""
     import signal
 
-    from harness.flower import alive, node_worker_ranks, start_node_worker, stop_process, wait_for
+    from harness.node_workers import node_worker_ranks, start_node_worker
+    from harness.processes import alive, stop_process, wait_for
 
     worker = start_node_worker(tmp_path / "nw.sock", tmp_path / "node-worker.log", ranks=2, timeout=120)
     try:

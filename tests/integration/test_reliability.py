@@ -42,17 +42,19 @@ import pytest
 import torch
 
 from lordo_fed.checkpoint import LATEST_FORMAT, checkpoint_stem, load_checkpoint
+from harness.deployment import Deployment
 from harness.flower import (
-    Deployment,
     check_run,
-    descendants,
-    find_pids,
     flower_env,
-    pid_alive,
-    proc_cmdline,
     run_failure,
     run_simulation,
     stop_local_superlink,
+)
+from harness.processes import (
+    descendants,
+    find_pids,
+    pid_alive,
+    proc_cmdline,
     tail,
     wait_for,
 )

@@ -23,19 +23,18 @@ from pathlib import Path
 
 import pytest
 
-from harness.flower import (
+from harness.apps import write_echo_app
+from harness.deployment import Deployment
+from harness.flower import flower_env, write_flower_config
+from harness.processes import (
     OWNER_VAR,
-    Deployment,
     alive,
     find_pids,
-    flower_env,
     free_port,
     http_ok,
     port_open,
     terminate,
     wait_for,
-    write_echo_app,
-    write_flower_config,
 )
 from tests.integration.test_flower_app import APP, server_records, tiny_run_config
 
