@@ -1,16 +1,39 @@
-"""Flower apps the tests and benchmarks run besides the real one (server/, client/), and the
-helpers that write them: `flower_app_pyproject` (the pyproject.toml of a throwaway app) and
-`write_echo_app` (a minimal app for the harness's own tests).
+"""Flower apps the tests and benchmarks run besides the real one (server/, client/), each a real
+directory here (`harness/apps/<name>/`: a pyproject.toml and a package of modules that can be read,
+linted and imported), and the helpers that copy them for a run.
+
+Why copies: `flwr run <dir>` builds its FAB from the files under `<dir>` (harness/flower.py,
+`fab_source`), so a run is given a clean copy (no `__pycache__`) in its own temporary directory,
+where a caller may also set the app's run-config defaults (`copy_app(..., config=...)`: Flower
+drops `--run-config` keys that the app's pyproject.toml does not declare).
+
+- `echo/`: a minimal app for the harness's own tests (`write_echo_app`).
+
+`hostile_clientapp.py` is not an app directory: the real app with a corrupting ClientApp
+(tests/integration/test_hostile_client.py).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
 from harness.flower import flatten_config, toml_value
+
+APPS = Path(__file__).resolve().parent
+"""The directory that holds the app directories."""
+CONFIG_TABLE = "[tool.flwr.app.config]"
+"""The run-config defaults of an app: the last table of its pyproject.toml, so that `copy_app`
+can rewrite it without a TOML writer."""
 
 _APP_PYPROJECT = """\
 [project]
@@ -39,95 +62,38 @@ def flower_app_pyproject(name: str, module: str, description: str, config: Mappi
     return head + "".join(f"{k} = {toml_value(v)}\n" for k, v in flatten_config(config).items())
 
 
-_ECHO_CONFIG = {"num-server-rounds": 2, "result-path": "", "min-nodes": 1, "node-wait-timeout": 60.0,
-                "round-timeout": 120.0, "fail-on-round": 0}
-
-_ECHO_SERVER = '''\
-"""ServerApp: wait for min-nodes, then each round send one train message per connected node
-and record who answered; write a JSON summary to run_config["result-path"]."""
-
-import json
-import time
-
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
-from flwr.serverapp import Grid, ServerApp
-
-app = ServerApp()
-
-
-@app.main()
-def main(grid: Grid, context: Context) -> None:
-    cfg = context.run_config
-    t_start = time.monotonic()
-    min_nodes = int(cfg["min-nodes"])
-    while len(list(grid.get_node_ids())) < min_nodes:
-        if time.monotonic() - t_start > float(cfg["node-wait-timeout"]):
-            raise RuntimeError(f"fewer than {min_nodes} nodes connected")
-        time.sleep(0.1)
-    out = {"node_wait_s": time.monotonic() - t_start, "rounds": []}
-    for rnd in range(1, int(cfg["num-server-rounds"]) + 1):
-        if rnd == int(cfg["fail-on-round"]):
-            raise RuntimeError(f"fail-on-round={rnd}")
-        t0 = time.monotonic()
-        node_ids = sorted(grid.get_node_ids())
-        messages = [
-            Message(
-                content=RecordDict({"config": ConfigRecord({"round": rnd})}),
-                message_type=MessageType.TRAIN,
-                dst_node_id=node_id,
-                group_id=str(rnd),
-            )
-            for node_id in node_ids
-        ]
-        replies = list(grid.send_and_receive(messages, timeout=float(cfg["round-timeout"])))
-        ok = [m for m in replies if not m.has_error()]
-        metrics = [m.content["metrics"] for m in ok]
-        out["rounds"].append({
-            "round": rnd,
-            "node_ids": [int(n) for n in node_ids],
-            "partition_ids": sorted(int(m["partition-id"]) for m in metrics),
-            "echo_rounds": sorted(int(m["round"]) for m in metrics),
-            "client_pids": sorted(int(m["pid"]) for m in metrics),
-            "errors": len(replies) - len(ok),
-            "seconds": time.monotonic() - t0,
-        })
-    out["total_s"] = time.monotonic() - t_start
-    with open(cfg["result-path"], "w", encoding="utf-8") as f:
-        json.dump(out, f, indent=1)
-'''
-
-_ECHO_CLIENT = '''\
-"""ClientApp: echo partition-id (node config) and the round back in a MetricRecord."""
-
-import os
-
-from flwr.app import Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
-
-app = ClientApp()
+def copy_app(name: str, dest: str | os.PathLike, config: Mapping[str, Any] | None = None) -> Path:
+    """Copy the app `harness/apps/<name>/` to `dest` (created if missing; its files overwritten)
+    without caches, and return `dest`. `config` sets run-config defaults in the copy's
+    pyproject.toml: its keys replace the app's values or are added after them (TOML values as in
+    `format_run_config`)."""
+    source = APPS / name
+    if not (source / "pyproject.toml").is_file():
+        raise FileNotFoundError(f"no Flower app {name!r} in {APPS} (no {source / 'pyproject.toml'})")
+    dest = Path(dest)
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"), dirs_exist_ok=True)
+    if config:
+        set_app_config(dest / "pyproject.toml", config)
+    return dest
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    metrics = MetricRecord({
-        "partition-id": int(context.node_config["partition-id"]),
-        "round": int(msg.content["config"]["round"]),
-        "pid": os.getpid(),
-    })
-    return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
-'''
+def set_app_config(pyproject: str | os.PathLike, config: Mapping[str, Any]) -> None:
+    """Rewrite the `[tool.flwr.app.config]` table of an app's pyproject.toml (its last table) with
+    its current values updated by `config`; the rest of the file stays as it is, comments inside
+    the table are dropped."""
+    path = Path(pyproject)
+    text = path.read_text(encoding="utf-8")
+    head, header, table = text.partition(f"\n{CONFIG_TABLE}\n")
+    if not header or re.search(r"^\s*\[", table, re.M):
+        raise ValueError(f"{path}: {CONFIG_TABLE} must be the file's last table")
+    values = flatten_config(tomllib.loads(text)["tool"]["flwr"]["app"]["config"])
+    values.update(flatten_config(config))
+    path.write_text(head + header + "".join(f"{k} = {toml_value(v)}\n" for k, v in values.items()), encoding="utf-8")
 
 
-def write_echo_app(app_dir: str | os.PathLike, name: str = "lordofed-echo") -> Path:
-    """Write a minimal Flower app (echo ServerApp/ClientApp, see the strings above) into
-    `app_dir`; returns it. Run config: num-server-rounds, result-path (absolute), min-nodes,
-    node-wait-timeout, round-timeout, fail-on-round (0 = never)."""
-    app_dir = Path(app_dir)
-    module = name.replace("-", "_")
-    (app_dir / module).mkdir(parents=True, exist_ok=True)
-    (app_dir / "pyproject.toml").write_text(flower_app_pyproject(
-        name, module, "Throwaway Flower app for lordo-fed harness tests", _ECHO_CONFIG))
-    (app_dir / module / "__init__.py").write_text("")
-    (app_dir / module / "server_app.py").write_text(_ECHO_SERVER)
-    (app_dir / module / "client_app.py").write_text(_ECHO_CLIENT)
-    return app_dir
+def write_echo_app(app_dir: str | os.PathLike) -> Path:
+    """A copy of the echo app (harness/apps/echo/: the ServerApp sends one train message per node
+    and round, the ClientApp echoes its partition id) in `app_dir`; returns it. Run config:
+    num-server-rounds, result-path (absolute: where the ServerApp writes its JSON summary),
+    min-nodes, node-wait-timeout, round-timeout, fail-on-round (0 = never)."""
+    return copy_app("echo", app_dir)
