@@ -20,11 +20,12 @@ Variants (each moves `size` MB down to each of 2 nodes and `size` MB up from eac
   digest; the bytes are still checked against real sha256s after the timed part): how much of
   the gap to bare grpc is the integrity hashing the design requires (each byte is hashed by its
   sender and its receiver; ~2 GB/s per core here) rather than the transport.
-- `data plane` / `data plane TLS`: a minimal Flower app (written to a temporary directory) on a
-  real SuperLink + 2 SuperNodes (harness/deployment.Deployment; with tls_dir for TLS). The
-  ServerApp hosts a DataPlaneServer and, per exchange, encodes one random fp32 GlobalState
-  (encode_global_state, once for all nodes), publishes it (sha256 + a ticket per node) and sends
-  each node a train message carrying its ticket (as server/courier.py `Courier.outgoing`); the
+- `data plane` / `data plane TLS`: a minimal Flower app (harness/apps/dataplane_bench/, copied to a
+  temporary directory) on a real SuperLink + 2 SuperNodes (harness/deployment.Deployment; with
+  tls_dir for TLS). The ServerApp hosts a DataPlaneServer and, per exchange, encodes one random
+  fp32 GlobalState (encode_global_state, once for all nodes), publishes it (sha256 + a ticket per
+  node) and sends each node a train message carrying its ticket (as server/courier.py
+  `Courier.outgoing`); the
   ClientApp downloads and decodes it, encodes a random fp32 WorkerUpdate of the same size,
   uploads it and replies with its sha256 (as client/app.py `receive_state` / `send_reply`); the
   server takes both uploads, checks the sha256 each reply vouches for (as `Courier._upload_of`) and
@@ -362,264 +363,7 @@ def stream_run(kind: str, nbytes: int, tls_dir: Path | None, spool: Path) -> dic
     }
 
 
-# ============================================================================ the Flower app
-
-_CONFIG = {"plan": "grpc:0.001", "nodes": NODES, "result-path": "", "spool-dir": "", "certfile": "", "keyfile": "",
-           "timeout": 600.0}
-
-_COMMON = '''\
-import numpy as np
-import torch
-
-SAMPLE = 4
-
-
-def draw(seed: int, n: int) -> torch.Tensor:
-    """The random fp32 payload of a seed (a new draw per exchange and node)."""
-    return torch.from_numpy(np.random.default_rng(seed).random(n, dtype=np.float32))
-
-
-def samples(t: torch.Tensor) -> list:
-    return [float(x) for x in torch.cat([t[:SAMPLE], t[-SAMPLE:]])]
-'''
-
-_SERVER = '''\
-"""ServerApp: per planned exchange (mode:MB), encode a random fp32 GlobalState once, send it to
-every node (a data-plane ticket each, or the payload inside the message), wait for all replies
-(polling every 20 ms), take and decode them; one JSON row per exchange."""
-
-import json
-import time
-from pathlib import Path
-
-import torch
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
-from flwr.serverapp import Grid, ServerApp
-
-import lordo_fed
-from lordo_fed.wire.decode import decode_update
-from lordo_fed.wire.encode import encode_global_state
-from lordo_fed.app.records import TICKET, UPLOAD_SHA256, payload_bytes, payload_record, shorten_pull_backoff
-from lordo_fed.metrics import peak_rss_bytes
-from lordo_fed.wire.messages import GlobalState
-from lordo_fed.transport.server import DataPlaneServer
-
-from .common import draw, samples
-
-app = ServerApp()
-
-
-@app.main()
-def main(grid: Grid, context: Context) -> None:
-    shorten_pull_backoff()  # as server/courier.py does
-    cfg = context.run_config
-    plan = [(m, float(mb)) for m, mb in (p.split(":") for p in str(cfg["plan"]).split(","))]
-    want = int(cfg["nodes"])
-    t_wait = time.time()
-    while len(list(grid.get_node_ids())) < want:
-        if time.time() - t_wait > 60:
-            raise RuntimeError(f"fewer than {want} nodes connected")
-        time.sleep(0.1)
-    nodes = sorted(grid.get_node_ids())[:want]
-    plane = None
-    if any(mode == "grpc" for mode, _ in plan):
-        tls = None
-        if cfg["certfile"]:
-            tls = (Path(str(cfg["certfile"])).read_bytes(), Path(str(cfg["keyfile"])).read_bytes())
-        plane = DataPlaneServer(str(cfg["spool-dir"]), tls=tls).start()
-    try:
-        for i, (mode, mb) in enumerate(plan):
-            row = exchange(grid, plane, nodes, i + 1, mode, mb, float(cfg["timeout"]))
-            row["lordo_fed"] = lordo_fed.__file__
-            with open(str(cfg["result-path"]), "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\\n")
-    finally:
-        if plane is not None:
-            plane.stop()
-
-
-def exchange(grid, plane, nodes, rnd, mode, mb, timeout):
-    n = max(1, int(mb * 1e6 / 4))
-    seed = 1000 * rnd
-    node_seed = {nd: seed + k + 1 for k, nd in enumerate(nodes)}
-    theta = draw(seed, n)
-    base = {"floats": n, "samples": samples(theta)}
-    t0, c0 = time.time(), time.process_time()
-    data = encode_global_state(GlobalState(round=rnd, params={"w": theta}), "dpbench", "fp32")
-    t1, c1 = time.time(), time.process_time()
-    nbytes = len(data)
-    if mode == "grpc":  # server/courier.py `Courier.outgoing`: publish once, a ticket per node
-        tickets = plane.publish(rnd, data, nodes, ttl=timeout + 60, max_upload=nbytes + (1 << 20))
-        t2, c2 = time.time(), time.process_time()
-        msgs = [Message(RecordDict({"config": ConfigRecord({**base, "bytes": nbytes, "node-seed": node_seed[nd],
-                                                            TICKET: tickets[nd].SerializeToString()})}),
-                        dst_node_id=nd, message_type=MessageType.TRAIN) for nd in nodes]
-    else:
-        record = payload_record(data)
-        t2, c2 = time.time(), time.process_time()
-        msgs = [Message(RecordDict({"state": record, "config": ConfigRecord({**base, "bytes": nbytes,
-                                                                             "node-seed": node_seed[nd]})}),
-                        dst_node_id=nd, message_type=MessageType.TRAIN) for nd in nodes]
-        del record, data
-    del theta
-    t3 = time.time()
-    ids = [m for m in grid.push_messages(msgs) if m]
-    t4 = time.time()
-    del msgs
-    if len(ids) != len(nodes):
-        raise RuntimeError(f"pushed {len(ids)} of {len(nodes)} messages")
-    replies, arrived = {}, {}
-    while len(replies) < len(ids):
-        if time.time() - t3 > timeout:
-            raise RuntimeError(f"exchange {rnd}: {len(replies)} of {len(ids)} replies after {timeout:g} s")
-        pending = [m for m in ids if m not in replies]
-        got = list(grid.pull_messages(pending))
-        now = time.time()
-        for reply in got:
-            replies[reply.metadata.reply_to_message_id] = reply
-            arrived[reply.metadata.src_node_id] = now
-        if len(replies) < len(ids):
-            time.sleep(0.02)
-    t5 = time.time()
-    updates, decode_s, decode_cpu, checks = {}, {}, {}, {}
-    for reply in replies.values():
-        nd = reply.metadata.src_node_id
-        if reply.has_error():
-            raise RuntimeError(f"node {nd}: {reply.error.reason}")
-        td, cd = time.time(), time.process_time()
-        upload = None
-        if mode == "grpc":  # server/courier.py `Courier._upload_of`
-            upload = plane.upload(nd, rnd)
-            declared = str(reply.content.config_records["upload"][UPLOAD_SHA256])
-            if upload is None or upload.sha256 != declared:
-                raise RuntimeError(f"node {nd}: no verified upload matching sha256 {declared[:16]}...")
-            buf = upload.buffer()
-        else:
-            buf = payload_bytes(reply.content["update"])
-        updates[nd] = decode_update(buf, expected_model_id="dpbench")
-        # the data plane hashed the bytes as they arrived and matched the node's sha256 (and the
-        # reply vouches for the same): checked above; the Flower path has no sha256 of its own
-        checks[nd] = {"up_bytes_received": len(buf), "up_sha256_ok": True if upload is not None else None}
-        del buf
-        if upload is not None:
-            upload.discard()
-        decode_s[nd], decode_cpu[nd] = time.time() - td, time.process_time() - cd
-    t_end = time.time()
-    rows = {}
-    for nd in nodes:  # checks, outside the timed part
-        m = replies_by_node(replies)[nd].content["metrics"]
-        delta = updates[nd].delta["w"]
-        rows[str(nd)] = {
-            "control_down_s": float(m["t-start"]) - t3, "gen_s": float(m["gen-s"]), "download_s": float(m["down-s"]),
-            "t_download": [float(m["t-down"]) - t0, float(m["t-down"]) + float(m["down-s"]) - t0],
-            "client_decode_s": float(m["decode-s"]), "client_encode_s": float(m["encode-s"]),
-            "upload_s": float(m["up-s"]),
-            "t_upload": [float(m["t-up"]) - t0, float(m["t-up"]) + float(m["up-s"]) - t0],
-            "control_up_s": arrived[nd] - float(m["t-end"]), "server_decode_s": decode_s[nd],
-            "server_decode_cpu_s": decode_cpu[nd], "download_cpu_s": float(m["down-cpu"]),
-            "client_decode_cpu_s": float(m["decode-cpu"]), "client_encode_cpu_s": float(m["encode-cpu"]),
-            "upload_cpu_s": float(m["up-cpu"]),
-            "down_bytes": int(m["down-bytes"]), "up_bytes": int(m["up-bytes"]),
-            "down_ok": bool(m["down-ok"]), "up_content_ok": bool(torch.equal(delta, draw(node_seed[nd], n))),
-            "client_peak_rss_mb": float(m["peak-rss-mb"]),
-            **checks[nd],
-        }
-        rows[str(nd)]["verified"] = bool(
-            rows[str(nd)]["down_ok"] and rows[str(nd)]["up_content_ok"] and rows[str(nd)]["down_bytes"] == nbytes
-            and rows[str(nd)]["up_bytes"] == rows[str(nd)]["up_bytes_received"] and rows[str(nd)]["up_sha256_ok"] is not False)
-    gen = max(r["gen_s"] for r in rows.values())
-    return {
-        "round": rnd, "mode": mode, "size_mb": mb, "payload_bytes_down": nbytes,
-        "bytes_moved": sum(r["down_bytes"] + r["up_bytes"] for r in rows.values()),
-        "exchange_s": t_end - t0 - gen, "client_gen_excluded_s": gen,
-        "server_encode_s": t1 - t0, "publish_s": t2 - t1, "push_s": t4 - t3,
-        "server_encode_cpu_s": c1 - c0, "publish_cpu_s": c2 - c1,
-        "replies_s": t5 - t0, "server_decode_s": t_end - t5, "tls": bool(plane is not None and plane.tls),
-        "server_peak_rss_mb": peak_rss_bytes() / 1024**2, "nodes": rows,
-        "verified": all(r["verified"] for r in rows.values()),
-    }
-
-
-def replies_by_node(replies):
-    return {r.metadata.src_node_id: r for r in replies.values()}
-'''
-
-_CLIENT = '''\
-"""ClientApp: fetch and decode the GlobalState (data plane with the ticket, or inside the message),
-encode a random fp32 WorkerUpdate of the same size, send it (upload + sha256 in the reply, or
-inside the reply); timestamps in the reply's metrics."""
-
-import time
-
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
-
-from lordo_fed.wire.decode import decode_global_state
-from lordo_fed.wire.encode import encode_update
-from lordo_fed.app.records import TICKET, UPLOAD_SHA256, payload_bytes, payload_record
-from lordo_fed.metrics import peak_rss_bytes
-from lordo_fed.wire.messages import WorkerUpdate
-from lordo_fed.transport.client import download, parse_ticket, upload
-
-from .common import draw, samples
-
-app = ClientApp()
-
-
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    h0 = time.time()
-    cfg = msg.content["config"]
-    n = int(cfg["floats"])
-    delta = draw(int(cfg["node-seed"]), n)  # drawn before the timed part (its seconds are subtracted)
-    h1, c1 = time.time(), time.process_time()
-    root = str(context.node_config.get("root-certificates", "")) or None
-    ticket = parse_ticket(cfg[TICKET]) if TICKET in cfg else None
-    timeout = 600.0
-    # client/app.py `receive_state`
-    data = download(ticket, context.node_id, root, timeout=timeout) if ticket else payload_bytes(msg.content["state"])
-    h2, c2 = time.time(), time.process_time()
-    state = decode_global_state(data, expected_model_id="dpbench", adopt=isinstance(data, bytearray))  # as run_job
-    h3, c3 = time.time(), time.process_time()
-    theta = state.params["w"]
-    down_ok = theta.numel() == n and samples(theta) == [float(x) for x in cfg["samples"]]
-    down_bytes = len(data)
-    del data, state, theta
-    h4, c4 = time.time(), time.process_time()
-    out = encode_update(WorkerUpdate(worker_id=int(context.node_config.get("partition-id", 0)), round=1,
-                                     delta={"w": delta}, moments={}, tokens=1, opt_step=0), "dpbench", "fp32")
-    h5, c5 = time.time(), time.process_time()
-    del delta
-    up_bytes = len(out)
-    # client/app.py `send_reply`
-    if ticket:
-        sha = upload(ticket, context.node_id, out, root, timeout=timeout)
-        content = RecordDict({"upload": ConfigRecord({UPLOAD_SHA256: sha})})
-    else:
-        content = RecordDict({"update": payload_record(out)})
-    h6, c6 = time.time(), time.process_time()
-    del out
-    content["metrics"] = MetricRecord({
-        "t-start": h0, "gen-s": h1 - h0, "t-down": h1, "down-s": h2 - h1, "decode-s": h3 - h2,
-        "encode-s": h5 - h4, "t-up": h5, "up-s": h6 - h5, "down-ok": int(down_ok), "down-bytes": down_bytes,
-        "up-bytes": up_bytes, "down-cpu": c2 - c1, "decode-cpu": c3 - c2, "encode-cpu": c5 - c4, "up-cpu": c6 - c5,
-        "peak-rss-mb": peak_rss_bytes() / 1024**2, "t-end": time.time()})
-    return Message(content, reply_to=msg)
-'''
-
-
-def write_app(app_dir: Path) -> Path:
-    from harness.apps import flower_app_pyproject
-
-    pkg = app_dir / "dpbench"
-    pkg.mkdir(parents=True, exist_ok=True)
-    (app_dir / "pyproject.toml").write_text(flower_app_pyproject(
-        "lordofed-dpbench", "dpbench", "Data plane throughput app for benchmarks/dataplane_throughput.py", _CONFIG))
-    (pkg / "__init__.py").write_text("")
-    (pkg / "common.py").write_text(_COMMON)
-    (pkg / "server_app.py").write_text(_SERVER)
-    (pkg / "client_app.py").write_text(_CLIENT)
-    return app_dir
+# ============================================================================ the Flower deployment
 
 
 def deployment(work: Path, app_dir: Path, plan: list[tuple[str, float]], tls_dir: Path | None,
@@ -815,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.payload_throughput import TINY_MB, local_codec
     from benchmarks.round_overhead import machine_info
+    from harness.apps import copy_app
 
     started = time.perf_counter()
     nbytes = int(size_mb * 1e6)
@@ -846,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[dataplane_throughput] {kind} {sec} ({label}): {run['mb_per_s']} MB/s "
                           f"({run['seconds']} s, verified {run['verified']})", flush=True)
 
-        app_dir = write_app(tmp_path / "app")
+        app_dir = copy_app("dataplane_bench", tmp_path / "app")
         stream_round("before")
         plan_plain = []
         for _ in range(repeats):

@@ -8,6 +8,7 @@ where a caller may also set the app's run-config defaults (`copy_app(..., config
 drops `--run-config` keys that the app's pyproject.toml does not declare).
 
 - `echo/`: a minimal app for the harness's own tests (`write_echo_app`).
+- `dataplane_bench/`: benchmarks/dataplane_throughput.py's app (the data plane against Flower's path).
 
 `hostile_clientapp.py` is not an app directory: the real app with a corrupting ClientApp
 (tests/integration/test_hostile_client.py).
