@@ -1,12 +1,13 @@
 """Effective payload throughput of a Flower deployment on 127.0.0.1: a ~200 MB fp32 pseudo-gradient
 down (server -> client) and back up (client -> server), encoded exactly as the app does.
 
-A dedicated minimal Flower app (written to a temporary directory) runs on a real SuperLink and one
-SuperNode (harness/deployment.Deployment). Each exchange: the ServerApp encodes a random fp32
-tensor as a `lordo_fed.v1.GlobalState` (lordo_fed.wire.encode.encode_global_state), wraps it with
-lordo_fed.app.records.payload_record, pushes it (grid.push_messages) and polls for the reply every
-20 ms; the ClientApp unwraps and decodes it, encodes a random fp32 Δ of the same size as a
-`WorkerUpdate` (encode_update + payload_record) and replies; the server unwraps and decodes that.
+A dedicated minimal Flower app (harness/apps/payload_bench/, copied to a temporary directory) runs
+on a real SuperLink and one SuperNode (harness/deployment.Deployment). Each exchange: the
+ServerApp encodes a random fp32 tensor as a `lordo_fed.v1.GlobalState`
+(lordo_fed.wire.encode.encode_global_state), wraps it with lordo_fed.app.records.payload_record,
+pushes it (grid.push_messages) and polls for the reply every 20 ms; the ClientApp unwraps and
+decodes it, encodes a random fp32 Δ of the same size as a `WorkerUpdate` (encode_update +
+payload_record) and replies; the server unwraps and decodes that.
 Random data, a new draw per exchange: Flower sends identical 5 MB chunks once.
 
 Timestamps on both sides (same machine, time.time()) give, per direction:
@@ -46,154 +47,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.round_overhead import machine_info  # noqa: E402
-from harness.apps import flower_app_pyproject  # noqa: E402
+from harness.apps import copy_app  # noqa: E402
 from harness.deployment import Deployment  # noqa: E402
 from harness.flower import flower_env  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 TINY_MB = 0.001
-
-_CONFIG = {"sizes-mb": "1", "result-path": ""}
-
-_SERVER = '''\
-"""ServerApp: per size, encode a random fp32 GlobalState, push it, poll every 20 ms, decode the reply."""
-
-import json
-import time
-
-import numpy as np
-import torch
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
-from flwr.serverapp import Grid, ServerApp
-
-from lordo_fed.wire.decode import decode_update
-from lordo_fed.wire.encode import encode_global_state
-from lordo_fed.app.records import payload_bytes, payload_record, shorten_pull_backoff
-from lordo_fed.metrics import peak_rss_bytes
-from lordo_fed.wire.messages import GlobalState
-
-
-app = ServerApp()
-
-
-@app.main()
-def main(grid: Grid, context: Context) -> None:
-    shorten_pull_backoff()  # as server/courier.py does
-    cfg = context.run_config
-    sizes = [float(s) for s in str(cfg["sizes-mb"]).split(",")]
-    t_wait = time.time()
-    while not list(grid.get_node_ids()):
-        if time.time() - t_wait > 60:
-            raise RuntimeError("no node connected")
-        time.sleep(0.1)
-    node = sorted(grid.get_node_ids())[0]
-    for i, mb in enumerate(sizes):
-        n = max(1, int(mb * 1e6 / 4))
-        theta = torch.from_numpy(np.random.default_rng(2 * i).standard_normal(n, dtype=np.float32))
-        t0 = time.time()
-        data = encode_global_state(GlobalState(round=i + 1, params={"w": theta}), "payloadbench", "fp32")
-        t1 = time.time()
-        record = payload_record(data)
-        t2 = time.time()
-        nbytes = len(data)
-        del data, theta
-        msg = Message(RecordDict({"state": record, "config": ConfigRecord({"floats": n, "seed": 2 * i + 1})}),
-                      dst_node_id=node, message_type=MessageType.TRAIN)
-        del record
-        t3 = time.time()
-        ids = [m for m in grid.push_messages([msg]) if m]
-        t4 = time.time()
-        del msg
-        while True:
-            tp = time.time()
-            got = list(grid.pull_messages(ids))
-            if got:
-                break
-            time.sleep(0.02)
-        t5 = time.time()
-        reply = got[0]
-        if reply.has_error():
-            raise RuntimeError(f"client error: {reply.error.reason}")
-        m = reply.content["metrics"]
-        back = payload_bytes(reply.content["update"])
-        t6 = time.time()
-        update = decode_update(back, expected_model_id="payloadbench")
-        t7 = time.time()
-        assert update.delta["w"].numel() == n
-        row = {
-            "index": i, "size_mb": mb, "down_bytes": nbytes, "up_bytes": len(back),
-            "server_encode_s": t1 - t0, "server_record_s": t2 - t1, "push_s": t4 - t3,
-            "down_s": float(m["t-start"]) - t3,
-            "client_unwrap_s": float(m["unwrap-s"]), "client_decode_s": float(m["decode-s"]),
-            "client_encode_s": float(m["encode-s"]), "client_record_s": float(m["record-s"]),
-            "up_s": t5 - float(m["t-end"]), "pull_s": t5 - tp,
-            "server_unwrap_s": t6 - t5, "server_decode_s": t7 - t6,
-            "server_peak_rss_mb": peak_rss_bytes() / 1024**2,
-            "client_peak_rss_mb": float(m["peak-rss-mb"]),
-        }
-        del reply, got, back, update
-        with open(cfg["result-path"], "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\\n")
-'''
-
-_CLIENT = '''\
-"""ClientApp: decode the GlobalState, reply with a random fp32 WorkerUpdate of the same size."""
-
-import time
-
-import numpy as np
-import torch
-from flwr.app import Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
-
-from lordo_fed.wire.decode import decode_global_state
-from lordo_fed.wire.encode import encode_update
-from lordo_fed.app.records import payload_bytes, payload_record
-from lordo_fed.metrics import peak_rss_bytes
-from lordo_fed.wire.messages import WorkerUpdate
-
-
-app = ClientApp()
-
-
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    t0 = time.time()
-    data = payload_bytes(msg.content["state"])
-    t1 = time.time()
-    state = decode_global_state(data, expected_model_id="payloadbench")
-    t2 = time.time()
-    del data
-    n = int(msg.content["config"]["floats"])
-    assert state.params["w"].numel() == n
-    del state
-    rng = np.random.default_rng(int(msg.content["config"]["seed"]))
-    delta = torch.from_numpy(rng.standard_normal(n, dtype=np.float32))
-    t3 = time.time()
-    out = encode_update(WorkerUpdate(worker_id=0, round=1, delta={"w": delta}, moments={}, tokens=1, opt_step=0),
-                        "payloadbench", "fp32")
-    t4 = time.time()
-    del delta
-    record = payload_record(out)
-    del out
-    t5 = time.time()
-    metrics = MetricRecord({"t-start": t0, "unwrap-s": t1 - t0, "decode-s": t2 - t1, "encode-s": t4 - t3,
-                            "record-s": t5 - t4, "peak-rss-mb": peak_rss_bytes() / 1024**2,
-                            "t-end": time.time()})
-    return Message(RecordDict({"update": record, "metrics": metrics}), reply_to=msg)
-'''
-
-
-def write_app(app_dir: Path) -> Path:
-    pkg = app_dir / "payloadbench"
-    pkg.mkdir(parents=True, exist_ok=True)
-    (app_dir / "pyproject.toml").write_text(flower_app_pyproject(
-        "lordofed-payloadbench", "payloadbench", "Payload throughput app for benchmarks/payload_throughput.py",
-        _CONFIG))
-    (pkg / "__init__.py").write_text("")
-    (pkg / "server_app.py").write_text(_SERVER)
-    (pkg / "client_app.py").write_text(_CLIENT)
-    return app_dir
 
 
 def local_codec(mb: float, repeats: int) -> dict[str, float]:
@@ -308,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"[payload_throughput] local codec: {result['local_codec']}", flush=True)
     with tempfile.TemporaryDirectory(prefix="payload-") as tmp:
-        app_dir = write_app(Path(tmp) / "app")
+        app_dir = copy_app("payload_bench", Path(tmp) / "app")
         variants = [("stock-supernode", False)] + ([] if args.no_shim else [("poll-capped-supernode", True)])
         for name, shim in variants:
             print(f"[payload_throughput] {name} ...", flush=True)
