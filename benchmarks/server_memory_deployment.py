@@ -6,10 +6,11 @@ real SuperLink with M SuperNodes on 127.0.0.1, and reads the `server_peak_rss_by
 in server.jsonl every round (VmHWM of the ServerApp process, read after the round's aggregation,
 before its evaluation).
 
-The nodes run a stand-in ClientApp (written into a throwaway app next to the real ServerApp):
-it receives the round's state exactly as the product client does (`client.app.receive_state`:
-the data-plane ticket, download, size and sha256 checked), decodes it, and answers with a reply
-of random tensors of the shapes a LoRDO-Global worker sends that round
+The nodes run a stand-in ClientApp (harness/apps/server_memory_bench/, next to the real ServerApp,
+copied to a temporary directory with the product's run-config defaults): it receives the round's
+state exactly as the product client does (`client.app.receive_state`: the data-plane ticket,
+download, size and sha256 checked), decodes it, and answers with a reply of random tensors of the
+shapes a LoRDO-Global worker sends that round
 (`benchmarks.server_memory.random_update`: Δ of every parameter plus the due moments, or the
 round-0 gradients), sent as the product client sends it (`client.app.send_reply`: upload, sha256
 in the reply). No training: eight real 125m workers do not fit these 2 cores and 24 GB, and the
@@ -44,77 +45,11 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.common import human_bytes, make_parser, print_rows, result_header, write_json  # noqa: E402
 
-_CLIENT = '''\
-"""Stand-in ClientApp of benchmarks/server_memory_deployment.py (see its docstring)."""
-
-import time
-
-import torch
-from flwr.app import Context, Message, MetricRecord
-from flwr.clientapp import ClientApp
-
-from benchmarks.server_memory import random_update
-from client.app import receive_state, send_reply
-from lordo_fed.wire.codec import model_id
-from lordo_fed.wire.decode import decode_global_state
-from lordo_fed.wire.encode import encode_update
-from lordo_fed.data.tokenizer import load_tokenizer
-from lordo_fed.app.records import explicit_keys
-from lordo_fed.rounds.methods import lowrank_ranks, resolve_method
-from lordo_fed.model import build_model
-from lordo_fed.node.runtime import app_config
-
-app = ClientApp()
-
-
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    return _reply(msg, context)
-
-
-@app.query()
-def query(msg: Message, context: Context) -> Message:
-    return _reply(msg, context)
-
-
-def _reply(msg: Message, context: Context) -> Message:
-    started = time.perf_counter()
-    cfg = app_config(dict(context.run_config), explicit_keys(msg))
-    settings = resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
-    with torch.device("meta"):
-        model = build_model(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size)
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    ranks = lowrank_ranks(model, cfg.model.lowrank_pattern, cfg.inner.rank, settings.inner.name)
-    state = decode_global_state(receive_state(msg, context, cfg.round_timeout), model_id(dict(model.named_parameters())))
-    update = random_update(shapes, ranks, settings.rounds, int(context.node_config["partition-id"]), state.round,
-                           state.opt_step + cfg.rounds.local_steps)
-    del state
-    data = encode_update(update, model_id(dict(model.named_parameters())), cfg.payload_dtype)
-    del update
-    content = send_reply(msg, context, data, cfg.round_timeout)
-    content["metrics"] = MetricRecord({"client-seconds": time.perf_counter() - started})
-    return Message(content=content, reply_to=msg)
-'''
-
 
 def app_defaults() -> dict[str, Any]:
     """The product app's run-config keys and defaults (pyproject.toml)."""
     with open(ROOT / "pyproject.toml", "rb") as f:
         return tomllib.load(f)["tool"]["flwr"]["app"]["config"]
-
-
-def write_app(app_dir: Path) -> Path:
-    from harness.apps import flower_app_pyproject
-
-    pkg = app_dir / "srvmem"
-    pkg.mkdir(parents=True, exist_ok=True)
-    (app_dir / "pyproject.toml").write_text(flower_app_pyproject(
-        "lordofed-srvmem", "srvmem", "The product ServerApp with stand-in clients (server_memory_deployment.py)",
-        app_defaults()))
-    (pkg / "__init__.py").write_text("")
-    (pkg / "server_app.py").write_text('"""The product ServerApp."""\n\nimport server.app\n\napp = server.app.app\n')
-    (pkg / "client_app.py").write_text(_CLIENT)
-    return app_dir
 
 
 def run_config(preset: str, rank: int, nodes: int, out: Path, plane: str) -> dict[str, Any]:
@@ -154,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(
         os.pathsep) if p and p != str(ROOT)])  # Flower's processes import server/, client/, lordo_fed from here
     from benchmarks.common import BYTE_VOCAB, RANKS
+    from harness.apps import copy_app
     from lordo_fed.model import ModelConfig, build_model, count_parameters
 
     preset, ms = ("16m", (1, 2)) if args.quick else ("125m", (2, 4, 8))
@@ -164,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory(prefix="srvmem_") as tmp:
-        app_dir = write_app(Path(tmp) / "app")
+        app_dir = copy_app("server_memory_bench", Path(tmp) / "app", config=app_defaults())
         plan = [(m, "grpc") for m in ms] + ([(ms[0], "flower")] if args.flower else [])
         for m, plane in plan:
             row = one_deployment(Path(tmp) / f"{plane}-{m}", app_dir, preset, RANKS[preset], m, plane)

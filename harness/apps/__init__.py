@@ -10,6 +10,8 @@ drops `--run-config` keys that the app's pyproject.toml does not declare).
 - `echo/`: a minimal app for the harness's own tests (`write_echo_app`).
 - `dataplane_bench/`: benchmarks/dataplane_throughput.py's app (the data plane against Flower's path).
 - `payload_bench/`: benchmarks/payload_throughput.py's app (payloads inside Flower's messages).
+- `server_memory_bench/`: benchmarks/server_memory_deployment.py's app (the product ServerApp,
+  stand-in clients; the product's run-config defaults are set when it is copied).
 
 `hostile_clientapp.py` is not an app directory: the real app with a corrupting ClientApp
 (tests/integration/test_hostile_client.py).

@@ -1,0 +1,5 @@
+"""The product ServerApp."""
+
+import server.app
+
+app = server.app.app
