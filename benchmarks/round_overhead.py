@@ -3,8 +3,8 @@
 Configurations, each on a real SuperLink + 2 SuperNodes (harness/deployment.Deployment) and in
 the simulation engine (run_simulation, 2 virtual nodes with 1 CPU each):
 
-- stock: a minimal stock Flower app written below (a torch ClientApp with @app.train and
-  @app.evaluate, a ServerApp running `FedAvg.start()`: a train phase and an evaluate phase per
+- stock: a minimal stock Flower app (harness/apps/stock_bench/: a torch ClientApp with @app.train
+  and @app.evaluate, a ServerApp running `FedAvg.start()`: a train phase and an evaluate phase per
   round, each through `grid.send_and_receive`, which polls every 3 s), under Flower's defaults.
   The "before" of the issue.
 - app-default-poll: this app (server/, client/) with the tiny model preset, local-steps=1 (a
@@ -61,163 +61,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import median_rounds_2_to_n  # noqa: E402
-from harness.apps import flower_app_pyproject  # noqa: E402
+from harness.apps import copy_app  # noqa: E402
 from harness.deployment import Deployment  # noqa: E402
 from harness.flower import flower_env, run_simulation  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 POLL_VAR = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
-
-# ------------------------------------------------------------------------------------------------
-# the stock baseline app
-# ------------------------------------------------------------------------------------------------
-
-_STOCK_CONFIG = {"num-server-rounds": 3, "result-path": ""}
-
-_STOCK_SERVER = '''\
-"""Stock ServerApp: FedAvg.start() (train phase + evaluate phase per round, grid.send_and_receive
-polling every 3 s), timed from the strategy's hooks; writes JSON lines to run_config["result-path"]."""
-
-import json
-import time
-
-import torch
-from flwr.app import ArrayRecord, Context
-from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import FedAvg
-
-from stockbench.model import make_model
-
-app = ServerApp()
-
-
-class TimedFedAvg(FedAvg):
-    def __init__(self, path, **kw):
-        super().__init__(**kw)
-        self.path, self.t = path, {}
-
-    def configure_train(self, server_round, arrays, config, grid):
-        self.t = {"round": server_round, "train_start": time.perf_counter()}
-        return super().configure_train(server_round, arrays, config, grid)
-
-    def aggregate_train(self, server_round, replies):
-        replies = list(replies)
-        self.t["train_end"] = time.perf_counter()
-        self.t["train_client"] = max((float(m.content["metrics"]["client-seconds"]) for m in replies
-                                      if not m.has_error()), default=0.0)
-        self.t["train_ok"] = sum(not m.has_error() for m in replies)
-        self.t["payload_bytes"] = sum(a.numpy().nbytes for a in replies[0].content["arrays"].values()) if replies else 0
-        return super().aggregate_train(server_round, replies)
-
-    def configure_evaluate(self, server_round, arrays, config, grid):
-        self.t["eval_start"] = time.perf_counter()
-        return super().configure_evaluate(server_round, arrays, config, grid)
-
-    def aggregate_evaluate(self, server_round, replies):
-        replies = list(replies)
-        t = self.t
-        t["eval_end"] = time.perf_counter()
-        t["eval_client"] = max((float(m.content["metrics"]["client-seconds"]) for m in replies
-                                if not m.has_error()), default=0.0)
-        t["eval_ok"] = sum(not m.has_error() for m in replies)
-        row = {
-            "round": server_round, "clients_ok": min(t["train_ok"], t["eval_ok"]),
-            "train_phase_seconds": t["train_end"] - t["train_start"],
-            "evaluate_phase_seconds": t["eval_end"] - t["eval_start"],
-            "round_seconds": t["eval_end"] - t["train_start"],
-            "client_seconds": t["train_client"] + t["eval_client"],
-            "payload_bytes": t["payload_bytes"], "t_end": t["eval_end"],
-        }
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\\n")
-        return super().aggregate_evaluate(server_round, replies)
-
-
-@app.main()
-def main(grid: Grid, context: Context) -> None:
-    strategy = TimedFedAvg(context.run_config["result-path"], min_train_nodes=2, min_evaluate_nodes=2,
-                           min_available_nodes=2)
-    strategy.start(grid=grid, initial_arrays=ArrayRecord(make_model().state_dict()),
-                   num_rounds=int(context.run_config["num-server-rounds"]))
-'''
-
-_STOCK_MODEL = '''\
-import torch
-
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Embedding(256, 32), torch.nn.Linear(32, 256))
-
-
-def batch(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, 256, (8, 32), generator=g)
-    return x, torch.roll(x, -1, dims=1)
-'''
-
-_STOCK_CLIENT = '''\
-"""Stock ClientApp: a tiny torch model, one SGD step (train) or one forward pass (evaluate)."""
-
-import time
-
-import torch
-import torch.nn.functional as F
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
-
-from stockbench.model import batch, make_model
-
-app = ClientApp()
-
-
-def _load(msg):
-    torch.set_num_threads(1)
-    model = make_model()
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-    return model
-
-
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    t0 = time.perf_counter()
-    model = _load(msg)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = batch(int(context.node_config.get("partition-id", 0)))
-    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    metrics = MetricRecord({"train_loss": loss.item(), "num-examples": int(x.shape[0]),
-                            "client-seconds": time.perf_counter() - t0})
-    return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics}), reply_to=msg)
-
-
-@app.evaluate()
-def evaluate(msg: Message, context: Context) -> Message:
-    t0 = time.perf_counter()
-    model = _load(msg)
-    x, y = batch(1000 + int(context.node_config.get("partition-id", 0)))
-    with torch.no_grad():
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    metrics = MetricRecord({"eval_loss": loss.item(), "num-examples": int(x.shape[0]),
-                            "client-seconds": time.perf_counter() - t0})
-    return Message(RecordDict({"metrics": metrics}), reply_to=msg)
-'''
-
-
-def write_stock_app(app_dir: Path) -> Path:
-    pkg = app_dir / "stockbench"
-    pkg.mkdir(parents=True, exist_ok=True)
-    (app_dir / "pyproject.toml").write_text(flower_app_pyproject(
-        "lordofed-stockbench", "stockbench",
-        "Stock Flower app (FedAvg.start, train + evaluate phases) for benchmarks/round_overhead.py", _STOCK_CONFIG))
-    (pkg / "__init__.py").write_text("")
-    (pkg / "model.py").write_text(_STOCK_MODEL)
-    (pkg / "server_app.py").write_text(_STOCK_SERVER)
-    (pkg / "client_app.py").write_text(_STOCK_CLIENT)
-    return app_dir
-
 
 # ------------------------------------------------------------------------------------------------
 # measuring
@@ -395,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     tmp = Path(tempfile.mkdtemp(prefix="round-overhead-"))
     try:
-        stock_dir = write_stock_app(tmp / "stockapp")
+        stock_dir = copy_app("stock_bench", tmp / "stockapp")
         for item in plan:
             mode, name = item.split(":", 1)
             t_item = time.perf_counter()

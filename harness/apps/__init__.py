@@ -12,6 +12,7 @@ drops `--run-config` keys that the app's pyproject.toml does not declare).
 - `payload_bench/`: benchmarks/payload_throughput.py's app (payloads inside Flower's messages).
 - `server_memory_bench/`: benchmarks/server_memory_deployment.py's app (the product ServerApp,
   stand-in clients; the product's run-config defaults are set when it is copied).
+- `stock_bench/`: benchmarks/round_overhead.py's stock Flower app (FedAvg.start, a torch ClientApp).
 
 `hostile_clientapp.py` is not an app directory: the real app with a corrupting ClientApp
 (tests/integration/test_hostile_client.py).
