@@ -4,8 +4,9 @@ linted and imported), and the helpers that copy them for a run.
 
 Why copies: `flwr run <dir>` builds its FAB from the files under `<dir>` (harness/flower.py,
 `fab_source`), so a run is given a clean copy (no `__pycache__`) in its own temporary directory,
-where a caller may also set the app's run-config defaults (`copy_app(..., config=...)`: Flower
-drops `--run-config` keys that the app's pyproject.toml does not declare).
+where a caller may also set the app's run-config defaults (`copy_app(..., config=...)`: the
+SuperLink refuses a run whose `--run-config` has a key the app's pyproject.toml does not declare,
+flwr 1.41 `control_handlers`).
 
 - `echo/`: a minimal app for the harness's own tests (`write_echo_app`).
 - `dataplane_bench/`: benchmarks/dataplane_throughput.py's app (the data plane against Flower's path).
@@ -39,32 +40,6 @@ APPS = Path(__file__).resolve().parent
 CONFIG_TABLE = "[tool.flwr.app.config]"
 """The run-config defaults of an app: the last table of its pyproject.toml, so that `copy_app`
 can rewrite it without a TOML writer."""
-
-_APP_PYPROJECT = """\
-[project]
-name = {name}
-version = "0.1.0"
-description = {description}
-license = "Apache-2.0"
-dependencies = []
-
-[tool.flwr.app]
-publisher = "lordofed"
-
-[tool.flwr.app.components]
-serverapp = "{module}.server_app:app"
-clientapp = "{module}.client_app:app"
-
-[tool.flwr.app.config]
-"""
-
-
-def flower_app_pyproject(name: str, module: str, description: str, config: Mapping[str, Any]) -> str:
-    """The pyproject.toml of a throwaway Flower app: project `name`, its ServerApp and ClientApp
-    at `<module>.server_app:app` / `<module>.client_app:app`, run-config defaults `config` (TOML
-    values as in `format_run_config`: strings quoted, numbers as they are)."""
-    head = _APP_PYPROJECT.format(name=toml_value(name), description=toml_value(description), module=module)
-    return head + "".join(f"{k} = {toml_value(v)}\n" for k, v in flatten_config(config).items())
 
 
 def copy_app(name: str, dest: str | os.PathLike, config: Mapping[str, Any] | None = None) -> Path:
