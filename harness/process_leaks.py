@@ -24,9 +24,10 @@ import os
 import signal
 import time
 import uuid
-from pathlib import Path
 
 import pytest
+
+from harness.processes import find_pids, proc_cmdline, proc_environ
 
 SESSION_VAR = "LORDO_FED_TEST_SESSION"
 """This pytest session's id, in the environment of every process it starts."""
@@ -36,56 +37,10 @@ GRACE_VAR = "LORDO_FED_LEAK_GRACE"
 """Seconds the processes still alive at the end of the session get to exit (default 10)."""
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, ppid) of `pid`, None once it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = raw[raw.rfind(")") + 2:].split()
-    return fields[0], int(fields[1])
-
-
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:  # gone, or not ours to read
-        return {}
-    return dict(item.decode(errors="replace").partition("=")[::2] for item in raw.split(b"\0") if b"=" in item)
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
-def _ancestors() -> set[int]:
-    """This process and its ancestors."""
-    found, pid = set(), os.getpid()
-    while pid > 0 and pid not in found:
-        found.add(pid)
-        stat = _stat(pid)
-        pid = stat[1] if stat else 0
-    return found
-
-
 def leaked(session_id: str) -> dict[int, str]:
-    """Live processes started by session `session_id` (pid -> the test that started it)."""
-    own = _ancestors()
-    found = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) in own:
-            continue
-        pid = int(name)
-        env = _environ(pid)
-        if env.get(SESSION_VAR) != session_id:
-            continue
-        stat = _stat(pid)
-        if stat is not None and stat[0] not in ("Z", "X"):
-            found[pid] = env.get(TEST_VAR, "?")
-    return found
+    """Live processes started by session `session_id` (pid -> the test that started it); not this
+    process or its ancestors, and zombies count as gone (harness.processes.find_pids)."""
+    return {pid: proc_environ(pid).get(TEST_VAR, "?") for pid in find_pids({SESSION_VAR: session_id})}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -126,7 +81,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         time.sleep(0.2)
     if not alive:
         return
-    cmdlines = {pid: _cmdline(pid) for pid in alive}
+    cmdlines = {pid: " ".join(proc_cmdline(pid)) for pid in alive}
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     lines = [f"{len(alive)} process(es) started by the tests are still running (killed now):"]
     lines += [f"  pid {pid} started by {test}: {cmdlines[pid][:300]}" for pid, test in sorted(alive.items())]
