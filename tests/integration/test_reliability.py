@@ -356,6 +356,20 @@ def clientapps(dep: Deployment, i: int) -> set[int]:
     return {pid for pid in dep.node_pids(i) if any("flwr-clientapp" in arg for arg in proc_cmdline(pid))}
 
 
+def boot_seconds() -> float:
+    """Seconds since boot, the clock of a process's start time in /proc."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def started_at(pid: int) -> float:
+    """When process `pid` started, in `boot_seconds` (inf once it is gone)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return float("inf")
+    return int(raw[raw.rfind(")") + 2:].split()[19]) / os.sysconf("SC_CLK_TCK")
+
+
 def runs_the_app(pid: int) -> bool:
     """Whether ClientApp process `pid` has loaded our app (torch is mapped): it took its message
     and Flower's token for it from its SuperNode (pull_task_input comes before the app is loaded)."""
@@ -411,6 +425,7 @@ def test_killed_and_stalled_supernodes_cost_one_deadline_not_the_run(tmp_path, d
     # Round 1: kill node 1 mid-round, restart it.
     log1 = dep.nodes[1].log_path
     wait_until(lambda: train_messages(log1)[0] >= 1, "node 1 to take its round-1 message")
+    round1_seen = time.monotonic()  # round 1 started before: its deadline ends before round1_seen + DEADLINE
     assert train_messages(log1) == (1, 0), "node 1 replied before it could be killed"
     dead = f"node {dep.node_id(1)}"
     dep.restart_node(1, sig=signal.SIGKILL)
@@ -422,11 +437,16 @@ def test_killed_and_stalled_supernodes_cost_one_deadline_not_the_run(tmp_path, d
     # ClientApp then waits for round 2's state, published when round 1 closes: stopped once it
     # runs the app (not before: the process start and the imports would be left for round 3,
     # on top of round 3's own ClientApp; nor after round 2's publish: it could reply in time).
+    # The round-2 ClientApp is the one started after the SuperNode took the round-2 message (round
+    # 1's started seconds earlier: it trained and replied before that message came); telling them
+    # apart by the processes alive when the message is seen raced the SuperExec, which may have
+    # started the round-2 app already (it polls every 0.1 s), and then waited past the publish.
+    # At the latest, it is stopped 2 s before round 1's deadline (still before the publish).
     log0 = dep.nodes[0].log_path
     wait_until(lambda: train_messages(log0)[0] >= 2, "node 0 to take its round-2 message")
-    earlier = clientapps(dep, 0)  # round 1's, exiting
-    wait_until(lambda: any(runs_the_app(p) for p in clientapps(dep, 0) - earlier) or record_of(out, 1) is not None,
-               "node 0's round-2 ClientApp to load the app")
+    taken = boot_seconds() - 1.0
+    wait_until(lambda: any(runs_the_app(p) for p in clientapps(dep, 0) if started_at(p) > taken)
+               or time.monotonic() > round1_seen + DEADLINE - 2, "node 0's round-2 ClientApp to load the app")
     assert train_messages(log0) == (2, 1), "node 0 replied to round 2 before it could be stopped"
     stopped = freeze(dep, 0)
     try:
