@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import make_parser, print_rows, result_header, write_json  # noqa: E402
+from harness.processes import checkout_env  # noqa: E402
 
 FORMATS = ("text", "jsonl", "parquet", "hf")
 
@@ -108,7 +109,7 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=None, help="MB of text per format (default 64; --quick 0.5)")
     args = parser.parse_args()
     mb = args.mb or (0.5 if args.quick else 64.0)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = checkout_env()
     rows = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="corpus_tokenize_") as tmp:

@@ -50,6 +50,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.common import (  # noqa: E402
     make_parser, median_rounds_2_to_n, new_figure, png_path, result_header, write_json)
+from harness.processes import checkout_env  # noqa: E402
 
 PARTS = ("client compute", "client other", "serialization", "aggregation", "transport + Flower", "eval + checkpoint")
 
@@ -76,9 +77,10 @@ def run_reference(cfg: dict[str, Any], tmp: Path) -> dict[str, Any]:
     import subprocess
 
     out = tmp / "reference"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, "-m", "lordo_fed.trainer.cli", *trainer_overrides(cfg, out)], check=True,
-                   env=env, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "lordo_fed.trainer.cli", *trainer_overrides(cfg, out)],
+                          env=checkout_env(OMP_NUM_THREADS="1"), cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"reference trainer failed ({proc.returncode}): {proc.stderr[-2000:]}")
     records = [json.loads(line) for line in (out / f"{cfg['variant']}.jsonl").read_text().splitlines()]
     rows = []
     for rec in records:
@@ -97,7 +99,7 @@ def run_reference_concurrent(cfg: dict[str, Any], tmp: Path) -> dict[str, Any]:
     in a deployment here (the ideal parallel round assumes each worker has the machine to itself)."""
     import subprocess
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = checkout_env(OMP_NUM_THREADS="1")
     outs = [tmp / f"reference-concurrent-{i}" for i in range(2)]
     procs = [subprocess.Popen([sys.executable, "-m", "lordo_fed.trainer.cli", *trainer_overrides(cfg, out, workers=1)],
                               env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

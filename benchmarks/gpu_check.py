@@ -18,9 +18,12 @@ The 2-client 125m simulation round the GPU-readiness issue asks for is the `roun
 reference trainer (two workers and the aggregator in one process on the GPU) beside the
 deployment.
 
-On a lent machine (/work/.library/device): it has torch but not Flower or Hydra, and no network,
-so run `scripts/device_wheels.sh` here once and carry `.whl`; one device command is at most
-10 minutes, so run the steps in a few calls with `--only`:
+On a lent GPU machine: it has torch but not Flower or Hydra, and no network, so run
+`scripts/device_wheels.sh` here once and carry `.whl`. One device command is at most 10 minutes and
+a session's device time was 15 minutes in all, so give the call `--budget-s` (a step's timeout is cut
+to what is left; `gpu_check.json` is rewritten after every step, so a call cut off still reports).
+On an H200 (2026-11-26): tests 13 s, step125m 53 s, step16m 42 s, memory 376 s, ranks 27 s. At most
+8 files come back from a call: give each call its own `--out-dir` (the PNGs count).
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH && python3 benchmarks/gpu_check.py --only tests,step16m,step125m
@@ -102,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", help="where the step benchmarks run (default cuda)")
     parser.add_argument("--quick", action="store_true", help="tiny presets and the benchmarks' --quick (a structure check)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS, help="where the gpu_*.json files go")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds for all steps together: each step's timeout is cut to what is left, and a step "
+                             "with under 30 s left is skipped (a lent machine's call is at most 10 minutes)")
     args = parser.parse_args(argv)
     steps = [s for s in args.only.split(",") if s]
     for s in steps:
@@ -112,15 +118,25 @@ def main(argv: list[str] | None = None) -> int:
     env["PYTHONPATH"] = os.pathsep.join([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(ROOT)])
     summary = {"benchmark": "gpu_check", "quick": args.quick, "device": args.device, "machine": machine(), "steps": {}}
     status = 0
+    path = args.out_dir / "gpu_check.json"
+    deadline = None if args.budget_s is None else time.perf_counter() + args.budget_s
     for step in steps:
         argv_, out, timeout = commands(step, args.device, args.quick, args.out_dir)
+        if deadline is not None:
+            left = deadline - time.perf_counter()
+            if left < 30:
+                summary["steps"][step] = {"rc": None, "skipped": f"budget: {left:.0f} s left of {args.budget_s:.0f}"}
+                print(f"[gpu_check] {step}: skipped, {left:.0f} s of the budget left", flush=True)
+                continue
+            timeout = min(timeout, left)
         print(f"[gpu_check] {step}: {' '.join(argv_)}", flush=True)
         started = time.perf_counter()
         try:
             proc = subprocess.run(argv_, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
             rc, output = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as err:
-            rc, output = 124, f"timed out after {timeout} s\n{err.stdout or ''}{err.stderr or ''}"
+            text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+            rc, output = 124, f"timed out after {timeout:.0f} s\n{text(err.stdout)}{text(err.stderr)}"
         entry = {"rc": rc, "seconds": round(time.perf_counter() - started, 1), "result": out.name,
                  "output_tail": output[-3000:]}
         if step == "tests":
@@ -131,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         status = status or rc
         print(f"[gpu_check] {step}: rc {rc}, {entry['seconds']} s, {out.name} written: {entry['result_written']}",
               flush=True)
-    path = args.out_dir / "gpu_check.json"
+        # Written after every step, so a call cut off at its limit still returns the steps it finished.
+        path.write_text(json.dumps(summary, indent=1) + "\n")
     path.write_text(json.dumps(summary, indent=1) + "\n")
     print(f"[gpu_check] wrote {path}")
     return status

@@ -64,6 +64,7 @@ from benchmarks.common import median_rounds_2_to_n  # noqa: E402
 from harness.apps import copy_app  # noqa: E402
 from harness.deployment import Deployment  # noqa: E402
 from harness.flower import flower_env, run_simulation  # noqa: E402
+from harness.processes import checkout_env  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 POLL_VAR = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
@@ -98,7 +99,7 @@ def startup_breakdown(repeats: int = 3) -> dict[str, Any]:
     median of `repeats`): interpreter start, Flower's own imports, torch, our client module,
     an uncached Hydra compose, and the torch._dynamo import the handler now avoids."""
     rows = []
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = checkout_env()
     for _ in range(repeats):
         t = time.perf_counter()
         subprocess.run([sys.executable, "-c", "pass"], check=True, env=env, timeout=60)

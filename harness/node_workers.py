@@ -15,7 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
-from harness.processes import OWNER_VAR, find_pids, stop_process, tail
+from harness.processes import OWNER_VAR, checkout_env, find_pids, stop_process, tail
 
 
 def start_node_worker(sock: str | os.PathLike, log_path: str | os.PathLike, timeout: float = 60.0,
@@ -31,7 +31,7 @@ def start_node_worker(sock: str | os.PathLike, log_path: str | os.PathLike, time
     sock = Path(sock)
     root = Path(__file__).resolve().parents[1]
     owner = f"node-worker-{uuid.uuid4().hex}"
-    env = dict(os.environ, PYTHONPATH=str(root), **{OWNER_VAR: owner})
+    env = checkout_env(**{OWNER_VAR: owner})
     launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     "--nproc-per-node", str(ranks)]
     with contextlib.suppress(FileNotFoundError):

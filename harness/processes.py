@@ -52,6 +52,17 @@ def child_preexec() -> Callable[[], None] | None:
 # --------------------------------------------------------------------------------------------
 
 
+def checkout_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """`base` (default os.environ) plus `extra`, with this checkout first on PYTHONPATH and the
+    caller's PYTHONPATH kept after it: a child must import this checkout's lordo_fed and still
+    find what the caller added (e.g. a GPU machine's carried wheels in /tmp/site)."""
+    env = dict(os.environ if base is None else base, **extra)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                  if p and p != root])
+    return env
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on `host` a moment ago (bind to port 0, read, close)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

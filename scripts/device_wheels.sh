@@ -20,7 +20,7 @@ grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
 PLATFORMS=(--platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 WHEELS=(
-  flwr==1.41.0 protobuf==6.33.6 grpcio==1.85.1 grpcio-health-checking==1.85.1
+  flwr==1.42.0 protobuf==6.33.6 grpcio==1.85.3 grpcio-health-checking==1.81.1
   hydra-core==1.3.8 omegaconf==2.3.1
   alembic mako sqlalchemy greenlet fastapi starlette pydantic pydantic-core annotated-types typing-inspection
   uvicorn iterators prompt-toolkit wcwidth pycryptodome tomli tomli-w cryptography cffi pycparser

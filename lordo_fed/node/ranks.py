@@ -103,8 +103,13 @@ class LocalRanks:
         if wrapped is None or wrapped.module is not model:
             device = next(model.parameters()).device
             # the model's buffers are constants (RoPE tables): synced once at init, not before every forward
+            # (torch 2.13 spells it forward_sync_buffers; older releases, e.g. a GPU image's 2.11, broadcast_buffers)
+            import inspect
+
+            no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel)
+                       .parameters else "broadcast_buffers")
             wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                              forward_sync_buffers=False)
+                                              **{no_sync: False})
             self._wrapped = {id(model): wrapped}  # one model per process (the runtime's): drop older ones
         return wrapped
 

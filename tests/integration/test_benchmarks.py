@@ -158,6 +158,15 @@ def test_gpu_check_orchestrates_its_steps(tmp_path):
     assert counts.get("skipped", 0) >= 10 and not counts.get("failed") and not counts.get("passed")
     step = json.loads((tmp_path / "gpu_step_cost_16m.json").read_text())
     assert step["config"]["device"] == "cpu" and step["inner_step"]["step_ratio_lordo_to_adamw"] > 0
+    # a budget too small for any step: each is recorded as skipped, none runs, the summary is written
+    spent = tmp_path / "spent"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--quick", "--device", "cpu",
+                           "--only", "tests,step16m", "--out-dir", str(spent), "--budget-s", "10"], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    skipped = json.loads((spent / "gpu_check.json").read_text())["steps"]
+    assert [s["rc"] for s in skipped.values()] == [None, None] and all("budget" in s["skipped"] for s in skipped.values())
+    assert sorted(p.name for p in spent.iterdir()) == ["gpu_check.json"]
 
 
 def test_corpus_tokenize_quick(tmp_path):
