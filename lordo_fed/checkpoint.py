@@ -10,7 +10,12 @@ metrics so far). One checkpoint is a pair of files in one directory:
                                "tensors_file": "round_00012.safetensors",
                                "tensors_sha256": "...", "tensors_bytes": ..., "meta": {...}}
     latest.json               {"format": "lordo_fed.checkpoint.latest.v1", "round": 12,
-                               "checkpoint": "round_00012.json"}
+                               "checkpoint": "round_00012.json", "run_uid": "3f2a..."}
+
+`meta["run_uid"]` names the run a checkpoint belongs to (made when a run starts fresh, kept when it
+resumes). A directory is one run's: when the checkpoint `latest.json` names is damaged, the loader
+falls back only to an older checkpoint *of the same run*, never to another run's that happens to be
+in the directory (docs/operations.md, "Resume").
 
 Why it is written the way it is: a run can be killed at any instant (preemption, OOM, Ctrl-C),
 including in the middle of a save, and the next start must never load a half-written checkpoint
@@ -32,6 +37,7 @@ behind; loading a directory ignores both and returns the newest *complete* check
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -53,6 +59,8 @@ log = logging.getLogger(__name__)
 FORMAT = "lordo_fed.checkpoint.v1"
 LATEST_FORMAT = "lordo_fed.checkpoint.latest.v1"
 LATEST_NAME = "latest.json"
+RUN_KEY = "run_uid"
+"""The meta key (and latest.json key) naming the run a checkpoint belongs to."""
 RNG_KEYS = ("rng/torch", "rng/numpy", "rng/python")
 CUDA_RNG_KEY = "rng/cuda"
 
@@ -152,7 +160,8 @@ def save_checkpoint(directory: str | Path, round_idx: int, tensors: Mapping[str,
     _write_text_atomic(json_path, json.dumps(record, indent=1) + "\n")
 
     # 3. latest.json
-    latest = {"format": LATEST_FORMAT, "round": round_idx, "checkpoint": json_path.name}
+    latest = {"format": LATEST_FORMAT, "round": round_idx, "checkpoint": json_path.name,
+              **({RUN_KEY: meta_json[RUN_KEY]} if meta_json.get(RUN_KEY) else {})}
     _write_text_atomic(directory / LATEST_NAME, json.dumps(latest, indent=1) + "\n")
 
     # 4. prune
@@ -298,15 +307,24 @@ def _load_directory(directory: Path) -> tuple[dict[str, Tensor], dict]:
     problems: list[str] = []
     tried: set[Path] = set()
     latest_path = directory / LATEST_NAME
+    run_uid: str | None = None  # the run a fallback must belong to
     if latest_path.exists():
         try:
-            target = _read_latest(latest_path)
+            target, run_uid = _read_latest(latest_path)
             tried.add(target)
             tensors, meta, _ = _load_pair(target)
             return tensors, meta
         except CheckpointError as err:
             problems.append(str(err))
-            log.warning("%s; falling back to the newest complete checkpoint in %s", err, directory)
+            log.warning("%s; falling back to the newest complete checkpoint of the same run in %s", err, directory)
+    if run_uid is None:
+        runs = _runs_in(directory)
+        if len(runs) > 1:  # no latest.json to say which run is meant: never guess between runs
+            raise CheckpointError(
+                f"checkpoint directory {directory}: holds checkpoints of {len(runs)} runs ("
+                + "; ".join(f"run {uid}: {', '.join(names)}" for uid, names in runs.items())
+                + ") and no readable latest.json; give the round file to resume from")
+        run_uid = next(iter(runs), None)
     for _, json_path in reversed(list_checkpoints(directory)):
         if json_path in tried:
             continue
@@ -316,12 +334,61 @@ def _load_directory(directory: Path) -> tuple[dict[str, Tensor], dict]:
             problems.append(str(err))
             log.warning("skipping %s", err)
             continue
+        if run_uid is not None and meta.get(RUN_KEY) != run_uid:
+            problems.append(f"{json_path.name} belongs to another run ({RUN_KEY} {meta.get(RUN_KEY)!r}, "
+                            f"not {run_uid!r})")
+            log.warning("skipping %s: another run's checkpoint (%s %r, not %r)", json_path, RUN_KEY,
+                        meta.get(RUN_KEY), run_uid)
+            continue
         if problems:
             log.warning("loaded %s instead", json_path)
         return tensors, meta
     if not problems:
         raise CheckpointNotFoundError(f"checkpoint directory {directory}: contains no checkpoint")
-    raise CheckpointError(f"checkpoint directory {directory}: no complete checkpoint; " + "; ".join(problems))
+    raise CheckpointError(f"checkpoint directory {directory}: no complete checkpoint"
+                          + (f" of run {run_uid}" if run_uid else "") + "; " + "; ".join(problems))
+
+
+def _runs_in(directory: Path) -> dict[str, list[str]]:
+    """run uid -> the checkpoint JSONs of that run in `directory` (unreadable JSONs and those
+    without a run uid, written before runs had one, are left out)."""
+    runs: dict[str, list[str]] = {}
+    for _, json_path in list_checkpoints(directory):
+        try:
+            record = _read_json(json_path)
+        except CheckpointError:
+            continue
+        uid = record.get("meta", {}).get(RUN_KEY) if isinstance(record, dict) else None
+        if isinstance(uid, str):
+            runs.setdefault(uid, []).append(json_path.name)
+    return runs
+
+
+def describe_directory(directory: str | Path) -> dict[str, Any] | None:
+    """What a checkpoint directory holds, from its JSON alone (tensors unread): None when it holds
+    no checkpoint; else the newest checkpoint's `round`, `run_uid`, `variant`, `num_rounds`,
+    `preset`, `saved` (its JSON's modification time, ISO 8601 UTC) and `files` (how many
+    checkpoints). For the message that refuses a new run into another run's directory."""
+    import datetime
+
+    directory = Path(directory)
+    found = list_checkpoints(directory) if directory.is_dir() else []
+    if not found:
+        return None
+    round_idx, json_path = found[-1]
+    with contextlib.suppress(CheckpointError):
+        json_path, _ = _read_latest(directory / LATEST_NAME)
+    try:
+        record = _read_json(json_path)
+        meta = record.get("meta", {}) if isinstance(record, dict) else {}
+        round_idx = record.get("round", round_idx) if isinstance(record, dict) else round_idx
+        saved = datetime.datetime.fromtimestamp(json_path.stat().st_mtime, datetime.timezone.utc)
+    except (CheckpointError, OSError):
+        meta, saved = {}, None
+    config = meta.get("config", {}) if isinstance(meta.get("config"), dict) else {}
+    return {"round": round_idx, "run_uid": meta.get(RUN_KEY), "variant": meta.get("variant"),
+            "num_rounds": config.get("num_rounds"), "preset": config.get("model", {}).get("preset"),
+            "saved": saved.strftime("%Y-%m-%d %H:%M:%SZ") if saved else None, "files": len(found)}
 
 
 def _read_json(path: Path) -> Any:
@@ -337,7 +404,8 @@ def _read_json(path: Path) -> Any:
         raise CheckpointError(f"checkpoint {path}: corrupt JSON ({err})") from err
 
 
-def _read_latest(latest_path: Path) -> Path:
+def _read_latest(latest_path: Path) -> tuple[Path, str | None]:
+    """(the checkpoint JSON latest.json names, the run uid it records, if any)."""
     doc = _read_json(latest_path)
     if not isinstance(doc, dict) or doc.get("format") != LATEST_FORMAT:
         got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
@@ -345,7 +413,8 @@ def _read_latest(latest_path: Path) -> Path:
     name = doc.get("checkpoint")
     if not _is_plain_name(name):
         raise CheckpointError(f"checkpoint {latest_path}: 'checkpoint' is {name!r}, expected a file name")
-    return latest_path.parent / name
+    uid = doc.get(RUN_KEY)
+    return latest_path.parent / name, uid if isinstance(uid, str) and uid else None
 
 
 def _is_plain_name(name: Any) -> bool:

@@ -36,6 +36,19 @@ def main(grid: Grid, context: Context) -> None:
         torch.set_num_threads(cfg.threads)
     cls = AsyncLoRDOStrategy if METHODS[cfg.variant].loop == "async" else LoRDOStrategy
     strategy = cls(cfg, explicit)
-    strategy.start(grid)
+    recorder = strategy.recorder
+    if strategy.finished():
+        recorder.write_status("finished")
+        print(f"lordo-fed: the run in {strategy.out_dir} finished all {cfg.num_rounds} rounds already "
+              f"(round {recorder.last_round} checkpointed): nothing to do. To train longer, resume with a larger "
+              f"num-server-rounds.", flush=True)
+        return
+    recorder.write_status("running")
+    try:
+        strategy.start(grid)
+    except BaseException:
+        recorder.write_status("failed")
+        raise
+    recorder.write_status("finished")
     print(f"lordo-fed: metrics {strategy.out_dir / 'server.jsonl'}, plots {strategy.out_dir / 'val_loss.png'} and "
           f"{strategy.out_dir / 'bytes.png'}, checkpoints {strategy.checkpoint_dir}", flush=True)

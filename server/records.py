@@ -8,8 +8,11 @@ by the strategy (each usable reply's client metrics), then turned into the round
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -17,11 +20,20 @@ from typing import Any, Callable, Mapping
 from torch import Tensor
 
 from lordo_fed.app.config import AppConfig, as_dict
-from lordo_fed.checkpoint import check_compatible, checkpoint_stem, load_checkpoint, rng_state, save_checkpoint
+from lordo_fed.checkpoint import (RUN_KEY, CheckpointError, check_compatible, checkpoint_stem, describe_directory,
+                                  load_checkpoint, rng_state, save_checkpoint)
 from lordo_fed.metrics import MetricsWriter, peak_rss_bytes, plot_curves
 from lordo_fed.wan.links import NodeLink, ideal_round_seconds, overlap_bound_seconds
 
 log = logging.getLogger("lordo_fed.server")
+
+#: Settings a resumed run may change: where and how it runs, how long, what it logs. Any other
+#: setting (model, data, optimizers, rounds, payload, seed, method) must equal the checkpoint's, or
+#: the continued run would be a different run under the old one's name.
+RESUMABLE_CHANGES = frozenset({
+    "num_rounds", "resume", "out_dir", "device", "threads", "tensorboard", "eval_every", "eval_batches",
+    "min_clients", "round_timeout", "checkpoint_keep", "outlier_factor", "client_state", "client_state_dir",
+    "progress", "data_plane", "data.cache_dir"})
 
 #: Client metrics kept per client in a round's `links` record: where a node's time went.
 LINK_METRICS = ("download-seconds", "download-wait-seconds", "upload-seconds", "decode-seconds", "encode-seconds",
@@ -117,8 +129,55 @@ class Recorder:
         self.model_id = model_id
         self.checkpoint_dir = out_dir / "checkpoints"
         self.history: list[dict] = []
+        self.run_uid = ""
+        """This run's identity (checkpoint meta `run_uid`): new for a fresh run, the checkpoint's on resume."""
+        self.last_round = 0
+        """The last round checkpointed (0: none yet)."""
         self._writer: MetricsWriter | None = None
         self._started = time.perf_counter()
+
+    # ----------------------------------------------------------------------------- run identity
+    def claim_fresh(self) -> None:
+        """Start a new run in `out_dir`, refused when its checkpoint directory holds another run
+        (docs/operations.md, "One run per output directory"): a second run there would mix its
+        checkpoints and server.jsonl with the first one's. Nothing is written before this check."""
+        self._refuse_if_taken(None)
+        self.run_uid = uuid.uuid4().hex
+
+    def adopt(self, meta: dict, source: Path) -> None:
+        """Continue the run of the checkpoint `meta` (loaded from `source`): the same settings but
+        those in RESUMABLE_CHANGES, and an output directory that is free or holds this very run."""
+        differ = settings_differ(meta.get("config", {}), as_dict(self.cfg))
+        if differ:
+            raise CheckpointError(
+                f"checkpoint {source} was written with other settings: " + "; ".join(
+                    f"{k} is {a!r} there, {b!r} now" for k, a, b in differ)
+                + ". Resume with the checkpoint's settings, or start a new run in another output-dir")
+        self.run_uid = meta.get(RUN_KEY) or uuid.uuid4().hex  # checkpoints from before run uids: adopted
+        self.last_round = int(meta.get("round", 0))
+        self._refuse_if_taken(self.run_uid)
+
+    def _refuse_if_taken(self, run_uid: str | None) -> None:
+        found = describe_directory(self.checkpoint_dir)
+        if found is None or (run_uid is not None and found["run_uid"] in (run_uid, None)):
+            return
+        what = (f"round {found['round']}" + (f" of {found['num_rounds']}" if found["num_rounds"] else "")
+                + f" of a {found['variant'] or '?'} run, preset {found['preset'] or '?'}"
+                + (f", run {found['run_uid']}" if found["run_uid"] else "") + f", saved {found['saved'] or '?'}")
+        raise CheckpointError(
+            f"output-dir {self.out_dir} already holds another run's checkpoints ({what}). "
+            f"To resume that run: resume='{self.checkpoint_dir}' with its settings. To start a new run: give "
+            f"another output-dir, or delete {self.checkpoint_dir} (and its server.jsonl).")
+
+    def write_status(self, status: str) -> None:
+        """`out_dir/run.json`: this run's status ('running', 'finished', 'failed'), the last round
+        checkpointed and the `resume` value that continues it. Scripts read it to tell a run that
+        finished from one that was interrupted (scripts/simulate.sh)."""
+        doc = {"run_uid": self.run_uid, "status": status, "round": self.last_round, "num_rounds": self.cfg.num_rounds,
+               "variant": self.cfg.variant, "resume": str(self.checkpoint_dir) if self.last_round else ""}
+        tmp = self.out_dir / f".run.json.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        os.replace(tmp, self.out_dir / "run.json")
 
     # ----------------------------------------------------------------------------- records
     def start_clock(self) -> None:
@@ -219,8 +278,11 @@ class Recorder:
         asynchronous schedule's)."""
         tensors = {**state, **rng_state(), **(extra_tensors or {})}
         meta = {"model_id": self.model_id, "variant": self.cfg.variant, "round": r, "tokens": tokens,
-                "cum_bytes": cum_bytes, "config": as_dict(self.cfg), "history": self.history, **(extra or {})}
+                "cum_bytes": cum_bytes, "config": as_dict(self.cfg), "history": self.history, RUN_KEY: self.run_uid,
+                **(extra or {})}
         save_checkpoint(self.checkpoint_dir, r, tensors, meta, keep=self.cfg.checkpoint_keep)
+        self.last_round = r
+        self.write_status("running")
 
     def load(self, path: str) -> tuple[dict[str, Tensor], dict, Path]:
         """(tensors, metadata, the round file loaded) of the checkpoint at `path`, refused when it
@@ -247,3 +309,19 @@ class Recorder:
             # num-server-rounds continues fine but no longer matches an uninterrupted run.
             log.warning("the checkpoint's run had num-server-rounds=%s, this run has %d: the learning-rate "
                         "schedule differs from the original run's", saved_rounds, self.cfg.num_rounds)
+
+
+def settings_differ(saved: Mapping[str, Any], now: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, saved value, current value) of every setting that differs between a
+    checkpoint's config and this run's, but those a resumed run may change (RESUMABLE_CHANGES)."""
+    out = []
+    for key in sorted(set(saved) | set(now)):
+        path = prefix + key
+        if path in RESUMABLE_CHANGES:
+            continue
+        a, b = saved.get(key), now.get(key)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += settings_differ(a, b, path + ".")
+        elif json.loads(json.dumps(a)) != json.loads(json.dumps(b)):
+            out.append((path, a, b))
+    return out

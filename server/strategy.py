@@ -74,6 +74,8 @@ class LoRDOStrategy(Strategy):
         a compressed downlink the others are sent θ_c whole."""
         if cfg.resume:
             self.resume(cfg.resume)
+        else:
+            self.recorder.claim_fresh()
 
     # ----------------------------------------------------------------------------- Strategy API
     def summary(self) -> None:
@@ -292,6 +294,7 @@ class LoRDOStrategy(Strategy):
         anything is written, so a wrong `resume` never costs the checkpoints already in out_dir.
         """
         tensors, meta, source = self.recorder.load(path)
+        self.recorder.adopt(meta, source)
         self.aggregator.load_state_dict({k: v for k, v in tensors.items() if not k.startswith("rng/")})
         set_rng_state(tensors)
         self.tokens, self.cum_bytes = meta["tokens"], meta["cum_bytes"]
@@ -300,3 +303,7 @@ class LoRDOStrategy(Strategy):
         self.resumed_tensors = {k: v for k, v in tensors.items() if k.startswith("async_acc/")}
         log.info("resumed from %s at round %d", source, self.aggregator.round)
         self.recorder.warn_if_schedule_differs(meta)
+
+    def finished(self) -> bool:
+        """The run has checkpointed its last round already (a resumed run that is complete)."""
+        return self.recorder.last_round >= self.cfg.num_rounds
