@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Stop the SuperLink / SuperNodes started by start_superlink.sh / start_supernodes.sh (and the
-# local simulation SuperLink submit_run.sh recorded): only the processes named in DIR/*.pid (and their child processes), SIGTERM first, SIGKILL after a bound.
+# Stop the SuperLink / SuperNodes started by start_superlink.sh / start_supernodes.sh, and the
+# `flwr run` and local simulation SuperLink that submit_run.sh recorded when they started: only the
+# processes named in DIR/*.pid (and their child processes), SIGTERM first, SIGKILL after a bound.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 . "$HERE/_common.sh"
@@ -32,7 +33,7 @@ shopt -s nullglob
 case "$only" in
   superlink) pidfiles=("$FLOWER_RUN_DIR"/superlink.pid "$FLOWER_RUN_DIR"/local-superlink.pid) ;;
   supernodes) pidfiles=("$FLOWER_RUN_DIR"/supernode-*.pid "$FLOWER_RUN_DIR"/node-worker-*.pid) ;;
-  *) pidfiles=("$FLOWER_RUN_DIR"/superlink.pid "$FLOWER_RUN_DIR"/local-superlink.pid
+  *) pidfiles=("$FLOWER_RUN_DIR"/flwr-run.pid "$FLOWER_RUN_DIR"/superlink.pid "$FLOWER_RUN_DIR"/local-superlink.pid
       "$FLOWER_RUN_DIR"/supernode-*.pid "$FLOWER_RUN_DIR"/node-worker-*.pid) ;;
 esac
 
@@ -53,6 +54,7 @@ for f in "${pidfiles[@]}"; do
   pid="$(tr -dc '0-9' <"$f")"
   name="$(basename "$f" .pid)"
   expect=flower-supernode; [[ "$name" == *superlink ]] && expect=flower-superlink; [[ "$name" == node-worker-* ]] && expect=lordo_fed.node
+  [[ "$name" == flwr-run ]] && expect="flwr run"
   if [[ -z "$pid" ]] || ! pid_alive "$pid"; then
     echo "$name: not running"; stale+=("$f"); continue
   fi

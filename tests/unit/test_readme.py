@@ -23,3 +23,20 @@ def test_ci_calls_exactly_the_readme_commands():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     for command in readme_commands():
         assert command in ci, command
+
+
+def test_requires_python_admits_no_interpreter_the_dependencies_refuse():
+    """`requires-python` was ">=3.10" while flwr 1.42 needs 3.11: Flower's `uv sync` before a run
+    then failed (code 608). The floor is at least every pinned dependency's own."""
+    import importlib.metadata
+    import re
+    import tomllib
+
+    def floor(spec: str) -> tuple[int, ...]:
+        found = re.search(r">=\s*(\d+(?:\.\d+)*)", spec)
+        return tuple(int(x) for x in found.group(1).split(".")) if found else (0,)
+
+    ours = floor(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"])
+    for dist in ("flwr", "torch", "hydra-core", "safetensors"):
+        theirs = importlib.metadata.metadata(dist).get("Requires-Python") or ""
+        assert ours >= floor(theirs), f"requires-python >= {ours} admits what {dist} ({theirs}) refuses"

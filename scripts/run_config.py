@@ -1,0 +1,61 @@
+"""Run-config strings as `flwr run --run-config` reads them, for the scripts (not installed).
+
+    python scripts/run_config.py check APP STR...   # exit 2 naming each unknown key, with the keys meant
+    python scripts/run_config.py get KEY STR...     # the merged value of KEY ('' when unset)
+
+Each STR is one `--run-config` value ('k=v k2="x"'); later strings win, as in `flwr run`, which
+merges them with Flower's own parser (`flwr.common.config.parse_config_args`, used here too). Why
+`check`: Flower refuses an unknown key with only "[code: 15] Invalid run configuration" on the
+screen and names the key in the SuperLink's log alone; the scripts check first and name it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from pathlib import Path
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+from flwr.common.config import flatten_dict, parse_config_args
+
+
+def app_keys(app: Path) -> set[str]:
+    """The run-config keys the app declares (`[tool.flwr.app.config]`: what Flower accepts)."""
+    doc = tomllib.loads((app / "pyproject.toml").read_text())
+    return set(flatten_dict(doc["tool"]["flwr"]["app"]["config"]))
+
+
+def merged(strings: list[str]) -> dict:
+    """The strings' key-value pairs merged as `flwr run` merges its `--run-config` values."""
+    return parse_config_args([s for s in strings if s.strip()])
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[0] not in ("check", "get"):
+        print(__doc__.strip().splitlines()[2], file=sys.stderr)
+        return 2
+    try:
+        config = merged(argv[2:])
+    except Exception as err:  # click.ClickException / ValueError: Flower's own message
+        print(f"error: run-config {' '.join(argv[2:])!r}: {getattr(err, 'message', err)}", file=sys.stderr)
+        return 2
+    if argv[0] == "get":
+        value = config.get(argv[1], "")
+        print(str(value).lower() if isinstance(value, bool) else value)
+        return 0
+    known = app_keys(Path(argv[1]))
+    unknown = sorted(set(config) - known)
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        print(f"error: unknown run-config key {key!r}{hint} (the keys are in [tool.flwr.app.config] of "
+              f"{Path(argv[1]).resolve() / 'pyproject.toml'}; docs/operations.md lists them)", file=sys.stderr)
+    return 2 if unknown else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

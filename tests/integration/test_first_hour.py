@@ -1,0 +1,177 @@
+"""A new user's first hour with the main job's script, on real Flower (the simulation engine):
+scripts/simulate.sh takes any run-config key and prints a resume line that works as printed, one
+run per output directory, a finished run resumed says "nothing to do", an interrupted run exits
+non-zero naming its round and the resume command, the PID files exist while the run does, and a
+SIGTERM to the script's process group leaves nothing behind.
+
+Each test runs the scripts of a copy of the checkout (`harness.flower.fab_source`: the files git
+tracks, so `flwr run` builds the same app quickly) with its own FLWR_HOME, local SuperLink ports,
+output and PID directories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.flower import ENV_ID_VAR, fab_source, flower_env, stop_local_superlink
+from harness.processes import find_pids, pid_alive, terminate, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Tiny rounds (about a second each on 2 cores): what the tests change of the quickstart preset.
+TINY = "local-steps=3 batch-size=4 seq-len=32 eval-batches=2 threads=1 model-preset='tiny'"
+
+
+@pytest.fixture
+def user(tmp_path):
+    """(the app copy, an environment like a user's shell for the scripts); afterwards, nothing of
+    this environment may be left running."""
+    app = fab_source(ROOT)
+    env = flower_env(tmp_path)
+    env.update(OUTPUT_DIR=str(tmp_path / "out"), FLOWER_RUN_DIR=str(tmp_path / "run"), NUM_CLIENTS="2")
+    yield app, env
+    left = find_pids({ENV_ID_VAR: env[ENV_ID_VAR]})
+    stop_local_superlink(env)
+    terminate(left)
+    assert not left, f"processes left running: {sorted(left)}"
+
+
+def simulate(app: Path, env: dict, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["bash", str(app / "scripts" / "simulate.sh"), *args], cwd=app, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    return proc
+
+
+def printed_resume(output: str) -> list[str]:
+    """The resume command simulate.sh printed, as the argument list a shell would make of it."""
+    line = re.search(r"(scripts/simulate\.sh .*resume=.*)$", output, re.M)
+    assert line, output[-3000:]
+    return shlex.split(line.group(1))[1:]
+
+
+def test_overrides_reruns_and_resume_as_printed(user, tmp_path):
+    app, env = user
+    out = tmp_path / "out"
+    assert "usage: simulate.sh" in simulate(app, env, "--help").stdout and not out.exists()  # runs nothing
+
+    first = simulate(app, env, "num-server-rounds=2", TINY, "rank=4")
+    assert first.returncode == 0, first.stdout[-4000:]
+    records = [json.loads(line) for line in (out / "server.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [0, 1, 2]  # both keys given after the first reached the run
+    assert "SuperLink still running" not in first.stdout  # the script stops it: no advice to stop it
+    meta = json.loads((out / "checkpoints" / "round_00002.json").read_text())["meta"]
+    assert meta["config"]["inner"]["rank"] == 4 and meta["config"]["model"]["preset"] == "tiny"
+    history = (out / "server.jsonl").read_bytes()
+
+    # a second run into the same output directory is refused, on the screen, and changes nothing
+    again = simulate(app, env, "num-server-rounds=3", TINY, "rank=4")
+    assert again.returncode != 0
+    assert "already holds another run's checkpoints (round 2 of 2" in again.stdout, again.stdout[-4000:]
+    assert f"resume='{out / 'checkpoints'}'" in again.stdout
+    assert (out / "server.jsonl").read_bytes() == history
+
+    # the resume line printed after the first run, as printed: a finished run has nothing to do
+    done = simulate(app, env, *printed_resume(first.stdout))
+    assert done.returncode == 0 and "finished all 2 rounds already" in done.stdout and "nothing to do" in done.stdout
+    assert (out / "server.jsonl").read_bytes() == history
+
+    # a preset given on the command line wins over the script's default (it was refused as a
+    # duplicate key before), and the key given first of two strings loses to the later one
+    other = simulate(app, env, "preset='lordo-local'", "num-server-rounds=1", TINY, f"output-dir='{tmp_path / 'o2'}'")
+    assert other.returncode == 0, other.stdout[-4000:]
+    saved = json.loads((tmp_path / "o2" / "checkpoints" / "round_00001.json").read_text())["meta"]
+    assert saved["variant"] == "lordo_local" and saved["config"]["num_rounds"] == 1
+
+    # a misspelt key is named on the screen, with the key meant, and nothing starts
+    typo = simulate(app, env, "num-server-round=2")
+    assert typo.returncode == 2 and "unknown run-config key 'num-server-round'; did you mean 'num-server-rounds'?" \
+        in typo.stdout
+
+
+def wait_round(out: Path, at_least: int, timeout: float = 180) -> None:
+    def reached() -> bool:
+        try:
+            return json.loads((out / "run.json").read_text())["round"] >= at_least
+        except (OSError, ValueError, KeyError):
+            return False
+    wait_for(reached, timeout, what=f"round {at_least} checkpointed")
+
+
+def test_an_interrupted_run_fails_names_its_round_and_resumes_as_printed(user, tmp_path):
+    app, env = user
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    proc = subprocess.Popen(["bash", str(app / "scripts" / "simulate.sh"), "num-server-rounds=5", TINY], cwd=app,
+                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        wait_round(out, 1)
+        # while it runs, every process the script started is on file, and stop_all.sh would find it
+        pids = {f.name: int(f.read_text()) for f in run_dir.glob("*.pid")}
+        assert set(pids) == {"flwr-run.pid", "local-superlink.pid"} and all(map(pid_alive, pids.values()))
+        os.kill(pids["flwr-run.pid"], signal.SIGINT)  # the issue's case: flwr run alone interrupted
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0, output[-4000:]
+    status = json.loads((out / "run.json").read_text())
+    assert status["status"] == "running" and 1 <= status["round"] < 5
+    assert f"the run did not finish" in output and f"reached round {status['round']} of 5" in output
+    assert "finished (log" not in output and "metrics:" not in output
+    assert not list(run_dir.glob("*.pid"))
+
+    resumed = simulate(app, env, *printed_resume(output))
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    assert f"at round {status['round'] + 1}" in resumed.stdout
+    assert [json.loads(x)["round"] for x in (out / "server.jsonl").read_text().splitlines()] == list(range(6))
+
+
+def test_sigterm_to_the_scripts_process_group_ends_the_whole_tree(user, tmp_path):
+    app, env = user
+    proc = subprocess.Popen(["bash", str(app / "scripts" / "simulate.sh"), "num-server-rounds=50", TINY], cwd=app,
+                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        wait_round(tmp_path / "out", 1)
+        assert find_pids({ENV_ID_VAR: env[ENV_ID_VAR]}, ("flower-superlink",))  # the SuperLink is ours
+        os.killpg(proc.pid, signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, output[-4000:]
+    assert "the run did not finish" in output and "resume it with:" in output
+    deadline = time.monotonic() + 20  # Ray's workers go with their raylet
+    while find_pids({ENV_ID_VAR: env[ENV_ID_VAR]}) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = find_pids({ENV_ID_VAR: env[ENV_ID_VAR]})
+    assert not left, [" ".join(open(f"/proc/{p}/cmdline").read().split("\0"))[:200] for p in left]
+
+
+def test_stop_all_stops_a_run_in_progress(user, tmp_path):
+    """The PID files are written when the processes start, not after `flwr run` returns: stop_all.sh
+    used to say "nothing to stop" while the run trained on."""
+    app, env = user
+    proc = subprocess.Popen(["bash", str(app / "scripts" / "simulate.sh"), "num-server-rounds=50", TINY], cwd=app,
+                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        wait_round(tmp_path / "out", 1)
+        stop = subprocess.run(["bash", str(app / "scripts" / "stop_all.sh"), "--dir", str(tmp_path / "run")], env=env,
+                              text=True, capture_output=True, timeout=60)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert stop.returncode == 0 and "nothing to stop" not in stop.stdout, stop.stdout + stop.stderr
+    assert "flwr-run: stopping pid" in stop.stdout and "local-superlink: stopping pid" in stop.stdout
+    assert proc.returncode != 0 and "the run did not finish" in output, output[-4000:]
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["round"] < 50
