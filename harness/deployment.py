@@ -3,7 +3,8 @@
 per process, a log file each, TLS and SuperNode authentication when asked, and every process
 stopped on exit (harness/processes.py), a node killed or restarted when a test asks.
 
-Facts about flwr 1.41 this relies on (read from the installed package, checked on this machine;
+Facts about flwr this relies on (read from the installed package, checked on this machine with 1.41.0,
+the defaults, sleeps and code paths named here re-read in 1.42.0's source;
 the process trees and `flwr run` are in harness/flower.py):
 
 - The SuperLink serves ONE HTTP port (`--host`/`--port`, default 127.0.0.1:8000) that carries the
@@ -114,11 +115,11 @@ class Deployment:
     executor-<i>.<start#>.log, stopped with its node): by default a `flower-superexec
     --runtime-api-address <node's Runtime API> --parent-pid <node>`, which is what the SuperNode
     spawns itself in the default `subprocess` mode; it still starts one `flwr-clientapp` process
-    per message (flwr 1.41: `flwr-clientapp` takes one task token and exits). `executor_command(i,
+    per message (flwr 1.41, 1.42: `flwr-clientapp` takes one task token and exits). `executor_command(i,
     runtime_api_address, supernode_pid)` replaces that command. `supernode_command` replaces the
     `flower-supernode` executable (a list: program and leading arguments).
 
-    Secure mode (flwr 1.41): `tls_dir` holds `ca.crt`, `server.pem`, `server.key`
+    Secure mode (checked with flwr 1.41.0): `tls_dir` holds `ca.crt`, `server.pem`, `server.key`
     (scripts/generate_certs.py): the SuperLink serves HTTPS with them (`--ssl-ca-certfile
     --ssl-certfile --ssl-keyfile` instead of `--insecure`), nodes verify it with
     `--root-certificates ca.crt`, and the CLI connection gets `root-certificates` instead of

@@ -7,7 +7,8 @@ stopping what they start, harness/processes.py.
 Plain functions, no pytest fixtures. Every process this module starts is stopped by PID (process
 groups plus their descendants, SIGTERM then SIGKILL, bounded waits).
 
-Facts about flwr 1.41 this relies on (read from the installed package, checked on this machine):
+Facts about flwr this relies on (read from the installed package, checked on this machine with 1.41.0;
+the constants and code paths named here read the same in 1.42.0's source):
 
 - Process trees: `flower-superlink` spawns `flower-superexec` in a NEW session (so killing the
   SuperLink's process group misses it; it exits ~0.2 s after its parent dies) which spawns
@@ -422,7 +423,7 @@ def fab_source(app_dir: str | os.PathLike) -> Path:
     (made once per process, removed at exit) of the files git tracks or would track there, else
     `app_dir` itself.
 
-    Why: `flwr run <dir>` reads the path of every file under `dir` (flwr 1.41
+    Why: `flwr run <dir>` reads the path of every file under `dir` (flwr 1.41, 1.42
     `cli.utils.collect_files`: an `os.walk` plus a `resolve()` per file, the `.venv` that the
     README's install puts in the checkout included) and only then keeps what the FAB holds
     (`.gitignore` and Flower's include patterns): 3.4-4.1 s per `flwr run` on this VM.

@@ -3,7 +3,8 @@ stable rank.
 
 - `MetricsWriter` appends one JSON object per line and flushes it at once, so a run that is
   killed keeps everything it logged; `read_jsonl` reads such a file back.
-- `plot_curves` draws e.g. validation loss against tokens, one line per method.
+- `plot_curves` draws e.g. validation loss against tokens, one line per method, its axes labelled
+  with units as `FIELDS` says (`curve_figure`: the same Figure, unsaved).
 - `tensor_bytes` / `optimizer_state_bytes` measure what crosses the wire and what the optimizer
   keeps in memory (the two costs LoRDO reduces).
 - `stable_rank` = ||A||_F² / ||A||_2², a smooth proxy for the rank of an update or a state.
@@ -17,12 +18,16 @@ import math
 import numbers
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:  # matplotlib is imported when a plot is drawn, not with this module
+    from matplotlib.figure import Figure
 
 
 # -----------------------------------------------------------------------------
@@ -155,6 +160,112 @@ def read_jsonl(path: str | Path) -> list[dict]:
 # plots
 
 
+@dataclass(frozen=True)
+class Axis:
+    """How a record field reads on a plot axis: a label, its unit, and whether it starts at 0."""
+
+    label: str
+    """What the field is, for a person: 'cumulative bytes per client, sent + received'."""
+    unit: str = ""
+    """'bytes' and 'tokens' pick a scale by magnitude ('MB' or 'GB'; 'thousands', 'millions' or
+    'billions' of tokens); any other unit ('s') is printed as given; '' for none."""
+    from_zero: bool = False
+    """A count (tokens, bytes, rounds, steps) or a duration: the axis starts at 0, so a slope reads as
+    a rate and two lines' heights as a ratio. Losses do not: their differences are what matter."""
+
+
+FIELDS: dict[str, Axis] = {
+    "tokens": Axis("tokens", "tokens", from_zero=True),
+    "step": Axis("step", from_zero=True),
+    "round": Axis("round", from_zero=True),
+    "val_loss": Axis("validation loss (nats / token)"),
+    "train_loss": Axis("training loss (nats / token)"),
+    "val_ppl": Axis("validation perplexity"),
+    "cum_bytes_per_client": Axis("cumulative bytes per client, sent + received", "bytes", from_zero=True),
+    "bytes_sent_per_client": Axis("bytes sent per client per round", "bytes", from_zero=True),
+    "bytes_received_per_client": Axis("bytes received per client per round", "bytes", from_zero=True),
+    "cum_bytes_sent_per_worker": Axis("cumulative bytes sent per worker", "bytes", from_zero=True),
+    "cum_bytes_received_per_worker": Axis("cumulative bytes received per worker", "bytes", from_zero=True),
+    "server_peak_rss_bytes": Axis("server peak resident memory", "bytes", from_zero=True),
+    "seconds": Axis("time", "s", from_zero=True),
+    "round_seconds": Axis("round time", "s", from_zero=True),
+    "elapsed_seconds": Axis("time since start", "s", from_zero=True),
+    "virtual_time": Axis("virtual time", "s", from_zero=True),
+}
+"""The record fields the plots use, as they read on an axis; any other field is labelled with its
+name (server/records.py, lordo_fed/trainer/cli.py and the docs name the fields)."""
+
+_SCALES: dict[str, list[tuple[float, str]]] = {
+    # (divisor, unit) from the largest down: the first whose divisor the data's largest value reaches
+    "bytes": [(1e9, "GB"), (1e6, "MB")],  # MB below 1 GB, however small: runs are compared in MB
+    "tokens": [(1e9, "billions"), (1e6, "millions"), (1e3, "thousands"), (1.0, "")],
+}
+
+
+def _axis_scale(field: str, values: list[float]) -> tuple[str, float, bool]:
+    """(axis label with its unit, divisor for the values, starts at 0) of `field` over `values`.
+
+    The divisor brings the values to a few digits, so the tick labels need no '1e6' offset."""
+    axis = FIELDS.get(field, Axis(field))
+    if axis.unit not in _SCALES:
+        return (f"{axis.label} ({axis.unit})" if axis.unit else axis.label), 1.0, axis.from_zero
+    top = max((abs(v) for v in values), default=0.0)
+    scales = _SCALES[axis.unit]
+    divisor, unit = next(((d, u) for d, u in scales if top >= d), scales[-1])
+    return (f"{axis.label} ({unit})" if unit else axis.label), divisor, axis.from_zero
+
+
+def curve_figure(
+    runs: Mapping[str, list[dict]],
+    x: str,
+    y: str,
+    title: str | None = None,
+    logy: bool = False,
+) -> Figure:
+    """The Figure of `plot_curves` (not saved): one line per run, labelled axes with units, one legend."""
+    # Figure + Agg canvas directly, not pyplot: no global backend switch, no figure left open
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if not runs:
+        raise ValueError("runs is empty: nothing to plot")
+    lines = {}
+    for run_name, records in runs.items():
+        points = [(r[x], r[y]) for r in records if r.get(x) is not None and r.get(y) is not None]
+        if points:
+            lines[run_name] = points
+    if not lines:
+        raise ValueError(f"no record in runs {sorted(runs)} has both {x!r} and {y!r}")
+    xlabel, xdiv, xzero = _axis_scale(x, [p[0] for pts in lines.values() for p in pts])
+    ylabel, ydiv, yzero = _axis_scale(y, [p[1] for pts in lines.values() for p in pts])
+    fig = Figure(figsize=(7, 4.5), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for run_name, points in lines.items():
+        ax.plot([p[0] / xdiv for p in points], [p[1] / ydiv for p in points], label=run_name,
+                marker="." if len(points) < 30 else None)
+    if logy:
+        ax.set_yscale("log")
+    # no '1e6' offset or scientific notation on a linear axis: the values are already scaled
+    ax.ticklabel_format(axis="x", style="plain", useOffset=False)
+    if not logy:
+        ax.ticklabel_format(axis="y", style="plain", useOffset=False)
+    if xzero:
+        ax.set_xlim(left=0)
+    if yzero and not logy:
+        ax.set_ylim(bottom=0)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title is None:
+        what = FIELDS.get(y, Axis(y)).label
+        title = f"{what[:1].upper()}{what[1:]} against {FIELDS.get(x, Axis(x)).label}"
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
 def plot_curves(
     runs: Mapping[str, list[dict]],
     x: str,
@@ -166,38 +277,10 @@ def plot_curves(
     """One line per run of `y` against `x` (e.g. val_loss against tokens), saved as a PNG.
 
     Records without `x` or `y`, or where either is null (a non-finite value), are skipped, so a
-    run's training and validation records can live in one list. Returns the PNG's path.
+    run's training and validation records can live in one list. Axes read as `FIELDS` says
+    (label, unit scaled by magnitude, counts and durations from 0). Returns the PNG's path.
     """
-    # Figure + Agg canvas directly, not pyplot: no global backend switch, no figure left open
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    if not runs:
-        raise ValueError("runs is empty: nothing to plot")
-    fig = Figure(figsize=(7, 4.5), dpi=120)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    n_lines = 0
-    for run_name, records in runs.items():
-        points = [
-            (r[x], r[y]) for r in records
-            if r.get(x) is not None and r.get(y) is not None
-        ]
-        if not points:
-            continue
-        xs, ys = zip(*points)
-        ax.plot(xs, ys, label=run_name, marker="." if len(points) < 30 else None)
-        n_lines += 1
-    if n_lines == 0:
-        raise ValueError(f"no record in runs {sorted(runs)} has both {x!r} and {y!r}")
-    if logy:
-        ax.set_yscale("log")
-    ax.set_xlabel(x)
-    ax.set_ylabel(y)
-    ax.set_title(title if title is not None else f"{y} vs {x}")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
+    fig = curve_figure(runs, x, y, title=title, logy=logy)
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, format="png")

@@ -150,7 +150,7 @@ def make_server_cert(
 
 
 def make_node_key() -> tuple[bytes, bytes]:
-    """A SuperNode authentication key pair as Flower 1.41 reads it: (private key in OpenSSH
+    """A SuperNode authentication key pair as Flower 1.41 and 1.42 read it: (private key in OpenSSH
     format, public key in OpenSSH format 'ecdsa-sha2-nistp384 AAAA...'), ECDSA P-384 (what
     Flower generates itself; any NIST curve is accepted)."""
     key = ec.generate_private_key(ec.SECP384R1())

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start a Flower SuperLink in the background (PID file + log in the run directory) and wait until
 # it answers GET /health. One HTTP port carries the Fleet API (SuperNodes), the Control API
-# (`flwr run`) and the Runtime API (ServerApp) in flwr 1.41.
+# (`flwr run`) and the Runtime API (ServerApp) in flwr 1.41 and 1.42.
 # Secure mode: --tls DIR (HTTPS with DIR/ca.crt, server.pem, server.key from
 # scripts/generate_certs.py) and --node-auth (only SuperNodes whose public key was registered
 # with scripts/register_supernodes.sh may connect); see docs/deployment.md "Secure deployment".

@@ -266,7 +266,7 @@ class Recorder:
                     title="Cumulative bytes per client against tokens")
         linked = [r for r in self.history if r.get("ideal_seconds")]
         if linked:  # every node declared its link-rate: each round against its link-bound ideal
-            plot_curves({"round": [{"round": r["round"], "seconds": r["round_seconds"]} for r in linked],
+            plot_curves({"measured": [{"round": r["round"], "seconds": r["round_seconds"]} for r in linked],
                          "link-bound ideal": [{"round": r["round"], "seconds": r["ideal_seconds"]} for r in linked]},
                         "round", "seconds", self.out_dir / "link.png", title="Round time against its link-bound ideal")
 

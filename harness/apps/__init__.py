@@ -6,7 +6,7 @@ Why copies: `flwr run <dir>` builds its FAB from the files under `<dir>` (harnes
 `fab_source`), so a run is given a clean copy (no `__pycache__`) in its own temporary directory,
 where a caller may also set the app's run-config defaults (`copy_app(..., config=...)`: the
 SuperLink refuses a run whose `--run-config` has a key the app's pyproject.toml does not declare,
-flwr 1.41 `control_handlers`).
+flwr 1.41 and 1.42 `control_handlers`).
 
 - `echo/`: a minimal app for the harness's own tests (`write_echo_app`).
 - `dataplane_bench/`: benchmarks/dataplane_throughput.py's app (the data plane against Flower's path).

@@ -29,8 +29,9 @@ class DataConfig:
     """A corpus file or directory (text, JSON Lines, Parquet, HF dataset on disk, token bins); "" = DEFAULT_CORPUS."""
     text_field: str = setting("text-field", "text")
     """The field (JSON Lines) or column (Parquet, HF datasets) that holds each document's text."""
-    tokenizer: str = "byte"
-    """'byte' (UTF-8 bytes, vocab 256), or a local tokenizer.json or a directory holding one."""
+    tokenizer: str = setting("tokenizer", "byte")
+    """'byte' (UTF-8 bytes, vocab 256), or a local tokenizer.json or a directory holding one (the same
+    file at this path on the server and every node; token bins must have been made with it)."""
     cache_dir: str = ""
     """Where tokenised corpora are cached; "" = ~/.cache/lordo_fed/tokens."""
     val_fraction: float = 0.1

@@ -38,6 +38,11 @@ TOKENS_PER_CHUNK = 1 << 24
 # The break stays attached to the paragraph before it, so documents concatenate back to the
 # exact file text, and the next paragraph keeps its indentation.
 _PARAGRAPH_BREAK = re.compile(r"\n(?:[ \t]*\n)+")
+# What a user sets, in each entry point: the Flower app's run-config key (DataConfig's `setting`)
+# and the reference trainer's Hydra path (lordo-train); an error names both.
+SET_TEXT_FIELD = "set it with the run-config key text-field='...' (lordo-train: data.text_field=...)"
+SET_TOKENIZER = ("set the tokenizer it was made with: the run-config key tokenizer='/path/to/tokenizer.json' "
+                 "(lordo-train: data.tokenizer=/path/to/tokenizer.json)")
 
 
 @dataclass(frozen=True)
@@ -164,8 +169,8 @@ def _read_jsonl(path: Path, text_field: str, batch: int) -> Iterator[tuple[list[
                 raise ValueError(f"{str(path)!r}, line {lineno}: not a JSON object ({e})") from e
             if not isinstance(record, dict) or text_field not in record:
                 keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise ValueError(f"{str(path)!r}, line {lineno}: no field {text_field!r} (has {keys}); set the "
-                                 "text field with data.text_field")
+                raise ValueError(f"{str(path)!r}, line {lineno}: no field {text_field!r} (has {keys}); the text field: "
+                                 + SET_TEXT_FIELD)
             docs.append(_text_value(record[text_field], path, f"line {lineno}", text_field))
             if len(docs) == batch:
                 yield docs, consumed
@@ -180,8 +185,8 @@ def _read_parquet(path: Path, text_field: str, batch: int) -> Iterator[tuple[lis
         raise _missing("pyarrow", "Parquet") from e
     f = pq.ParquetFile(path)
     if text_field not in f.schema_arrow.names:
-        raise ValueError(f"{str(path)!r}: no column {text_field!r} (columns {f.schema_arrow.names}); set the text "
-                         "column with data.text_field")
+        raise ValueError(f"{str(path)!r}: no column {text_field!r} (columns {f.schema_arrow.names}); the text column: "
+                         + SET_TEXT_FIELD)
     size, rows = path.stat().st_size, max(f.metadata.num_rows, 1)
     for record_batch in f.iter_batches(batch_size=batch, columns=[text_field]):
         column = record_batch.column(0)
@@ -200,8 +205,8 @@ def _read_hf(path: Path, text_field: str, batch: int) -> Iterator[tuple[list[str
         raise _missing("datasets", "a Hugging Face dataset saved to disk") from e
     ds = datasets.load_from_disk(str(path))
     if text_field not in ds.column_names:
-        raise ValueError(f"{str(path)!r}: no column {text_field!r} (columns {ds.column_names}); set the text column "
-                         "with data.text_field")
+        raise ValueError(f"{str(path)!r}: no column {text_field!r} (columns {ds.column_names}); the text column: "
+                         + SET_TEXT_FIELD)
     size, rows = SourceFile(path, "hf").nbytes(), max(len(ds), 1)
     column = ds.select_columns([text_field]).with_format("arrow")
     for start in range(0, len(ds), batch):
@@ -231,5 +236,5 @@ def read_token_bin(path: Path, vocab_size: int, chunk: int | None = None) -> Ite
         top = int(part.max())
         if top >= vocab_size:
             raise ValueError(f"token bin {str(path)!r}: id {top} at or after token {start} is outside the tokenizer's "
-                             f"vocabulary [0, {vocab_size}); it was made with another tokenizer (set data.tokenizer)")
+                             f"vocabulary [0, {vocab_size}); it was made with another tokenizer: {SET_TOKENIZER}")
         yield part

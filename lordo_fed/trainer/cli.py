@@ -82,12 +82,25 @@ def summary_table(summary: dict[str, dict]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for name, s in summary.items():
-        ratio = f"{ddp / s['bytes_sent_per_worker_per_step']:.1f}x less" if ddp else "-"
+        ratio = "1x (baseline)" if name == "ddp" else vs_ddp(s["bytes_sent_per_worker_per_step"], ddp)
         lines.append(
             f"| {name} | {s['val_loss']:.4f} | {s['val_ppl']:.3f} | {s['bytes_sent_per_worker_per_step']:,.0f} | "
             f"{ratio} | {s['opt_state_bytes']:,} | {s['seconds']:.0f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def vs_ddp(sent: float, ddp: float | None) -> str:
+    """How a method's bytes per step compare with DDP's: 'Nx less', 'Nx more', '1x' (the same to
+    one decimal), or '-' without a DDP run to compare with."""
+    if not ddp:
+        return "-"
+    if not sent:
+        return "nothing sent"
+    ratio = ddp / sent
+    if f"{ratio:.1f}" == "1.0" or f"{1 / ratio:.1f}" == "1.0":
+        return "1x"
+    return f"{ratio:.1f}x less" if ratio > 1 else f"{1 / ratio:.1f}x more"
 
 
 def _plain(cfg: TrainConfig) -> dict:

@@ -46,8 +46,37 @@ class RunContext:
     emit: RecordFn
 
 
-def _progress(ctx: RunContext, total: int, desc: str) -> tqdm:
-    return tqdm(total=total, desc=desc, unit="step", disable=not ctx.cfg.progress, leave=False, dynamic_ncols=True)
+class StepBar:
+    """A progress bar in the run's steps: `total_steps`, what the user asked for (optimizer steps
+    per worker), not worker-steps, which would count to M x total_steps.
+
+    The workers of a round run in turn, so a step of the run is done once every worker has made
+    it: `worker_step` is called for each worker-step, and the bar shows worker-steps / M, moving on
+    every M-th call. DDP's loop, where all M workers make each step together, calls `step`."""
+
+    def __init__(self, ctx: RunContext, desc: str) -> None:
+        self.workers = ctx.cfg.workers
+        self.bar = tqdm(total=ctx.cfg.total_steps, desc=desc, unit="step", disable=not ctx.cfg.progress,
+                        leave=False, dynamic_ncols=True)
+        self._worker_steps = self._shown = 0  # own counts: a disabled tqdm keeps no n
+
+    def worker_step(self, i: int = 0, loss: torch.Tensor | None = None) -> None:
+        """One local step of one worker (the signature of Worker.train_round's `progress`)."""
+        self._worker_steps += 1
+        done = self._worker_steps // self.workers
+        if done > self._shown:
+            self.bar.update(done - self._shown)
+            self._shown = done
+
+    def step(self) -> None:
+        """One step of all the workers at once."""
+        self.bar.update(1)
+
+    def set_postfix(self, **kw: str) -> None:
+        self.bar.set_postfix(**kw)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
@@ -72,12 +101,12 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         sent_total += max(tensor_bytes(g.tensors()) for g in gradients)
     tokens = 0
     ctx.emit({**_eval_record(ctx, model, settings, 0, 0, 0), "virtual_time": 0.0})
-    bar = _progress(ctx, num_rounds * K * cfg.workers, settings.name)
+    bar = StepBar(ctx, settings.name)
     for _ in range(num_rounds):
         state = aggregator.global_state()
         received = tensor_bytes(state.tensors())
         started = time.perf_counter()
-        updates = [w.train_round(state, progress=lambda i, loss: bar.update(1)) for w in workers]
+        updates = [w.train_round(state, progress=bar.worker_step) for w in workers]
         sent = max(tensor_bytes(u.tensors()) for u in updates)  # compressed tensors by their encoded bytes
         updates = [as_received(u) for u in updates]
         aggregation_started = time.perf_counter()
@@ -142,7 +171,7 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     budget = M * cfg.total_steps * step_tokens
     clock, pending, rounds_of = VirtualClock(), {}, [0] * M
     committed = 0  # tokens applied or in flight
-    bar = _progress(ctx, M * cfg.total_steps, settings.name)
+    bar = StepBar(ctx, settings.name)  # worker-steps / M: the records' "step" (tokens applied / M)
 
     def start(w: int, now: float) -> None:
         nonlocal committed
@@ -154,7 +183,7 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         r = rounds_of[w]  # the worker's own round: its schedule position (and, but for LoRDO, its step count)
         state = GlobalState(round=r, params=pull.params, projections=pull.projections, moments=pull.moments,
                             opt_step=(r - 1) * steps[w] if pull.opt_step is None else pull.opt_step)
-        update = workers[w].train_round(state, progress=lambda i, loss: bar.update(1))
+        update = workers[w].train_round(state, progress=bar.worker_step)
         pending[w] = (update, pull, tensor_bytes(state.tensors()))  # the update as sent: its bytes are counted
         clock.start(w, now, acfg.seconds(w, K))
 
@@ -239,7 +268,7 @@ def run_ddp(ctx: RunContext, settings: MethodSettings) -> nn.Module:
             optimizer.set_projection(params[n], stored)
         anchor = {n: params[n].detach().float().clone() for n in ranks}
     ctx.emit(_eval_record(ctx, model, settings, 0, 0, 0))
-    bar = _progress(ctx, cfg.total_steps * cfg.workers, settings.name)
+    bar = StepBar(ctx, settings.name)
     tokens = cum_bytes = 0  # per worker, per direction
     losses: list[torch.Tensor] = []  # device scalars, read once per record
     started = time.perf_counter()
@@ -248,9 +277,9 @@ def run_ddp(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         for w in workers:
             losses.append(w.forward_backward(w.cursor, scale=1.0 / cfg.workers))
             w.cursor += 1
-            bar.update(1)
         grad_bytes = tensor_bytes([p.grad for p in params.values() if p.grad is not None])
         first.clip_and_step(step)
+        bar.step()
         tokens += cfg.workers * data.batch_size * data.seq_len
         cum_bytes += grad_bytes  # each worker sends its gradient and receives the mean: same size
         if (step + 1) % K:

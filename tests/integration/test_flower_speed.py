@@ -72,7 +72,7 @@ def test_deployment_with_process_isolation(tmp_path):
         dep.run(app, {"num-server-rounds": 2, "result-path": str(result), "min-nodes": 2}, timeout=180, check=True)
         rounds = json.loads(result.read_text())["rounds"]
         assert [r["partition_ids"] for r in rounds] == [[0, 1], [0, 1]]
-        # flwr 1.41: even with --isolation process, one flwr-clientapp process per message
+        # flwr 1.41, 1.42: even with --isolation process, one flwr-clientapp process per message
         assert len({pid for r in rounds for pid in r["client_pids"]}) == 4
         executor_pid = dep.executors[1].pid
         dep.kill_node(1)

@@ -1,4 +1,4 @@
-"""A secure deployment for real: TLS and SuperNode authentication (flwr 1.41).
+"""A secure deployment for real: TLS and SuperNode authentication (checked with flwr 1.41.0).
 
 `scripts/generate_certs.py` makes a CA, the SuperLink's certificate (SAN 127.0.0.1/localhost)
 and three ECDSA node keys. The SuperLink serves HTTPS only and runs with

@@ -61,6 +61,8 @@ RUN_CONFIG_CASES = [
     ("val-path", 3, "run-config key 'val-path'=3: expected a string like the default ''"),
     ("text-field", "", "run-config key 'text-field': DataConfig.text_field='': expected the name of the field or column "
                        "holding the text (e.g. 'text')"),
+    ("tokenizer", " ", "run-config key 'tokenizer': DataConfig.tokenizer=' ': expected 'byte' or a path to a local "
+                       "tokenizer.json"),
     ("batch-size", 0, "run-config key 'batch-size': DataConfig.batch_size=0: expected an int >= 1"),
     ("seq-len", 0, "run-config key 'seq-len': DataConfig.seq_len=0: expected an int >= 1"),
     ("seq-len", 4096, "run-config key 'seq-len': DataConfig.seq_len=4096: expected an int <= the model's max_seq_len=128 "
@@ -166,7 +168,8 @@ PRESET_CASES = [
     ("outer.momentum", 2.0, "outer.momentum=2.0: must be a number in [0, 1]"),
     ("diloco_outer.lr", 0.0, "diloco_outer.lr=0.0: the outer learning rate must be a finite number > 0"),
     ("diloco_outer.name", "adam", "diloco_outer.name='adam': expected one of ['average', 'qhm', 'nesterov', 'mla']"),
-    ("data.tokenizer", "", "DataConfig.tokenizer='': expected 'byte' or a path to a local tokenizer.json"),
+    ("data.tokenizer", "", "run-config key 'tokenizer': DataConfig.tokenizer='': expected 'byte' or a path to a local "
+                           "tokenizer.json"),
     ("data.val_fraction", 1.0, "DataConfig.val_fraction=1.0: expected a number in [0, 1)"),
     ("data.partition", "random", "DataConfig.partition='random': expected one of ('iid', 'by_source', 'dirichlet')"),
     ("data.dirichlet_alpha", 0.0, "DataConfig.dirichlet_alpha=0.0: expected a finite number > 0"),
@@ -272,3 +275,6 @@ def test_a_missing_tokenizer_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=re.escape(f"tokenizer file not found: {str(missing)!r}; expected a "
                                                          f"local tokenizer.json")):
         LoRDOStrategy(cfg)
+    # the run-config key sets the same field
+    with pytest.raises(FileNotFoundError, match=re.escape(f"tokenizer file not found: {str(missing)!r}")):
+        server_start(tmp_path, tokenizer=str(missing))

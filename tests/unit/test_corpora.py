@@ -99,6 +99,28 @@ def test_token_bins_in_nanogpts_layout(tmp_path, monkeypatch):
         load_corpus(tmp_path / "odd.bin", ByteTokenizer(), tmp_path / "cache")
 
 
+def test_errors_name_the_setting_of_each_entry_point(tmp_path):
+    """A token bin from another tokenizer, or a JSON Lines file without the text field: the error
+    names what the user can really set, in the Flower app (a run-config key) and in lordo-train
+    (a Hydra path), and both exist."""
+    from lordo_fed.app.config import FLAT_KEYS
+    from lordo_fed.trainer.config import TrainConfig
+
+    np.array([1, 2, 50_000], dtype=np.uint16).tofile(tmp_path / "gpt2.bin")  # GPT-2 ids, read as bytes
+    with pytest.raises(ValueError) as err:
+        load_corpus(tmp_path / "gpt2.bin", ByteTokenizer(), tmp_path / "cache")
+    message = str(err.value)
+    assert "id 50000 at or after token 0 is outside the tokenizer's vocabulary [0, 256)" in message
+    assert "run-config key tokenizer='/path/to/tokenizer.json'" in message
+    assert "lordo-train: data.tokenizer=/path/to/tokenizer.json" in message
+    assert FLAT_KEYS["tokenizer"] == "data.tokenizer" and TrainConfig().data.tokenizer == "byte"
+
+    path = write_jsonl(tmp_path / "c.jsonl", DOCS[:2], field="content")
+    with pytest.raises(ValueError, match=r"run-config key text-field='\.\.\.' \(lordo-train: data\.text_field=\.\.\.\)"):
+        load_corpus(path, ByteTokenizer(), tmp_path / "cache")
+    assert FLAT_KEYS["text-field"] == "data.text_field"
+
+
 def test_a_directory_mixes_formats_in_sorted_order(tmp_path):
     root = tmp_path / "corpus"
     write_jsonl(root / "b.jsonl", DOCS[:5])

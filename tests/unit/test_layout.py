@@ -1,10 +1,11 @@
 """The layout holds (docs/architecture.md): imports run one way down the layers, Flower stays in
-its adapter, no module reaches into another's private names, no module grows past ~600 lines, and
-nothing cites a file outside the repository."""
+its adapter, no module reaches into another's private names, no module grows past ~600 lines,
+nothing cites a file outside the repository, and no downloaded wheel sits in the checkout."""
 
 from __future__ import annotations
 
 import ast
+import fnmatch
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,12 @@ def test_nothing_cites_a_file_outside_the_repository():
                                                                                       ".proto", ".toml")
               and "shared/docs" in p.read_text(errors="replace") and p.name != "test_layout.py"]
     assert citing == []
+
+
+def test_no_wheel_in_the_repository_root_and_gitignore_keeps_them_out():
+    """A wheel downloaded into the checkout (a pyflakes wheel once was committed) is never
+    tracked: .gitignore matches `*.whl` (scripts/device_wheels.sh's .whl/ is carried explicitly)."""
+    assert sorted(p.name for p in ROOT.glob("*.whl")) == []
+    patterns = [line.strip() for line in (ROOT / ".gitignore").read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith("#")]
+    assert any(fnmatch.fnmatch("pyflakes-4.1.0-py2.py3-none-any.whl", p) for p in patterns), patterns

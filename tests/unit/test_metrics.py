@@ -139,6 +139,59 @@ def test_plot_curves_writes_png(tmp_path):
     assert len(data) > 1024
 
 
+def rendered_axes(monkeypatch, tmp_path, runs, x, y, **kw):
+    """Draw with plot_curves and return the saved Figure's one Axes, drawn (tick and offset texts set)."""
+    from matplotlib.figure import Figure
+
+    saved = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), save(fig, *a, **k))[1])
+    plot_curves(runs, x, y, tmp_path / "plot.png", **kw)
+    (fig,) = saved
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    return ax
+
+
+def test_plot_of_bytes_against_tokens_reads_with_units_from_zero(monkeypatch, tmp_path):
+    """What a person sees: units on both axes, values scaled (no '1e6' offset), bytes and tokens
+    from 0, one legend for the runs."""
+    # a 16m-sized run: 2.4-24 M tokens, 0.3-3 GB per client
+    history = [{"round": r, "tokens": 2_400_000 * r, "cum_bytes_per_client": 300_000_000 * r} for r in range(1, 11)]
+    other = [{**rec, "cum_bytes_per_client": rec["cum_bytes_per_client"] // 2} for rec in history]
+    ax = rendered_axes(monkeypatch, tmp_path, {"lordo_global": history, "lordo_local": other},
+                       "tokens", "cum_bytes_per_client", title="Cumulative bytes per client against tokens")
+    assert ax.get_title() == "Cumulative bytes per client against tokens"
+    assert ax.get_xlabel() == "tokens (millions)"
+    assert ax.get_ylabel() == "cumulative bytes per client, sent + received (GB)"
+    assert ax.get_ylim()[0] == 0 and ax.get_xlim()[0] == 0
+    assert ax.xaxis.get_offset_text().get_text() == "" and ax.yaxis.get_offset_text().get_text() == ""
+    assert max(line.get_ydata().max() for line in ax.get_lines()) == pytest.approx(3.0)  # GB, not bytes
+    legends = [c for c in ax.figure.findobj() if type(c).__name__ == "Legend"]
+    assert len(legends) == 1 and [t.get_text() for t in legends[0].get_texts()] == ["lordo_global", "lordo_local"]
+    # under 1 GB: MB
+    small = [{"tokens": 1000 * r, "cum_bytes_per_client": 2_000_000 * r} for r in range(1, 5)]
+    ax = rendered_axes(monkeypatch, tmp_path, {"a": small}, "tokens", "cum_bytes_per_client")
+    assert ax.get_ylabel().endswith("(MB)") and ax.get_xlabel() == "tokens (thousands)"
+    assert ax.get_title() == "Cumulative bytes per client, sent + received against tokens"
+
+
+def test_plot_of_seconds_and_of_an_unknown_field(monkeypatch, tmp_path):
+    """server/records.py's link plot (seconds against round); an unknown field keeps its name; a
+    loss does not start at 0."""
+    runs = {"measured": [{"round": r, "seconds": 7.0 + r} for r in range(1, 4)],
+            "link-bound ideal": [{"round": r, "seconds": 2.0} for r in range(1, 4)]}
+    ax = rendered_axes(monkeypatch, tmp_path, runs, "round", "seconds")
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("round", "time (s)")
+    assert ax.get_xlim()[0] == 0 and ax.get_ylim()[0] == 0  # a duration: two lines' heights read as a ratio
+    ax = rendered_axes(monkeypatch, tmp_path, {"a": [{"step": s, "my_metric": 1e7 + s} for s in range(5)]},
+                       "step", "my_metric")
+    assert ax.get_ylabel() == "my_metric" and ax.yaxis.get_offset_text().get_text() == ""
+    ax = rendered_axes(monkeypatch, tmp_path, {"a": [{"tokens": t, "val_loss": 3.0 - t / 1e4} for t in range(5)]},
+                       "tokens", "val_loss")
+    assert ax.get_ylabel() == "validation loss (nats / token)" and ax.get_ylim()[0] > 2
+
+
 def test_plot_curves_needs_some_data(tmp_path):
     with pytest.raises(ValueError, match=r"no record in runs \['a'\] has both 'tokens' and 'val_loss'"):
         plot_curves({"a": [{"tokens": 1, "train_loss": 2.0}]}, "tokens", "val_loss", tmp_path / "x.png")

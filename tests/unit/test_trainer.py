@@ -13,9 +13,9 @@ from lordo_fed.model import ModelConfig
 from lordo_fed.optim.config import InnerConfig
 from lordo_fed.rounds.outer import OuterConfig
 from lordo_fed.rounds.config import RoundConfig
-from lordo_fed.trainer.cli import train
+from lordo_fed.trainer.cli import summary_table, train
 from lordo_fed.trainer.config import TrainConfig
-from lordo_fed.trainer.run import RunContext, run_ddp, run_rounds
+from lordo_fed.trainer.run import RunContext, run_async, run_ddp, run_rounds
 
 
 def tiny_config(tmp_path, **kw) -> TrainConfig:
@@ -107,6 +107,52 @@ def test_train_writes_metrics_plot_and_summary(tmp_path):
     assert any((out / "tb").rglob("events.out.tfevents.*"))
     # DDP sends a gradient every step; LoRDO-Local only Δ every K = 2 steps.
     assert summary["ddp"]["bytes_sent_per_worker_per_step"] == 2 * summary["lordo_local"]["bytes_sent_per_worker_per_step"]
+
+
+class RecordingBar:
+    """Stands in for tqdm: what the loops asked the bar to count to, and how far it got."""
+
+    made: list = []
+
+    def __init__(self, total=None, **kw) -> None:
+        self.total, self.n, self.disable = total, 0, kw.get("disable", False)
+        RecordingBar.made.append(self)
+
+    def update(self, n=1) -> None:
+        self.n += n
+
+    def set_postfix(self, **kw) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("method,loop", [("lordo_local", run_rounds), ("ddp", run_ddp), ("async_diloco", run_async)])
+def test_the_progress_bar_counts_total_steps_not_worker_steps(tmp_path, monkeypatch, method, loop):
+    """total_steps=4, workers=2: the bar counts to 4 (the run's steps, what the user asked for), not 8."""
+    monkeypatch.setattr("lordo_fed.trainer.run.tqdm", RecordingBar)
+    RecordingBar.made = []
+    cfg = tiny_config(tmp_path, workers=2, total_steps=4, progress=True, rounds=RoundConfig(local_steps=2))
+    records: list = []
+    loop(context(cfg, records), resolve_method(method, cfg.inner, cfg.rounds, cfg.outer))
+    (bar,) = RecordingBar.made
+    assert (bar.total, bar.n, bar.disable) == (4, 4, False)
+    assert max(r["step"] for r in records) == 4  # the records' step counter: the same count
+
+
+def test_summary_table_compares_bytes_with_ddp():
+    """DDP's own row is the baseline (not '1.0x less'); a method sending more says 'more'."""
+    def row(sent: float) -> dict:
+        return {"val_loss": 2.0, "val_ppl": 7.389, "tokens": 1000, "bytes_sent_per_worker_per_step": sent,
+                "bytes_received_per_worker_per_step": sent, "opt_state_bytes": 10, "seconds": 1.0}
+
+    table = summary_table({"ddp": row(3200.0), "lowrank_ddp": row(3200.0), "lordo_local": row(100.0),
+                           "chatty": row(6400.0)})
+    vs = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[4] for line in table.splitlines()[2:]}
+    assert vs == {"ddp": "1x (baseline)", "lowrank_ddp": "1x", "lordo_local": "32.0x less", "chatty": "2.0x more"}
+    without_ddp = summary_table({"lordo_local": row(100.0)})
+    assert without_ddp.splitlines()[2].split(" | ")[4] == "-"
 
 
 @pytest.mark.parametrize(
