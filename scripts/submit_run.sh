@@ -136,6 +136,17 @@ rm -f "$FLOWER_RUN_DIR/flwr-run.pid"
 sleep 0.2  # tee's last lines
 record_local_superlink || true
 id="$(run_id)"
+# The run's status, from the SuperLink (before a local one is stopped): `flwr run --stream` exits 0
+# both when the run finished and when only its log stream ended (a SIGINT to flwr run alone).
+run_status=""
+if [[ -n "$id" ]] && (( status == 0 )); then
+  run_status="$(timeout 30 "$flwr_bin" ls --run-id "$id" "$connection" --format json 2>/dev/null | "$py" -c '
+import json, sys
+try:
+    print(json.load(sys.stdin)["runs"][0]["status"])
+except Exception:
+    print("")' || true)"
+fi
 if (( stop_local )); then
   stop_local_superlink
 elif [[ -f "$FLOWER_RUN_DIR/local-superlink.pid" ]] && pid_alive "$(cat "$FLOWER_RUN_DIR/local-superlink.pid")"; then
@@ -155,9 +166,14 @@ if code="$(grep -o 'Exit Code: [0-9]*' "$log" | grep -v 'Exit Code: 0$' | tail -
   echo "run ${id:-?} failed ($code; log: $log)" >&2
   exit 1
 fi
-# flwr run exits 0 also when its stream was cut (SIGINT to flwr run alone): ask for the status.
-if ! grep -q 'Exit Code: 0' "$log"; then
-  echo "run ${id:-?} did not finish: flwr run ended before the run did (log: $log)" >&2
-  exit 3
-fi
+case "$run_status" in
+  finished:completed) ;;
+  finished:*) echo "run ${id:-?} ended as '$run_status' (log: $log)" >&2; exit 1 ;;
+  "") if grep -q 'Exiting logstream' "$log"; then   # the SuperLink did not answer: flwr run's own word
+        echo "run ${id:-?} did not finish: flwr run was interrupted (log: $log)" >&2; exit 3
+      fi ;;
+  *) echo "run ${id:-?} did not finish: flwr run ended while the run was '$run_status'" \
+          "(log: $log)$( (( stop_local )) && echo '; the local SuperLink was stopped, and the run with it')" >&2
+     exit 3 ;;
+esac
 echo "run ${id:-?} finished (log: $log)"

@@ -26,8 +26,10 @@ from harness.flower import ENV_ID_VAR, fab_source, flower_env, stop_local_superl
 from harness.processes import find_pids, pid_alive, terminate, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-#: Tiny rounds (about a second each on 2 cores): what the tests change of the quickstart preset.
+#: Tiny rounds (~0.15 s each on 2 cores): what the tests change of the quickstart preset.
 TINY = "local-steps=3 batch-size=4 seq-len=32 eval-batches=2 threads=1 model-preset='tiny'"
+#: Rounds long enough (~1 s) that a run is still going when a test interrupts it after round 1.
+SLOW = "local-steps=120"
 
 
 @pytest.fixture
@@ -108,7 +110,8 @@ def wait_round(out: Path, at_least: int, timeout: float = 180) -> None:
 def test_an_interrupted_run_fails_names_its_round_and_resumes_as_printed(user, tmp_path):
     app, env = user
     out, run_dir = tmp_path / "out", tmp_path / "run"
-    proc = subprocess.Popen(["bash", str(app / "scripts" / "simulate.sh"), "num-server-rounds=5", TINY], cwd=app,
+    proc = subprocess.Popen(["bash", str(app / "scripts" / "simulate.sh"), "num-server-rounds=12", TINY, SLOW],
+                            cwd=app,
                             env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
@@ -123,20 +126,21 @@ def test_an_interrupted_run_fails_names_its_round_and_resumes_as_printed(user, t
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0, output[-4000:]
     status = json.loads((out / "run.json").read_text())
-    assert status["status"] == "running" and 1 <= status["round"] < 5
-    assert f"the run did not finish" in output and f"reached round {status['round']} of 5" in output
+    assert status["status"] == "running" and 1 <= status["round"] < 12, output[-4000:]
+    assert "the run did not finish" in output and f"reached round {status['round']} of 12" in output
     assert "finished (log" not in output and "metrics:" not in output
     assert not list(run_dir.glob("*.pid"))
 
     resumed = simulate(app, env, *printed_resume(output))
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     assert f"at round {status['round'] + 1}" in resumed.stdout
-    assert [json.loads(x)["round"] for x in (out / "server.jsonl").read_text().splitlines()] == list(range(6))
+    assert [json.loads(x)["round"] for x in (out / "server.jsonl").read_text().splitlines()] == list(range(13))
 
 
 def test_sigterm_to_the_scripts_process_group_ends_the_whole_tree(user, tmp_path):
     app, env = user
-    proc = subprocess.Popen(["bash", str(app / "scripts" / "simulate.sh"), "num-server-rounds=50", TINY], cwd=app,
+    proc = subprocess.Popen(["bash", str(app / "scripts" / "simulate.sh"), "num-server-rounds=50", TINY, SLOW],
+                            cwd=app,
                             env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
@@ -160,7 +164,8 @@ def test_stop_all_stops_a_run_in_progress(user, tmp_path):
     """The PID files are written when the processes start, not after `flwr run` returns: stop_all.sh
     used to say "nothing to stop" while the run trained on."""
     app, env = user
-    proc = subprocess.Popen(["bash", str(app / "scripts" / "simulate.sh"), "num-server-rounds=50", TINY], cwd=app,
+    proc = subprocess.Popen(["bash", str(app / "scripts" / "simulate.sh"), "num-server-rounds=50", TINY, SLOW],
+                            cwd=app,
                             env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
@@ -175,3 +180,28 @@ def test_stop_all_stops_a_run_in_progress(user, tmp_path):
     assert "flwr-run: stopping pid" in stop.stdout and "local-superlink: stopping pid" in stop.stdout
     assert proc.returncode != 0 and "the run did not finish" in output, output[-4000:]
     assert json.loads((tmp_path / "out" / "run.json").read_text())["round"] < 50
+
+
+def test_the_readmes_direct_flwr_run_lines_work_as_written(user, tmp_path):
+    """The README's `flwr run . local --stream ...` block, run by bash as written (in a shell
+    without Flower's opt-out variable, as a user's is), with run-config strings appended that make
+    it tiny and put its outputs in tmp_path (a later `--run-config` wins). Before, the line failed:
+    Flower `uv sync`ed the app (code 608, exit 0) until the variable was set."""
+    app, env = user
+    env = {k: v for k, v in env.items() if k != "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"}
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("# Simulation with flwr itself"):text.index("# Paper flavours")]
+    lines = [line for line in block.splitlines() if not line.startswith("#")]
+    assert "flwr run . local --stream" in lines[-2]
+    script = "\n".join(lines) + (f" --run-config \"num-server-rounds=1 min-clients=4 {TINY}\""
+                                 f" --run-config \"output-dir='{tmp_path / 'out'}'\"\n")
+    try:
+        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=app, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=240)
+    finally:
+        assert stop_local_superlink(env)  # flwr run leaves it running, as the README says
+    assert proc.returncode == 0 and "Exit Code" not in proc.stdout, proc.stdout[-4000:]
+    rounds = [json.loads(x)["round"] for x in (tmp_path / "out" / "server.jsonl").read_text().splitlines()]
+    assert rounds == [0, 1]
+    meta = json.loads((tmp_path / "out" / "checkpoints" / "round_00001.json").read_text())["meta"]
+    assert meta["config"]["inner"]["rank"] == 16 and meta["config"]["payload_dtype"] == "bf16"
