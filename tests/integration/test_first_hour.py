@@ -11,6 +11,7 @@ output and PID directories.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import shlex
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -107,23 +109,29 @@ def wait_round(out: Path, at_least: int, timeout: float = 180) -> None:
     wait_for(reached, timeout, what=f"round {at_least} checkpointed")
 
 
+@contextlib.contextmanager
+def training(app: Path, env: dict, out: Path, *args: str) -> Iterator[subprocess.Popen]:
+    """simulate.sh with `args`, started in its own process group and yielded once round 1 is
+    checkpointed; killed with its group if the test leaves it running."""
+    proc = subprocess.Popen(["bash", str(app / "scripts" / "simulate.sh"), *args], cwd=app, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_round(out, 1)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def test_an_interrupted_run_fails_names_its_round_and_resumes_as_printed(user, tmp_path):
     app, env = user
     out, run_dir = tmp_path / "out", tmp_path / "run"
-    proc = subprocess.Popen(["bash", str(app / "scripts" / "simulate.sh"), "num-server-rounds=12", TINY, SLOW],
-                            cwd=app,
-                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        wait_round(out, 1)
+    with training(app, env, out, "num-server-rounds=12", TINY, SLOW) as proc:
         # while it runs, every process the script started is on file, and stop_all.sh would find it
         pids = {f.name: int(f.read_text()) for f in run_dir.glob("*.pid")}
         assert set(pids) == {"flwr-run.pid", "local-superlink.pid"} and all(map(pid_alive, pids.values()))
         os.kill(pids["flwr-run.pid"], signal.SIGINT)  # the issue's case: flwr run alone interrupted
         output, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0, output[-4000:]
     status = json.loads((out / "run.json").read_text())
     assert status["status"] == "running" and 1 <= status["round"] < 12, output[-4000:]
@@ -139,18 +147,10 @@ def test_an_interrupted_run_fails_names_its_round_and_resumes_as_printed(user, t
 
 def test_sigterm_to_the_scripts_process_group_ends_the_whole_tree(user, tmp_path):
     app, env = user
-    proc = subprocess.Popen(["bash", str(app / "scripts" / "simulate.sh"), "num-server-rounds=50", TINY, SLOW],
-                            cwd=app,
-                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        wait_round(tmp_path / "out", 1)
+    with training(app, env, tmp_path / "out", "num-server-rounds=50", TINY, SLOW) as proc:
         assert find_pids({ENV_ID_VAR: env[ENV_ID_VAR]}, ("flower-superlink",))  # the SuperLink is ours
         os.killpg(proc.pid, signal.SIGTERM)
         output, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 143, output[-4000:]
     assert "the run did not finish" in output and "resume it with:" in output
     deadline = time.monotonic() + 20  # Ray's workers go with their raylet
@@ -164,18 +164,10 @@ def test_stop_all_stops_a_run_in_progress(user, tmp_path):
     """The PID files are written when the processes start, not after `flwr run` returns: stop_all.sh
     used to say "nothing to stop" while the run trained on."""
     app, env = user
-    proc = subprocess.Popen(["bash", str(app / "scripts" / "simulate.sh"), "num-server-rounds=50", TINY, SLOW],
-                            cwd=app,
-                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        wait_round(tmp_path / "out", 1)
+    with training(app, env, tmp_path / "out", "num-server-rounds=50", TINY, SLOW) as proc:
         stop = subprocess.run(["bash", str(app / "scripts" / "stop_all.sh"), "--dir", str(tmp_path / "run")], env=env,
                               text=True, capture_output=True, timeout=60)
         output, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert stop.returncode == 0 and "nothing to stop" not in stop.stdout, stop.stdout + stop.stderr
     assert "flwr-run: stopping pid" in stop.stdout and "local-superlink: stopping pid" in stop.stdout
     assert proc.returncode != 0 and "the run did not finish" in output, output[-4000:]
