@@ -22,7 +22,7 @@ PLATFORMS=(--platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --p
 WHEELS=(
   flwr==1.42.0 protobuf==6.33.6 grpcio==1.85.3 grpcio-health-checking==1.81.1
   hydra-core==1.3.8 omegaconf==2.3.1
-  alembic mako sqlalchemy greenlet fastapi starlette pydantic pydantic-core annotated-types typing-inspection
+  alembic mako sqlalchemy greenlet fastapi==0.138.2 starlette==1.3.1 pydantic pydantic-core annotated-types typing-inspection
   uvicorn iterators prompt-toolkit wcwidth pycryptodome tomli tomli-w cryptography cffi pycparser
 )
 for wheel in "${WHEELS[@]}"; do
