@@ -3,8 +3,8 @@ composition, and the error feedback that carries each compression's residual int
 
 - **Blockwise quantisation** (`quantize` / `dequantize`): the flattened tensor is cut into blocks of
   `block` values, each with one positive scale s = absmax / L, and every value is rounded to the
-  nearest level: int8 q ∈ [−127, 127] and int4 q ∈ [−7, 7] (value q·s), 2-bit q ∈ {−3, −1, 1, 3}
-  (value q·s/3: no zero level, for the top-k values below, which are never small). Codes are
+  nearest level: int8 q ∈ [−127, 127] and int4 q ∈ [−7, 7], 2-bit q ∈ {−3, −1, 1, 3} (no zero
+  level, for the top-k values below, which are never small); every code decodes to q·s. Codes are
   packed 8 / bits per byte. An all-zero block gets the smallest normal fp32 as its scale, so every
   scale on the wire is finite and > 0 (a receiver refuses the rest).
 - **Chunked top-k** (`topk` / `densify`): the flattened tensor is cut into chunks of `chunk`
@@ -297,7 +297,9 @@ def dequantize(codes: Tensor, scales: Tensor, bits: int, block: int, numel: int)
     q = codes.to(torch.float32) * 2.0 - 3.0 if bits == 2 else codes.to(torch.float32) - level
     nblocks = scales.numel()
     q = torch.nn.functional.pad(q, (0, nblocks * block - numel)).view(nblocks, block)
-    values = q * (scales[:, None] / (3.0 if bits == 2 else 1.0))
+    # every width decodes as q·s: the 2-bit scale is absmax / 3 like the others' absmax / L, so
+    # the code 3 is the block's absmax (an earlier version divided by 3 again: a third of the value)
+    values = q * scales[:, None]
     return values.reshape(-1)[:numel]
 
 

@@ -66,7 +66,7 @@ def test_an_all_zero_block_gets_a_positive_scale():
     codes, scales = quantize(torch.zeros(10), 8, 4)
     assert bool((scales > 0).all()) and codes.tolist() == [127] * 10
     y = decode(encode(torch.zeros(10), CodecSpec("quant", bits=2, block=4)))
-    assert float(y.abs().max()) < 1e-37  # 2-bit has no zero level: ±tiny/3
+    assert float(y.abs().max()) < 1e-37  # 2-bit has no zero level: ±tiny
 
 
 @pytest.mark.parametrize("numel,chunk,k", [(10000, 4096, 123), (4096, 4096, 4096), (100, 4096, 30), (9, 4, 2)])
