@@ -24,6 +24,12 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TOPK: _ClassVar[Codec]
     TOPK_QUANT: _ClassVar[Codec]
     ROWS: _ClassVar[Codec]
+
+class Levels(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GRID: _ClassVar[Levels]
+    LUT: _ClassVar[Levels]
+    SIGN: _ClassVar[Levels]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 BFLOAT16: DType
@@ -36,9 +42,12 @@ QUANT: Codec
 TOPK: Codec
 TOPK_QUANT: Codec
 ROWS: Codec
+GRID: Levels
+LUT: Levels
+SIGN: Levels
 
 class Tensor(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "codec", "nbytes", "data", "bits", "block", "chunk", "topk", "sqrt")
+    __slots__ = ("name", "shape", "dtype", "codec", "nbytes", "data", "bits", "block", "chunk", "topk", "sqrt", "levels")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +59,7 @@ class Tensor(_message.Message):
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
     SQRT_FIELD_NUMBER: _ClassVar[int]
+    LEVELS_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
@@ -61,7 +71,8 @@ class Tensor(_message.Message):
     chunk: int
     topk: int
     sqrt: bool
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., nbytes: _Optional[int] = ..., data: _Optional[bytes] = ..., bits: _Optional[int] = ..., block: _Optional[int] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ..., sqrt: _Optional[bool] = ...) -> None: ...
+    levels: Levels
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., nbytes: _Optional[int] = ..., data: _Optional[bytes] = ..., bits: _Optional[int] = ..., block: _Optional[int] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ..., sqrt: _Optional[bool] = ..., levels: _Optional[_Union[Levels, str]] = ...) -> None: ...
 
 class GlobalState(_message.Message):
     __slots__ = ("schema", "model_id", "round", "opt_step", "params", "projections", "moments", "params_from_seed", "params_delta")

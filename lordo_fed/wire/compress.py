@@ -3,8 +3,7 @@ composition, and the error feedback that carries each compression's residual int
 
 - **Blockwise quantisation** (`quantize` / `dequantize`): the flattened tensor is cut into blocks of
   `block` values, each with one positive scale s = absmax / L, and every value is rounded to the
-  nearest level: int8 q ∈ [−127, 127] and int4 q ∈ [−7, 7], 2-bit q ∈ {−3, −1, 1, 3} (no zero
-  level, for the top-k values below, which are never small); every code decodes to q·s. Codes are
+  nearest level: int8 q ∈ [−127, 127] and int4 q ∈ [−7, 7]; every code decodes to q·s. Codes are
   packed 8 / bits per byte. An all-zero block gets the smallest normal fp32 as its scale, so every
   scale on the wire is finite and > 0 (a receiver refuses the rest).
 - **Chunked top-k** (`topk` / `densify`): the flattened tensor is cut into chunks of `chunk`
@@ -13,6 +12,14 @@ composition, and the error feedback that carries each compression's residual int
   (16 when ≤ 65536): SparseLoCo's layout (Sarfi et al. 2025, "Communication-Efficient Language
   Model Training Scales Reliably and Robustly"), where top-k of 1–3% per chunk with 2-bit values
   and error feedback loses nothing against DiLoCo.
+- **2-bit top-k values** decode to bin means, never to a grid: a 2-bit grid has no level near the
+  typical kept value and inflates heavy-tailed ones (gain ⟨x̂, x⟩/⟨x, x⟩ 1.34 on Student-t(3),
+  docs/results.md section 12). `levels='lut'` is SparseLoCo's lookup table (Sarfi et al. 2025, its
+  code): over the tensor's kept values, shift μ and σ, four bins of width 1.5σ around μ, and each
+  code decodes to the mean of the values in its bin (4 fp32 per tensor). `levels='sign'`: the sign
+  and one of two magnitudes per chunk, each the mean of its side of a split fitted to the chunk's
+  kept magnitudes (8 bytes per chunk). A bin mean never
+  overshoots: the decoded value is the mean of the originals that share its code.
 - **Row-sparse** (`kind='rows'`, for an embedding): of a 2-D tensor, only the rows whose L2 norm
   is at least `threshold` x the largest row's, their values fp32 or int8 / int4 with one scale
   per row, their row indices packed in 16 bits (32 past 65536 rows). With error feedback the rows
@@ -39,32 +46,29 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor
 
-QUANT_BITS = (8, 4, 2)
+from lordo_fed.wire.values import (LUT_BINS, CompressionError, dequantize, index_bits, lut_quantize, pack,
+                                   packed_size, quantize, row_index_bits, sign_dequantize, sign_quantize, unpack)
+
+QUANT_BITS = (8, 4)
+"""Dense blockwise quantisation."""
+TOPK_BITS = (0, 8, 4, 2)
+"""Top-k values: fp32 (0), 8 or 4 bits on a grid, 2 bits as bin means."""
+LEVELS = ("grid", "lut", "sign")
+"""How quantised top-k values decode: 'grid' (8, 4 bits), 'lut' or 'sign' (2 bits)."""
 ROW_BITS = (0, 8, 4)
 """Values of a row-sparse tensor: fp32 (0), int8 or int4, one scale per row."""
-_LEVELS = {8: 127, 4: 7, 2: 3}
-"""Largest integer level per bit width (2-bit codes are the odd levels −3, −1, 1, 3)."""
-_TINY = torch.finfo(torch.float32).tiny
-"""Scale of an all-zero block: every scale on the wire is finite and > 0."""
-_UP = 1e-6
-"""Relative margin of rounding up (`quantize(up=True)`): well above fp32's rounding of a division
-and a product (6e-8 each), so that the decoded value is never below the original."""
-
-
-class CompressionError(ValueError):
-    """A compressed tensor that cannot have come from `encode`: what and why."""
 
 
 @dataclass(frozen=True)
 class CodecSpec:
     """How one tensor is compressed: 'raw' (fp32), 'quant' (blockwise, `bits`, `block`), 'topk'
-    (`density` of each `chunk`, values fp32 or, with `bits`, quantised with one scale per chunk),
+    (`density` of each `chunk`, values fp32 or, with `bits`, quantised per `levels`),
     'rows' (the rows of a 2-D tensor at least `threshold` x the largest row's norm)."""
 
     kind: str = "raw"
     """'raw', 'quant', 'topk' or 'rows'."""
     bits: int = 0
-    """Quantised values: 8, 4 or 2 (0 = fp32 values; 'quant' needs one)."""
+    """Quantised values: 8 or 4 ('quant' needs one), 2 for top-k values (0 = fp32 values)."""
     block: int = 64
     """'quant': values per scale."""
     chunk: int = 4096
@@ -79,6 +83,8 @@ class CodecSpec:
     sqrt: bool = False
     """'quant' of a second moment v ≥ 0: √v is quantised, rounded up, and squared back, so v̂ ≥ v
     and a positive v never becomes 0 (Adam divides by √v̂: a zeroed v makes its step explode)."""
+    levels: str = "grid"
+    """'topk' with `bits`: 'grid' (8, 4 bits: q·s, one scale per chunk), 'lut' or 'sign' (2 bits: bin means)."""
 
     def validate(self) -> "CodecSpec":
         if self.kind not in ("raw", "quant", "topk", "rows"):
@@ -93,8 +99,16 @@ class CodecSpec:
             return self
         if self.kind == "quant" and self.bits not in QUANT_BITS:
             raise ValueError(f"codec 'quant' bits={self.bits!r}: expected one of {QUANT_BITS}")
-        if self.kind == "topk" and self.bits not in (0, *QUANT_BITS):
-            raise ValueError(f"codec 'topk' bits={self.bits!r}: expected 0 (fp32 values) or one of {QUANT_BITS}")
+        if self.kind == "topk" and self.bits not in TOPK_BITS:
+            raise ValueError(f"codec 'topk' bits={self.bits!r}: expected 0 (fp32 values) or one of {TOPK_BITS[1:]}")
+        if self.levels not in LEVELS:
+            raise ValueError(f"codec levels={self.levels!r}: expected one of {LEVELS}")
+        if self.kind == "topk" and self.bits == 2 and self.levels == "grid":
+            raise ValueError("codec 'topk' bits=2 levels='grid': 2-bit values decode to bin means, expected "
+                             "levels 'lut' or 'sign' (a 2-bit grid inflates heavy-tailed values)")
+        if self.levels != "grid" and (self.kind != "topk" or self.bits != 2):
+            raise ValueError(f"codec levels={self.levels!r} with kind={self.kind!r} bits={self.bits}: "
+                             "'lut' and 'sign' are for 2-bit top-k values")
         if not (isinstance(self.block, int) and self.block >= 1):
             raise ValueError(f"codec block={self.block!r}: expected an integer >= 1")
         if not (isinstance(self.chunk, int) and 1 <= self.chunk <= 65536):
@@ -121,7 +135,7 @@ class CodecSpec:
             return CodecSpec("quant", bits=self.bits, block=self.block, sqrt=self.sqrt)
         if self.kind == "rows":  # the rows kept and the threshold are the sender's choice, per tensor
             return CodecSpec("rows", bits=self.bits)
-        return CodecSpec("topk", bits=self.bits, chunk=self.chunk, density=1.0, topk=self.k)
+        return CodecSpec("topk", bits=self.bits, chunk=self.chunk, density=1.0, topk=self.k, levels=self.levels)
 
 
 @dataclass
@@ -162,7 +176,9 @@ def part_sizes(spec: CodecSpec, numel: int, shape: tuple[int, ...] = ()) -> tupl
     indices = packed_size(count, index_bits(spec.chunk))
     if not spec.bits:
         return 4 * count, 0, indices
-    return packed_size(count, spec.bits), 4 * (full + (1 if k_tail else 0)), indices
+    groups = full + (1 if k_tail else 0)
+    per = {"grid": 4 * groups, "lut": 4 * LUT_BINS, "sign": 8 * groups}[spec.levels]
+    return packed_size(count, spec.bits), per, indices
 
 
 def split_payload(spec: CodecSpec, numel: int, payload, shape: tuple[int, ...] = ()) -> Encoded:
@@ -185,81 +201,8 @@ def describe(spec: CodecSpec) -> str:
         return f"{'sqrt-' if spec.sqrt else ''}int{spec.bits}/{spec.block}"
     if spec.kind == "rows":
         return "rows" + (f" {spec.topk}" if spec.topk else "") + (f" int{spec.bits}" if spec.bits else " fp32")
-    return f"top-k {spec.k}/{spec.chunk}" + (f" {spec.bits}-bit" if spec.bits else "")
-
-
-# ----------------------------------------------------------------------------- bit packing
-def pack(codes: Tensor, bits: int) -> bytes:
-    """Non-negative integer codes (< 2**bits) packed little-endian, 8 / bits per byte for 2, 4 and
-    8 bits, two per three bytes for 12, two bytes each for 16."""
-    if bits == 8:  # one code per byte: no shifts
-        return codes.reshape(-1).to("cpu", torch.uint8).numpy().tobytes()
-    c = codes.reshape(-1).to("cpu", torch.int32)
-    if bits in (2, 4):
-        per = 8 // bits
-        pad = (-c.numel()) % per
-        if pad:
-            c = torch.cat([c, c.new_zeros(pad)])
-        c = c.view(-1, per)
-        shifts = torch.arange(per, dtype=torch.int32) * bits
-        return (c << shifts).sum(dim=1).to(torch.uint8).numpy().tobytes()
-    if bits == 12:
-        if c.numel() % 2:
-            c = torch.cat([c, c.new_zeros(1)])
-        a, b = c[0::2], c[1::2]
-        out = torch.stack([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], dim=1)
-        return out.to(torch.uint8).numpy().tobytes()
-    if bits == 16:
-        return c.to(torch.int32).numpy().astype("<u2").tobytes()
-    if bits == 32:
-        return codes.reshape(-1).to("cpu", torch.int64).numpy().astype("<u4").tobytes()
-    raise ValueError(f"pack: bits={bits}: expected 2, 4, 8, 12, 16 or 32")
-
-
-def unpack(data: bytes, bits: int, count: int) -> Tensor:
-    """The first `count` codes of `pack(codes, bits)` (uint8 for 8 bits, else int64);
-    CompressionError if the bytes are not exactly what `count` codes take."""
-    expected = packed_size(count, bits)
-    if len(data) != expected:
-        raise CompressionError(f"{len(data)} bytes of {bits}-bit codes, expected {expected} for {count} codes")
-    if bits == 8:  # the bytes are the codes
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64) if data else torch.zeros(0, dtype=torch.int64)
-    if bits in (2, 4):
-        per = 8 // bits
-        shifts = torch.arange(per, dtype=torch.int64) * bits
-        return ((raw.view(-1, 1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:count]
-    if bits == 12:
-        t = raw.view(-1, 3)
-        a = t[:, 0] | ((t[:, 1] & 0xF) << 8)
-        b = (t[:, 1] >> 4) | (t[:, 2] << 4)
-        return torch.stack([a, b], dim=1).reshape(-1)[:count]
-    if bits == 16:
-        t = raw.view(-1, 2)
-        return (t[:, 0] | (t[:, 1] << 8))[:count]
-    if bits == 32:
-        t = raw.view(-1, 4)
-        return (t[:, 0] | (t[:, 1] << 8) | (t[:, 2] << 16) | (t[:, 3] << 24))[:count]
-    raise ValueError(f"unpack: bits={bits}: expected 2, 4, 8, 12, 16 or 32")
-
-
-def packed_size(count: int, bits: int) -> int:
-    """Bytes `pack` writes for `count` codes of `bits` bits."""
-    if bits == 12:
-        return 3 * math.ceil(count / 2)
-    if bits in (16, 32):
-        return bits // 8 * count
-    return math.ceil(count * bits / 8)
-
-
-def index_bits(chunk: int) -> int:
-    """Bits per packed top-k index for chunks of `chunk` values."""
-    return 12 if chunk <= 4096 else 16
-
-
-def row_index_bits(nrows: int) -> int:
-    """Bits per packed row index of a row-sparse tensor of `nrows` rows."""
-    return 16 if nrows <= 65536 else 32
+    return (f"top-k {spec.k}/{spec.chunk}" + (f" {spec.bits}-bit" if spec.bits else "")
+            + (f" {spec.levels}" if spec.levels != "grid" else ""))
 
 
 def _row_shape(shape: tuple[int, ...], numel: int) -> tuple[int, int]:
@@ -267,40 +210,6 @@ def _row_shape(shape: tuple[int, ...], numel: int) -> tuple[int, int]:
     if len(shape) != 2 or math.prod(shape) != numel:
         raise CompressionError(f"the row-sparse codec needs a 2-D shape, got {list(shape)} for {numel} values")
     return int(shape[0]), int(shape[1])
-
-
-# ----------------------------------------------------------------------------- quantisation
-def quantize(x: Tensor, bits: int, block: int, up: bool = False) -> tuple[Tensor, Tensor]:
-    """(codes, scales): the flattened `x` in blocks of `block`, one fp32 scale each, codes as
-    uint8 (q + L for int8/int4, (q + 3) / 2 for 2-bit) ready to `pack`; with `up`
-    (int8/int4 of values ≥ 0) rounded up instead of to the nearest level."""
-    flat = x.detach().reshape(-1).float()
-    n = flat.numel()
-    nblocks = math.ceil(n / block)
-    padded = torch.nn.functional.pad(flat, (0, nblocks * block - n)).view(nblocks, block)
-    level = _LEVELS[bits]
-    scales = (padded.abs().amax(dim=1) / level).clamp_min(_TINY)
-    if up:  # room above the largest value, so that rounding up never needs a level past L
-        scales = scales * (1 + _UP)
-    q = padded / scales[:, None]
-    if bits == 2:  # nearest of the odd levels −3, −1, 1, 3
-        codes = q.clamp_(-3.0, 3.0).add_(3.0).div_(2.0).round_().clamp_(0, 3)
-    else:
-        # up: a relative nudge before ceil, so that fp32 rounding of x / s never lands one level low
-        codes = (q.mul_(1 + _UP).ceil_() if up else q.round_()).clamp_(-level, level).add_(level)
-    return codes.reshape(-1)[:n].to(torch.uint8), scales
-
-
-def dequantize(codes: Tensor, scales: Tensor, bits: int, block: int, numel: int) -> Tensor:
-    """The fp32 values of `quantize`'s output (flat, `numel` long)."""
-    level = _LEVELS[bits]
-    q = codes.to(torch.float32) * 2.0 - 3.0 if bits == 2 else codes.to(torch.float32) - level
-    nblocks = scales.numel()
-    q = torch.nn.functional.pad(q, (0, nblocks * block - numel)).view(nblocks, block)
-    # every width decodes as q·s: the 2-bit scale is absmax / 3 like the others' absmax / L, so
-    # the code 3 is the block's absmax (an earlier version divided by 3 again: a third of the value)
-    values = q * scales[:, None]
-    return values.reshape(-1)[:numel]
 
 
 # ----------------------------------------------------------------------------- top-k
@@ -376,7 +285,7 @@ def encode(x: Tensor, spec: CodecSpec) -> Encoded:
     indices = pack(positions, index_bits(spec.chunk))
     if not spec.bits:
         return Encoded(spec, n, _f32(values), indices=indices, shape=shape)
-    codes, scales = _quantize_groups(values, spec.bits, _value_groups(n, spec))
+    codes, scales = _quantize_groups(values, spec, _value_groups(n, spec))
     return Encoded(spec, n, pack(codes, spec.bits), _f32(scales), indices, shape)
 
 
@@ -416,9 +325,8 @@ def decode(enc: Encoded, label: str = "tensor") -> Tensor:
                              label)
         else:
             groups = _value_groups(n, spec)
-            scales = _scales(enc.scales, groups[0] + (1 if groups[2] else 0))
             codes = unpack(enc.data, spec.bits, count)
-            values = _dequantize_groups(codes, scales, spec.bits, groups)
+            values = _dequantize_groups(codes, enc.scales, spec, groups)
         return densify(positions, values, n, spec.chunk, spec.k)
     except CompressionError as err:
         if str(err).startswith(label):
@@ -492,6 +400,16 @@ def _scales(data: bytes, count: int) -> Tensor:
     return scales
 
 
+def _floats(data: bytes, count: int, what: str) -> Tensor:
+    """`count` finite fp32 values (a 2-bit table or magnitudes); CompressionError otherwise."""
+    if len(data) != 4 * count:
+        raise CompressionError(f"{len(data)} bytes of a 2-bit {what}, expected {4 * count}")
+    out = torch.frombuffer(bytearray(data), dtype=torch.float32) if count else torch.zeros(0)
+    if not bool(torch.isfinite(out).all()):
+        raise CompressionError(f"a 2-bit {what} holds NaN or Inf")
+    return out
+
+
 def _finite(t: Tensor, label: str) -> Tensor:
     if not bool(torch.isfinite(t).all()):
         raise CompressionError(f"{label}: contains NaN or Inf")
@@ -504,22 +422,47 @@ def _value_groups(numel: int, spec: CodecSpec) -> tuple[int, int, int]:
     return full, k, k_tail
 
 
-def _quantize_groups(values: Tensor, bits: int, groups: tuple[int, int, int]) -> tuple[Tensor, Tensor]:
-    """`quantize` with one scale per chunk's top-k values (the tail's as one more block)."""
+def _groups_of(values: Tensor, groups: tuple[int, int, int]) -> list[Tensor]:
+    """The kept values as 2-D (chunks, k) blocks: the full chunks', then the tail's (1, k_tail)."""
     full, k, k_tail = groups
-    parts = [quantize(values[:full * k], bits, k)] if full else []
+    parts = [values[:full * k].view(full, k)] if full else []
     if k_tail:
-        parts.append(quantize(values[full * k:], bits, k_tail))
-    if not parts:
-        return torch.zeros(0, dtype=torch.int64), torch.zeros(0)
-    return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
+        parts.append(values[full * k:].view(1, k_tail))
+    return parts
 
 
-def _dequantize_groups(codes: Tensor, scales: Tensor, bits: int, groups: tuple[int, int, int]) -> Tensor:
+def _quantize_groups(values: Tensor, spec: CodecSpec, groups: tuple[int, int, int]) -> tuple[Tensor, Tensor]:
+    """(codes, what they decode with) of a chunked top-k's values: per `spec.levels`, one grid scale
+    per chunk, SparseLoCo's 4-entry table for the tensor, or two magnitudes per chunk."""
+    if values.numel() == 0:
+        return torch.zeros(0, dtype=torch.uint8), torch.zeros(LUT_BINS if spec.levels == "lut" else 0)
+    if spec.levels == "lut":
+        return lut_quantize(values)
+    parts = [quantize(p, spec.bits, p.shape[1]) if spec.levels == "grid" else sign_quantize(p)
+             for p in _groups_of(values, groups)]
+    return torch.cat([c for c, _ in parts]), torch.cat([s.reshape(-1) for _, s in parts])
+
+
+def _dequantize_groups(codes: Tensor, data: bytes, spec: CodecSpec, groups: tuple[int, int, int]) -> Tensor:
+    """The values `_quantize_groups` encoded, from the codes and the bytes after them;
+    CompressionError for a table or magnitudes that cannot have come from it."""
     full, k, k_tail = groups
-    parts = [dequantize(codes[:full * k], scales[:full], bits, k, full * k)] if full else []
+    nchunks = full + (1 if k_tail else 0)
+    if spec.levels == "lut":
+        table = _floats(data, LUT_BINS, "lookup table")
+        return table[codes.long()]
+    if spec.levels == "sign":
+        mags = _floats(data, 2 * nchunks, "magnitudes")
+        if bool((mags < 0).any()):
+            raise CompressionError("a negative magnitude of 2-bit sign codes")
+        if not nchunks:
+            return torch.zeros(0)
+        chunk_of = torch.arange(nchunks).repeat_interleave(torch.tensor([k] * full + ([k_tail] if k_tail else [])))
+        return sign_dequantize(codes, mags.view(-1, 2), chunk_of)
+    scales = _scales(data, nchunks)
+    parts = [dequantize(codes[:full * k], scales[:full], spec.bits, k, full * k)] if full else []
     if k_tail:
-        parts.append(dequantize(codes[full * k:], scales[full:], bits, k_tail, k_tail))
+        parts.append(dequantize(codes[full * k:], scales[full:], spec.bits, k_tail, k_tail))
     return torch.cat(parts) if parts else torch.zeros(0)
 
 

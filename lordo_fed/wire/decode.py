@@ -144,13 +144,26 @@ def _check_wire_types(msg, label: str) -> None:
                                f"declared type{what}")
 
 
-def _spec_of(t: pb.Tensor) -> CodecSpec:
-    """The compression spec a v2 tensor declares (its codec fields, as sent)."""
+def _spec_of(t: pb.Tensor, label: str = "") -> CodecSpec:
+    """The compression spec a v2 tensor declares (its codec fields, as sent); PayloadError, naming
+    `label`, for `levels` that no codec has."""
+    label = label or repr(t.name)
+    if t.codec in (pb.QUANT, pb.ROWS) and t.levels:
+        raise PayloadError(f"{label}: levels {_enum_name(pb.Levels, t.levels)} with codec {pb.Codec.Name(t.codec)} "
+                           "(only TOPK_QUANT has levels)")
     if t.codec == pb.QUANT:
         return CodecSpec("quant", bits=t.bits, block=t.block, sqrt=bool(t.sqrt))
     if t.codec == pb.ROWS:
         return CodecSpec("rows", bits=t.bits, topk=t.topk)
-    return CodecSpec("topk", bits=t.bits if t.codec == pb.TOPK_QUANT else 0, chunk=t.chunk, density=1.0, topk=t.topk)
+    levels = {pb.GRID: "grid", pb.LUT: "lut", pb.SIGN: "sign"}.get(t.levels)
+    if levels is None:
+        raise PayloadError(f"{label}: unknown levels enum value {_enum_name(pb.Levels, t.levels)} "
+                           f"(known: {', '.join(pb.Levels.keys())})")
+    if levels != "grid" and t.codec != pb.TOPK_QUANT:
+        raise PayloadError(f"{label}: levels {pb.Levels.Name(t.levels)} with codec {pb.Codec.Name(t.codec)} "
+                           "(only TOPK_QUANT has levels)")
+    return CodecSpec("topk", bits=t.bits if t.codec == pb.TOPK_QUANT else 0, chunk=t.chunk, density=1.0, topk=t.topk,
+                     levels=levels)
 
 
 def _check_tensor_meta(t: pb.Tensor, where: str, v2: bool = False,
@@ -174,9 +187,9 @@ def _check_tensor_meta(t: pb.Tensor, where: str, v2: bool = False,
         raise PayloadError(f"{label}: codec {pb.Codec.Name(t.codec)} does not fit dtype "
                            f"{pb.DType.Name(t.dtype)} (allowed: "
                            f"{', '.join(sorted(pb.Codec.Name(c) for c in codecs_of_dtype))})")
-    if not compressed and (t.bits or t.block or t.chunk or t.topk or t.sqrt):
+    if not compressed and (t.bits or t.block or t.chunk or t.topk or t.sqrt or t.levels):
         raise PayloadError(f"{label}: codec {pb.Codec.Name(t.codec)} with compression fields set (bits={t.bits}, "
-                           f"block={t.block}, chunk={t.chunk}, topk={t.topk}, sqrt={t.sqrt})")
+                           f"block={t.block}, chunk={t.chunk}, topk={t.topk}, sqrt={t.sqrt}, levels={t.levels})")
     shape = tuple(t.shape)
     for d in shape:
         if not isinstance(d, int) or isinstance(d, bool):
@@ -186,7 +199,7 @@ def _check_tensor_meta(t: pb.Tensor, where: str, v2: bool = False,
     if t.nbytes < 0:
         raise PayloadError(f"{label}: negative declared size nbytes={t.nbytes}")
     if compressed:
-        spec = _spec_of(t)
+        spec = _spec_of(t, label)
         try:
             spec.validate()
         except ValueError as err:

@@ -52,7 +52,7 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def _codec_fields(enc: Encoded) -> tuple[int, dict[int, int]]:
-    """(Codec enum value, {Tensor field number: value} of bits/block/chunk/topk) of an Encoded."""
+    """(Codec enum value, {Tensor field number: value} of bits/block/chunk/topk/sqrt/levels) of an Encoded."""
     spec = enc.spec
     if spec.kind == "raw":
         return pb.RAW, {}
@@ -60,8 +60,9 @@ def _codec_fields(enc: Encoded) -> tuple[int, dict[int, int]]:
         return pb.QUANT, {7: spec.bits, 8: spec.block, **({11: 1} if spec.sqrt else {})}
     if spec.kind == "rows":
         return pb.ROWS, {**({7: spec.bits} if spec.bits else {}), 10: spec.topk}
+    levels = {"grid": pb.GRID, "lut": pb.LUT, "sign": pb.SIGN}[spec.levels]
     return (pb.TOPK_QUANT if spec.bits else pb.TOPK), {**({7: spec.bits} if spec.bits else {}), 9: spec.chunk,
-                                                        10: spec.k}
+                                                        10: spec.k, **({12: levels} if levels else {})}
 
 
 def _schema_of(groups: Iterable[Mapping[str, object]], kind: str, v2_fields: bool = False) -> str:

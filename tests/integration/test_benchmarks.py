@@ -279,7 +279,8 @@ def test_compression_quick(tmp_path):
     bytes than bf16), encode/decode time and a tiny quality run (not its figures' quality)."""
     result = run_quick("compression.py", tmp_path)
     by = {r["payload"]: r for r in result["bytes"]}
-    assert set(by) == {"fp32", "bf16", "int8", "int4", "topk2bit", "lowrank+topk2bit", "lowrank+topk2bit+rows"}
+    assert set(by) == {"fp32", "bf16", "int8", "int4", "topk2bit", "topk2bit-lut", "lowrank+topk2bit",
+                       "lowrank+topk2bit+rows"}
     assert round(by["fp32"]["reduction_vs_ddp_fp32"]) == 12
     assert by["fp32"]["reduction_vs_ddp_fp32"] < by["bf16"]["reduction_vs_ddp_fp32"] < by["int8"]["reduction_vs_ddp_fp32"]
     up = {p: r["up_bytes_per_round"] for p, r in by.items()}
@@ -288,6 +289,8 @@ def test_compression_quick(tmp_path):
     # all of the embedding's rows (--row-share 1): a scale and an index per row of 256 values cost
     # less than int8's scale per 64 values
     assert up["lowrank+topk2bit"] > up["lowrank+topk2bit+rows"] and up["lowrank+topk2bit"] > up["topk2bit"]
+    # one 4-entry table per tensor against two magnitudes per chunk
+    assert up["topk2bit-lut"] < up["topk2bit"]
     times = {r["payload"]: r for r in result["time"]}
     assert all(times[p]["up_bytes"] < times["fp32"]["up_bytes"] for p in ("int8", "int4", "topk2bit", "lowrank+topk2bit"))
     assert all(r["codec_s"] > 0 for r in result["time"])

@@ -15,7 +15,7 @@ from lordo_fed.wire.compress import (CodecSpec, CompressionError, Encoded, Error
 
 def reference_quantize(x: torch.Tensor, bits: int, block: int) -> tuple[list[int], list[float]]:
     """One block at a time, one value at a time: the codes and scales `quantize` must produce."""
-    level = {8: 127, 4: 7, 2: 3}[bits]
+    level = {8: 127, 4: 7}[bits]
     flat = x.reshape(-1).tolist()
     codes, scales = [], []
     for start in range(0, len(flat), block):
@@ -25,10 +25,7 @@ def reference_quantize(x: torch.Tensor, bits: int, block: int) -> tuple[list[int
         scales.append(scale)
         for v in values:
             q = float(torch.tensor(v, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32))
-            if bits == 2:
-                codes.append(int(min(3, max(0, round_half_even((min(3.0, max(-3.0, q)) + 3.0) / 2.0)))))
-            else:
-                codes.append(int(min(level, max(-level, round_half_even(q)))) + level)
+            codes.append(int(min(level, max(-level, round_half_even(q)))) + level)
     return codes, scales
 
 
@@ -50,7 +47,7 @@ def reference_topk(x: torch.Tensor, chunk: int, k: int) -> tuple[list[int], list
     return positions, values
 
 
-@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("numel,block", [(200, 64), (64, 64), (5, 8)])
 def test_quantize_equals_the_per_block_loop(bits, numel, block):
     torch.manual_seed(bits + numel)
@@ -65,8 +62,7 @@ def test_quantize_equals_the_per_block_loop(bits, numel, block):
 def test_an_all_zero_block_gets_a_positive_scale():
     codes, scales = quantize(torch.zeros(10), 8, 4)
     assert bool((scales > 0).all()) and codes.tolist() == [127] * 10
-    y = decode(encode(torch.zeros(10), CodecSpec("quant", bits=2, block=4)))
-    assert float(y.abs().max()) < 1e-37  # 2-bit has no zero level: ±tiny
+    assert torch.equal(decode(encode(torch.zeros(10), CodecSpec("quant", bits=4, block=4))), torch.zeros(10))
 
 
 @pytest.mark.parametrize("numel,chunk,k", [(10000, 4096, 123), (4096, 4096, 4096), (100, 4096, 30), (9, 4, 2)])
@@ -119,8 +115,11 @@ def test_topk_keeps_the_largest_entries_exactly_and_zeros_the_rest():
         part = x[c * 1000:(c + 1) * 1000].abs()
         assert float(part[~kept[c * 1000:(c + 1) * 1000]].max()) <= float(part[kept[c * 1000:(c + 1) * 1000]].min())
     assert enc.nbytes == 4 * 100 + packed_size(100, index_bits(1000))
-    two_bit = encode(x, CodecSpec("topk", bits=2, chunk=1000, density=0.02))
-    assert two_bit.nbytes == packed_size(100, 2) + 4 * 5 + packed_size(100, 12)
+    two_bit = encode(x, CodecSpec("topk", bits=2, chunk=1000, density=0.02, levels="lut"))
+    assert two_bit.nbytes == packed_size(100, 2) + 4 * 4 + packed_size(100, 12)  # one 4-entry table
+    signs = encode(x, CodecSpec("topk", bits=2, chunk=1000, density=0.02, levels="sign"))
+    assert signs.nbytes == packed_size(100, 2) + 8 * 5 + packed_size(100, 12)  # two magnitudes per chunk
+    assert torch.equal(torch.sign(decode(signs)), torch.sign(y))
     z = decode(two_bit)
     assert torch.equal(z != 0, kept) and torch.equal(torch.sign(z[kept]), torch.sign(x[kept]))
 
@@ -130,6 +129,8 @@ def hostile_cases() -> list[tuple[str, Encoded, str]]:
     quant = encode(x, CodecSpec("quant", bits=8, block=64))
     sparse = encode(x, CodecSpec("topk", chunk=128, density=0.05))
     sparse_q = encode(x, CodecSpec("topk", bits=4, chunk=128, density=0.05))
+    signs = encode(x, CodecSpec("topk", bits=2, chunk=128, density=0.05, levels="sign"))
+    table = encode(x, CodecSpec("topk", bits=2, chunk=128, density=0.05, levels="lut"))
     full, k, tail, k_tail = chunk_layout(300, 128, CodecSpec("topk", chunk=128, density=0.05).k)
     positions = unpack(sparse.indices, 12, full * k + k_tail)
 
@@ -165,6 +166,10 @@ def hostile_cases() -> list[tuple[str, Encoded, str]]:
         ("more indices than declared", Encoded(sparse.spec, 300, sparse.data, b"", sparse.indices + b"\0\0\0"),
          "bytes of 12-bit codes"),
         ("NaN value", Encoded(sparse.spec, 300, nan_values.numpy().tobytes(), b"", sparse.indices), "NaN or Inf"),
+        ("negative 2-bit magnitude", Encoded(signs.spec, 300, signs.data, nan_scale(signs, -1.0), signs.indices),
+         "negative magnitude"),
+        ("short 2-bit table", Encoded(table.spec, 300, table.data, table.scales[:-4], table.indices),
+         "12 bytes of a 2-bit lookup table, expected 16"),
     ]
 
 
@@ -212,7 +217,7 @@ def compressed_update():
     from lordo_fed.wire.messages import WorkerUpdate
 
     torch.manual_seed(4)
-    specs = {"delta": CodecSpec("topk", bits=2, chunk=1024, density=0.03), "moment": CodecSpec("quant", bits=4, block=32)}
+    specs = {"delta": CodecSpec("topk", bits=2, chunk=1024, density=0.03, levels="lut"), "moment": CodecSpec("quant", bits=4, block=32)}
     x, m = torch.randn(64, 48), torch.rand(8, 48)
     update = WorkerUpdate(1, 2, {"w": encode(x, specs["delta"]), "norm": torch.randn(48)},
                           {"exp_avg_sq/w": encode(m, specs["moment"])}, 100, 7, {"train_loss": 1.5})
@@ -269,7 +274,7 @@ def _repeat_first_index(msg) -> None:
 @pytest.mark.parametrize("edit,reason", [
     (lambda msg: setattr(msg, "schema", "lordo_fed.v1.WorkerUpdate"), "compressed codecs come in lordo_fed.v2 payloads only"),
     (lambda msg: setattr(msg.delta[1], "bits", 8), "codec RAW with compression fields set"),
-    (lambda msg: setattr(msg.delta[0], "topk", 40), "codec top-k 40/1024 2-bit is not one this receiver configured"),
+    (lambda msg: setattr(msg.delta[0], "topk", 40), "codec top-k 40/1024 2-bit lut is not one this receiver configured"),
     (lambda msg: setattr(msg.delta[0], "chunk", 0), "codec chunk=0: expected an integer in [1, 65536]"),
     (lambda msg: setattr(msg.moments[0], "bits", 3), "codec 'quant' bits=3"),
     (lambda msg: setattr(msg.delta[0], "nbytes", msg.delta[0].nbytes + 1), "does not match shape [64, 48] with codec"),
@@ -277,6 +282,13 @@ def _repeat_first_index(msg) -> None:
     (_repeat_first_index, "WorkerUpdate.delta['w']: top-k indices repeated or out of order"),
     (lambda msg: setattr(msg.moments[0], "data", msg.moments[0].data[:-4] + b"\0\0\xc0\x7f"),
      "WorkerUpdate.moments['exp_avg_sq/w']: a block scale is NaN"),
+    (lambda msg: setattr(msg.delta[0], "levels", 7), "WorkerUpdate.delta['w']: unknown levels enum value 7"),
+    (lambda msg: setattr(msg.delta[0], "levels", 0), "2-bit values decode to bin means, expected levels 'lut' or 'sign'"),
+    (lambda msg: setattr(msg.delta[0], "levels", 2), "codec top-k 31/1024 2-bit sign is not one this receiver configured"),
+    (lambda msg: setattr(msg.moments[0], "levels", 1), "levels LUT with codec QUANT"),
+    (lambda msg: setattr(msg.delta[1], "levels", 1), "codec RAW with compression fields set"),
+    (lambda msg: setattr(msg.delta[0], "data", msg.delta[0].data[:28] + b"\0\0\xc0\x7f" + msg.delta[0].data[32:]),
+     "WorkerUpdate.delta['w']: a 2-bit lookup table holds NaN or Inf"),  # codes: 24 bytes, then the table
 ])
 def test_hostile_compressed_payloads_are_refused_with_a_reason(edit, reason):
     from lordo_fed.wire.codec import PayloadError

@@ -329,7 +329,7 @@ def test_a_compressed_codec_the_server_did_not_configure_is_dropped(tmp_path, ca
     def hostile(s, r):
         u = make_update(s, HOSTILE_PARTITION, r)
         name = next(iter(u.delta))
-        u.delta[name] = compress(u.delta[name], CodecSpec("topk", bits=2, chunk=64, density=0.25))
+        u.delta[name] = compress(u.delta[name], CodecSpec("topk", bits=2, chunk=64, density=0.25, levels="lut"))
         return encode(s, u)
 
     check_dropped(tmp_path, caplog, good_only, hostile, "is not one this receiver configured (configured: none)")

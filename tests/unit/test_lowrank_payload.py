@@ -18,7 +18,7 @@ from lordo_fed.wire.compress import CodecSpec, Encoded, ErrorFeedback, decode, e
 from lordo_fed.wire.payload import PRESETS, resolve_payload
 
 INT8 = CodecSpec("quant", bits=8, block=64)
-TOPK2BIT = CodecSpec("topk", bits=2, chunk=256, density=0.03)
+TOPK2BIT = CodecSpec("topk", bits=2, chunk=256, density=0.03, levels="lut")
 
 
 def orthonormal_basis(shape: tuple[int, int], rank: int, seed: int) -> torch.Tensor:
