@@ -3,6 +3,8 @@
 One round on the server side (docs/algorithm.md, "Where each equation lives"; Jovanović et al.,
 LoRDO, arXiv 2602.04396):
     Δ̄ = Σ_m (n_m / Σ n) Δ_m                token-weighted average of the pseudo-gradients
+                                             (top-k with `rounds.sparse_mean='contributors'`: at each
+                                             index over the workers that sent it, `contributor_mean`)
     θ ← outer(θ, Δ̄)                         average / QHM / Nesterov (lordo_fed.rounds.outer)
     u, v averaged the same way when due      (DES-LOC periods, lordo_fed.rounds.config.RoundConfig)
     P ← top-r subspace of Δ̄ per low-rank W  (LoRDO-Global) and the averaged moments rotated
@@ -283,9 +285,11 @@ class Aggregator:
         delta_sums: dict[str, Tensor] = {}
         moment_sums: dict[str, Tensor] = {}
         bases = self._bases()
+        support = {n: None for n in self._sparse_names(bases)}  # contributor-mean: Σ w of the senders per index
         for ref, w in zip(refs, weights):
-            self._accumulate(ref, w, self.params, delta_sums, moment_sums, moment_norms, opt_step, bases)
-        delta = {n: delta_sums[n] for n in self.params}
+            self._accumulate(ref, w, self.params, delta_sums, moment_sums, moment_norms, opt_step, bases, support)
+        delta = {n: contributor_mean(delta_sums[n], support[n]) if n in support else delta_sums[n]
+                 for n in self.params}
         moments = {k: moment_sums[k] for k in moment_norms}
 
         self._commit_downlink()  # before θ moves: the change the workers applied this round
@@ -314,7 +318,8 @@ class Aggregator:
 
     def _accumulate(self, ref: ReplyRef, weight: float, names: Iterable[str], delta_sums: dict[str, Tensor],
                     moment_sums: dict[str, Tensor] | None = None, moment_norms: Mapping[str, float] | None = None,
-                    opt_step: int = 0, bases: Mapping[str, tuple[Tensor, str]] | None = None) -> None:
+                    opt_step: int = 0, bases: Mapping[str, tuple[Tensor, str]] | None = None,
+                    support: dict[str, Tensor | None] | None = None) -> None:
         """Load one reply and add it into the accumulators: Δ of each of `names` with weight w_m;
         each moment it carries with w_m / (Σ w of the replies carrying it), first moved from the
         reply's step count to the shared one S (a worker that joined late or lost its state has
@@ -334,6 +339,8 @@ class Aggregator:
             if bases and name in update.coords:
                 d = lowrank.join(d, update.coords[name], *bases[name])
             _add_weighted(delta_sums, name, d, weight)
+            if support is not None and name in support:  # the indices this reply sent (top-k: its non-zeros)
+                _add_weighted(support, name, (d != 0).float(), weight)
         if moment_sums is None:  # round-0 gradients: Δ only
             return
         betas = self.round_betas()
@@ -342,6 +349,14 @@ class Aggregator:
             if kind != "ef":
                 value = restep(value, kind, update.opt_step, opt_step, betas, self.bias_correction)
             _add_weighted(moment_sums, key, value, weight / moment_norms[key])
+
+    def _sparse_names(self, bases: Mapping[str, tuple[Tensor, str]]) -> list[str]:
+        """The parameters whose Δ̄ is a contributor mean (`rounds.sparse_mean='contributors'`): those
+        whose Δ travels top-k alone (not rebuilt from coordinates in a shared basis, which is dense)."""
+        if self.rounds.sparse_mean != "contributors" or self.payload is None:
+            return []
+        return [n for n, p in self.params.items()
+                if self.payload.delta_spec(n, tuple(p.shape)).kind == "topk" and n not in bases]
 
     def round_betas(self) -> tuple[float, float]:
         """The inner betas at the last local step of the current round (the two-phase recipe)."""
@@ -480,6 +495,14 @@ class Aggregator:
             else:  # a checkpoint of a run without the compressed downlink: every worker gets θ whole once
                 self.client_params = {n: p.clone() for n, p in self.params.items()}
                 self._resync_all = True
+
+
+def contributor_mean(total: Tensor, weight: Tensor | None) -> Tensor:
+    """Σ_m w_m Δ_m / Σ_{m sent i} w_m at each index i, 0 where no worker sent one (SparseLoCo's
+    aggregation, Sarfi et al. 2025: an index one of M workers chose is not shrunk to 1/M)."""
+    if weight is None:  # no reply carried the tensor
+        return total
+    return torch.where(weight > 0, total / weight.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
 
 
 def _add_weighted(sums: dict[str, Tensor], key: str, t: Tensor, weight: float) -> None:

@@ -21,6 +21,10 @@ from lordo_fed.wire.messages import MOMENT_KEYS
 from lordo_fed.wire.payload import resolve_payload
 
 
+SPARSE_MEANS = ("all", "contributors")
+"""`RoundConfig.sparse_mean`: how a top-k Δ is averaged."""
+
+
 @dataclass
 class RoundConfig:
     """How often workers synchronise what (DES-LOC periods, in rounds of K local steps)."""
@@ -40,6 +44,12 @@ class RoundConfig:
     overlap_delay: int = setting("overlap-delay", 0)
     """τ: a worker starts round r+1 from its own θ as soon as it has sent round r, and merges round r+1's
     global state after τ local steps (Streaming DiLoCo's overlap, docs/algorithm.md; 0 = synchronous rounds)."""
+    wire_ef_decay: float = setting("wire-ef-decay", 1.0)
+    """β of a compressed payload's error feedback on the worker, e ← β·e + Δ (SparseLoCo: 0.95, in
+    place of outer momentum; 1 = nothing a round leaves out is ever dropped)."""
+    sparse_mean: str = setting("sparse-mean", "all")
+    """How the server averages a top-k Δ: 'all' (Σ_m w_m Δ_m, an index one worker sent gets its w_m)
+    or 'contributors' (at each index, the token-weighted mean over the workers that sent it; SparseLoCo)."""
 
     def validate(self) -> "RoundConfig":
         if self.local_steps <= 0:
@@ -48,6 +58,12 @@ class RoundConfig:
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"rounds.{name}={value!r}: expected an integer >= 0 (0 = never)")
+        beta = self.wire_ef_decay
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
+            raise ValueError(f"rounds.wire_ef_decay={beta!r}: expected a number in [0, 1] (β of the compressed "
+                             "payload's error feedback; 1 keeps all of it)")
+        if self.sparse_mean not in SPARSE_MEANS:
+            raise ValueError(f"rounds.sparse_mean={self.sparse_mean!r}: expected one of {SPARSE_MEANS}")
         tau = self.overlap_delay
         if isinstance(tau, bool) or not isinstance(tau, int) or not 0 <= tau < self.local_steps:
             raise ValueError(f"rounds.overlap_delay={tau!r}: expected an integer from 0 (synchronous rounds) to "

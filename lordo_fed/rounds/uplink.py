@@ -26,10 +26,10 @@ from lordo_fed.wire.payload import PayloadCodecs
 class Uplink:
     """What a worker sends, compressed per `codecs` (None: as it is), with Δ's residual kept."""
 
-    def __init__(self, codecs: PayloadCodecs | None) -> None:
+    def __init__(self, codecs: PayloadCodecs | None, ef_decay: float = 1.0) -> None:
         self.codecs = codecs
         """The run's payload preset (lordo_fed.wire.payload); None: fp32 or bf16, sent as it is."""
-        self.ef = ErrorFeedback()
+        self.ef = ErrorFeedback(ef_decay)
         """What compression left out of Δ so far, per parameter (sent in later rounds)."""
 
     def encode(self, delta: dict[str, Tensor], moments: dict[str, Tensor], shared: Iterable[str],

@@ -89,7 +89,7 @@ class Worker:
         """What the local steps run forward through (the intra-node wrapper, or the model)."""
         self.payload = payload
         """Compressed payloads (lordo_fed.wire.payload): Δ sent with error feedback, moments quantised."""
-        self.uplink = Uplink(payload)
+        self.uplink = Uplink(payload, rounds.wire_ef_decay)
         """What the worker sends, compressed per `payload` (Δ's residual kept for later rounds)."""
         self.downlink = Downlink(tracks=payload is not None and payload.down is not None)
         """θ of each round as the server sends it (with a compressed downlink, the clients' copy θ_c)."""

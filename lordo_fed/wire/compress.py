@@ -28,8 +28,9 @@ composition, and the error feedback that carries each compression's residual int
   values or a row-sparse encoding; `encode` returns an `Encoded` whose byte fields are what a wire tensor
   carries, `decode` rebuilds the fp32 tensor and refuses what cannot have come from `encode`
   (`CompressionError`, naming the tensor and the problem).
-- **Error feedback** (`ErrorFeedback`): e ← e + x; c = C(e); e ← e − D(c): what a compression
-  leaves out of one round is sent in a later one (Seide et al. 2014; Karimireddy et al. 2019).
+- **Error feedback** (`ErrorFeedback`): e ← β·e + x; c = C(e); e ← e − D(c): what a compression
+  leaves out of one round is sent in a later one (Seide et al. 2014; Karimireddy et al. 2019);
+  β < 1 lets old residue fade (SparseLoCo's 0.95).
 
 Everything is plain torch on whatever device the tensor lives on, one pass per tensor; the
 simple reference of each codec (a loop per block or chunk) lives in tests/unit/test_compress.py as
@@ -474,8 +475,11 @@ class ErrorFeedback:
     The buffers are fp32 on x's device, created at first use; `state_dict` / `load_state_dict`
     carry them with the client's state between rounds (their bytes count in the memory table)."""
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = 1.0) -> None:
         self.residual: dict[str, Tensor] = {}
+        self.decay = decay
+        """β: the residual is decayed before each new x is added, e ← β·e + x (SparseLoCo's 0.95,
+        Sarfi et al. 2025, where the decaying buffer replaces outer momentum; 1 = classic error feedback)."""
 
     def compress(self, name: str, x: Tensor, spec: CodecSpec) -> tuple[Encoded, Tensor]:
         """(the encoding of x + e, what the receiver decodes from it, shaped like x)."""
@@ -494,7 +498,9 @@ class ErrorFeedback:
     def _plus_residual(self, name: str, x: Tensor) -> tuple[Tensor, bool]:
         """(x + e in e's own buffer, True), or at first use (x as fp32, False: it may be x itself)."""
         e = self.residual.get(name)
-        return (x.detach().float(), False) if e is None else (e.add_(x.detach().float()), True)
+        if e is None:
+            return x.detach().float(), False
+        return (e.mul_(self.decay) if self.decay != 1.0 else e).add_(x.detach().float()), True
 
     def _send(self, name: str, target: Tensor, spec: CodecSpec, owned: bool) -> tuple[Encoded, Tensor]:
         """Encode `target`, keep target − decoded as the residual (in place when `owned`)."""

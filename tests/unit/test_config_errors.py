@@ -50,6 +50,9 @@ RUN_CONFIG_CASES = [
     ("sync-ef", 0, "run-config key 'sync-ef'=0: expected true or false like the default False"),
     ("overlap-delay", 32, "run-config key 'overlap-delay': rounds.overlap_delay=32: expected an integer from 0 "
      "(synchronous rounds) to local_steps - 1 = 31"),
+    ("wire-ef-decay", 1.5, "run-config key 'wire-ef-decay': rounds.wire_ef_decay=1.5: expected a number in [0, 1]"),
+    ("sparse-mean", "median", "run-config key 'sparse-mean': rounds.sparse_mean='median': expected one of "
+                              "('all', 'contributors')"),
     ("switch-step", -1, "run-config key 'switch-step': inner.switch_step=-1: expected an integer >= 0 (0 = one phase)"),
     ("model-preset", "7b", f"run-config key 'model-preset': ModelConfig.preset='7b': unknown preset; expected one of {MODEL_PRESETS}"),
     ("outer", "adam", "run-config key 'outer': outer.name='adam': expected one of ['average', 'qhm', 'nesterov', 'mla'] (the outer optimizer)"),
