@@ -218,6 +218,33 @@ def _time_once(preset: str, payload: str) -> dict:
             "params": ms.num_params}
 
 
+def quality_run(payload: str, factor: int, seed: int, quick: bool, work: Path, extra: tuple[str, ...] = (),
+                tag: str = "") -> dict:
+    """One LoRDO-Global run of the quality setting (`QUALITY`; `quick`: a tiny one) with `payload`,
+    `dense_sync_factor` = `factor`, `seed` and trainer overrides `extra`: its final val loss and
+    perplexity, its bytes per worker (sent + received) and its curve."""
+    out = work / f"{payload}_F{factor}_s{seed}{tag}"
+    overrides = (["model.preset=tiny", "total_steps=8", "rounds.local_steps=2", "data.seq_len=32",
+                  "eval_batches=2", "inner.warmup_steps=2", "eval_every=1"] if quick else QUALITY)
+    cmd = [sys.executable, "-m", "lordo_fed.trainer.cli", "--config-dir", str(ROOT / "examples" / "reference"),
+           "--config-name", "quality_cpu", f"out_dir={out}", "progress=false", "methods=[lordo_global]",
+           "diagnostics=false", f"seed={seed}", f"payload_dtype={payload}",
+           f"rounds.dense_sync_factor={factor}", *overrides, *extra]
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"lordo-train failed ({payload}, F={factor}, seed {seed}, {' '.join(extra)}):\n"
+                           f"{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in (out / "lordo_global.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "val_loss" in r]
+    return {"payload": payload, "dense_sync_factor": factor, "seed": seed, "overrides": list(extra),
+            "val_loss": evals[-1]["val_loss"], "val_ppl": math.exp(evals[-1]["val_loss"]),
+            "rounds": records[-1]["round"], "tokens": records[-1]["tokens"],
+            "bytes_per_worker": records[-1]["cum_bytes_sent_per_worker"] + records[-1]["cum_bytes_received_per_worker"],
+            "curve": [{"tokens": r["tokens"], "val_loss": r["val_loss"]} for r in evals],
+            "seconds": time.perf_counter() - started}
+
+
 def quality(payloads: list[str], seeds: list[int], quick: bool, work: Path, factors: tuple[int, ...] = (1,),
             extra: tuple[str, ...] = ()) -> list[dict]:
     """Each payload at `dense_sync_factor` 1, and fp32 and int8 also at each other factor in
@@ -225,28 +252,7 @@ def quality(payloads: list[str], seeds: list[int], quick: bool, work: Path, fact
     row against fp32 at the same seed and factor."""
     pairs = ("fp32", "int8") if {"fp32", "int8"} <= set(payloads) else ()  # int8 against fp32 at each other F
     cases = [(p, 1) for p in payloads] + [(p, f) for f in factors if f != 1 for p in pairs]
-    rows = []
-    for seed in seeds:
-        for payload, factor in cases:
-            out = work / f"{payload}_F{factor}_s{seed}"
-            overrides = (["model.preset=tiny", "total_steps=8", "rounds.local_steps=2", "data.seq_len=32",
-                          "eval_batches=2", "inner.warmup_steps=2", "eval_every=1"] if quick else QUALITY)
-            cmd = [sys.executable, "-m", "lordo_fed.trainer.cli", "--config-dir", str(ROOT / "examples" / "reference"),
-                   "--config-name", "quality_cpu", f"out_dir={out}", "progress=false", "methods=[lordo_global]",
-                   "diagnostics=false", f"seed={seed}", f"payload_dtype={payload}",
-                   f"rounds.dense_sync_factor={factor}", *overrides, *extra]
-            started = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-            if proc.returncode != 0:
-                raise RuntimeError(f"lordo-train failed ({payload}, F={factor}, seed {seed}):\n{proc.stderr[-3000:]}")
-            records = [json.loads(line) for line in (out / "lordo_global.jsonl").read_text().splitlines()]
-            evals = [r for r in records if "val_loss" in r]
-            rows.append({"payload": payload, "dense_sync_factor": factor, "seed": seed, "val_loss": evals[-1]["val_loss"],
-                         "val_ppl": math.exp(evals[-1]["val_loss"]), "rounds": records[-1]["round"],
-                         "tokens": records[-1]["tokens"],
-                         "bytes_per_worker": records[-1]["cum_bytes_sent_per_worker"] + records[-1]["cum_bytes_received_per_worker"],
-                         "curve": [{"tokens": r["tokens"], "val_loss": r["val_loss"]} for r in evals],
-                         "seconds": time.perf_counter() - started})
+    rows = [quality_run(payload, factor, seed, quick, work, extra) for seed in seeds for payload, factor in cases]
     for r in rows:
         ref = next(x for x in rows if x["seed"] == r["seed"] and x["payload"] == "fp32"
                    and x["dense_sync_factor"] == r["dense_sync_factor"])

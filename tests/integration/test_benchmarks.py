@@ -11,12 +11,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_quick(script: str, tmp_path: Path, timeout: float = 300, **extra_env: str) -> dict:
-    """Run `benchmarks/<script> --quick --out <tmp_path>/<stem>.json` (environment plus `extra_env`);
+def run_quick(script: str, tmp_path: Path, *args: str, timeout: float = 300, **extra_env: str) -> dict:
+    """Run `benchmarks/<script> --quick --out <tmp_path>/<stem>.json [args]` (environment plus `extra_env`);
     returns the result, checked to be a quick one that names its torch."""
     out = tmp_path / f"{Path(script).stem}.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", **extra_env)
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(out), *args],
                           capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -297,6 +297,17 @@ def test_compression_quick(tmp_path):
     quality = {r["payload"]: r for r in result["quality"]}
     assert set(quality) == {"fp32", "int8"} and quality["int8"]["bytes_vs_fp32"] > 1.5
     assert (tmp_path / "compression.png").exists()
+
+
+def test_compression_ladder_quick(tmp_path):
+    """benchmarks/compression_ladder.py --quick with two rungs: each rung's row against the seed's
+    fp32 run, with the rung's overrides recorded (not the figures' quality)."""
+    result = run_quick("compression_ladder.py", tmp_path, "--rungs", "sign,mean")
+    rows = {r["rung"]: r for r in result["rows"]}
+    assert set(rows) == {"fp32", "sign", "mean"}
+    assert "rounds.sparse_mean=contributors" in rows["mean"]["overrides"]
+    assert rows["sign"]["bytes_vs_fp32"] > 1.5 and rows["mean"]["val_loss"] != rows["sign"]["val_loss"]
+    assert (tmp_path / "compression_ladder.png").exists()
 
 
 def test_node_ranks_quick(tmp_path):

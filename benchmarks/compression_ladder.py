@@ -1,0 +1,94 @@
+"""The compression ladder (issue 30): each SparseLoCo step added in turn to LoRDO-Global's top-k
+payload, every rung against fp32 at the same seed, on the compression benchmark's quality setting
+(`benchmarks/compression.py`: small preset, M = 4, rank 16, K = 8, 32 rounds, LoRDO's default
+error feedback `inner.ef_decay=0.9`).
+
+| rung | payload | what it adds |
+|---|---|---|
+| 1 grid | topk2bit, the fixed 2-bit grid | (measured at the fix's commit: results/compression_fix2bit_ef09.json) |
+| 2 sign | topk2bit | 2-bit values as sign + two magnitudes per chunk (bin means) |
+| 2 lut | topk2bit-lut | SparseLoCo's 4-entry table instead |
+| 3 β | topk2bit, wire-ef-decay 0.95 | e ← 0.95·e + Δ on the worker |
+| 4 mean | + sparse-mean contributors | each index averaged over the workers that sent it |
+| 4 lr 0.7 | + outer lr 0.7 | the outer average damped |
+
+    python benchmarks/compression_ladder.py                  # two seeds (~45 min on 2 cores)
+    python benchmarks/compression_ladder.py --rungs sign,beta --seeds 0
+    python benchmarks/compression_ladder.py --quick          # tiny runs (seconds): the structure
+Writes benchmarks/results/compression_ladder.json and .png.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+try:
+    from benchmarks.common import make_parser, new_figure, png_path, result_header, write_json
+    from benchmarks.compression import quality_run
+except ImportError:  # run as `python benchmarks/compression_ladder.py`
+    from common import make_parser, new_figure, png_path, result_header, write_json
+    from compression import quality_run
+
+BASE = ("inner.ef_decay=0.9",)
+"""LoRDO's default error feedback, where the low-rank and top-k presets did best (results.md section 12)."""
+RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "sign": ("topk2bit", ()),
+    "lut": ("topk2bit-lut", ()),
+    "beta": ("topk2bit", ("rounds.wire_ef_decay=0.95",)),
+    "mean": ("topk2bit", ("rounds.wire_ef_decay=0.95", "rounds.sparse_mean=contributors")),
+    "lr07": ("topk2bit", ("rounds.wire_ef_decay=0.95", "rounds.sparse_mean=contributors", "outer.lr=0.7")),
+    "lowrank-mean": ("lowrank+topk2bit", ("rounds.wire_ef_decay=0.95", "rounds.sparse_mean=contributors")),
+}
+"""rung -> (payload preset, trainer overrides on top of `BASE`)."""
+
+
+def main() -> None:
+    parser = make_parser("compression_ladder", __doc__, "tiny runs of every rung, one seed (seconds)")
+    parser.add_argument("--rungs", default=",".join(RUNGS), help=f"comma-separated, of {', '.join(RUNGS)}")
+    parser.add_argument("--seeds", default="0,1", help="comma-separated seeds")
+    args = parser.parse_args()
+    rungs = args.rungs.split(",")
+    unknown = [r for r in rungs if r not in RUNGS]
+    if unknown:
+        parser.error(f"--rungs: unknown {unknown}; expected some of {list(RUNGS)}")
+    seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
+    started = time.perf_counter()
+    result = result_header("compression_ladder", args.quick, {"rungs": rungs, "seeds": seeds, "base": list(BASE)})
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in seeds:
+            ref = quality_run("fp32", 1, seed, args.quick, Path(tmp), BASE)
+            rows.append({"rung": "fp32", **ref})
+            for rung in rungs:
+                payload, extra = RUNGS[rung]
+                row = quality_run(payload, 1, seed, args.quick, Path(tmp), (*BASE, *extra), tag=f"_{rung}")
+                row.update(rung=rung, ppl_vs_fp32=row["val_ppl"] / ref["val_ppl"] - 1.0,
+                           bytes_vs_fp32=ref["bytes_per_worker"] / row["bytes_per_worker"])
+                rows.append(row)
+                print(f"seed {seed} {rung:13} {payload:17} val ppl {row['val_ppl']:.3f} ({row['ppl_vs_fp32']:+.2%} vs "
+                      f"fp32 {ref['val_ppl']:.3f}), {row['bytes_vs_fp32']:.2f}x fewer bytes", flush=True)
+                write_json({**result, "rows": rows, "seconds": time.perf_counter() - started}, args.out)
+    result.update(rows=rows, seconds=time.perf_counter() - started)
+    out = write_json(result, args.out)
+    plot(rows, png_path(out))
+    print(f"wrote {out} and {png_path(out)}")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    fig = new_figure(7, 4.5)
+    ax = fig.add_subplot(1, 1, 1)
+    for row in rows:
+        if row["seed"] != rows[0]["seed"]:
+            continue
+        ax.plot([c["tokens"] for c in row["curve"]], [c["val_loss"] for c in row["curve"]], label=row["rung"])
+    ax.set_xlabel("tokens per worker")
+    ax.set_ylabel("validation loss")
+    ax.set_title(f"LoRDO-Global, compression ladder (seed {rows[0]['seed']})")
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+
+
+if __name__ == "__main__":
+    main()
