@@ -184,7 +184,7 @@ class CommonConfig:
     diloco_outer: OuterConfig = field(default_factory=lambda: OuterConfig(name="nesterov", lr=0.7, momentum=0.9))
     """Outer optimizer of DiLoCo (Nesterov, lr 0.7, momentum 0.9 as in the DiLoCo paper)."""
     payload_dtype: str = setting("payload-dtype", "fp32")
-    """How tensors cross the wire: 'fp32', 'bf16' (bit-viewed), or a compressed preset 'int8', 'int4', 'topk2bit', 'topk2bit-lut', 'lowrank+topk2bit', 'lowrank+topk2bit+rows' (lordo_fed.wire.payload)."""
+    """How tensors cross the wire: 'fp32', 'bf16' (bit-viewed), or a compressed preset 'int8', 'int4', 'topk2bit', 'topk2bit-both', 'topk2bit-lut', 'lowrank+topk2bit', 'lowrank+topk2bit+rows' (lordo_fed.wire.payload)."""
     async_rounds: AsyncConfig = section(AsyncConfig)
     """Asynchronous methods: worker speeds and local steps, staleness bound, reply order, HeLoCo's settings."""
 

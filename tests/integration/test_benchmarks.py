@@ -279,7 +279,7 @@ def test_compression_quick(tmp_path):
     bytes than bf16), encode/decode time and a tiny quality run (not its figures' quality)."""
     result = run_quick("compression.py", tmp_path)
     by = {r["payload"]: r for r in result["bytes"]}
-    assert set(by) == {"fp32", "bf16", "int8", "int4", "topk2bit", "topk2bit-lut", "lowrank+topk2bit",
+    assert set(by) == {"fp32", "bf16", "int8", "int4", "topk2bit", "topk2bit-both", "topk2bit-lut", "lowrank+topk2bit",
                        "lowrank+topk2bit+rows"}
     assert round(by["fp32"]["reduction_vs_ddp_fp32"]) == 12
     assert by["fp32"]["reduction_vs_ddp_fp32"] < by["bf16"]["reduction_vs_ddp_fp32"] < by["int8"]["reduction_vs_ddp_fp32"]

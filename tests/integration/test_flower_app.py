@@ -60,16 +60,19 @@ def server_records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "server.jsonl").read_text().splitlines()]
 
 
+SPARSELOCO = {"payload-dtype": "topk2bit-both", "wire-ef-decay": 0.95, "sparse-mean": "contributors"}
+"""SparseLoCo's wire on DiLoCo: every tensor top-k 2-bit both ways, decaying error feedback, contributor mean."""
 EF_OPTIONS = {"sync-ef": True, "ef-reset": True, "ef-decay": 0.8, "full-rank-term": "gradient", "switch-step": 4}
 
 
 @pytest.mark.parametrize("variant,extra", [("lordo_global", {}),
                                            ("lordo_global", {"dense-sync-factor": 2, "overlap-delay": 2}),
-                                           ("lordo_global", EF_OPTIONS), ("diloco", {}), ("desloc", {}),
+                                           ("lordo_global", EF_OPTIONS), ("diloco", SPARSELOCO), ("desloc", {}),
                                            ("lordo_global", {"payload-dtype": "lowrank+topk2bit+rows"})])
 def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     """Baselines run through the same app by config: DiLoCo (AdamW, Nesterov outer, no state
-    sync) and DES-LOC (AdamW, states averaged at their own periods); LoRDO-Global also with the
+    sync; here with SparseLoCo's wire: every tensor top-k 2-bit both ways, the server re-sparsifying
+    θ − θ_c, β = 0.95 error feedback, each index averaged over its senders) and DES-LOC (AdamW, states averaged at their own periods); LoRDO-Global also with the
     embedding's and norms' moments averaged every second round only (dense-sync-factor=2) in
     overlapped rounds (overlap-delay=2), and
     with the error-feedback options and the two-phase switch (E crosses the wire both ways; the
@@ -105,6 +108,10 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     if extra.get("payload-dtype") == "lowrank+topk2bit+rows":  # Δ: r·max(p, q) bytes + ~3% x (2 + 12) bits, moments 8 bits
         plain = 4 * sum(t.numel() for t in reference.values())
         assert all(r["bytes_received_per_client"] < plain / 2 for r in records[1:]), records
+    if extra.get("payload-dtype") == "topk2bit-both":  # ~3% x (2 + 12) bits each way, from round 2 down too
+        plain = 4 * sum(t.numel() for t in reference.values())
+        assert all(r["bytes_received_per_client"] < plain / 8 for r in records[1:]), records
+        assert records[2]["bytes_sent_per_client"] < plain / 8, records
     if extra.get("overlap-delay"):
         assert [r["clients_overlapped"] for r in records[1:]] == [0, 2], records
     if extra.get("sync-ef"):  # each reply carries Δ of every parameter and E of every low-rank matrix
