@@ -286,8 +286,11 @@ class Aggregator:
         moment_sums: dict[str, Tensor] = {}
         bases = self._bases()
         support = {n: None for n in self._sparse_names(bases)}  # contributor-mean: Σ w of the senders per index
+        senders: dict[str, Tensor] = {}  # and how many sent it
         for ref, w in zip(refs, weights):
-            self._accumulate(ref, w, self.params, delta_sums, moment_sums, moment_norms, opt_step, bases, support)
+            self._accumulate(ref, w, self.params, delta_sums, moment_sums, moment_norms, opt_step, bases, support,
+                             senders)
+        overlap = support_overlap(senders) if support else {}
         delta = {n: contributor_mean(delta_sums[n], support[n]) if n in support else delta_sums[n]
                  for n in self.params}
         moments = {k: moment_sums[k] for k in moment_norms}
@@ -309,7 +312,7 @@ class Aggregator:
             "delta_norm": math.sqrt(sum(float(d.float().square().sum()) for d in delta.values())),
             "clients_ok": float(len(refs)),
             "clients_dropped": float(len(rejected)),
-            **diagnostics,
+            **diagnostics, **overlap,
             **{key: sum(w * r.metrics[key] for r, w in zip(refs, weights)) for key in DIAGNOSTIC_METRICS
                if all(key in r.metrics for r in refs)},
         }
@@ -319,7 +322,7 @@ class Aggregator:
     def _accumulate(self, ref: ReplyRef, weight: float, names: Iterable[str], delta_sums: dict[str, Tensor],
                     moment_sums: dict[str, Tensor] | None = None, moment_norms: Mapping[str, float] | None = None,
                     opt_step: int = 0, bases: Mapping[str, tuple[Tensor, str]] | None = None,
-                    support: dict[str, Tensor | None] | None = None) -> None:
+                    support: dict[str, Tensor | None] | None = None, senders: dict[str, Tensor] | None = None) -> None:
         """Load one reply and add it into the accumulators: Δ of each of `names` with weight w_m;
         each moment it carries with w_m / (Σ w of the replies carrying it), first moved from the
         reply's step count to the shared one S (a worker that joined late or lost its state has
@@ -340,7 +343,10 @@ class Aggregator:
                 d = lowrank.join(d, update.coords[name], *bases[name])
             _add_weighted(delta_sums, name, d, weight)
             if support is not None and name in support:  # the indices this reply sent (top-k: its non-zeros)
-                _add_weighted(support, name, (d != 0).float(), weight)
+                sent = (d != 0).float()
+                _add_weighted(support, name, sent, weight)
+                if senders is not None:
+                    _add_weighted(senders, name, sent, 1.0)
         if moment_sums is None:  # round-0 gradients: Δ only
             return
         betas = self.round_betas()
@@ -503,6 +509,15 @@ def contributor_mean(total: Tensor, weight: Tensor | None) -> Tensor:
     if weight is None:  # no reply carried the tensor
         return total
     return torch.where(weight > 0, total / weight.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+
+
+def support_overlap(senders: Mapping[str, Tensor]) -> dict[str, float]:
+    """`sparse_support_shared`: the share of the indices sent this round that more than one worker
+    sent (0: the workers' top-k supports are disjoint, 1: they all chose the same indices)."""
+    sent = sum(int((s > 0).sum()) for s in senders.values())
+    if not sent:
+        return {}
+    return {"sparse_support_shared": sum(int((s > 1).sum()) for s in senders.values()) / sent}
 
 
 def _add_weighted(sums: dict[str, Tensor], key: str, t: Tensor, weight: float) -> None:

@@ -31,6 +31,8 @@ class Uplink:
         """The run's payload preset (lordo_fed.wire.payload); None: fp32 or bf16, sent as it is."""
         self.ef = ErrorFeedback(ef_decay)
         """What compression left out of Δ so far, per parameter (sent in later rounds)."""
+        self.ef_ratio: float | None = None
+        """‖e‖/‖Δ‖ of the last `compress_delta`: the residual left against the round's Δ."""
 
     def encode(self, delta: dict[str, Tensor], moments: dict[str, Tensor], shared: Iterable[str],
                basis: Callable[[str], Tensor]) -> tuple[dict, dict, dict[str, Encoded]]:
@@ -48,6 +50,7 @@ class Uplink:
         basis plus the compressed residual, the rest compressed whole."""
         codecs = self.codecs
         out, coords = {}, {}
+        delta_sq = sum(float(d.float().square().sum()) for d in delta.values())  # before the residual takes d's memory
         for name, d in delta.items():
             if codecs.lowrank is not None and name in shared:
                 b = basis(name).detach().to("cpu", torch.float32)
@@ -56,4 +59,6 @@ class Uplink:
                     name, d, codecs.delta, lambda t, b=b, s=side: lowrank.split(t, b, s, codecs.lowrank))
             else:
                 out[name] = self.ef.compress(name, d, codecs.delta_spec(name, tuple(d.shape)))[0]
+        left = sum(float(self.ef.residual[n].square().sum()) for n in delta if n in self.ef.residual)
+        self.ef_ratio = (left / delta_sq) ** 0.5 if delta_sq > 0 else 0.0
         return out, coords

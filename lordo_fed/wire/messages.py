@@ -17,11 +17,12 @@ SYNCED_KINDS = (*MOMENT_KEYS, "ef")
 """Optimizer-state tensors that may cross the wire: the two moments and LoRDO's error-feedback
 buffer E (`RoundConfig.sync_ef`)."""
 
-DIAGNOSTIC_METRICS = ("update_out_in_ratio", "update_out_in_ratio_last", "ef_norm")
-"""Per-round metrics of a LoRDO worker whose optimizer has `track_update_split` on (the aggregator
-averages them by tokens): the round's mean and last-step ‖U_out‖/‖U_in‖, the out-of-subspace share
-of the update over all low-rank matrices, and ‖E‖ at the round's end (docs/algorithm.md, "Error
-feedback inside a round")."""
+DIAGNOSTIC_METRICS = ("update_out_in_ratio", "update_out_in_ratio_last", "ef_norm", "wire_ef_ratio")
+"""Per-round metrics of a worker that the aggregator averages by tokens: with a LoRDO optimizer
+tracking `track_update_split`, the round's mean and last-step ‖U_out‖/‖U_in‖, the out-of-subspace
+share of the update over all low-rank matrices, and ‖E‖ at the round's end (docs/algorithm.md,
+"Error feedback inside a round"); with a compressed payload, ‖e‖/‖Δ‖: the wire's residual after
+the round's send against the round's Δ, over every tensor sent with error feedback."""
 
 
 def moment_key(kind: str, param_name: str) -> str:

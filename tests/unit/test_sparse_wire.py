@@ -71,6 +71,8 @@ def test_the_aggregator_averages_top_k_over_the_senders(mean):
     expected = [5.0, 8.0, 4.0, 0.0] if mean == "contributors" else [5.0, 6.0, 1.0, 0.0]
     assert (-agg.params["layers.0.wq.weight"]).tolist() == [expected]
     assert (-agg.params["embed.weight"]).tolist() == [[5.0, 6.0, 1.0, 0.0]]
+    if mean == "contributors":  # of the 3 indices sent, one was sent by both workers
+        assert result.metrics["sparse_support_shared"] == pytest.approx(1 / 3)
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -81,3 +83,23 @@ def test_the_aggregator_averages_top_k_over_the_senders(mean):
 def test_bad_values_are_named(field, value, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         dataclasses.replace(RoundConfig(), **{field: value}).validate()
+
+
+def test_a_worker_reports_what_its_wire_residual_holds(tmp_path):
+    """`wire_ef_ratio` = ‖e‖/‖Δ‖ after the send, checked against the uplink's own buffers: in (0, 1]
+    on the first round of top-k (what was not sent of Δ), above 1 later (the residual grows
+    past one round's Δ), absent without a compressed payload."""
+    from lordo_fed.rounds.uplink import Uplink
+    from lordo_fed.wire.payload import resolve_payload
+
+    up = Uplink(resolve_payload("topk2bit").codecs)
+    g = torch.Generator().manual_seed(0)
+    deltas = [{"layers.0.wq.weight": torch.randn(64, 64, generator=g)} for _ in range(3)]
+    ratios = []
+    for d in deltas:
+        norm = float(d["layers.0.wq.weight"].norm())
+        up.compress_delta({k: v.clone() for k, v in d.items()}, [], lambda n: None)
+        ratios.append(up.ef_ratio)
+        assert up.ef_ratio == pytest.approx(float(up.ef.residual["layers.0.wq.weight"].norm()) / norm, rel=1e-5)
+    assert 0 < ratios[0] <= 1 < ratios[2]
+    assert Uplink(None).ef_ratio is None
