@@ -35,7 +35,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 from lordo_fed.wire import codec
 from lordo_fed.wire.decode import decode_global_state, decode_update
@@ -78,9 +77,17 @@ def layout(spec, shape: tuple[int, ...]) -> Encoded:
     return Encoded(spec, n, bytes(a), bytes(b), bytes(c), tuple(shape))
 
 
-def round_messages(ms: ModelShapes, payload: str, k: int, factor: int, t: int) -> tuple[WorkerUpdate, GlobalState]:
-    """LoRDO-Global's reply and next state in round t, as they travel with `payload`."""
-    settings = resolve_method("lordo_global", InnerConfig(rank=ms.rank), RoundConfig(local_steps=k, dense_sync_factor=factor),
+LEAN = {"sync_exp_avg_every": 0, "sync_exp_avg_sq_every": 0}
+"""The lean state (`--states lean`): no moments on the wire (each worker keeps its own) and the
+bases as DCT column indices (`inner.proj_method=dct`): issue 30's step 7, before its quality is known."""
+
+
+def round_messages(ms: ModelShapes, payload: str, k: int, factor: int, t: int,
+                   lean: bool = False) -> tuple[WorkerUpdate, GlobalState]:
+    """LoRDO-Global's reply and next state in round t, as they travel with `payload`; `lean`: no
+    moments and DCT bases (`LEAN`)."""
+    settings = resolve_method("lordo_global", InnerConfig(rank=ms.rank),
+                              RoundConfig(local_steps=k, dense_sync_factor=factor, **(LEAN if lean else {})),
                               OuterConfig())
     rounds = settings.rounds
     codecs = resolve_payload(payload).codecs
@@ -99,7 +106,7 @@ def round_messages(ms: ModelShapes, payload: str, k: int, factor: int, t: int) -
         delta, theta = params, params
     update = WorkerUpdate(worker_id=0, round=t, delta=delta, moments=up_moments, tokens=4096 * k, opt_step=t * k,
                           metrics={"train_loss": 3.0, "train_loss_last": 3.0, "lr": 1e-3}, coords=coords)
-    state = GlobalState(round=t, params=theta, projections=ms.projections("svd"), moments=down_moments,
+    state = GlobalState(round=t, params=theta, projections=ms.projections("dct" if lean else "svd"), moments=down_moments,
                         opt_step=(t - 1) * k, params_delta=codecs is not None)
     return update, state
 
@@ -114,30 +121,35 @@ def message_bytes(msg, ms: ModelShapes, payload: str) -> tuple[int, bool]:
     return len(data), False
 
 
-def bytes_table(presets: list[str], ks: list[int], factors: list[int], payloads: list[str]) -> list[dict]:
+def bytes_table(presets: list[str], ks: list[int], factors: list[int], payloads: list[str],
+                states: tuple[str, ...] = ("synced",)) -> list[dict]:
+    """Bytes per step of each preset x K x F x payload x state ('synced': SVD bases and the moments
+    as the method syncs them; 'lean': `LEAN`)."""
     rows = []
     for preset in presets:
         ms = ModelShapes(preset, GPT2_VOCAB, RANKS[preset])
         ddp = 2 * 4 * ms.num_params  # fp32 gradient up and down, per step
-        for factor in factors:
-            for k in ks:
-                settings = RoundConfig(local_steps=k, dense_sync_factor=factor)
-                cycle = _sync_period(settings)
-                for payload in payloads:
-                    up = down = 0.0
-                    estimated = False
-                    for t in range(cycle + 1, 2 * cycle + 1):
-                        update, state = round_messages(ms, payload, k, factor, t)
-                        n_up, e_up = message_bytes(update, ms, payload)
-                        n_down, e_down = message_bytes(state, ms, payload)
-                        up, down, estimated = up + n_up, down + n_down, estimated or e_up or e_down
-                    up, down = up / cycle, down / cycle
-                    per_step = (up + down) / k
-                    rows.append({"preset": preset, "params": ms.num_params, "K": k, "dense_sync_factor": factor,
-                                 "payload": payload, "up_bytes_per_round": up, "down_bytes_per_round": down,
-                                 "bytes_per_step": per_step, "ddp_fp32_bytes_per_step": ddp,
-                                 "reduction_vs_ddp_fp32": ddp / per_step, "tensor_bytes_only": estimated,
-                                 **({"row_share": ROW_SHARE} if "rows" in payload else {})})
+        for factor, k, state_kind in ((f, k, s) for f in factors for k in ks for s in states):
+            if state_kind == "lean" and factor != 1:
+                continue  # no moments: F has nothing to thin
+            lean = state_kind == "lean"
+            settings = RoundConfig(local_steps=k, dense_sync_factor=factor, **(LEAN if lean else {}))
+            cycle = _sync_period(settings)
+            for payload in payloads:
+                up = down = 0.0
+                estimated = False
+                for t in range(cycle + 1, 2 * cycle + 1):
+                    update, state = round_messages(ms, payload, k, factor, t, lean)
+                    n_up, e_up = message_bytes(update, ms, payload)
+                    n_down, e_down = message_bytes(state, ms, payload)
+                    up, down, estimated = up + n_up, down + n_down, estimated or e_up or e_down
+                up, down = up / cycle, down / cycle
+                per_step = (up + down) / k
+                rows.append({"preset": preset, "params": ms.num_params, "K": k, "dense_sync_factor": factor,
+                             "payload": payload, "states": state_kind, "up_bytes_per_round": up, "down_bytes_per_round": down,
+                             "bytes_per_step": per_step, "ddp_fp32_bytes_per_step": ddp,
+                             "reduction_vs_ddp_fp32": ddp / per_step, "tensor_bytes_only": estimated,
+                             **({"row_share": ROW_SHARE} if "rows" in payload else {})})
         del ms
     return rows
 
@@ -264,7 +276,7 @@ def quality(payloads: list[str], seeds: list[int], quick: bool, work: Path, fact
 def plot(result: dict, path: Path) -> None:
     fig = new_figure(13, 4.5)
     ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    rows = [r for r in result.get("bytes", []) if r["dense_sync_factor"] == 1]
+    rows = [r for r in result.get("bytes", []) if r["dense_sync_factor"] == 1 and r.get("states", "synced") == "synced"]
     for (preset, payload) in sorted({(r["preset"], r["payload"]) for r in rows}):
         pts = sorted((r["K"], r["reduction_vs_ddp_fp32"]) for r in rows if (r["preset"], r["payload"]) == (preset, payload))
         ax1.plot([k for k, _ in pts], [x for _, x in pts], marker=".", label=f"{preset} {payload}")
@@ -291,6 +303,10 @@ def main() -> None:
     parser.add_argument("--payloads", default="", help="comma-separated presets (default: all; quality needs fp32 in it)")
     parser.add_argument("--overrides", default="", help="quality part: extra trainer overrides, space-separated "
                         "(e.g. 'inner.ef_decay=0.9')")
+    parser.add_argument("--states", default="synced", help="bytes part, comma-separated: 'synced' (SVD bases, the "
+                        "moments as synced) and/or 'lean' (DCT bases, no moments on the wire)")
+    parser.add_argument("--presets", default="", help="bytes part: comma-separated model presets (default "
+                        "16m,125m,720m; --quick 16m)")
     parser.add_argument("--row-share", type=float, default=ROW_SHARE,
                         help="row-sparse presets, bytes part: the share of the embedding's rows sent per round")
     args = parser.parse_args()
@@ -302,7 +318,8 @@ def main() -> None:
                                                           "row_share": ROW_SHARE, "overrides": args.overrides})}
     if "bytes" in parts:
         presets, ks, factors = (["16m"], [32], [1]) if args.quick else (["16m", "125m", "720m"], [8, 32, 128], [1, 4])
-        result["bytes"] = bytes_table(presets, ks, factors, payloads)
+        presets = args.presets.split(",") if args.presets else presets
+        result["bytes"] = bytes_table(presets, ks, factors, payloads, tuple(args.states.split(",")))
         write_json({**result, "seconds": time.perf_counter() - started}, args.out)  # each part kept as it ends
     if "time" in parts:
         result["time"] = time_round("tiny" if args.quick else "125m", payloads)
@@ -316,7 +333,7 @@ def main() -> None:
     out = write_json(result, args.out)
     plot(result, png_path(out))
     for r in result.get("bytes", []):
-        print(f"{r['preset']:5} K={r['K']:<4} F={r['dense_sync_factor']} {r['payload']:16} up {r['up_bytes_per_round'] / 1e6:9.1f} MB "
+        print(f"{r['preset']:5} K={r['K']:<4} F={r['dense_sync_factor']} {r['states']:6} {r['payload']:16} up {r['up_bytes_per_round'] / 1e6:9.1f} MB "
               f"down {r['down_bytes_per_round'] / 1e6:9.1f} MB  {r['reduction_vs_ddp_fp32']:7.1f}x fewer than fp32 DDP")
     for r in result.get("time", []):
         print(f"time {r['preset']} {r['payload']:16} codec {r['codec_s']:6.2f} s (extra {r['extra_codec_s']:+6.2f} s), "
