@@ -14,6 +14,7 @@ error feedback `inner.ef_decay=0.9`).
 
     python benchmarks/compression_ladder.py                  # two seeds (~45 min on 2 cores)
     python benchmarks/compression_ladder.py --rungs sign,beta --seeds 0
+    python benchmarks/compression_ladder.py --gains-only     # the decoders' gains on Gaussian and Student-t(3) values
     python benchmarks/compression_ladder.py --quick          # tiny runs (seconds): the structure
 Writes benchmarks/results/compression_ladder.json and .png.
 """
@@ -44,10 +45,40 @@ RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
 """rung -> (payload preset, trainer overrides on top of `BASE`)."""
 
 
+def decoder_gains(seeds: int = 10) -> list[dict]:
+    """Gain ⟨x̂, x⟩/⟨x, x⟩ and relative error ‖x̂ − x‖/‖x‖ of each top-k value codec on the kept
+    values of 16 chunks of 4096 (3%), Gaussian and Student-t(3), over `seeds` draws: min and max."""
+    import torch
+
+    from lordo_fed.wire.compress import CodecSpec, decode, encode
+
+    specs = {"fp32": CodecSpec("topk", chunk=4096, density=0.03),
+             "int8": CodecSpec("topk", bits=8, chunk=4096, density=0.03),
+             "int4": CodecSpec("topk", bits=4, chunk=4096, density=0.03),
+             "2-bit sign": CodecSpec("topk", bits=2, chunk=4096, density=0.03, levels="sign"),
+             "2-bit lut": CodecSpec("topk", bits=2, chunk=4096, density=0.03, levels="lut")}
+    rows = []
+    for kind in ("gauss", "t3"):
+        for name, spec in specs.items():
+            gains, errors = [], []
+            for seed in range(seeds):
+                g = torch.Generator().manual_seed(seed)
+                z = torch.randn(4, 16 * 4096, generator=g)
+                x = z[0] if kind == "gauss" else z[0] / (z[1:].square().sum(0) / 3).sqrt()
+                kept = decode(encode(x, CodecSpec("topk", chunk=4096, density=0.03))) != 0
+                y = decode(encode(x, spec))
+                gains.append(float((x[kept] * y[kept]).sum() / x[kept].square().sum()))
+                errors.append(float((y[kept] - x[kept]).norm() / x[kept].norm()))
+            rows.append({"values": kind, "codec": name, "gain_min": min(gains), "gain_max": max(gains),
+                         "rel_error_min": min(errors), "rel_error_max": max(errors)})
+    return rows
+
+
 def main() -> None:
     parser = make_parser("compression_ladder", __doc__, "tiny runs of every rung, one seed (seconds)")
     parser.add_argument("--rungs", default=",".join(RUNGS), help=f"comma-separated, of {', '.join(RUNGS)}")
     parser.add_argument("--seeds", default="0,1", help="comma-separated seeds")
+    parser.add_argument("--gains-only", action="store_true", help="only the decoders' gains (seconds)")
     args = parser.parse_args()
     rungs = args.rungs.split(",")
     unknown = [r for r in rungs if r not in RUNGS]
@@ -56,6 +87,13 @@ def main() -> None:
     seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
     started = time.perf_counter()
     result = result_header("compression_ladder", args.quick, {"rungs": rungs, "seeds": seeds, "base": list(BASE)})
+    result["decoder_gains"] = decoder_gains(2 if args.quick else 10)
+    for g in result["decoder_gains"]:
+        print(f"{g['values']:5} {g['codec']:10} gain {g['gain_min']:.3f}-{g['gain_max']:.3f}, "
+              f"relative error {g['rel_error_min']:.3f}-{g['rel_error_max']:.3f}", flush=True)
+    if args.gains_only:
+        write_json({**result, "seconds": time.perf_counter() - started}, args.out)
+        return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
