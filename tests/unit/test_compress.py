@@ -329,7 +329,7 @@ def test_compressed_rounds_learn_send_fewer_bytes_and_keep_the_residual(tmp_path
 def test_a_workers_compression_residual_travels_with_its_state(tmp_path):
     from lordo_fed.data import load_dataset
     from lordo_fed.rounds.methods import make_worker, resolve_method
-    from lordo_fed.model import build_model, lowrank_parameter_names
+    from lordo_fed.model import build_model
     from lordo_fed.wire.messages import GlobalState
     from tests.unit.test_trainer import tiny_config
 
