@@ -11,8 +11,11 @@ error feedback `inner.ef_decay=0.9`).
 | 3 β | topk2bit, wire-ef-decay 0.95 | e ← 0.95·e + Δ on the worker |
 | 4 mean | + sparse-mean contributors | each index averaged over the workers that sent it |
 | 4 lr 0.7 | + outer lr 0.7 | the outer average damped |
+| lowrank-mean | lowrank+topk2bit, β 0.95, contributor mean | low-rank Δ with the same wire |
+| 5-6 both | topk2bit-both, β 0.95 | every tensor top-k 2-bit, θ down re-sparsified by the server |
+| 7 lean | + DCT bases, no moments on the wire | nothing dense left (`compression.py --states lean`: the bytes) |
 
-    python benchmarks/compression_ladder.py                  # two seeds (~45 min on 2 cores)
+    python benchmarks/compression_ladder.py                  # two seeds (~20 min on 2 cores, nothing beside it)
     python benchmarks/compression_ladder.py --rungs sign,beta --seeds 0
     python benchmarks/compression_ladder.py --gains-only     # the decoders' gains on Gaussian and Student-t(3) values
     python benchmarks/compression_ladder.py --quick          # tiny runs (seconds): the structure
@@ -41,6 +44,9 @@ RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mean": ("topk2bit", ("rounds.wire_ef_decay=0.95", "rounds.sparse_mean=contributors")),
     "lr07": ("topk2bit", ("rounds.wire_ef_decay=0.95", "rounds.sparse_mean=contributors", "outer.lr=0.7")),
     "lowrank-mean": ("lowrank+topk2bit", ("rounds.wire_ef_decay=0.95", "rounds.sparse_mean=contributors")),
+    "both": ("topk2bit-both", ("rounds.wire_ef_decay=0.95",)),
+    "lean": ("topk2bit-both", ("rounds.wire_ef_decay=0.95", "inner.proj_method=dct", "rounds.sync_exp_avg_every=0",
+                               "rounds.sync_exp_avg_sq_every=0")),
 }
 """rung -> (payload preset, trainer overrides on top of `BASE`)."""
 
