@@ -13,7 +13,7 @@ composition, and the error feedback that carries each compression's residual int
   Model Training Scales Reliably and Robustly"), where top-k of 1–3% per chunk with 2-bit values
   and error feedback loses nothing against DiLoCo.
 - **2-bit top-k values** decode to bin means, never to a grid: a 2-bit grid has no level near the
-  typical kept value and inflates heavy-tailed ones (gain ⟨x̂, x⟩/⟨x, x⟩ 1.34 on Student-t(3),
+  typical kept value and inflates heavy-tailed ones (gain ⟨x̂, x⟩/⟨x, x⟩ 1.23–1.62 on Student-t(3),
   docs/results.md section 12). `levels='lut'` is SparseLoCo's lookup table (Sarfi et al. 2025, its
   code): over the tensor's kept values, shift μ and σ, four bins of width 1.5σ around μ, and each
   code decodes to the mean of the values in its bin (4 fp32 per tensor). `levels='sign'`: the sign
@@ -392,23 +392,19 @@ def _f32(t: Tensor) -> bytes:
     return t.detach().float().cpu().numpy().astype("<f4").tobytes()
 
 
-def _scales(data: bytes, count: int) -> Tensor:
+def _floats(data: bytes, count: int, what: str) -> Tensor:
+    """The `count` fp32 values `what` (scales, a 2-bit table or magnitudes) off the wire;
+    CompressionError when the byte count differs."""
     if len(data) != 4 * count:
-        raise CompressionError(f"{len(data)} bytes of scales, expected {4 * count}")
-    scales = torch.frombuffer(bytearray(data), dtype=torch.float32) if count else torch.zeros(0)
+        raise CompressionError(f"{len(data)} bytes of {what}, expected {4 * count}")
+    return torch.frombuffer(bytearray(data), dtype=torch.float32) if count else torch.zeros(0)
+
+
+def _scales(data: bytes, count: int) -> Tensor:
+    scales = _floats(data, count, "scales")
     if not bool(torch.isfinite(scales).all()) or bool((scales <= 0).any()):
         raise CompressionError("a block scale is NaN, infinite, zero or negative")
     return scales
-
-
-def _floats(data: bytes, count: int, what: str) -> Tensor:
-    """`count` finite fp32 values (a 2-bit table or magnitudes); CompressionError otherwise."""
-    if len(data) != 4 * count:
-        raise CompressionError(f"{len(data)} bytes of a 2-bit {what}, expected {4 * count}")
-    out = torch.frombuffer(bytearray(data), dtype=torch.float32) if count else torch.zeros(0)
-    if not bool(torch.isfinite(out).all()):
-        raise CompressionError(f"a 2-bit {what} holds NaN or Inf")
-    return out
 
 
 def _finite(t: Tensor, label: str) -> Tensor:
@@ -450,12 +446,14 @@ def _dequantize_groups(codes: Tensor, data: bytes, spec: CodecSpec, groups: tupl
     full, k, k_tail = groups
     nchunks = full + (1 if k_tail else 0)
     if spec.levels == "lut":
-        table = _floats(data, LUT_BINS, "lookup table")
+        table = _floats(data, LUT_BINS, "a 2-bit lookup table")
+        if not bool(torch.isfinite(table).all()):
+            raise CompressionError("a 2-bit lookup table holds NaN or Inf")
         return table[codes.long()]
     if spec.levels == "sign":
-        mags = _floats(data, 2 * nchunks, "magnitudes")
-        if bool((mags < 0).any()):
-            raise CompressionError("a negative magnitude of 2-bit sign codes")
+        mags = _floats(data, 2 * nchunks, "2-bit magnitudes")
+        if not bool(torch.isfinite(mags).all()) or bool((mags < 0).any()):
+            raise CompressionError("a NaN, infinite or negative magnitude of 2-bit sign codes")
         if not nchunks:
             return torch.zeros(0)
         chunk_of = torch.arange(nchunks).repeat_interleave(torch.tensor([k] * full + ([k_tail] if k_tail else [])))
