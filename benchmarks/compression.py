@@ -230,16 +230,26 @@ def _time_once(preset: str, payload: str) -> dict:
             "params": ms.num_params}
 
 
+WIRE_METRICS = ("wire_ef_ratio", "sparse_support_shared", "sparse_reselected")
+"""Per-round wire diagnostics a quality run keeps (`round_metrics`): ‖e‖/‖Δ‖ after the send, the share of
+the sent indices more than one worker sent, the share of a worker's indices it also sent the round before."""
+
+
 def quality_run(payload: str, factor: int, seed: int, quick: bool, work: Path, extra: tuple[str, ...] = (),
-                tag: str = "") -> dict:
-    """One LoRDO-Global run of the quality setting (`QUALITY`; `quick`: a tiny one) with `payload`,
-    `dense_sync_factor` = `factor`, `seed` and trainer overrides `extra`: its final val loss and
-    perplexity, its bytes per worker (sent + received) and its curve."""
-    out = work / f"{payload}_F{factor}_s{seed}{tag}"
+                tag: str = "", method: str = "lordo_global", horizon: tuple[int, int] | None = None) -> dict:
+    """One run of the quality setting (`QUALITY`; `quick`: a tiny one; `horizon` (rounds, K): that many
+    rounds of K steps instead) of `method` (LoRDO-Global) with `payload`, `dense_sync_factor` = `factor`,
+    `seed` and trainer overrides `extra`: its final val loss and perplexity, its bytes per worker (sent +
+    received), its curve and the wire's per-round metrics (`WIRE_METRICS`)."""
+    out = work / f"{method}_{payload}_F{factor}_s{seed}{tag}"
     overrides = (["model.preset=tiny", "total_steps=8", "rounds.local_steps=2", "data.seq_len=32",
                   "eval_batches=2", "inner.warmup_steps=2", "eval_every=1"] if quick else QUALITY)
+    if horizon is not None and not quick:
+        rounds, k = horizon
+        overrides = [*QUALITY[:1], f"rounds.local_steps={k}", f"total_steps={rounds * k}",
+                     f"eval_every={max(1, rounds // 8)}"]
     cmd = [sys.executable, "-m", "lordo_fed.trainer.cli", "--config-dir", str(ROOT / "examples" / "reference"),
-           "--config-name", "quality_cpu", f"out_dir={out}", "progress=false", "methods=[lordo_global]",
+           "--config-name", "quality_cpu", f"out_dir={out}", "progress=false", f"methods=[{method}]",
            "diagnostics=false", f"seed={seed}", f"payload_dtype={payload}",
            f"rounds.dense_sync_factor={factor}", *overrides, *extra]
     started = time.perf_counter()
@@ -247,13 +257,15 @@ def quality_run(payload: str, factor: int, seed: int, quick: bool, work: Path, e
     if proc.returncode != 0:
         raise RuntimeError(f"lordo-train failed ({payload}, F={factor}, seed {seed}, {' '.join(extra)}):\n"
                            f"{proc.stderr[-3000:]}")
-    records = [json.loads(line) for line in (out / "lordo_global.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / f"{method}.jsonl").read_text().splitlines()]
     evals = [r for r in records if "val_loss" in r]
-    return {"payload": payload, "dense_sync_factor": factor, "seed": seed, "overrides": list(extra),
+    return {"method": method, "payload": payload, "dense_sync_factor": factor, "seed": seed, "overrides": list(extra),
             "val_loss": evals[-1]["val_loss"], "val_ppl": math.exp(evals[-1]["val_loss"]),
             "rounds": records[-1]["round"], "tokens": records[-1]["tokens"],
             "bytes_per_worker": records[-1]["cum_bytes_sent_per_worker"] + records[-1]["cum_bytes_received_per_worker"],
             "curve": [{"tokens": r["tokens"], "val_loss": r["val_loss"]} for r in evals],
+            "round_metrics": [{"round": r["round"], **{k: r[k] for k in WIRE_METRICS if k in r}} for r in records
+                              if any(k in r for k in WIRE_METRICS)],
             "seconds": time.perf_counter() - started}
 
 

@@ -17,9 +17,11 @@ error feedback `inner.ef_decay=0.9`).
 
     python benchmarks/compression_ladder.py                  # two seeds (~20 min on 2 cores, nothing beside it)
     python benchmarks/compression_ladder.py --rungs sign,beta --seeds 0
+    python benchmarks/compression_ladder.py --method diloco --rounds 64 --local-steps 32   # the codec on its own (AdamW)
     python benchmarks/compression_ladder.py --gains-only     # the decoders' gains on Gaussian and Student-t(3) values
     python benchmarks/compression_ladder.py --quick          # tiny runs (seconds): the structure
-Writes benchmarks/results/compression_ladder.json and .png.
+Each row keeps the wire's per-round metrics (`compression.WIRE_METRICS`: ‖e‖/‖Δ‖, the support shared
+across workers, the share of a worker's indices re-selected). Writes benchmarks/results/compression_ladder.json and .png.
 """
 
 from __future__ import annotations
@@ -49,6 +51,19 @@ RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
                                "rounds.sync_exp_avg_sq_every=0")),
 }
 """rung -> (payload preset, trainer overrides on top of `BASE`)."""
+SPARSELOCO = ("rounds.wire_ef_decay=0.95", "rounds.sparse_mean=contributors", "diloco_outer.name=average",
+              "diloco_outer.lr=1.0")
+"""SparseLoCo's server (Sarfi et al. 2025): the decaying error feedback in place of outer momentum, the
+contributor mean, plain averaging at lr 1."""
+DILOCO_RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "sparseloco": ("topk2bit-both", SPARSELOCO),
+    "sparseloco-up": ("topk2bit", SPARSELOCO),
+    "sparseloco-nesterov": ("topk2bit-both", SPARSELOCO[:2]),
+}
+"""`--method diloco`, the codec on its own (AdamW inner, against fp32 DiLoCo with its Nesterov outer step):
+SparseLoCo's recipe with our sparse downlink (every tensor top-k 2-bit both ways); with the uplink only
+top-k (embedding and norms int8, θ down int8: the aggregate arrives almost whole); with DiLoCo's
+Nesterov outer step kept."""
 
 
 def decoder_gains(seeds: int = 10) -> list[dict]:
@@ -82,17 +97,28 @@ def decoder_gains(seeds: int = 10) -> list[dict]:
 
 def main() -> None:
     parser = make_parser("compression_ladder", __doc__, "tiny runs of every rung, one seed (seconds)")
-    parser.add_argument("--rungs", default=",".join(RUNGS), help=f"comma-separated, of {', '.join(RUNGS)}")
+    parser.add_argument("--method", default="lordo_global", choices=("lordo_global", "diloco"),
+                        help="lordo_global: the ladder (`RUNGS`); diloco: the codec on its own (`DILOCO_RUNGS`)")
+    parser.add_argument("--rungs", default="", help=f"comma-separated (default: all of the method's), of "
+                        f"{', '.join(RUNGS)} or {', '.join(DILOCO_RUNGS)}")
     parser.add_argument("--seeds", default="0,1", help="comma-separated seeds")
+    parser.add_argument("--rounds", type=int, default=32, help="rounds of each run")
+    parser.add_argument("--local-steps", type=int, default=8, help="K, the local steps of a round")
     parser.add_argument("--gains-only", action="store_true", help="only the decoders' gains (seconds)")
     args = parser.parse_args()
-    rungs = args.rungs.split(",")
-    unknown = [r for r in rungs if r not in RUNGS]
+    table, base = (RUNGS, BASE) if args.method == "lordo_global" else (DILOCO_RUNGS, ())
+    rungs = args.rungs.split(",") if args.rungs else list(table)
+    unknown = [r for r in rungs if r not in table]
     if unknown:
-        parser.error(f"--rungs: unknown {unknown}; expected some of {list(RUNGS)}")
+        parser.error(f"--rungs: unknown {unknown} for --method {args.method}; expected some of {list(table)}")
+    if args.rounds < 1 or args.local_steps < 1:
+        parser.error(f"--rounds {args.rounds} --local-steps {args.local_steps}: expected both >= 1")
+    horizon = (args.rounds, args.local_steps)
     seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
     started = time.perf_counter()
-    result = result_header("compression_ladder", args.quick, {"rungs": rungs, "seeds": seeds, "base": list(BASE)})
+    result = result_header("compression_ladder", args.quick, {"method": args.method, "rungs": rungs, "seeds": seeds,
+                                                              "base": list(base), "rounds": args.rounds,
+                                                              "local_steps": args.local_steps})
     result["decoder_gains"] = decoder_gains(2 if args.quick else 10)
     for g in result["decoder_gains"]:
         print(f"{g['values']:5} {g['codec']:10} gain {g['gain_min']:.3f}-{g['gain_max']:.3f}, "
@@ -103,16 +129,19 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
-            ref = quality_run("fp32", 1, seed, args.quick, Path(tmp), BASE)
+            ref = quality_run("fp32", 1, seed, args.quick, Path(tmp), base, method=args.method, horizon=horizon)
             rows.append({"rung": "fp32", **ref})
             for rung in rungs:
-                payload, extra = RUNGS[rung]
-                row = quality_run(payload, 1, seed, args.quick, Path(tmp), (*BASE, *extra), tag=f"_{rung}")
+                payload, extra = table[rung]
+                row = quality_run(payload, 1, seed, args.quick, Path(tmp), (*base, *extra), tag=f"_{rung}",
+                                  method=args.method, horizon=horizon)
                 row.update(rung=rung, ppl_vs_fp32=row["val_ppl"] / ref["val_ppl"] - 1.0,
                            bytes_vs_fp32=ref["bytes_per_worker"] / row["bytes_per_worker"])
                 rows.append(row)
+                last = row["round_metrics"][-1] if row["round_metrics"] else {}
                 print(f"seed {seed} {rung:13} {payload:17} val ppl {row['val_ppl']:.3f} ({row['ppl_vs_fp32']:+.2%} vs "
-                      f"fp32 {ref['val_ppl']:.3f}), {row['bytes_vs_fp32']:.2f}x fewer bytes", flush=True)
+                      f"fp32 {ref['val_ppl']:.3f}), {row['bytes_vs_fp32']:.2f}x fewer bytes; last round "
+                      + ", ".join(f"{k} {v:.3f}" for k, v in last.items() if k != "round"), flush=True)
                 write_json({**result, "rows": rows, "seconds": time.perf_counter() - started}, args.out)
     result.update(rows=rows, seconds=time.perf_counter() - started)
     out = write_json(result, args.out)
@@ -129,7 +158,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.plot([c["tokens"] for c in row["curve"]], [c["val_loss"] for c in row["curve"]], label=row["rung"])
     ax.set_xlabel("tokens per worker")
     ax.set_ylabel("validation loss")
-    ax.set_title(f"LoRDO-Global, compression ladder (seed {rows[0]['seed']})")
+    ax.set_title(f"{rows[0]['method']}, compression ladder (seed {rows[0]['seed']})")
     ax.legend(fontsize=8)
     fig.savefig(path, dpi=110, bbox_inches="tight")
 

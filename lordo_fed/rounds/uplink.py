@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lordo_fed.optim.projection import projection_side
 from lordo_fed.wire import lowrank
-from lordo_fed.wire.compress import Encoded, ErrorFeedback
+from lordo_fed.wire.compress import Encoded, ErrorFeedback, support
 from lordo_fed.wire.payload import PayloadCodecs
 
 
@@ -33,6 +33,10 @@ class Uplink:
         """What compression left out of Δ so far, per parameter (sent in later rounds)."""
         self.ef_ratio: float | None = None
         """‖e‖/‖Δ‖ of the last `compress_delta`: the residual left against the round's Δ."""
+        self.reselected: float | None = None
+        """Of the top-k indices the last `compress_delta` sent, the share this worker also sent the
+        round before (None until two rounds have sent top-k tensors)."""
+        self._support: dict[str, Tensor] = {}  # each top-k tensor's positions sent last round (int32)
 
     def encode(self, delta: dict[str, Tensor], moments: dict[str, Tensor], shared: Iterable[str],
                basis: Callable[[str], Tensor]) -> tuple[dict, dict, dict[str, Encoded]]:
@@ -61,4 +65,19 @@ class Uplink:
                 out[name] = self.ef.compress(name, d, codecs.delta_spec(name, tuple(d.shape)))[0]
         left = sum(float(self.ef.residual[n].square().sum()) for n in delta if n in self.ef.residual)
         self.ef_ratio = (left / delta_sq) ** 0.5 if delta_sq > 0 else 0.0
+        self._track_support(out)
         return out, coords
+
+    def _track_support(self, sent: dict[str, Encoded]) -> None:
+        """`reselected` of this round's top-k tensors against the last round's, and keep this round's."""
+        again = total = 0
+        current = {}
+        for name, enc in sent.items():
+            if enc.spec.kind != "topk":
+                continue
+            current[name] = support(enc).to(torch.int32)
+            if name in self._support:
+                again += int(torch.isin(current[name], self._support[name]).sum())
+                total += current[name].numel()
+        self.reselected = again / total if total else None
+        self._support = current

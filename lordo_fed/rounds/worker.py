@@ -164,7 +164,8 @@ class Worker:
             metrics={"train_loss": sum(losses) / len(losses), "train_loss_last": losses[-1],
                      "lr": self.optimizer.param_groups[0]["lr"], **self.diagnostics(),
                      **({"overlap_steps": float(len(early))} if self.rounds.overlap_delay else {}),
-                     **({"wire_ef_ratio": self.uplink.ef_ratio} if self.uplink.ef_ratio is not None else {})},
+                     **({"wire_ef_ratio": self.uplink.ef_ratio} if self.uplink.ef_ratio is not None else {}),
+                     **({"sparse_reselected": self.uplink.reselected} if self.uplink.reselected is not None else {})},
             coords=coords,
         )
 

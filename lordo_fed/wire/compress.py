@@ -243,14 +243,26 @@ def topk(x: Tensor, chunk: int, k: int) -> tuple[Tensor, Tensor]:
     return torch.cat(positions), torch.cat(values)
 
 
+def _chunk_offsets(numel: int, chunk: int, k: int) -> Tensor:
+    """The flat offset of the chunk each kept entry belongs to (as `topk` lays them out)."""
+    full, k, tail, k_tail = chunk_layout(numel, chunk, k)
+    return torch.cat([torch.arange(full, dtype=torch.int64).repeat_interleave(k) * chunk,
+                      torch.full((k_tail,), full * chunk, dtype=torch.int64)])
+
+
 def densify(positions: Tensor, values: Tensor, numel: int, chunk: int, k: int) -> Tensor:
     """The flat fp32 tensor with `values` at `positions` (as `topk` laid them out), zeros elsewhere."""
-    full, k, tail, k_tail = chunk_layout(numel, chunk, k)
-    offsets = torch.cat([torch.arange(full, dtype=torch.int64).repeat_interleave(k) * chunk,
-                         torch.full((k_tail,), full * chunk, dtype=torch.int64)]).to(positions.device)
     out = torch.zeros(numel, dtype=torch.float32, device=values.device)
-    out[positions + offsets] = values.float()
+    out[positions + _chunk_offsets(numel, chunk, k).to(positions.device)] = values.float()
     return out
+
+
+def support(enc: "Encoded") -> Tensor:
+    """The flat positions a top-k `Encoded` carries, increasing within each chunk (int64)."""
+    spec = enc.spec
+    full, k, _, k_tail = chunk_layout(enc.numel, spec.chunk, spec.k)
+    positions = unpack(enc.indices, index_bits(spec.chunk), full * k + k_tail)
+    return positions + _chunk_offsets(enc.numel, spec.chunk, spec.k)
 
 
 def _check_positions(positions: Tensor, numel: int, chunk: int, k: int, label: str) -> None:

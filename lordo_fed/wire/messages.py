@@ -17,12 +17,14 @@ SYNCED_KINDS = (*MOMENT_KEYS, "ef")
 """Optimizer-state tensors that may cross the wire: the two moments and LoRDO's error-feedback
 buffer E (`RoundConfig.sync_ef`)."""
 
-DIAGNOSTIC_METRICS = ("update_out_in_ratio", "update_out_in_ratio_last", "ef_norm", "wire_ef_ratio")
+DIAGNOSTIC_METRICS = ("update_out_in_ratio", "update_out_in_ratio_last", "ef_norm", "wire_ef_ratio",
+                      "sparse_reselected")
 """Per-round metrics of a worker that the aggregator averages by tokens: with a LoRDO optimizer
 tracking `track_update_split`, the round's mean and last-step ‖U_out‖/‖U_in‖, the out-of-subspace
 share of the update over all low-rank matrices, and ‖E‖ at the round's end (docs/algorithm.md,
 "Error feedback inside a round"); with a compressed payload, ‖e‖/‖Δ‖: the wire's residual after
-the round's send against the round's Δ, over every tensor sent with error feedback."""
+the round's send against the round's Δ, over every tensor sent with error feedback; with top-k
+tensors, the share of the indices a worker sent that it also sent the round before."""
 
 
 def moment_key(kind: str, param_name: str) -> str:
