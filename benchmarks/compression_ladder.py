@@ -59,11 +59,14 @@ DILOCO_RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "sparseloco": ("topk2bit-both", SPARSELOCO),
     "sparseloco-up": ("topk2bit", SPARSELOCO),
     "sparseloco-nesterov": ("topk2bit-both", SPARSELOCO[:2]),
+    "sparseloco-all": ("topk2bit-all", SPARSELOCO),
+    "sparseloco-wide": ("topk2bit-both-wide", SPARSELOCO),
 }
 """`--method diloco`, the codec on its own (AdamW inner, against fp32 DiLoCo with its Nesterov outer step):
 SparseLoCo's recipe with our sparse downlink (every tensor top-k 2-bit both ways); with the uplink only
 top-k (embedding and norms int8, θ down int8: the aggregate arrives almost whole); with DiLoCo's
-Nesterov outer step kept."""
+Nesterov outer step kept; every tensor top-k up and θ down int8; every tensor top-k up and θ down
+top-k at 4x the density (room for the union of the 4 workers' supports)."""
 
 
 def decoder_gains(seeds: int = 10) -> list[dict]:

@@ -30,6 +30,11 @@ class Levels(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GRID: _ClassVar[Levels]
     LUT: _ClassVar[Levels]
     SIGN: _ClassVar[Levels]
+
+class IndexCoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FIXED: _ClassVar[IndexCoding]
+    RICE: _ClassVar[IndexCoding]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 BFLOAT16: DType
@@ -45,9 +50,11 @@ ROWS: Codec
 GRID: Levels
 LUT: Levels
 SIGN: Levels
+FIXED: IndexCoding
+RICE: IndexCoding
 
 class Tensor(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "codec", "nbytes", "data", "bits", "block", "chunk", "topk", "sqrt", "levels")
+    __slots__ = ("name", "shape", "dtype", "codec", "nbytes", "data", "bits", "block", "chunk", "topk", "sqrt", "levels", "index_coding", "tile")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +67,8 @@ class Tensor(_message.Message):
     TOPK_FIELD_NUMBER: _ClassVar[int]
     SQRT_FIELD_NUMBER: _ClassVar[int]
     LEVELS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_CODING_FIELD_NUMBER: _ClassVar[int]
+    TILE_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
@@ -72,7 +81,9 @@ class Tensor(_message.Message):
     topk: int
     sqrt: bool
     levels: Levels
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., nbytes: _Optional[int] = ..., data: _Optional[bytes] = ..., bits: _Optional[int] = ..., block: _Optional[int] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ..., sqrt: _Optional[bool] = ..., levels: _Optional[_Union[Levels, str]] = ...) -> None: ...
+    index_coding: IndexCoding
+    tile: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., nbytes: _Optional[int] = ..., data: _Optional[bytes] = ..., bits: _Optional[int] = ..., block: _Optional[int] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ..., sqrt: _Optional[bool] = ..., levels: _Optional[_Union[Levels, str]] = ..., index_coding: _Optional[_Union[IndexCoding, str]] = ..., tile: _Optional[int] = ...) -> None: ...
 
 class GlobalState(_message.Message):
     __slots__ = ("schema", "model_id", "round", "opt_step", "params", "projections", "moments", "params_from_seed", "params_delta")

@@ -11,7 +11,9 @@ composition, and the error feedback that carries each compression's residual int
   ceil(k · tail / chunk)), indices sorted within the chunk and packed in 12 bits when chunk ≤ 4096
   (16 when ≤ 65536): SparseLoCo's layout (Sarfi et al. 2025, "Communication-Efficient Language
   Model Training Scales Reliably and Robustly"), where top-k of 1–3% per chunk with 2-bit values
-  and error feedback loses nothing against DiLoCo.
+  and error feedback loses nothing against DiLoCo. `index_coding='rice'` sends the gaps between a
+  chunk's sorted positions as Rice codes instead (lossless; ~6.5 bits a position at 1/32, 7.5 at
+  1/64, against 12). `tile=64` cuts a 2-D tensor into 64×64 tiles, each a chunk (SparseLoCo's cut).
 - **2-bit top-k values** decode to bin means, never to a grid: a 2-bit grid has no level near the
   typical kept value and inflates heavy-tailed ones (gain ⟨x̂, x⟩/⟨x, x⟩ 1.23–1.62 on Student-t(3),
   docs/results.md section 12). `levels='lut'` is SparseLoCo's lookup table (Sarfi et al. 2025, its
@@ -47,8 +49,10 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor
 
-from lordo_fed.wire.values import (LUT_BINS, CompressionError, dequantize, index_bits, lut_quantize, pack,
-                                   packed_size, quantize, row_index_bits, sign_dequantize, sign_quantize, unpack)
+from lordo_fed.wire.positions import (chunk_layout, chunk_offsets, densify, pack_positions, position_bytes, tile_order,
+                                      tiled, topk, unpack_positions, untile)
+from lordo_fed.wire.values import (LUT_BINS, CompressionError, dequantize, lut_quantize, pack, packed_size, quantize,
+                                   row_index_bits, sign_dequantize, sign_quantize, unpack)
 
 QUANT_BITS = (8, 4)
 """Dense blockwise quantisation."""
@@ -58,6 +62,8 @@ LEVELS = ("grid", "lut", "sign")
 """How quantised top-k values decode: 'grid' (8, 4 bits), 'lut' or 'sign' (2 bits)."""
 ROW_BITS = (0, 8, 4)
 """Values of a row-sparse tensor: fp32 (0), int8 or int4, one scale per row."""
+INDEX_CODINGS = ("fixed", "rice")
+"""How top-k positions travel: 'fixed' (12 or 16 bits each), 'rice' (the gaps, Rice-coded)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,12 @@ class CodecSpec:
     and a positive v never becomes 0 (Adam divides by √v̂: a zeroed v makes its step explode)."""
     levels: str = "grid"
     """'topk' with `bits`: 'grid' (8, 4 bits: q·s, one scale per chunk), 'lut' or 'sign' (2 bits: bin means)."""
+    index_coding: str = "fixed"
+    """'topk': positions 'fixed' (12 bits each for chunks of 4096) or 'rice' (the gaps between a chunk's
+    sorted positions, Rice-coded: ~6.5 bits at 1/32, `rice_parameter`)."""
+    tile: int = 0
+    """'topk': the side of the square tiles a 2-D tensor whose sides it divides is cut into, each a chunk
+    (`chunk` = tile², SparseLoCo's 64×64); 0, and every other tensor: flat chunks of the C-order values."""
 
     def validate(self) -> "CodecSpec":
         if self.kind not in ("raw", "quant", "topk", "rows"):
@@ -120,6 +132,14 @@ class CodecSpec:
             raise ValueError(f"codec topk={self.topk!r}: expected 0 (from density) or 1..chunk={self.chunk}")
         if self.sqrt and self.kind != "quant":
             raise ValueError(f"codec sqrt=True with kind={self.kind!r}: only 'quant' quantises square roots")
+        if self.index_coding not in INDEX_CODINGS:
+            raise ValueError(f"codec index_coding={self.index_coding!r}: expected one of {INDEX_CODINGS}")
+        if self.kind != "topk" and (self.index_coding != "fixed" or self.tile):
+            raise ValueError(f"codec index_coding={self.index_coding!r} tile={self.tile!r} with kind={self.kind!r}: "
+                             "they are for top-k positions")
+        if not (isinstance(self.tile, int) and 0 <= self.tile and (not self.tile or self.tile ** 2 == self.chunk)):
+            raise ValueError(f"codec tile={self.tile!r}: expected 0 (flat chunks) or the side of a square chunk, "
+                             f"tile² = chunk={self.chunk}")
         return self
 
     @property
@@ -136,7 +156,8 @@ class CodecSpec:
             return CodecSpec("quant", bits=self.bits, block=self.block, sqrt=self.sqrt)
         if self.kind == "rows":  # the rows kept and the threshold are the sender's choice, per tensor
             return CodecSpec("rows", bits=self.bits)
-        return CodecSpec("topk", bits=self.bits, chunk=self.chunk, density=1.0, topk=self.k, levels=self.levels)
+        return CodecSpec("topk", bits=self.bits, chunk=self.chunk, density=1.0, topk=self.k, levels=self.levels,
+                         index_coding=self.index_coding, tile=self.tile)
 
 
 @dataclass
@@ -162,7 +183,8 @@ class Encoded:
 
 def part_sizes(spec: CodecSpec, numel: int, shape: tuple[int, ...] = ()) -> tuple[int, int, int]:
     """(data, scales, indices) bytes of `numel` values (of `shape`, which 'rows' needs) encoded
-    per `spec`: what a receiver expects before it reads anything."""
+    per `spec`: what a receiver expects before it reads anything. Rice-coded indices vary with the
+    positions: their largest size here (`index_bounds`)."""
     if spec.kind == "raw":
         return 4 * numel, 0, 0
     if spec.kind == "rows":
@@ -174,7 +196,7 @@ def part_sizes(spec: CodecSpec, numel: int, shape: tuple[int, ...] = ()) -> tupl
         return packed_size(numel, spec.bits), 4 * math.ceil(numel / spec.block), 0
     full, k, _, k_tail = chunk_layout(numel, spec.chunk, spec.k)
     count = full * k + k_tail
-    indices = packed_size(count, index_bits(spec.chunk))
+    indices = position_bytes(numel, spec.chunk, spec.k, spec.index_coding)[1]
     if not spec.bits:
         return 4 * count, 0, indices
     groups = full + (1 if k_tail else 0)
@@ -182,16 +204,35 @@ def part_sizes(spec: CodecSpec, numel: int, shape: tuple[int, ...] = ()) -> tupl
     return packed_size(count, spec.bits), per, indices
 
 
+def payload_bounds(spec: CodecSpec, numel: int, shape: tuple[int, ...] = ()) -> tuple[int, int]:
+    """(fewest, most) bytes of a whole encoding: one size unless its positions are Rice-coded."""
+    data, scales, indices = part_sizes(spec, numel, shape)
+    if spec.kind != "topk":
+        return data + scales + indices, data + scales + indices
+    lo, hi = position_bytes(numel, spec.chunk, spec.k, spec.index_coding)
+    return data + scales + lo, data + scales + hi
+
+
 def split_payload(spec: CodecSpec, numel: int, payload, shape: tuple[int, ...] = ()) -> Encoded:
-    """The `Encoded` whose `payload()` is `payload` (sizes from `part_sizes`; CompressionError
-    when the length differs)."""
+    """The `Encoded` whose `payload()` is `payload` (sizes from `part_sizes`, the positions the rest;
+    CompressionError when the length is outside `payload_bounds`)."""
     sizes = part_sizes(spec, numel, shape)
-    if len(payload) != sum(sizes):
-        raise CompressionError(f"{len(payload)} bytes, expected {sum(sizes)} for {numel} values of codec "
+    lo, hi = payload_bounds(spec, numel, shape)
+    if not lo <= len(payload) <= hi:
+        expected = f"{lo}" if lo == hi else f"{lo} to {hi}"
+        raise CompressionError(f"{len(payload)} bytes, expected {expected} for {numel} values of codec "
                                f"{describe(spec)}")
     a, b = sizes[0], sizes[0] + sizes[1]
     view = memoryview(payload)
     return Encoded(spec, numel, bytes(view[:a]), bytes(view[a:b]), bytes(view[b:]), shape)
+
+
+def support(enc: Encoded) -> Tensor:
+    """The flat positions a top-k `Encoded` carries, increasing within each chunk (int64), in the
+    order its chunks are cut (tiles, for a tiled tensor)."""
+    spec = enc.spec
+    return (unpack_positions(enc.indices, enc.numel, spec.chunk, spec.k, spec.index_coding, "tensor")
+            + chunk_offsets(enc.numel, spec.chunk, spec.k))
 
 
 def describe(spec: CodecSpec) -> str:
@@ -202,8 +243,9 @@ def describe(spec: CodecSpec) -> str:
         return f"{'sqrt-' if spec.sqrt else ''}int{spec.bits}/{spec.block}"
     if spec.kind == "rows":
         return "rows" + (f" {spec.topk}" if spec.topk else "") + (f" int{spec.bits}" if spec.bits else " fp32")
-    return (f"top-k {spec.k}/{spec.chunk}" + (f" {spec.bits}-bit" if spec.bits else "")
-            + (f" {spec.levels}" if spec.levels != "grid" else ""))
+    return (f"top-k {spec.k}/{spec.chunk}" + (f" {spec.tile}x{spec.tile} tiles" if spec.tile else "")
+            + (f" {spec.bits}-bit" if spec.bits else "") + (f" {spec.levels}" if spec.levels != "grid" else "")
+            + (" rice" if spec.index_coding == "rice" else ""))
 
 
 def _row_shape(shape: tuple[int, ...], numel: int) -> tuple[int, int]:
@@ -211,75 +253,6 @@ def _row_shape(shape: tuple[int, ...], numel: int) -> tuple[int, int]:
     if len(shape) != 2 or math.prod(shape) != numel:
         raise CompressionError(f"the row-sparse codec needs a 2-D shape, got {list(shape)} for {numel} values")
     return int(shape[0]), int(shape[1])
-
-
-# ----------------------------------------------------------------------------- top-k
-def chunk_layout(numel: int, chunk: int, k: int) -> tuple[int, int, int, int]:
-    """(full chunks, k per full chunk, tail length, k of the tail) for `numel` values."""
-    full, tail = divmod(numel, chunk)
-    k = min(k, chunk)
-    k_tail = min(tail, max(1, math.ceil(k * tail / chunk))) if tail else 0
-    return full, k, tail, k_tail
-
-
-def topk(x: Tensor, chunk: int, k: int) -> tuple[Tensor, Tensor]:
-    """(positions, values): per chunk of the flattened `x`, its k largest magnitudes, positions
-    within the chunk in increasing order; the full chunks first, then the tail's."""
-    flat = x.detach().reshape(-1).float()
-    full, k, tail, k_tail = chunk_layout(flat.numel(), chunk, k)
-    positions, values = [], []
-    if full:
-        body = flat[:full * chunk].view(full, chunk)
-        idx = body.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
-        positions.append(idx.reshape(-1))
-        values.append(body.gather(1, idx).reshape(-1))
-    if tail:
-        rest = flat[full * chunk:]
-        idx = rest.abs().topk(k_tail, sorted=False).indices.sort().values
-        positions.append(idx)
-        values.append(rest[idx])
-    if not positions:
-        return torch.zeros(0, dtype=torch.int64, device=flat.device), flat.new_zeros(0)
-    return torch.cat(positions), torch.cat(values)
-
-
-def _chunk_offsets(numel: int, chunk: int, k: int) -> Tensor:
-    """The flat offset of the chunk each kept entry belongs to (as `topk` lays them out)."""
-    full, k, tail, k_tail = chunk_layout(numel, chunk, k)
-    return torch.cat([torch.arange(full, dtype=torch.int64).repeat_interleave(k) * chunk,
-                      torch.full((k_tail,), full * chunk, dtype=torch.int64)])
-
-
-def densify(positions: Tensor, values: Tensor, numel: int, chunk: int, k: int) -> Tensor:
-    """The flat fp32 tensor with `values` at `positions` (as `topk` laid them out), zeros elsewhere."""
-    out = torch.zeros(numel, dtype=torch.float32, device=values.device)
-    out[positions + _chunk_offsets(numel, chunk, k).to(positions.device)] = values.float()
-    return out
-
-
-def support(enc: "Encoded") -> Tensor:
-    """The flat positions a top-k `Encoded` carries, increasing within each chunk (int64)."""
-    spec = enc.spec
-    full, k, _, k_tail = chunk_layout(enc.numel, spec.chunk, spec.k)
-    positions = unpack(enc.indices, index_bits(spec.chunk), full * k + k_tail)
-    return positions + _chunk_offsets(enc.numel, spec.chunk, spec.k)
-
-
-def _check_positions(positions: Tensor, numel: int, chunk: int, k: int, label: str) -> None:
-    """Every position inside its chunk, strictly increasing within it (so none repeats)."""
-    full, k, tail, k_tail = chunk_layout(numel, chunk, k)
-    if full:
-        body = positions[:full * k].view(full, k)
-        if bool((body >= chunk).any()):
-            raise CompressionError(f"{label}: a top-k index >= chunk size {chunk}")
-        if k > 1 and not bool((body[:, 1:] > body[:, :-1]).all()):
-            raise CompressionError(f"{label}: top-k indices repeated or out of order within a chunk")
-    if tail:
-        rest = positions[full * k:]
-        if bool((rest >= tail).any()):
-            raise CompressionError(f"{label}: a top-k index >= the last chunk's {tail} values")
-        if k_tail > 1 and not bool((rest[1:] > rest[:-1]).all()):
-            raise CompressionError(f"{label}: top-k indices repeated or out of order in the last chunk")
 
 
 # ----------------------------------------------------------------------------- encode / decode
@@ -294,8 +267,8 @@ def encode(x: Tensor, spec: CodecSpec) -> Encoded:
         values = x.detach().float().clamp_min(0).sqrt() if spec.sqrt else x
         codes, scales = quantize(values, spec.bits, spec.block, up=spec.sqrt)
         return Encoded(spec, n, pack(codes, spec.bits), _f32(scales), shape=shape)
-    positions, values = topk(x, spec.chunk, spec.k)
-    indices = pack(positions, index_bits(spec.chunk))
+    positions, values = topk(tile_order(x.detach(), spec.tile) if tiled(spec.tile, shape) else x, spec.chunk, spec.k)
+    indices = pack_positions(positions, n, spec.chunk, spec.k, spec.index_coding)
     if not spec.bits:
         return Encoded(spec, n, _f32(values), indices=indices, shape=shape)
     codes, scales = _quantize_groups(values, spec, _value_groups(n, spec))
@@ -329,8 +302,7 @@ def decode(enc: Encoded, label: str = "tensor") -> Tensor:
             return values
         full, k, tail, k_tail = chunk_layout(n, spec.chunk, spec.k)
         count = full * k + k_tail
-        positions = unpack(enc.indices, index_bits(spec.chunk), count)
-        _check_positions(positions, n, spec.chunk, spec.k, label)
+        positions = unpack_positions(enc.indices, n, spec.chunk, spec.k, spec.index_coding, label)
         if not spec.bits:
             if len(enc.data) != 4 * count:
                 raise CompressionError(f"{len(enc.data)} bytes of top-k values, expected {4 * count}")
@@ -340,7 +312,8 @@ def decode(enc: Encoded, label: str = "tensor") -> Tensor:
             groups = _value_groups(n, spec)
             codes = unpack(enc.data, spec.bits, count)
             values = _dequantize_groups(codes, enc.scales, spec, groups)
-        return densify(positions, values, n, spec.chunk, spec.k)
+        out = densify(positions, values, n, spec.chunk, spec.k)
+        return untile(out, enc.shape, spec.tile) if tiled(spec.tile, tuple(enc.shape)) else out
     except CompressionError as err:
         if str(err).startswith(label):
             raise

@@ -43,8 +43,8 @@ from torch import Tensor
 
 from lordo_fed.v1 import wire_pb2 as pb
 from lordo_fed.wire.codec import GLOBAL_STATE_SCHEMA, SCHEMA, SCHEMA_V2, UPDATE_SCHEMA, WIRE_WORDS, PayloadError
-from lordo_fed.wire.compress import (CodecSpec, CompressionError, decode as decode_compressed, describe, part_sizes,
-                                      split_payload)
+from lordo_fed.wire.compress import (CodecSpec, CompressionError, decode as decode_compressed, describe,
+                                      payload_bounds, split_payload)
 from lordo_fed.wire.messages import GlobalState, WorkerUpdate
 from lordo_fed.wire.protowire import MAX_MESSAGE, WT_LEN, Irregular, key, read_key, read_length, skip_value, varint
 
@@ -151,6 +151,9 @@ def _spec_of(t: pb.Tensor, label: str = "") -> CodecSpec:
     if t.codec in (pb.QUANT, pb.ROWS) and t.levels:
         raise PayloadError(f"{label}: levels {_enum_name(pb.Levels, t.levels)} with codec {pb.Codec.Name(t.codec)} "
                            "(only TOPK_QUANT has levels)")
+    if t.codec in (pb.QUANT, pb.ROWS) and (t.index_coding or t.tile):
+        raise PayloadError(f"{label}: index_coding {_enum_name(pb.IndexCoding, t.index_coding)} / tile {t.tile} with "
+                           f"codec {pb.Codec.Name(t.codec)} (only TOPK and TOPK_QUANT have them)")
     if t.codec == pb.QUANT:
         return CodecSpec("quant", bits=t.bits, block=t.block, sqrt=bool(t.sqrt))
     if t.codec == pb.ROWS:
@@ -162,8 +165,12 @@ def _spec_of(t: pb.Tensor, label: str = "") -> CodecSpec:
     if levels != "grid" and t.codec != pb.TOPK_QUANT:
         raise PayloadError(f"{label}: levels {pb.Levels.Name(t.levels)} with codec {pb.Codec.Name(t.codec)} "
                            "(only TOPK_QUANT has levels)")
+    coding = {pb.FIXED: "fixed", pb.RICE: "rice"}.get(t.index_coding)
+    if coding is None:
+        raise PayloadError(f"{label}: unknown index_coding enum value {_enum_name(pb.IndexCoding, t.index_coding)} "
+                           f"(known: {', '.join(pb.IndexCoding.keys())})")
     return CodecSpec("topk", bits=t.bits if t.codec == pb.TOPK_QUANT else 0, chunk=t.chunk, density=1.0, topk=t.topk,
-                     levels=levels)
+                     levels=levels, index_coding=coding, tile=t.tile)
 
 
 def _check_tensor_meta(t: pb.Tensor, where: str, v2: bool = False,
@@ -187,9 +194,10 @@ def _check_tensor_meta(t: pb.Tensor, where: str, v2: bool = False,
         raise PayloadError(f"{label}: codec {pb.Codec.Name(t.codec)} does not fit dtype "
                            f"{pb.DType.Name(t.dtype)} (allowed: "
                            f"{', '.join(sorted(pb.Codec.Name(c) for c in codecs_of_dtype))})")
-    if not compressed and (t.bits or t.block or t.chunk or t.topk or t.sqrt or t.levels):
+    if not compressed and (t.bits or t.block or t.chunk or t.topk or t.sqrt or t.levels or t.index_coding or t.tile):
         raise PayloadError(f"{label}: codec {pb.Codec.Name(t.codec)} with compression fields set (bits={t.bits}, "
-                           f"block={t.block}, chunk={t.chunk}, topk={t.topk}, sqrt={t.sqrt}, levels={t.levels})")
+                           f"block={t.block}, chunk={t.chunk}, topk={t.topk}, sqrt={t.sqrt}, levels={t.levels}, "
+                           f"index_coding={t.index_coding}, tile={t.tile})")
     shape = tuple(t.shape)
     for d in shape:
         if not isinstance(d, int) or isinstance(d, bool):
@@ -209,12 +217,12 @@ def _check_tensor_meta(t: pb.Tensor, where: str, v2: bool = False,
             raise PayloadError(f"{label}: codec {describe(spec)} is not one this receiver configured "
                                f"(configured: {configured})")
         try:
-            expected = sum(part_sizes(spec, math.prod(shape), shape))
+            lo, hi = payload_bounds(spec, math.prod(shape), shape)
         except CompressionError as err:
             raise PayloadError(f"{label}: {err}") from None
-        if t.nbytes != expected:
+        if not lo <= t.nbytes <= hi:
             raise PayloadError(f"{label}: declared size nbytes={t.nbytes} does not match shape {list(shape)} "
-                               f"with codec {describe(spec)} = {expected}")
+                               f"with codec {describe(spec)} = {lo if lo == hi else f'{lo} to {hi}'}")
         return shape
     itemsize = WIRE_WORDS[(t.dtype, t.codec)].itemsize
     expected = math.prod(shape) * itemsize

@@ -52,7 +52,8 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def _codec_fields(enc: Encoded) -> tuple[int, dict[int, int]]:
-    """(Codec enum value, {Tensor field number: value} of bits/block/chunk/topk/sqrt/levels) of an Encoded."""
+    """(Codec enum value, {Tensor field number: value} of bits/block/chunk/topk/sqrt/levels/index_coding/tile)
+    of an Encoded."""
     spec = enc.spec
     if spec.kind == "raw":
         return pb.RAW, {}
@@ -61,8 +62,11 @@ def _codec_fields(enc: Encoded) -> tuple[int, dict[int, int]]:
     if spec.kind == "rows":
         return pb.ROWS, {**({7: spec.bits} if spec.bits else {}), 10: spec.topk}
     levels = {"grid": pb.GRID, "lut": pb.LUT, "sign": pb.SIGN}[spec.levels]
+    coding = {"fixed": pb.FIXED, "rice": pb.RICE}[spec.index_coding]
     return (pb.TOPK_QUANT if spec.bits else pb.TOPK), {**({7: spec.bits} if spec.bits else {}), 9: spec.chunk,
-                                                        10: spec.k, **({12: levels} if levels else {})}
+                                                        10: spec.k, **({12: levels} if levels else {}),
+                                                        **({13: coding} if coding else {}),
+                                                        **({14: spec.tile} if spec.tile else {})}
 
 
 def _schema_of(groups: Iterable[Mapping[str, object]], kind: str, v2_fields: bool = False) -> str:

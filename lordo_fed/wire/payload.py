@@ -5,8 +5,10 @@
 | fp32, bf16  | raw                                     | raw                 | raw                               |
 | int8        | int8, one scale per 64 values           | int8 / 64 (v: √v)   | int8 / 64 change of the clients' copy |
 | int4        | int4 / 32                               | int8 / 64           | int8 / 64 change                  |
-| topk2bit    | blocks' matrices: top-k 3% of each 4096, 2-bit values (sign and two magnitudes per chunk); embedding and norms int8 / 64 | int8 / 64 | int8 / 64 change |
+| topk2bit    | blocks' matrices: top-k 3% of each 4096, 2-bit values (sign and two magnitudes per chunk), positions Rice-coded; embedding and norms int8 / 64 | int8 / 64 | int8 / 64 change |
 | topk2bit-both | every tensor (embedding and norms too) as topk2bit | int8 / 64 | topk2bit change: the server re-sparsifies θ − θ_c, what it leaves stays in θ − θ_c |
+| topk2bit-all | every tensor as topk2bit | int8 / 64 | int8 / 64 change |
+| topk2bit-both-wide | every tensor as topk2bit | int8 / 64 | as topk2bit at 12% of each chunk: room for the union of 4 workers' 3% |
 | topk2bit-lut | as topk2bit, the 2-bit values as SparseLoCo's 4-entry table per tensor | int8 / 64 | int8 / 64 change |
 | lowrank+topk2bit | low-rank matrices: coordinates in the round's shared basis int8 / 64 + the residual as topk2bit; the rest as topk2bit | int8 / 64 | int8 / 64 change |
 | lowrank+topk2bit+rows | as lowrank+topk2bit, the embedding row-sparse: the rows whose change is ≥ 10% of the largest row's, int8 per row | int8 / 64 | int8 / 64 change |
@@ -92,12 +94,15 @@ class PayloadCodecs:
 
 _BLOCK_MATRIX = re.compile(DEFAULT_LOWRANK_PATTERN)
 _INT8 = CodecSpec("quant", bits=8, block=64)
-_TOPK2BIT = CodecSpec("topk", bits=2, chunk=4096, density=0.03, levels="sign")
+_TOPK2BIT = CodecSpec("topk", bits=2, chunk=4096, density=0.03, levels="sign", index_coding="rice")
 PRESETS: dict[str, PayloadCodecs] = {
     "int8": PayloadCodecs(delta=_INT8, moments=_INT8, down=_INT8),
     "int4": PayloadCodecs(delta=CodecSpec("quant", bits=4, block=32), moments=_INT8, down=_INT8),
     "topk2bit": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8, down=_INT8, dense=_INT8),
     "topk2bit-both": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8, down=_TOPK2BIT),
+    "topk2bit-all": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8, down=_INT8),
+    "topk2bit-both-wide": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8,
+                                        down=dataclasses.replace(_TOPK2BIT, density=0.12)),
     "topk2bit-lut": PayloadCodecs(delta=dataclasses.replace(_TOPK2BIT, levels="lut"), moments=_INT8, down=_INT8,
                                   dense=_INT8),
     "lowrank+topk2bit": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8, down=_INT8, lowrank=_INT8, dense=_INT8),

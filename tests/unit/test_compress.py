@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from lordo_fed.wire.payload import resolve_payload
-from lordo_fed.wire.compress import (CodecSpec, CompressionError, Encoded, ErrorFeedback, chunk_layout, decode,
-                                     encode, index_bits, pack, packed_size, quantize, topk, unpack)
+from lordo_fed.wire.compress import CodecSpec, CompressionError, Encoded, ErrorFeedback, decode, encode
+from lordo_fed.wire.positions import chunk_layout, topk
+from lordo_fed.wire.values import index_bits, pack, packed_size, quantize, unpack
 
 
 def reference_quantize(x: torch.Tensor, bits: int, block: int) -> tuple[list[int], list[float]]:
