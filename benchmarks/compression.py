@@ -14,6 +14,8 @@ pay for their encoding time.
    error feedback and its moments and encodes the reply, the server decodes it; the server encodes
    the downlink, the worker decodes it), against the time the bytes it saves take on a 1 Gb/s link;
    and the state a compressed preset adds to a worker (Δ's residual, the clients' copy θ_c).
+   **refit**: the server's refit of LoRDO-Global's bases at 125m (exact SVD, randomized SVD, DCT
+   columns) against the link time of a lean top-k round at 1 Gb/s and 100 Mb/s.
 3. **quality**: LoRDO-Global on `examples/reference/quality_cpu.yaml` (small preset, M = 4,
    rank 16) at K = 8 for 32 rounds, each compressed preset against fp32, seeds 0 and 1; fp32 and
    int8 also with the full-size moments synced every 4th round (`dense_sync_factor` = 4).
@@ -36,6 +38,8 @@ import time
 from pathlib import Path
 
 
+import torch
+
 from lordo_fed.wire import codec
 from lordo_fed.wire.decode import decode_global_state, decode_update
 from lordo_fed.wire.encode import encode_global_state, encode_update
@@ -47,6 +51,7 @@ from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.optim.projection import projection_side
 from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import Encoded, ErrorFeedback, encode, part_sizes
+from lordo_fed.wire.positions import expected_position_bytes
 from lordo_fed.wire.payload import PAYLOADS, resolve_payload
 
 try:
@@ -69,11 +74,14 @@ ROW_SHARE = 1.0
 
 def layout(spec, shape: tuple[int, ...]) -> Encoded:
     """A compressed tensor of `shape` as the codec lays it out (zero bytes of the right sizes);
-    a row-sparse one with `ROW_SHARE` of its rows."""
+    a row-sparse one with `ROW_SHARE` of its rows; Rice-coded top-k positions at their expected size
+    for uniformly spread positions (`expected_position_bytes`: within 1% of real encodings of iid values)."""
     n = math.prod(shape)
     if spec.kind == "rows":
         spec = dataclasses.replace(spec, topk=round(ROW_SHARE * shape[0]))
     a, b, c = part_sizes(spec, n, tuple(shape))
+    if spec.kind == "topk":  # Rice-coded positions: their expected size for uniformly spread positions
+        c = expected_position_bytes(n, spec.chunk, spec.k, spec.index_coding)
     return Encoded(spec, n, bytes(a), bytes(b), bytes(c), tuple(shape))
 
 
@@ -235,6 +243,43 @@ WIRE_METRICS = ("wire_ef_ratio", "sparse_support_shared", "sparse_reselected")
 the sent indices more than one worker sent, the share of a worker's indices it also sent the round before."""
 
 
+REFIT_METHODS = ("svd", "rsvd", "dct")
+
+
+def refit_times(preset: str, payload: str = "topk2bit-both", methods: tuple[str, ...] = REFIT_METHODS) -> list[dict]:
+    """The server's whole-model refit of LoRDO-Global's bases (`fit_projections`, on this CPU) per
+    projection method, against the time one worker's round of `payload` takes on 1 Gb/s and 100 Mb/s
+    links (the lean state, K = 32: the bytes with nothing dense left, up and down; SVD bases would
+    add their own fp32 bytes). Each method timed once after a warm-up fit of one matrix per shape."""
+    from lordo_fed.optim.projection import get_projection_method
+    from lordo_fed.rounds.aggregator import fit_projections
+
+    ms = _SHAPES.setdefault(preset, ModelShapes(preset, GPT2_VOCAB, RANKS[preset]))
+    params = ms.params()
+    deltas = {n: params[n] for n in ms.ranks}
+    ranks = dict(ms.ranks)
+    update, state = round_messages(ms, payload, 32, 1, 2 * _sync_period(RoundConfig(local_steps=32, **LEAN)), lean=True)
+    round_bytes = message_bytes(update, ms, payload)[0] + message_bytes(state, ms, payload)[0]
+    rows = []
+    for name in methods:
+        method = get_projection_method(name)
+        warm = {}
+        for n in deltas:
+            warm.setdefault(tuple(deltas[n].shape), n)
+        fit_projections({n: deltas[n] for n in warm.values()}, {n: ranks[n] for n in warm.values()}, method, seed=0)
+        t0 = time.perf_counter()
+        fit_projections(deltas, ranks, method, seed=0)
+        seconds = time.perf_counter() - t0
+        rows.append({"preset": preset, "method": name, "matrices": len(ranks), "refit_s": seconds,
+                     "payload": payload, "round_bytes": round_bytes,
+                     "link_s_1gbps": round_bytes / LINK_BYTES_PER_S, "link_s_100mbps": round_bytes / (LINK_BYTES_PER_S / 10),
+                     "threads": torch.get_num_threads()})
+        print(f"refit {preset} {name:4}: {seconds:6.2f} s on {torch.get_num_threads()} threads; a {payload} lean round "
+              f"{round_bytes / 1e6:.1f} MB: {round_bytes / LINK_BYTES_PER_S:.3f} s at 1 Gb/s, "
+              f"{10 * round_bytes / LINK_BYTES_PER_S:.3f} s at 100 Mb/s", flush=True)
+    return rows
+
+
 def quality_run(payload: str, factor: int, seed: int, quick: bool, work: Path, extra: tuple[str, ...] = (),
                 tag: str = "", method: str = "lordo_global", horizon: tuple[int, int] | None = None) -> dict:
     """One run of the quality setting (`QUALITY`; `quick`: a tiny one; `horizon` (rounds, K): that many
@@ -295,7 +340,8 @@ def plot(result: dict, path: Path) -> None:
     ax1.axhline(200, color="grey", lw=0.8, ls="--")
     ax1.set(xscale="log", yscale="log", xlabel="K", ylabel="x fewer bytes than fp32 DDP per step",
             title="LoRDO-Global payload presets (GPT-2 vocabulary, F = 1)")
-    ax1.legend(fontsize=7)
+    if rows:
+        ax1.legend(fontsize=7)
     for r in result.get("quality", []):
         if r["dense_sync_factor"] != 1:
             continue
@@ -311,7 +357,7 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     global ROW_SHARE
     parser = make_parser("compression", __doc__, "16m bytes at K = 32, tiny time and quality (seconds)")
-    parser.add_argument("--parts", default="bytes,time,quality", help="comma-separated: bytes, time, quality")
+    parser.add_argument("--parts", default="bytes,time,refit,quality", help="comma-separated: bytes, time, refit, quality")
     parser.add_argument("--payloads", default="", help="comma-separated presets (default: all; quality needs fp32 in it)")
     parser.add_argument("--overrides", default="", help="quality part: extra trainer overrides, space-separated "
                         "(e.g. 'inner.ef_decay=0.9')")
@@ -335,6 +381,9 @@ def main() -> None:
         write_json({**result, "seconds": time.perf_counter() - started}, args.out)  # each part kept as it ends
     if "time" in parts:
         result["time"] = time_round("tiny" if args.quick else "125m", payloads)
+        write_json({**result, "seconds": time.perf_counter() - started}, args.out)
+    if "refit" in parts:
+        result["refit"] = refit_times("tiny" if args.quick else "125m")
         write_json({**result, "seconds": time.perf_counter() - started}, args.out)
     if "quality" in parts:
         with tempfile.TemporaryDirectory() as tmp:

@@ -279,8 +279,9 @@ def test_compression_quick(tmp_path):
     bytes than bf16), encode/decode time and a tiny quality run (not its figures' quality)."""
     result = run_quick("compression.py", tmp_path)
     by = {r["payload"]: r for r in result["bytes"]}
-    assert set(by) == {"fp32", "bf16", "int8", "int4", "topk2bit", "topk2bit-both", "topk2bit-lut", "lowrank+topk2bit",
-                       "lowrank+topk2bit+rows"}
+    from lordo_fed.wire.payload import PAYLOADS
+
+    assert set(by) == set(PAYLOADS)
     assert round(by["fp32"]["reduction_vs_ddp_fp32"]) == 12
     assert by["fp32"]["reduction_vs_ddp_fp32"] < by["bf16"]["reduction_vs_ddp_fp32"] < by["int8"]["reduction_vs_ddp_fp32"]
     up = {p: r["up_bytes_per_round"] for p, r in by.items()}
@@ -294,6 +295,9 @@ def test_compression_quick(tmp_path):
     times = {r["payload"]: r for r in result["time"]}
     assert all(times[p]["up_bytes"] < times["fp32"]["up_bytes"] for p in ("int8", "int4", "topk2bit", "lowrank+topk2bit"))
     assert all(r["codec_s"] > 0 for r in result["time"])
+    refit = {r["method"]: r for r in result["refit"]}
+    assert set(refit) == {"svd", "rsvd", "dct"} and all(r["refit_s"] > 0 and r["link_s_100mbps"] > r["link_s_1gbps"] > 0
+                                                        for r in refit.values())
     quality = {r["payload"]: r for r in result["quality"]}
     assert set(quality) == {"fp32", "int8"} and quality["int8"]["bytes_vs_fp32"] > 1.5
     assert (tmp_path / "compression.png").exists()
@@ -307,6 +311,11 @@ def test_compression_ladder_quick(tmp_path):
     assert set(rows) == {"fp32", "sign", "mean"}
     assert "rounds.sparse_mean=contributors" in rows["mean"]["overrides"]
     assert rows["sign"]["bytes_vs_fp32"] > 1.5 and rows["mean"]["val_loss"] != rows["sign"]["val_loss"]
+    # the wire's per-round metrics: every round's residual ratio, from the second on the re-selected share
+    wire = rows["mean"]["round_metrics"]
+    assert [m["round"] for m in wire] == list(range(1, rows["mean"]["rounds"] + 1)) and all(m["wire_ef_ratio"] > 0 for m in wire)
+    assert "sparse_reselected" not in wire[0] and all(0 <= m["sparse_reselected"] <= 1 for m in wire[1:])
+    assert all(0 <= m["sparse_support_shared"] <= 1 for m in wire) and not rows["fp32"]["round_metrics"]
     assert (tmp_path / "compression_ladder.png").exists()
 
 
