@@ -14,6 +14,9 @@ error feedback `inner.ef_decay=0.9`).
 | lowrank-mean | lowrank+topk2bit, β 0.95, contributor mean | low-rank Δ with the same wire |
 | 5-6 both | topk2bit-both, β 0.95 | every tensor top-k 2-bit, θ down re-sparsified by the server |
 | 7 lean | + DCT bases, no moments on the wire | nothing dense left (`compression.py --states lean`: the bytes) |
+| wide | topk2bit-both-wide, β 0.95 | the downlink at 12% of each chunk: room for the union of the workers' supports |
+| wide-mean | + contributor mean | |
+| wide-nomoments, wide-dct, wide-lean | wide + no moments / DCT bases / both | which part of the lean state costs quality |
 
     python benchmarks/compression_ladder.py                  # two seeds (~20 min on 2 cores, nothing beside it)
     python benchmarks/compression_ladder.py --rungs sign,beta --seeds 0
@@ -39,6 +42,8 @@ except ImportError:  # run as `python benchmarks/compression_ladder.py`
 
 BASE = ("inner.ef_decay=0.9",)
 """LoRDO's default error feedback, where the low-rank and top-k presets did best (results.md section 12)."""
+LEAN = ("inner.proj_method=dct", "rounds.sync_exp_avg_every=0", "rounds.sync_exp_avg_sq_every=0")
+"""Nothing dense on the wire: the bases as DCT column indices, no moments (each worker keeps its own)."""
 RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "sign": ("topk2bit", ()),
     "lut": ("topk2bit-lut", ()),
@@ -47,8 +52,12 @@ RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "lr07": ("topk2bit", ("rounds.wire_ef_decay=0.95", "rounds.sparse_mean=contributors", "outer.lr=0.7")),
     "lowrank-mean": ("lowrank+topk2bit", ("rounds.wire_ef_decay=0.95", "rounds.sparse_mean=contributors")),
     "both": ("topk2bit-both", ("rounds.wire_ef_decay=0.95",)),
-    "lean": ("topk2bit-both", ("rounds.wire_ef_decay=0.95", "inner.proj_method=dct", "rounds.sync_exp_avg_every=0",
-                               "rounds.sync_exp_avg_sq_every=0")),
+    "lean": ("topk2bit-both", ("rounds.wire_ef_decay=0.95", *LEAN)),
+    "wide": ("topk2bit-both-wide", ("rounds.wire_ef_decay=0.95",)),
+    "wide-mean": ("topk2bit-both-wide", ("rounds.wire_ef_decay=0.95", "rounds.sparse_mean=contributors")),
+    "wide-nomoments": ("topk2bit-both-wide", ("rounds.wire_ef_decay=0.95", *LEAN[1:])),
+    "wide-dct": ("topk2bit-both-wide", ("rounds.wire_ef_decay=0.95", LEAN[0])),
+    "wide-lean": ("topk2bit-both-wide", ("rounds.wire_ef_decay=0.95", *LEAN)),
 }
 """rung -> (payload preset, trainer overrides on top of `BASE`)."""
 SPARSELOCO = ("rounds.wire_ef_decay=0.95", "rounds.sparse_mean=contributors", "diloco_outer.name=average",
