@@ -9,6 +9,8 @@
 | topk2bit-both | every tensor (embedding and norms too) as topk2bit | int8 / 64 | topk2bit change: the server re-sparsifies θ − θ_c, what it leaves stays in θ − θ_c |
 | topk2bit-all | every tensor as topk2bit | int8 / 64 | int8 / 64 change |
 | topk2bit-both-wide | every tensor as topk2bit | int8 / 64 | as topk2bit at 12% of each chunk: room for the union of 4 workers' 3% |
+| topk2bit-both-wide-d64 | every tensor top-k 1/64 (SparseLoCo's production density) | int8 / 64 | top-k 4/64 |
+| topk2bit-both-wide-tiles | as topk2bit-both-wide, a 2-D tensor cut into 64×64 tiles (SparseLoCo's cut) | int8 / 64 | as topk2bit-both-wide, tiled |
 | topk2bit-lut | as topk2bit, the 2-bit values as SparseLoCo's 4-entry table per tensor | int8 / 64 | int8 / 64 change |
 | lowrank+topk2bit | low-rank matrices: coordinates in the round's shared basis int8 / 64 + the residual as topk2bit; the rest as topk2bit | int8 / 64 | int8 / 64 change |
 | lowrank+topk2bit+rows | as lowrank+topk2bit, the embedding row-sparse: the rows whose change is ≥ 10% of the largest row's, int8 per row | int8 / 64 | int8 / 64 change |
@@ -103,6 +105,10 @@ PRESETS: dict[str, PayloadCodecs] = {
     "topk2bit-all": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8, down=_INT8),
     "topk2bit-both-wide": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8,
                                         down=dataclasses.replace(_TOPK2BIT, density=0.12)),
+    "topk2bit-both-wide-d64": PayloadCodecs(delta=dataclasses.replace(_TOPK2BIT, density=1 / 64), moments=_INT8,
+                                            down=dataclasses.replace(_TOPK2BIT, density=4 / 64)),
+    "topk2bit-both-wide-tiles": PayloadCodecs(delta=dataclasses.replace(_TOPK2BIT, tile=64), moments=_INT8,
+                                              down=dataclasses.replace(_TOPK2BIT, density=0.12, tile=64)),
     "topk2bit-lut": PayloadCodecs(delta=dataclasses.replace(_TOPK2BIT, levels="lut"), moments=_INT8, down=_INT8,
                                   dense=_INT8),
     "lowrank+topk2bit": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8, down=_INT8, lowrank=_INT8, dense=_INT8),

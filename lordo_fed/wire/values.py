@@ -104,15 +104,22 @@ def unpack(data: bytes, bits: int, count: int) -> Tensor:
     raise ValueError(f"unpack: bits={bits}: expected 2, 4, 8, 12, 16 or 32")
 
 
+def _word(bits: int) -> np.dtype:
+    """The narrowest little-endian unsigned word that holds `bits`-bit codes."""
+    return np.dtype("<u1" if bits <= 8 else "<u2" if bits <= 16 else "<u4")
+
+
 def _pack_serial(codes: Tensor, bits: int) -> bytes:
-    """`pack` of any width in 0..31: each code's bits, least significant first, in one stream."""
+    """`pack` of any width in 0..31: each code's bits, least significant first, in one stream (the
+    codes' bytes unpacked to bits, their low `bits` kept, repacked: one byte of scratch a bit)."""
     if not (isinstance(bits, int) and 0 <= bits < 32):
         raise ValueError(f"pack: bits={bits!r}: expected 0..32")
-    c = codes.reshape(-1).to("cpu", torch.int64)
-    if not bits or not c.numel():
+    c = codes.reshape(-1).to("cpu", torch.int64).numpy()
+    if not bits or not c.size:
         return b""
-    stream = ((c[:, None] >> torch.arange(bits)) & 1).to(torch.uint8).reshape(-1).numpy()
-    return np.packbits(stream, bitorder="little").tobytes()
+    word = _word(bits)
+    stream = np.unpackbits(c.astype(word).view(np.uint8).reshape(c.size, word.itemsize), axis=1, bitorder="little")
+    return np.packbits(stream[:, :bits].reshape(-1), bitorder="little").tobytes()
 
 
 def _unpack_serial(data: bytes, bits: int, count: int) -> Tensor:
@@ -121,9 +128,12 @@ def _unpack_serial(data: bytes, bits: int, count: int) -> Tensor:
         raise ValueError(f"unpack: bits={bits!r}: expected 0..32")
     if not bits or not count:
         return torch.zeros(count, dtype=torch.int64)
+    word = _word(bits)
     stream = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=count * bits, bitorder="little")
-    weights = torch.arange(bits, dtype=torch.int64)
-    return (torch.from_numpy(stream.astype(np.int64)).view(count, bits) << weights).sum(dim=1)
+    wide = np.zeros((count, 8 * word.itemsize), dtype=np.uint8)
+    wide[:, :bits] = stream.reshape(count, bits)
+    codes = np.packbits(wide, axis=1, bitorder="little").reshape(-1).view(word)
+    return torch.from_numpy(codes.astype(np.int64))
 
 
 def packed_size(count: int, bits: int) -> int:
