@@ -158,8 +158,20 @@ def bytes_table(presets: list[str], ks: list[int], factors: list[int], payloads:
                              "bytes_per_step": per_step, "ddp_fp32_bytes_per_step": ddp,
                              "reduction_vs_ddp_fp32": ddp / per_step, "tensor_bytes_only": estimated,
                              **({"row_share": ROW_SHARE} if "rows" in payload else {})})
+                if payload == RELAYED:  # option B: the server relays the other workers' replies
+                    relay_down = (RELAY_M - 1) * up
+                    per_step = (up + relay_down) / k
+                    rows.append({**rows[-1], "payload": f"relay:{payload}", "down_bytes_per_round": relay_down,
+                                 "bytes_per_step": per_step, "reduction_vs_ddp_fp32": ddp / per_step, "M": RELAY_M})
         del ms
     return rows
+
+
+RELAYED, RELAY_M = "topk2bit-all", 4
+"""Option B of issue 30's sparse downlink, counted, not built: the server relays the M − 1 other workers'
+replies of `RELAYED` (every tensor top-k 2-bit up) to each worker, which rebuilds the exact aggregate
+(rows 'relay:topk2bit-all': the same uplink, (M − 1) x its bytes down, M = 4). Its quality is that of an
+exact downlink, which `topk2bit-all` (θ's change int8) bounds."""
 
 
 def time_round(preset: str, payloads: list[str], repeats: int = 3) -> list[dict]:

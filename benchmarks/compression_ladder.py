@@ -73,12 +73,14 @@ DILOCO_RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "sparseloco-nesterov": ("topk2bit-both", SPARSELOCO[:2]),
     "sparseloco-all": ("topk2bit-all", SPARSELOCO),
     "sparseloco-wide": ("topk2bit-both-wide", SPARSELOCO),
+    "fp32-average": ("fp32", SPARSELOCO[2:]),
 }
 """`--method diloco`, the codec on its own (AdamW inner, against fp32 DiLoCo with its Nesterov outer step):
 SparseLoCo's recipe with our sparse downlink (every tensor top-k 2-bit both ways); with the uplink only
 top-k (embedding and norms int8, θ down int8: the aggregate arrives almost whole); with DiLoCo's
 Nesterov outer step kept; every tensor top-k up and θ down int8; every tensor top-k up and θ down
-top-k at 4x the density (room for the union of the 4 workers' supports)."""
+top-k at 4x the density (room for the union of the 4 workers' supports); fp32 with SparseLoCo's outer
+step (plain averaging at lr 1) in place of DiLoCo's Nesterov."""
 
 
 def decoder_gains(seeds: int = 10) -> list[dict]:
