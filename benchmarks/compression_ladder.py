@@ -121,6 +121,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1", help="comma-separated seeds")
     parser.add_argument("--rounds", type=int, default=32, help="rounds of each run")
     parser.add_argument("--local-steps", type=int, default=8, help="K, the local steps of a round")
+    parser.add_argument("--workers", type=int, default=4, help="M, the workers (each its own batch of 16)")
     parser.add_argument("--gains-only", action="store_true", help="only the decoders' gains (seconds)")
     args = parser.parse_args()
     table, base = (RUNGS, BASE) if args.method == "lordo_global" else (DILOCO_RUNGS, ())
@@ -128,14 +129,15 @@ def main() -> None:
     unknown = [r for r in rungs if r not in table]
     if unknown:
         parser.error(f"--rungs: unknown {unknown} for --method {args.method}; expected some of {list(table)}")
-    if args.rounds < 1 or args.local_steps < 1:
-        parser.error(f"--rounds {args.rounds} --local-steps {args.local_steps}: expected both >= 1")
+    if min(args.rounds, args.local_steps, args.workers) < 1:
+        parser.error(f"--rounds {args.rounds} --local-steps {args.local_steps} --workers {args.workers}: expected each >= 1")
+    base = (*base, f"workers={args.workers}") if args.workers != 4 else base
     horizon = (args.rounds, args.local_steps)
     seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
     started = time.perf_counter()
     result = result_header("compression_ladder", args.quick, {"method": args.method, "rungs": rungs, "seeds": seeds,
                                                               "base": list(base), "rounds": args.rounds,
-                                                              "local_steps": args.local_steps})
+                                                              "local_steps": args.local_steps, "workers": args.workers})
     result["decoder_gains"] = decoder_gains(2 if args.quick else 10)
     for g in result["decoder_gains"]:
         print(f"{g['values']:5} {g['codec']:10} gain {g['gain_min']:.3f}-{g['gain_max']:.3f}, "
