@@ -123,6 +123,8 @@ def main() -> None:
     parser.add_argument("--local-steps", type=int, default=8, help="K, the local steps of a round")
     parser.add_argument("--workers", type=int, default=4, help="M, the workers (each its own batch of 16)")
     parser.add_argument("--gains-only", action="store_true", help="only the decoders' gains (seconds)")
+    parser.add_argument("--reference", default="", help="an earlier result of the same method, horizon and M: its "
+                        "fp32 rows stand in for this run's (the runs are deterministic), no fp32 rerun")
     args = parser.parse_args()
     table, base = (RUNGS, BASE) if args.method == "lordo_global" else (DILOCO_RUNGS, ())
     rungs = args.rungs.split(",") if args.rungs else list(table)
@@ -146,9 +148,11 @@ def main() -> None:
         write_json({**result, "seconds": time.perf_counter() - started}, args.out)
         return
     rows = []
+    earlier = _references(args.reference, result["config"]) if args.reference else {}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
-            ref = quality_run("fp32", 1, seed, args.quick, Path(tmp), base, method=args.method, horizon=horizon)
+            ref = earlier.get(seed) or quality_run("fp32", 1, seed, args.quick, Path(tmp), base, method=args.method,
+                                                   horizon=horizon)
             rows.append({"rung": "fp32", **ref})
             for rung in rungs:
                 payload, extra = table[rung]
@@ -166,6 +170,18 @@ def main() -> None:
     out = write_json(result, args.out)
     plot(rows, png_path(out))
     print(f"wrote {out} and {png_path(out)}")
+
+
+def _references(path: str, config: dict) -> dict[int, dict]:
+    """seed -> the fp32 row of an earlier result whose method, base overrides, horizon and M are `config`'s."""
+    import json
+
+    earlier = json.loads(Path(path).read_text())
+    keys = ("method", "base", "rounds", "local_steps", "workers")
+    mismatch = [k for k in keys if earlier["config"].get(k, {"workers": 4, "method": "lordo_global"}.get(k)) != config[k]]
+    if mismatch:
+        raise SystemExit(f"--reference {path}: its {', '.join(mismatch)} differ from this run's")
+    return {r["seed"]: r for r in earlier["rows"] if r["rung"] == "fp32"}
 
 
 def plot(rows: list[dict], path: Path) -> None:
