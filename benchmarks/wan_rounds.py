@@ -11,6 +11,10 @@ Overlapped rounds (`--overlap`, `OVERLAP_CASES`): the same deployment with K loc
 synchronous and once with `overlap-delay` = τ, each round also against max over nodes of
 max(compute, link time), the bound no schedule beats.
 
+Compressed payloads (`--compression`, `COMPRESSION_CASES`): the 125m-size DiLoCo with fp32 and with
+every tensor top-k 2-bit both ways, at 100 Mb/s and 10 Mb/s, synchronous and overlapped; each case
+also counts every node's bytes on its veth (the kernel's counters) against the app's own count.
+
 Heterogeneous links (`--hetero`): 3 nodes, one at a tenth of the others' rate
 (`HETERO_LINK`), LoRDO-Global's synchronous and overlapped rounds and async LoRDO (which travels
 inside Flower's messages) on the same tokens: the federation's tokens per second and the
@@ -25,6 +29,7 @@ Needs root (network namespaces).
     sudo python benchmarks/wan_rounds.py            # ~25 min on 2 cores
     sudo python benchmarks/wan_rounds.py --overlap --out benchmarks/results/wan_overlap.json  # ~10 min
     sudo python benchmarks/wan_rounds.py --hetero --out benchmarks/results/wan_hetero.json   # ~8 min
+    sudo python benchmarks/wan_rounds.py --compression --rounds 3 --out benchmarks/results/wan_compression.json  # ~10 min
     sudo python benchmarks/wan_rounds.py --quick    # tiny model, 2 nodes at 8 Mbit/s, overlapped, seconds
 Writes benchmarks/results/wan_rounds.json and .png.
 """
@@ -70,18 +75,29 @@ HETERO_CASES = {  # name -> run config on top of HETERO_MODEL
     # asynchronous rounds travel inside Flower's messages; ρ = 1/√3 for 3 concurrent workers
     "async": {"variant": "async_lordo", "data-plane": "flower", "async-weight": 0.577},
 }
+WIDE = {"payload-dtype": "topk2bit-both-wide", "wire-ef-decay": 0.95, "sparse-mean": "contributors"}
+"""--compression: SparseLoCo's wire on DiLoCo (every tensor top-k 2-bit, θ down top-k at 12%; issue 30)."""
+COMPRESSION_CASES = [(2, "100mbit", "grpc", 4, 0, {}), (2, "100mbit", "grpc", 4, 0, WIDE),
+                     (2, "100mbit", "grpc", 4, 3, WIDE), (2, "10mbit", "grpc", 4, 0, WIDE),
+                     (2, "10mbit", "grpc", 4, 3, WIDE)]
+"""--compression: the 125m-size DiLoCo (FULL_MODEL, K = 4) with fp32 and with `WIDE` at 100 Mb/s and
+10 Mb/s, synchronous and overlapped (τ = 3); fp32 at 10 Mb/s would take ~9 minutes a round (341 MB each
+way): its link-bound ideal is the 100 Mb/s one's link time x 10."""
 QUICK_CASES = [(2, "8mbit", "grpc", 3, 2)]
 """--quick: one overlapped case (the synchronous path is tests/integration/test_wan.py's deployment)."""
 
 
 def emulate(nodes: int, link: str, run_config: dict[str, Any], work: Path, timeout: float, what: str,
-            ranks_per_node: int = 1) -> list[dict]:
-    """Run one `lordo-emulate` deployment (1 torch thread per process) and return its server.jsonl records."""
+            ranks_per_node: int = 1, counters: dict | None = None) -> list[dict]:
+    """Run one `lordo-emulate` deployment (1 torch thread per process) and return its server.jsonl
+    records; `counters`, when given, receives each node's veth byte counts at the run's end."""
     cfg = EmulationConfig(nodes=nodes, link=link, app=ROOT, out_dir=work, threads=1, timeout=timeout,
                           ranks_per_node=ranks_per_node,
                           run_config=[" ".join(f"{k}={json.dumps(v)}" for k, v in run_config.items())])
     with Emulation(cfg) as emulation:
         status = emulation.submit(None)
+        if counters is not None and status == 0:
+            counters.update(emulation.topology.link_bytes())
     if status != 0:
         raise RuntimeError(f"{what} failed ({status}); log {work / 'run.log'}")
     return [json.loads(line) for line in (work / "out" / "server.jsonl").read_text().splitlines()]
@@ -95,7 +111,8 @@ def run_case(nodes: int, link: str, plane: str, model: dict[str, Any], rounds: i
     run_config = {**model, "num-server-rounds": rounds, "min-clients": nodes, "data-plane": plane,
                   "round-timeout": timeout, **(extra or {})}
     started = time.perf_counter()
-    records = emulate(nodes, link, run_config, work, timeout, f"{nodes} nodes at {link} ({plane})")
+    counters: dict = {}
+    records = emulate(nodes, link, run_config, work, timeout, f"{nodes} nodes at {link} ({plane})", counters=counters)
     short = [r for r in records[1:] if r["clients_ok"] != nodes]
     if short:
         raise RuntimeError(f"{nodes} nodes at {link} ({plane}): round {short[0]['round']} had {short[0]['clients_ok']} "
@@ -123,8 +140,15 @@ def run_case(nodes: int, link: str, plane: str, model: dict[str, Any], rounds: i
     later = [x for x in rows if x["round"] >= 2] or rows
     med = {k: statistics.median(x[k] for x in later if x[k] is not None)
            for k in later[0] if k not in ("round", "phase_seconds", "links") and any(x[k] is not None for x in later)}
+    # the app's own count of one node's payload bytes over the run (every round, both ways) against what
+    # the kernel counted on each node's veth (framing, gRPC, Flower's control messages and evaluation included)
+    app_bytes = sum(r["bytes_sent_per_client"] + r["bytes_received_per_client"] for r in records if "bytes_sent_per_client" in r)
+    veth = {n: c["rx_bytes"] + c["tx_bytes"] for n, c in counters.items()}
     return {"nodes": nodes, "link": link, "rate_bytes_per_second": parse_rate(link), "data_plane": plane,
-            "run_config": extra or {}, "rounds": rows, "median_rounds_2_to_n": med, "wall_seconds": time.perf_counter() - started}
+            "run_config": extra or {}, "rounds": rows, "median_rounds_2_to_n": med,
+            "app_bytes_per_node": app_bytes, "veth_bytes": veth,
+            "app_over_veth": {n: app_bytes / v for n, v in veth.items() if v},
+            "wall_seconds": time.perf_counter() - started}
 
 
 def run_hetero(name: str, nodes: int, rounds: int, work: Path, timeout: float) -> dict[str, Any]:
@@ -196,7 +220,7 @@ def plot(result: dict[str, Any], out: Path) -> None:
     fig = new_figure(7.5, 3.6)
     ax = fig.add_subplot(1, 1, 1)
     labels = [f"{c['nodes']} nodes\n{c['link']}\n{c['data_plane']}"
-              + (f"\n{c['run_config'].get('model-preset', '125m')} K={c['run_config']['local-steps']} "
+              + (f"\n{c['run_config'].get('model-preset', '125m')} {c['run_config'].get('payload-dtype', 'fp32')} K={c['run_config']['local-steps']} "
                  f"τ={c['run_config']['overlap-delay']}" if c["run_config"] else "")
               for c in cases]
     med = [c["median_rounds_2_to_n"] for c in cases]
@@ -226,13 +250,16 @@ def main(argv: list[str] | None = None) -> int:
                         "'2:1gbit:grpc:4:3': K = 4 local steps, overlap delay 3; --overlap's own cases may set "
                         "more run-config keys)")
     parser.add_argument("--overlap", action="store_true", help="synchronous against overlapped rounds (OVERLAP_CASES)")
+    parser.add_argument("--compression", action="store_true", help="fp32 against SparseLoCo's wire at 100 and 10 "
+                        "Mb/s, synchronous and overlapped (COMPRESSION_CASES)")
     parser.add_argument("--hetero", action="store_true", help="one node at a tenth of the others' link: synchronous, "
                         "overlapped and asynchronous rounds (HETERO_CASES)")
     parser.add_argument("--work", default="", help="keep each case's logs and outputs here (default: a temporary folder)")
     args = parser.parse_args(argv)
     if args.hetero:
         return main_hetero(args)
-    cases = QUICK_CASES if args.quick else OVERLAP_CASES if args.overlap else FULL_CASES
+    cases = (QUICK_CASES if args.quick else OVERLAP_CASES if args.overlap else COMPRESSION_CASES if args.compression
+             else FULL_CASES)
     if args.cases:
         cases = [(int(n), link, plane, *map(int, rest)) for n, link, plane, *rest in (c.split(":") for c in args.cases.split(","))]
     model = QUICK_MODEL if args.quick else FULL_MODEL
@@ -241,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     result = result_header("wan_rounds", args.quick, {"model": model, "rounds": rounds, "cases": cases,
                                                       "threads_per_process": 1})
     result["title"] = ("16m- and 125m-size DiLoCo: synchronous and overlapped rounds vs their bounds" if args.overlap
+                       else "125m-size DiLoCo, fp32 and top-k 2-bit both ways: rounds vs their bounds" if args.compression
                        else f"{'tiny' if args.quick else '125m-size'} {model['preset']}: rounds over shaped links "
                        "vs their link-bound ideal")
     result["cases"] = []

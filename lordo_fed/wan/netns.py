@@ -107,6 +107,16 @@ class Topology:
         rate = self.rates[i]
         return 0 if rate is None else tbf_burst(rate)
 
+    def link_bytes(self) -> dict[str, dict[str, int]]:
+        """Each node's bytes through its veth so far, as the kernel counts them (headers, TLS, Flower's
+        own traffic and all): {node namespace: {"rx_bytes": received, "tx_bytes": sent}}."""
+        out = {}
+        for i in range(len(self.rates)):
+            stats = [int(run(*exec_prefix(self.node(i)), "cat", f"/sys/class/net/wan0/statistics/{k}").strip())
+                     for k in ("rx_bytes", "tx_bytes")]
+            out[self.node(i)] = {"rx_bytes": stats[0], "tx_bytes": stats[1]}
+        return out
+
     # ---------------------------------------------------------------- create / delete
     def create(self) -> "Topology":
         check_host()

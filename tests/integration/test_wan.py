@@ -257,4 +257,6 @@ def test_wan_rounds_benchmark_quick(tmp_path):
     # the round's transfers take at least bytes / rate, overlapped or not (the link dominates here)
     assert med["round_seconds"] >= med["link_seconds"] and med["round_over_bound"] > 0
     assert all(r["round_over_bound"] is not None for r in case["rounds"])
+    # the kernel's count on each node's veth holds the app's payload bytes and the traffic around them
+    assert len(case["veth_bytes"]) == 2 and all(0.2 < share <= 1.0 for share in case["app_over_veth"].values()), case
     assert out.with_suffix(".png").exists()
