@@ -18,6 +18,7 @@ error feedback `inner.ef_decay=0.9`).
 | wide-mean | + contributor mean | |
 | wide-nomoments, wide-dct, wide-lean | wide + no moments / DCT bases / both | which part of the lean state costs quality |
 | wide-d64, wide-tiles | wide at 1/64 up (4/64 down); wide with 64×64 tiles | density and the cut |
+| lowrank-wide(-nomoments) | lowrank+topk2bit-wide, β 0.95 (no moments) | low-rank Δ with nothing dense but the coordinates and the bases |
 
     python benchmarks/compression_ladder.py                  # two seeds (~20 min on 2 cores, nothing beside it)
     python benchmarks/compression_ladder.py --rungs sign,beta --seeds 0
@@ -61,6 +62,8 @@ RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "wide-lean": ("topk2bit-both-wide", ("rounds.wire_ef_decay=0.95", *LEAN)),
     "wide-d64": ("topk2bit-both-wide-d64", ("rounds.wire_ef_decay=0.95",)),
     "wide-tiles": ("topk2bit-both-wide-tiles", ("rounds.wire_ef_decay=0.95",)),
+    "lowrank-wide": ("lowrank+topk2bit-wide", ("rounds.wire_ef_decay=0.95",)),
+    "lowrank-wide-nomoments": ("lowrank+topk2bit-wide", ("rounds.wire_ef_decay=0.95", *LEAN[1:])),
 }
 """rung -> (payload preset, trainer overrides on top of `BASE`)."""
 SPARSELOCO = ("rounds.wire_ef_decay=0.95", "rounds.sparse_mean=contributors", "diloco_outer.name=average",

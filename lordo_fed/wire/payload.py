@@ -13,6 +13,7 @@
 | topk2bit-both-wide-tiles | as topk2bit-both-wide, a 2-D tensor cut into 64×64 tiles (SparseLoCo's cut) | int8 / 64 | as topk2bit-both-wide, tiled |
 | topk2bit-lut | as topk2bit, the 2-bit values as SparseLoCo's 4-entry table per tensor | int8 / 64 | int8 / 64 change |
 | lowrank+topk2bit | low-rank matrices: coordinates in the round's shared basis int8 / 64 + the residual as topk2bit; the rest as topk2bit | int8 / 64 | int8 / 64 change |
+| lowrank+topk2bit-wide | low-rank matrices as lowrank+topk2bit; the rest (embedding and norms too) as topk2bit | int8 / 64 | as topk2bit-both-wide |
 | lowrank+topk2bit+rows | as lowrank+topk2bit, the embedding row-sparse: the rows whose change is ≥ 10% of the largest row's, int8 per row | int8 / 64 | int8 / 64 change |
 
 The `lowrank+` presets need shared bases (LoRDO-Global; lordo_fed.wire.lowrank). Δ's compression
@@ -112,6 +113,8 @@ PRESETS: dict[str, PayloadCodecs] = {
     "topk2bit-lut": PayloadCodecs(delta=dataclasses.replace(_TOPK2BIT, levels="lut"), moments=_INT8, down=_INT8,
                                   dense=_INT8),
     "lowrank+topk2bit": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8, down=_INT8, lowrank=_INT8, dense=_INT8),
+    "lowrank+topk2bit-wide": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8, lowrank=_INT8,
+                                           down=dataclasses.replace(_TOPK2BIT, density=0.12)),
     "lowrank+topk2bit+rows": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8, down=_INT8, lowrank=_INT8, dense=_INT8,
                                            rows=CodecSpec("rows", bits=8, threshold=0.1)),
 }
