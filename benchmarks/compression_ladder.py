@@ -84,6 +84,12 @@ top-k (embedding and norms int8, θ down int8: the aggregate arrives almost whol
 Nesterov outer step kept; every tensor top-k up and θ down int8; every tensor top-k up and θ down
 top-k at 4x the density (room for the union of the 4 workers' supports); fp32 with SparseLoCo's outer
 step (plain averaging at lr 1) in place of DiLoCo's Nesterov."""
+LOCAL_RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "wide": ("topk2bit-both-wide", ("rounds.wire_ef_decay=0.95",)),
+    "wide-d64": ("topk2bit-both-wide-d64", ("rounds.wire_ef_decay=0.95",)),
+}
+"""`--method lordo_local`: LoRDO with each worker's own bases and moments is lean by construction (no
+bases, no moments on the wire): the wide downlink at 3% and 1/64 up."""
 
 
 def decoder_gains(seeds: int = 10) -> list[dict]:
@@ -117,8 +123,9 @@ def decoder_gains(seeds: int = 10) -> list[dict]:
 
 def main() -> None:
     parser = make_parser("compression_ladder", __doc__, "tiny runs of every rung, one seed (seconds)")
-    parser.add_argument("--method", default="lordo_global", choices=("lordo_global", "diloco"),
-                        help="lordo_global: the ladder (`RUNGS`); diloco: the codec on its own (`DILOCO_RUNGS`)")
+    parser.add_argument("--method", default="lordo_global", choices=("lordo_global", "diloco", "lordo_local"),
+                        help="lordo_global: the ladder (`RUNGS`); diloco: the codec on its own (`DILOCO_RUNGS`); "
+                        "lordo_local: `LOCAL_RUNGS`")
     parser.add_argument("--rungs", default="", help=f"comma-separated (default: all of the method's), of "
                         f"{', '.join(RUNGS)} or {', '.join(DILOCO_RUNGS)}")
     parser.add_argument("--seeds", default="0,1", help="comma-separated seeds")
@@ -129,7 +136,8 @@ def main() -> None:
     parser.add_argument("--reference", default="", help="an earlier result of the same method, horizon and M: its "
                         "fp32 rows stand in for this run's (the runs are deterministic), no fp32 rerun")
     args = parser.parse_args()
-    table, base = (RUNGS, BASE) if args.method == "lordo_global" else (DILOCO_RUNGS, ())
+    table, base = {"lordo_global": (RUNGS, BASE), "diloco": (DILOCO_RUNGS, ()),
+                   "lordo_local": (LOCAL_RUNGS, BASE)}[args.method]
     rungs = args.rungs.split(",") if args.rungs else list(table)
     unknown = [r for r in rungs if r not in table]
     if unknown:
