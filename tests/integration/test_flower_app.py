@@ -60,8 +60,9 @@ def server_records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "server.jsonl").read_text().splitlines()]
 
 
-SPARSELOCO = {"payload-dtype": "topk2bit-both", "wire-ef-decay": 0.95, "sparse-mean": "contributors"}
-"""SparseLoCo's wire on DiLoCo: every tensor top-k 2-bit both ways, decaying error feedback, contributor mean."""
+SPARSELOCO = {"payload-dtype": "topk2bit-both-wide", "wire-ef-decay": 0.95, "sparse-mean": "contributors"}
+"""SparseLoCo's wire on DiLoCo (the `sparseloco` app preset's, its outer step left DiLoCo's): every tensor
+top-k 2-bit both ways, θ down at 12%, decaying error feedback, contributor mean."""
 EF_OPTIONS = {"sync-ef": True, "ef-reset": True, "ef-decay": 0.8, "full-rank-term": "gradient", "switch-step": 4}
 
 
@@ -72,7 +73,7 @@ EF_OPTIONS = {"sync-ef": True, "ef-reset": True, "ef-decay": 0.8, "full-rank-ter
 def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     """Baselines run through the same app by config: DiLoCo (AdamW, Nesterov outer, no state
     sync; here with SparseLoCo's wire: every tensor top-k 2-bit both ways, the server re-sparsifying
-    θ − θ_c, β = 0.95 error feedback, each index averaged over its senders) and DES-LOC (AdamW, states averaged at their own periods); LoRDO-Global also with the
+    θ − θ_c at 12%, Rice-coded positions, β = 0.95 error feedback, each index averaged over its senders) and DES-LOC (AdamW, states averaged at their own periods); LoRDO-Global also with the
     embedding's and norms' moments averaged every second round only (dense-sync-factor=2) in
     overlapped rounds (overlap-delay=2), and
     with the error-feedback options and the two-phase switch (E crosses the wire both ways; the
@@ -108,7 +109,7 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     if extra.get("payload-dtype") == "lowrank+topk2bit+rows":  # Δ: r·max(p, q) bytes + ~3% x (2 + 12) bits, moments 8 bits
         plain = 4 * sum(t.numel() for t in reference.values())
         assert all(r["bytes_received_per_client"] < plain / 2 for r in records[1:]), records
-    if extra.get("payload-dtype") == "topk2bit-both":  # ~3% x (2 + 12) bits each way, from round 2 down too
+    if extra.get("payload-dtype") == "topk2bit-both-wide":  # ~3% x (2 + 7) bits up, 12% x (2 + 5) down from round 2
         plain = 4 * sum(t.numel() for t in reference.values())
         assert all(r["bytes_received_per_client"] < plain / 8 for r in records[1:]), records
         assert records[2]["bytes_sent_per_client"] < plain / 8, records
