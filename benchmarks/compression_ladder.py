@@ -196,16 +196,31 @@ def _references(path: str, config: dict) -> dict[int, dict]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    fig = new_figure(7, 4.5)
-    ax = fig.add_subplot(1, 1, 1)
+    """Validation loss against tokens, and the wire's per-round metrics (‖e‖/‖Δ‖; the support shared
+    across workers and re-selected by a worker), every rung of the first seed."""
+    fig = new_figure(15, 4.5)
+    ax, ax_e, ax_s = (fig.add_subplot(1, 3, i) for i in (1, 2, 3))
     for row in rows:
         if row["seed"] != rows[0]["seed"]:
             continue
-        ax.plot([c["tokens"] for c in row["curve"]], [c["val_loss"] for c in row["curve"]], label=row["rung"])
-    ax.set_xlabel("tokens per worker")
-    ax.set_ylabel("validation loss")
-    ax.set_title(f"{rows[0]['method']}, compression ladder (seed {rows[0]['seed']})")
+        line = ax.plot([c["tokens"] for c in row["curve"]], [c["val_loss"] for c in row["curve"]], label=row["rung"])[0]
+        wire = row.get("round_metrics", [])
+        if wire:
+            ax_e.plot([m["round"] for m in wire], [m["wire_ef_ratio"] for m in wire], color=line.get_color(),
+                      label=row["rung"])
+        for key, style in (("sparse_support_shared", "-"), ("sparse_reselected", ":")):
+            pts = [(m["round"], m[key]) for m in wire if key in m]
+            if pts:
+                ax_s.plot(*zip(*pts), ls=style, color=line.get_color())
+    ax.set(xlabel="tokens per worker", ylabel="validation loss",
+           title=f"{rows[0].get('method', 'lordo_global')}, compression ladder (seed {rows[0]['seed']})")
+    ax_e.set(xlabel="round", ylabel="‖e‖ / ‖Δ‖ after the send", yscale="log", title="the wire's residual")
+    ax_s.set(xlabel="round", ylabel="share of the sent indices",
+             title="sent by more than one worker (—), re-selected by the worker (···)")
     ax.legend(fontsize=8)
+    if ax_e.lines:
+        ax_e.legend(fontsize=7)
+    fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
