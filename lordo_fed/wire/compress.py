@@ -14,6 +14,7 @@ composition, and the error feedback that carries each compression's residual int
   and error feedback loses nothing against DiLoCo. `index_coding='rice'` sends the gaps between a
   chunk's sorted positions as Rice codes instead (lossless; ~6.5 bits a position at 1/32, 7.5 at
   1/64, against 12). `tile=64` cuts a 2-D tensor into 64×64 tiles, each a chunk (SparseLoCo's cut).
+  Selection, layout and position codings live in lordo_fed/wire/positions.py.
 - **2-bit top-k values** decode to bin means, never to a grid: a 2-bit grid has no level near the
   typical kept value and inflates heavy-tailed ones (gain ⟨x̂, x⟩/⟨x, x⟩ 1.23–1.62 on Student-t(3),
   docs/results.md section 12). `levels='lut'` is SparseLoCo's lookup table (Sarfi et al. 2025, its
@@ -184,7 +185,7 @@ class Encoded:
 def part_sizes(spec: CodecSpec, numel: int, shape: tuple[int, ...] = ()) -> tuple[int, int, int]:
     """(data, scales, indices) bytes of `numel` values (of `shape`, which 'rows' needs) encoded
     per `spec`: what a receiver expects before it reads anything. Rice-coded indices vary with the
-    positions: their largest size here (`index_bounds`)."""
+    positions: their largest size here (`lordo_fed.wire.positions.position_bytes`)."""
     if spec.kind == "raw":
         return 4 * numel, 0, 0
     if spec.kind == "rows":
