@@ -17,6 +17,7 @@ error feedback `inner.ef_decay=0.9`).
 | wide | topk2bit-both-wide, β 0.95 | the downlink at 12% of each chunk: room for the union of the workers' supports |
 | wide-mean | + contributor mean | |
 | wide-nomoments, wide-dct, wide-lean | wide + no moments / DCT bases / both | which part of the lean state costs quality |
+| wide-clientfit | wide-nomoments, the bases fitted by each worker to the downlink's change (`bases-from=downlink`) | SVD-quality bases with nothing on the wire |
 | wide-d64, wide-tiles | wide at 1/64 up (4/64 down); wide with 64×64 tiles | density and the cut |
 | lowrank-wide(-nomoments) | lowrank+topk2bit-wide, β 0.95 (no moments) | low-rank Δ with nothing dense but the coordinates and the bases |
 
@@ -60,6 +61,7 @@ RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "wide-nomoments": ("topk2bit-both-wide", ("rounds.wire_ef_decay=0.95", *LEAN[1:])),
     "wide-dct": ("topk2bit-both-wide", ("rounds.wire_ef_decay=0.95", LEAN[0])),
     "wide-lean": ("topk2bit-both-wide", ("rounds.wire_ef_decay=0.95", *LEAN)),
+    "wide-clientfit": ("topk2bit-both-wide", ("rounds.wire_ef_decay=0.95", *LEAN[1:], "rounds.bases_from=downlink")),
     "wide-d64": ("topk2bit-both-wide-d64", ("rounds.wire_ef_decay=0.95",)),
     "wide-tiles": ("topk2bit-both-wide-tiles", ("rounds.wire_ef_decay=0.95",)),
     "lowrank-wide": ("lowrank+topk2bit-wide", ("rounds.wire_ef_decay=0.95",)),

@@ -137,14 +137,20 @@ class Aggregator:
         if self._encoded is None or self._encoded[0] != self.round:
             moments = self.payload.encode_moments(self.moments)
             params, delta = (self._downlink(), True) if self.downlink_due() else (self.params, False)
-            self._encoded = (self.round, GlobalState(round=self.round, params=params, projections=self.projections,
+            self._encoded = (self.round, GlobalState(round=self.round, params=params, projections=self._bases_sent(delta),
                                                      moments=moments, opt_step=self.opt_step, params_delta=delta))
         return self._encoded[1]
+
+    def _bases_sent(self, params_delta: bool) -> dict[str, Tensor]:
+        """The shared bases a state carries: the server's every round, or with `bases_from='downlink'`
+        (each worker fits its own to the change it applies) only with θ whole: round 1's."""
+        return {} if params_delta and self.rounds.bases_from == "downlink" else self.projections
 
     def resync_state(self) -> GlobalState:
         """This round's state with θ_c whole (what a worker that missed a round is sent): the
         clients' copy as the other workers hold it once they applied `global_state()`."""
-        return dataclasses.replace(self.global_state(), params=self.client_copy(), params_delta=False)
+        return dataclasses.replace(self.global_state(), params=self.client_copy(), params_delta=False,
+                                   projections=self._bases_sent(False))
 
     def client_copy(self) -> dict[str, Tensor]:
         """θ_c after this round's state is applied (θ itself without a compressed downlink)."""
@@ -299,7 +305,7 @@ class Aggregator:
         self.outer.step(self.params, delta)
         diagnostics = self._diagnostics(delta) if self.diagnostics else {}
         self.opt_step = opt_step
-        if self.projection is not None:
+        if self.projection is not None and self.rounds.bases_from == "server":
             new = fit_projections(delta, self.ranks, self.projection, self.seed + 7919 * self.round, self.fit_device)
             if self.rotate:
                 moments = self._rotate(moments, self.projections, new)

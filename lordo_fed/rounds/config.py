@@ -23,6 +23,8 @@ from lordo_fed.wire.payload import resolve_payload
 
 SPARSE_MEANS = ("all", "contributors")
 """`RoundConfig.sparse_mean`: how a top-k Δ is averaged."""
+BASES_FROM = ("server", "downlink")
+"""`RoundConfig.bases_from`: who fits LoRDO-Global's shared bases."""
 
 
 @dataclass
@@ -51,6 +53,11 @@ class RoundConfig:
     """How the server averages a top-k Δ: 'all' (Σ_m w_m Δ_m, an index one worker sent gets its w_m)
     or 'contributors' (at each index, the token-weighted mean over the workers that sent it; SparseLoCo)."""
 
+    bases_from: str = setting("bases-from", "server")
+    """LoRDO-Global's bases from round 2 on: 'server' (fitted to Δ̄ by the server and sent, fp32) or
+    'downlink' (each worker fits them to the round's decoded change of θ_c with the server's method:
+    nothing on the wire, no refit on the server; needs a compressed downlink and no averaged moments)."""
+
     def validate(self) -> "RoundConfig":
         if self.local_steps <= 0:
             raise ValueError(f"rounds.local_steps={self.local_steps!r}: expected an integer > 0")
@@ -64,6 +71,8 @@ class RoundConfig:
                              "payload's error feedback; 1 keeps all of it)")
         if self.sparse_mean not in SPARSE_MEANS:
             raise ValueError(f"rounds.sparse_mean={self.sparse_mean!r}: expected one of {SPARSE_MEANS}")
+        if self.bases_from not in BASES_FROM:
+            raise ValueError(f"rounds.bases_from={self.bases_from!r}: expected one of {BASES_FROM}")
         tau = self.overlap_delay
         if isinstance(tau, bool) or not isinstance(tau, int) or not 0 <= tau < self.local_steps:
             raise ValueError(f"rounds.overlap_delay={tau!r}: expected an integer from 0 (synchronous rounds) to "

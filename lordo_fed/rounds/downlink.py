@@ -34,6 +34,12 @@ class Downlink:
         """θ_c, the copy of θ the server's changes are added to (host fp32); None: none held."""
         self.round = 0
         """The round whose state `params` is."""
+        self.keep: frozenset[str] = frozenset()
+        """Parameters whose decoded change `theta` keeps in `change` (the low-rank matrices, when the
+        worker fits LoRDO-Global's bases to it: `RoundConfig.bases_from='downlink'`)."""
+        self.change: dict[str, Tensor] = {}
+        """The decoded change of θ_c the last state carried, of the parameters in `keep` (empty after
+        a state with θ whole)."""
 
     def theta(self, state: GlobalState, names: Iterable[str]) -> dict[str, Tensor]:
         """θ to start round `state.round` from, by name: `state.params`, or θ_c plus the change it
@@ -47,10 +53,14 @@ class Downlink:
                 raise ResyncNeeded(f"round {state.round}: the server sent θ as a change to round {state.round - 1}'s "
                                    f"copy, this worker holds {held}: it needs θ whole (sent to a worker whose last "
                                    "reply did not reach the server)")
+            self.change = {}
             for name, change in decoded(state.params).items():
                 self.params[name].add_(change.float())
+                if name in self.keep:
+                    self.change[name] = change
             self.round = state.round
             return self.params
+        self.change = {}
         theta = decoded(state.params)
         if self.tracks:
             self.params = {n: t.detach().to("cpu", torch.float32).clone() for n, t in theta.items()}

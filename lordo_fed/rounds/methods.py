@@ -112,6 +112,15 @@ def resolve_method(name: str, inner: InnerConfig, rounds: RoundConfig, outer: Ou
         raise ValueError(f"rounds.overlap_delay={rounds.overlap_delay} with method {name!r}: overlap applies to "
                          "synchronous rounds (asynchronous rounds never wait for the others; DDP steps together); "
                          "expected overlap_delay=0")
+    if rounds.bases_from == "downlink":
+        if not (inner.name == "lordo" and inner.projection == "global" and spec.loop == "rounds"):
+            raise ValueError(f"rounds.bases_from='downlink' with method {name!r}: only LoRDO-Global's synchronous "
+                             "rounds have shared bases to fit; expected bases_from='server'")
+        if rounds.sync_exp_avg_every or rounds.sync_exp_avg_sq_every or rounds.sync_ef:
+            raise ValueError(f"rounds.bases_from='downlink' with averaged states (sync_exp_avg_every="
+                             f"{rounds.sync_exp_avg_every}, sync_exp_avg_sq_every={rounds.sync_exp_avg_sq_every}, "
+                             f"sync_ef={rounds.sync_ef}): the server cannot move moments into bases it never fits; "
+                             "expected 0, 0 and False (each worker keeps its own)")
     chosen = diloco_outer if (spec.diloco_outer and diloco_outer is not None) else outer
     if spec.async_rule is not None and spec.async_rule.look_ahead:
         chosen = dataclasses.replace(chosen, name="mla")
@@ -156,6 +165,11 @@ def make_aggregator(model: nn.Module, settings: MethodSettings, ranks: dict[str,
     inner = settings.inner
     server_projections = inner.name == "lordo" and inner.projection == "global" and bool(ranks)
     payload.check_method(server_projections, asynchronous=settings.loop != "rounds")
+    codecs = payload.codecs
+    if settings.rounds.bases_from == "downlink" and (codecs is None or codecs.down is None or codecs.lowrank is not None):
+        raise ValueError(f"rounds.bases_from='downlink' with payload_dtype={payload.name!r}: the workers fit the bases "
+                         "to the compressed downlink's change of their copy θ_c, which needs a compressed preset without "
+                         "low-rank Δ (that needs the server's bases); expected e.g. 'topk2bit-both-wide' or 'int8'")
     with torch.no_grad():
         params = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
     device = next(model.parameters()).device  # the model's device fits the projections (a GPU if any)

@@ -23,7 +23,9 @@ from lordo_fed.device import to_host
 from lordo_fed.optim import LoRDO
 from lordo_fed.optim.bias import restep, restep_state
 from lordo_fed.optim.lordo import EF_DTYPES
+from lordo_fed.optim.projection import get_projection_method
 from lordo_fed.optim.sharded import gather
+from lordo_fed.rounds.aggregator import fit_projections
 from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.rounds.sharding import chunk_state
 from lordo_fed.wire.compress import decoded
@@ -45,6 +47,25 @@ def set_projections(optimizer: torch.optim.Optimizer, params: Mapping[str, Tenso
         raise ValueError("global state carries projections but the inner optimizer is not LoRDO")
     for name, stored in state.projections.items():
         optimizer.set_projection(params[name], stored)
+
+
+def fit_bases(optimizer: torch.optim.Optimizer, params: Mapping[str, Tensor], change: Mapping[str, Tensor],
+              round_idx: int) -> None:
+    """`RoundConfig.bases_from='downlink'`: LoRDO-Global's bases for round `round_idx` fitted here, as the
+    server would fit them (`fit_projections`: the parameter's group's method and rank, seeded by the
+    round), to the decoded change of θ_c the round's state carried, which every worker holds bit for
+    bit: the same bases everywhere with nothing on the wire (docs/algorithm.md, "Compressed payloads")."""
+    if not isinstance(optimizer, LoRDO):
+        raise ValueError("bases_from='downlink' needs the LoRDO inner optimizer")
+    names = {id(p): n for n, p in params.items()}
+    by_method: dict[str, dict[str, int]] = {}
+    for p, group in optimizer.low_rank_params():
+        by_method.setdefault(group["proj_method"], {})[names[id(p)]] = group["rank"]
+    for method, ranks in by_method.items():
+        fitted = fit_projections({n: change[n] for n in ranks}, ranks, get_projection_method(method),
+                                 seed=7919 * round_idx, device=params[next(iter(ranks))].device)
+        for name, stored in fitted.items():
+            optimizer.set_projection(params[name], stored)
 
 
 def align_step_counts(optimizer: torch.optim.Optimizer, step: int) -> None:

@@ -93,6 +93,9 @@ class Worker:
         """What the worker sends, compressed per `payload` (Δ's residual kept for later rounds)."""
         self.downlink = Downlink(tracks=payload is not None and payload.down is not None)
         """θ of each round as the server sends it (with a compressed downlink, the clients' copy θ_c)."""
+        if rounds.bases_from == "downlink" and isinstance(optimizer, LoRDO):  # keeps the change the bases fit
+            low_rank = {id(p) for p, _ in optimizer.low_rank_params()}
+            self.downlink.keep = frozenset(n for n, p in self.params.items() if id(p) in low_rank)
         self.overlap = Overlap(rounds, total_steps)
         """With `rounds.overlap_delay`: the round last sent, which the next round starts from."""
 
@@ -171,7 +174,8 @@ class Worker:
 
     @torch.no_grad()
     def load_global_state(self, state: GlobalState) -> dict[str, Tensor]:
-        """θ ← global θ; step counts ← the shared one; new projections (rotating local moments);
+        """θ ← global θ; step counts ← the shared one; new projections (rotating local moments; with
+        `rounds.bases_from='downlink'` fitted here to the change of θ_c the state carried);
         then the averaged moments (`lordo_fed.rounds.moments`: every moment this worker keeps is
         first moved to the server's count `state.opt_step`, which differs after a round the
         server skipped, or for a worker that joined late).
@@ -184,6 +188,9 @@ class Worker:
         set_params(self.params, theta)
         moments.align_step_counts(self.optimizer, state.opt_step)
         moments.set_projections(self.optimizer, self.params, state)
+        if self.rounds.bases_from == "downlink" and self.downlink.change:
+            moments.fit_bases(self.optimizer, self.params, self.downlink.change, state.round - 1)
+            self.downlink.change = {}
         moments.adopt(self.optimizer, self.params, state, self.device)
         return theta
 

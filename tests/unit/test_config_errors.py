@@ -53,6 +53,8 @@ RUN_CONFIG_CASES = [
     ("wire-ef-decay", 1.5, "run-config key 'wire-ef-decay': rounds.wire_ef_decay=1.5: expected a number in [0, 1]"),
     ("sparse-mean", "median", "run-config key 'sparse-mean': rounds.sparse_mean='median': expected one of "
                               "('all', 'contributors')"),
+    ("bases-from", "clients", "run-config key 'bases-from': rounds.bases_from='clients': expected one of "
+                              "('server', 'downlink')"),
     ("switch-step", -1, "run-config key 'switch-step': inner.switch_step=-1: expected an integer >= 0 (0 = one phase)"),
     ("model-preset", "7b", f"run-config key 'model-preset': ModelConfig.preset='7b': unknown preset; expected one of {MODEL_PRESETS}"),
     ("outer", "adam", "run-config key 'outer': outer.name='adam': expected one of ['average', 'qhm', 'nesterov', 'mla'] (the outer optimizer)"),

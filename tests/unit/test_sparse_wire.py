@@ -5,11 +5,13 @@ averaged over the workers that sent it), as the Flower strategy tests do with mo
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
 
 from lordo_fed.rounds.aggregator import contributor_mean
+from lordo_fed.optim.projection import projection_side
 from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.wire.compress import CodecSpec, ErrorFeedback, decode
 
@@ -103,3 +105,79 @@ def test_a_worker_reports_what_its_wire_residual_holds(tmp_path):
         assert up.ef_ratio == pytest.approx(float(up.ef.residual["layers.0.wq.weight"].norm()) / norm, rel=1e-5)
     assert 0 < ratios[0] <= 1 < ratios[2]
     assert Uplink(None).ef_ratio is None
+
+
+# ----------------------------------------------------------------------------- bases fitted from the downlink
+def downlink_bases_run(tmp_path, **rounds):
+    from lordo_fed.data import load_dataset
+    from lordo_fed.rounds.build import build_run
+    from tests.unit.test_trainer import tiny_config
+
+    cfg = tiny_config(tmp_path, workers=3, payload_dtype="topk2bit-both-wide",
+                      rounds=RoundConfig(local_steps=2, sync_exp_avg_every=0, sync_exp_avg_sq_every=0, **rounds))
+    cfg.inner.init_projection = "random"
+    data = load_dataset(cfg.data, 3)
+    torch.manual_seed(0)
+    run = build_run(cfg, "lordo_global", data.vocab_size)
+    workers = [run.worker(m, data.train_shards[m], 12) for m in range(3)]
+    return run, workers, run.aggregator()
+
+
+def test_workers_fit_the_bases_to_the_downlink_and_agree(tmp_path):
+    """`bases_from='downlink'`: from round 2 the state carries no bases (nothing dense down but round 1's),
+    the server fits none, and every worker's basis for each low-rank matrix is the one fitted, with
+    the server's method, to the decoded change of θ_c the state carried (the oracle: the state's
+    change decoded here and fitted alone), the same in every worker; a worker that missed a round
+    and is sent θ_c whole takes round 1's bases with it and fits the next change again (round 4)."""
+    from lordo_fed.optim.projection import get_projection_method
+    from lordo_fed.rounds.aggregator import fit_projections
+    from lordo_fed.trainer.run import as_received
+    from lordo_fed.wire.compress import decoded
+
+    run, workers, agg = downlink_bases_run(tmp_path, bases_from="downlink")
+    method = get_projection_method("svd")
+    first = dict(agg.projections)
+    assert first and set(first) == set(run.ranks)
+    for r in range(1, 5):
+        state = agg.global_state()
+        assert bool(state.projections) == (r == 1) and state.params_delta == (r > 1)
+        active = workers if r != 2 else workers[:2]  # worker 2 misses round 2
+        if r == 3:
+            updates = [w.train_round(state) for w in workers[:2]] + [workers[2].train_round(agg.resync_state())]
+        else:
+            updates = [w.train_round(state) for w in active]
+        if r > 1:
+            change = {n: t for n, t in decoded(state.params).items() if n in run.ranks}
+            expected = fit_projections(change, run.ranks, method, seed=7919 * (r - 1))
+            for w in (active if r != 3 else workers[:2]):  # at round 3 worker 2 got θ_c whole: no change to fit
+                for n, stored in expected.items():
+                    basis = method.basis(stored, tuple(w.params[n].shape), projection_side(w.params[n].shape))
+                    assert torch.equal(w.optimizer.basis(w.params[n]), basis), (r, w.worker_id, n)
+        agg.aggregate([as_received(u) for u in updates])
+        assert all(torch.equal(agg.projections[n], first[n]) for n in first)  # the server never refits
+
+
+@pytest.mark.parametrize("overrides,payload,message", [
+    (dict(sync_exp_avg_every=1), "topk2bit-both-wide", "rounds.bases_from='downlink' with averaged states"),
+    (dict(), "fp32", "rounds.bases_from='downlink' with payload_dtype='fp32'"),
+    (dict(), "lowrank+topk2bit-wide", "rounds.bases_from='downlink' with payload_dtype='lowrank+topk2bit-wide'"),
+])
+def test_bases_from_the_downlink_needs_a_compressed_downlink_and_local_moments(tmp_path, overrides, payload, message):
+    from lordo_fed.rounds.build import build_run
+    from tests.unit.test_trainer import tiny_config
+
+    rounds = dict(local_steps=2, sync_exp_avg_every=0, sync_exp_avg_sq_every=0, bases_from="downlink")
+    rounds.update(overrides)
+    cfg = tiny_config(tmp_path, workers=2, payload_dtype=payload, rounds=RoundConfig(**rounds))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_run(cfg, "lordo_global", 256).aggregator()
+
+
+def test_bases_from_the_downlink_is_lordo_globals():
+    from lordo_fed.optim.config import InnerConfig
+    from lordo_fed.rounds.methods import resolve_method
+    from lordo_fed.rounds.outer import OuterConfig
+
+    rounds = RoundConfig(sync_exp_avg_every=0, sync_exp_avg_sq_every=0, bases_from="downlink")
+    with pytest.raises(ValueError, match="rounds.bases_from='downlink' with method 'diloco'"):
+        resolve_method("diloco", InnerConfig(), rounds, OuterConfig())
