@@ -69,7 +69,9 @@ EF_OPTIONS = {"sync-ef": True, "ef-reset": True, "ef-decay": 0.8, "full-rank-ter
 @pytest.mark.parametrize("variant,extra", [("lordo_global", {}),
                                            ("lordo_global", {"dense-sync-factor": 2, "overlap-delay": 2}),
                                            ("lordo_global", EF_OPTIONS), ("diloco", SPARSELOCO), ("desloc", {}),
-                                           ("lordo_global", {"payload-dtype": "lowrank+topk2bit+rows"})])
+                                           ("lordo_global", {"payload-dtype": "lowrank+topk2bit+rows"}),
+                                           ("lordo_global", {"preset": "lordo-sparse", "model-preset": "tiny",
+                                                             "rank": 4})])
 def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     """Baselines run through the same app by config: DiLoCo (AdamW, Nesterov outer, no state
     sync; here with SparseLoCo's wire: every tensor top-k 2-bit both ways, the server re-sparsifying
@@ -82,7 +84,9 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     embedding row-sparse int8, the norms int8, with error feedback on the clients; moments int8),
     which the server decodes with the run's codecs and rebuilds. Overlapped rounds: round 2 starts
     from each client's own θ and merges the global state after 2 of its 3 steps (the clients keep
-    the round they sent in their state between messages)."""
+    the round they sent in their state between messages). The `lordo-sparse` preset: every tensor top-k
+    2-bit both ways, moments kept on the clients and the bases fitted by each client to the downlink's
+    change (round 2's state carries no bases)."""
     run_config = tiny_run_config(tmp_path, variant=variant, **extra)
     env = flower_env(tmp_path)
     proc = run_simulation(APP, env, num_supernodes=2, run_config=run_config, timeout=240, check=True,
@@ -113,6 +117,9 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
         plain = 4 * sum(t.numel() for t in reference.values())
         assert all(r["bytes_received_per_client"] < plain / 8 for r in records[1:]), records
         assert records[2]["bytes_sent_per_client"] < plain / 8, records
+    if extra.get("preset") == "lordo-sparse":  # round 1 sends θ0 by seed and the bases; round 2 only the sparse change
+        plain = 4 * sum(t.numel() for t in reference.values())
+        assert records[2]["bytes_sent_per_client"] < plain / 8 and records[2]["bytes_received_per_client"] < plain / 8
     if extra.get("overlap-delay"):
         assert [r["clients_overlapped"] for r in records[1:]] == [0, 2], records
     if extra.get("sync-ef"):  # each reply carries Δ of every parameter and E of every low-rank matrix
