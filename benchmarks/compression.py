@@ -86,16 +86,21 @@ def layout(spec, shape: tuple[int, ...]) -> Encoded:
 
 
 LEAN = {"sync_exp_avg_every": 0, "sync_exp_avg_sq_every": 0}
-"""The lean state (`--states lean`): no moments on the wire (each worker keeps its own) and the
-bases as DCT column indices (`inner.proj_method=dct`): issue 30's step 7, before its quality is known."""
+"""No moments on the wire (each worker keeps its own)."""
+STATES = {"synced": (False, "svd"), "lean": (True, "dct"), "nomoments": (True, "svd"), "clientfit": (True, None)}
+"""`--states`: what else a round carries besides θ and Δ, as (moments kept local, bases): 'synced' the
+moments as the method syncs them and fp32 SVD bases; 'lean' no moments, the bases as DCT column indices
+(`inner.proj_method=dct`); 'nomoments' no moments, SVD bases; 'clientfit' no moments and no bases
+(`bases-from=downlink`: each worker fits them to the downlink's change, from round 2 on)."""
 
 
 def round_messages(ms: ModelShapes, payload: str, k: int, factor: int, t: int,
-                   lean: bool = False) -> tuple[WorkerUpdate, GlobalState]:
-    """LoRDO-Global's reply and next state in round t, as they travel with `payload`; `lean`: no
-    moments and DCT bases (`LEAN`)."""
+                   state_kind: str = "synced") -> tuple[WorkerUpdate, GlobalState]:
+    """LoRDO-Global's reply and next state in round t, as they travel with `payload` and `state_kind`
+    (`STATES`)."""
+    local_moments, bases = STATES[state_kind]
     settings = resolve_method("lordo_global", InnerConfig(rank=ms.rank),
-                              RoundConfig(local_steps=k, dense_sync_factor=factor, **(LEAN if lean else {})),
+                              RoundConfig(local_steps=k, dense_sync_factor=factor, **(LEAN if local_moments else {})),
                               OuterConfig())
     rounds = settings.rounds
     codecs = resolve_payload(payload).codecs
@@ -114,7 +119,7 @@ def round_messages(ms: ModelShapes, payload: str, k: int, factor: int, t: int,
         delta, theta = params, params
     update = WorkerUpdate(worker_id=0, round=t, delta=delta, moments=up_moments, tokens=4096 * k, opt_step=t * k,
                           metrics={"train_loss": 3.0, "train_loss_last": 3.0, "lr": 1e-3}, coords=coords)
-    state = GlobalState(round=t, params=theta, projections=ms.projections("dct" if lean else "svd"), moments=down_moments,
+    state = GlobalState(round=t, params=theta, projections=ms.projections(bases) if bases else {}, moments=down_moments,
                         opt_step=(t - 1) * k, params_delta=codecs is not None)
     return update, state
 
@@ -132,22 +137,25 @@ def message_bytes(msg, ms: ModelShapes, payload: str) -> tuple[int, bool]:
 def bytes_table(presets: list[str], ks: list[int], factors: list[int], payloads: list[str],
                 states: tuple[str, ...] = ("synced",)) -> list[dict]:
     """Bytes per step of each preset x K x F x payload x state ('synced': SVD bases and the moments
-    as the method syncs them; 'lean': `LEAN`)."""
+    as the method syncs them; the others: `STATES`)."""
     rows = []
     for preset in presets:
         ms = ModelShapes(preset, GPT2_VOCAB, RANKS[preset])
         ddp = 2 * 4 * ms.num_params  # fp32 gradient up and down, per step
         for factor, k, state_kind in ((f, k, s) for f in factors for k in ks for s in states):
-            if state_kind == "lean" and factor != 1:
+            local_moments = STATES[state_kind][0]
+            if local_moments and factor != 1:
                 continue  # no moments: F has nothing to thin
-            lean = state_kind == "lean"
-            settings = RoundConfig(local_steps=k, dense_sync_factor=factor, **(LEAN if lean else {}))
+            settings = RoundConfig(local_steps=k, dense_sync_factor=factor, **(LEAN if local_moments else {}))
             cycle = _sync_period(settings)
             for payload in payloads:
+                codecs = resolve_payload(payload).codecs
+                if state_kind == "clientfit" and (codecs is None or codecs.down is None or codecs.lowrank is not None):
+                    continue  # bases from the downlink need a compressed downlink and no low-rank Δ (refused)
                 up = down = 0.0
                 estimated = False
                 for t in range(cycle + 1, 2 * cycle + 1):
-                    update, state = round_messages(ms, payload, k, factor, t, lean)
+                    update, state = round_messages(ms, payload, k, factor, t, state_kind)
                     n_up, e_up = message_bytes(update, ms, payload)
                     n_down, e_down = message_bytes(state, ms, payload)
                     up, down, estimated = up + n_up, down + n_down, estimated or e_up or e_down
@@ -270,7 +278,7 @@ def refit_times(preset: str, payload: str = "topk2bit-both", methods: tuple[str,
     params = ms.params()
     deltas = {n: params[n] for n in ms.ranks}
     ranks = dict(ms.ranks)
-    update, state = round_messages(ms, payload, 32, 1, 2 * _sync_period(RoundConfig(local_steps=32, **LEAN)), lean=True)
+    update, state = round_messages(ms, payload, 32, 1, 2 * _sync_period(RoundConfig(local_steps=32, **LEAN)), "lean")
     round_bytes = message_bytes(update, ms, payload)[0] + message_bytes(state, ms, payload)[0]
     rows = []
     for name in methods:
@@ -373,8 +381,8 @@ def main() -> None:
     parser.add_argument("--payloads", default="", help="comma-separated presets (default: all; quality needs fp32 in it)")
     parser.add_argument("--overrides", default="", help="quality part: extra trainer overrides, space-separated "
                         "(e.g. 'inner.ef_decay=0.9')")
-    parser.add_argument("--states", default="synced", help="bytes part, comma-separated: 'synced' (SVD bases, the "
-                        "moments as synced) and/or 'lean' (DCT bases, no moments on the wire)")
+    parser.add_argument("--states", default="synced", help="bytes part, comma-separated, of " + ", ".join(STATES)
+                        + " (`STATES`)")
     parser.add_argument("--presets", default="", help="bytes part: comma-separated model presets (default "
                         "16m,125m,720m; --quick 16m)")
     parser.add_argument("--row-share", type=float, default=ROW_SHARE,
