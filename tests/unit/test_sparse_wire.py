@@ -123,33 +123,35 @@ def downlink_bases_run(tmp_path, **rounds):
     return run, workers, run.aggregator()
 
 
-def test_workers_fit_the_bases_to_the_downlink_and_agree(tmp_path):
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_workers_fit_the_bases_to_the_downlink_and_agree(tmp_path, overlap):
     """`bases_from='downlink'`: from round 2 the state carries no bases (nothing dense down but round 1's),
     the server fits none, and every worker's basis for each low-rank matrix is the one fitted, with
     the server's method, to the decoded change of θ_c the state carried (the oracle: the state's
     change decoded here and fitted alone), the same in every worker; a worker that missed a round
-    and is sent θ_c whole takes round 1's bases with it and fits the next change again (round 4)."""
+    and is sent θ_c whole takes round 1's bases with it and fits the next change again (round 4).
+    Overlapped rounds (τ = 1, every worker in every round) fit them when they merge the state."""
     from lordo_fed.optim.projection import get_projection_method
     from lordo_fed.rounds.aggregator import fit_projections
     from lordo_fed.trainer.run import as_received
     from lordo_fed.wire.compress import decoded
 
-    run, workers, agg = downlink_bases_run(tmp_path, bases_from="downlink")
+    run, workers, agg = downlink_bases_run(tmp_path, bases_from="downlink", overlap_delay=overlap)
     method = get_projection_method("svd")
     first = dict(agg.projections)
     assert first and set(first) == set(run.ranks)
     for r in range(1, 5):
         state = agg.global_state()
         assert bool(state.projections) == (r == 1) and state.params_delta == (r > 1)
-        active = workers if r != 2 else workers[:2]  # worker 2 misses round 2
-        if r == 3:
+        active = workers if r != 2 or overlap else workers[:2]  # worker 2 misses round 2
+        if r == 3 and not overlap:
             updates = [w.train_round(state) for w in workers[:2]] + [workers[2].train_round(agg.resync_state())]
         else:
             updates = [w.train_round(state) for w in active]
         if r > 1:
             change = {n: t for n, t in decoded(state.params).items() if n in run.ranks}
             expected = fit_projections(change, run.ranks, method, seed=7919 * (r - 1))
-            for w in (active if r != 3 else workers[:2]):  # at round 3 worker 2 got θ_c whole: no change to fit
+            for w in (active if r != 3 or overlap else workers[:2]):  # round 3: worker 2 got θ_c whole, no change
                 for n, stored in expected.items():
                     basis = method.basis(stored, tuple(w.params[n].shape), projection_side(w.params[n].shape))
                     assert torch.equal(w.optimizer.basis(w.params[n]), basis), (r, w.worker_id, n)
