@@ -68,6 +68,12 @@ class Downlink:
             return self.params
         return theta
 
+    def take_change(self) -> dict[str, Tensor]:
+        """The kept change of the last state (`change`, empty unless `keep` names parameters and the state
+        carried a change), handed over once: the next call returns {} until another state comes."""
+        change, self.change = self.change, {}
+        return change
+
     def state_dict(self) -> dict:
         """θ_c ('client', by name; empty when none is held) and its round ('client_round'), as the
         worker's state dict holds them."""

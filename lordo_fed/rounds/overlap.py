@@ -123,9 +123,9 @@ class Overlap:
         moments.align_step_counts(opt, state.opt_step + tau)
         group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
         moments.set_projections(opt, params, state)
-        if self.rounds.bases_from == "downlink" and downlink.change:  # the workers fit the bases themselves
-            moments.fit_bases(opt, params, downlink.change, state.round - 1)
-            downlink.change = {}
+        change = downlink.take_change()  # empty unless the workers fit the bases (bases_from='downlink')
+        if change:
+            moments.fit_bases(opt, params, change, state.round - 1)
         for name, kinds in moments.received(state).items():
             p, group = params[name], group_of[id(params[name])]
             st = opt.state.get(p, {})

@@ -188,9 +188,9 @@ class Worker:
         set_params(self.params, theta)
         moments.align_step_counts(self.optimizer, state.opt_step)
         moments.set_projections(self.optimizer, self.params, state)
-        if self.rounds.bases_from == "downlink" and self.downlink.change:
-            moments.fit_bases(self.optimizer, self.params, self.downlink.change, state.round - 1)
-            self.downlink.change = {}
+        change = self.downlink.take_change()  # empty unless the workers fit the bases (bases_from='downlink')
+        if change:
+            moments.fit_bases(self.optimizer, self.params, change, state.round - 1)
         moments.adopt(self.optimizer, self.params, state, self.device)
         return theta
 
