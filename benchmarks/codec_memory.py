@@ -151,7 +151,7 @@ def child_steps(spec: dict, pd: str) -> dict:
         want = t if pd == "fp32" else t.to(torch.bfloat16).float()
         if not torch.equal(reference.delta[name], want):
             raise AssertionError(f"{spec['path']}/{pd}: {name} does not decode to what was sent")
-    del update, reference
+    update = reference = None  # the tensors released before the decode steps (the closures above ran already)
     run("decode", lambda: decode(data, MODEL_ID))
     run("decode_mmap", decode_mmap)
     spool.unlink()

@@ -263,7 +263,7 @@ class Courier:
                     continue
                 finally:
                     rl.decode_seconds += time.perf_counter() - decode_started
-                ref = ReplyRef.of(update, load=lambda source=source: self.decode(source()))
+                ref = ReplyRef.of(update, load=lambda source=source: self.decode(source()), norm=norm)
                 del update
                 entries.append((f"{who} (partition {ref.worker_id})", ref, size, msg.content.get("metrics", MetricRecord()),
                                 reason, norm))

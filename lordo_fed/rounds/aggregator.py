@@ -251,9 +251,12 @@ class Aggregator:
         deployment that streams its replies."""
         rejected: dict[int, str] = {}
         refs: list[ReplyRef] = []
-        for u, reason in zip(updates, [None] * len(updates) if screened else self.screen(updates)):
+        checked = [(None, None)] * len(updates) if screened else [self.check_reply(u) for u in updates]
+        reasons = [None] * len(updates) if screened else self.screen_round(
+            [u.worker_id for u in updates], [n for _, n in checked], [r for r, _ in checked])
+        for u, reason, (_, norm) in zip(updates, reasons, checked):
             if reason is None:
-                refs.append(ReplyRef.of(u))
+                refs.append(ReplyRef.of(u, norm=norm))
             else:
                 rejected[u.worker_id] = reason
                 log.warning("round %d: dropped reply of worker %s: %s", self.round, u.worker_id, reason)
@@ -284,6 +287,7 @@ class Aggregator:
 
         total = sum(r.tokens for r in refs)
         weights = [r.tokens / total for r in refs]
+        clip = self._clip_factors(refs)
         opt_step = max(r.opt_step for r in refs)
         # each moment is the mean over the replies that carry it: its own normaliser
         moment_norms = {key: sum(w for r, w in zip(refs, weights) if key in r.moment_keys)
@@ -293,9 +297,9 @@ class Aggregator:
         bases = self._bases()
         support = {n: None for n in self._sparse_names(bases)}  # contributor-mean: Σ w of the senders per index
         senders: dict[str, Tensor] = {}  # and how many sent it
-        for ref, w in zip(refs, weights):
+        for ref, w, c in zip(refs, weights, clip):
             self._accumulate(ref, w, self.params, delta_sums, moment_sums, moment_norms, opt_step, bases, support,
-                             senders)
+                             senders, clip=c)
         overlap = support_overlap(senders) if support else {}
         delta = {n: contributor_mean(delta_sums[n], support[n]) if n in support else delta_sums[n]
                  for n in self.params}
@@ -318,6 +322,7 @@ class Aggregator:
             "delta_norm": math.sqrt(sum(float(d.float().square().sum()) for d in delta.values())),
             "clients_ok": float(len(refs)),
             "clients_dropped": float(len(rejected)),
+            **({"clients_clipped": float(sum(c < 1.0 for c in clip))} if self.rounds.clip_median else {}),
             **diagnostics, **overlap,
             **{key: sum(w * r.metrics[key] for r, w in zip(refs, weights)) for key in DIAGNOSTIC_METRICS
                if all(key in r.metrics for r in refs)},
@@ -328,8 +333,10 @@ class Aggregator:
     def _accumulate(self, ref: ReplyRef, weight: float, names: Iterable[str], delta_sums: dict[str, Tensor],
                     moment_sums: dict[str, Tensor] | None = None, moment_norms: Mapping[str, float] | None = None,
                     opt_step: int = 0, bases: Mapping[str, tuple[Tensor, str]] | None = None,
-                    support: dict[str, Tensor | None] | None = None, senders: dict[str, Tensor] | None = None) -> None:
-        """Load one reply and add it into the accumulators: Δ of each of `names` with weight w_m;
+                    support: dict[str, Tensor | None] | None = None, senders: dict[str, Tensor] | None = None,
+                    clip: float = 1.0) -> None:
+        """Load one reply and add it into the accumulators: Δ of each of `names` with weight w_m
+        (times `clip`, its median-clipping factor; the contributor mean's weights stay w_m);
         each moment it carries with w_m / (Σ w of the replies carrying it), first moved from the
         reply's step count to the shared one S (a worker that joined late or lost its state has
         fewer steps; rescaling keeps its bias-corrected moments, `lordo_fed.optim.bias`); E as
@@ -347,7 +354,7 @@ class Aggregator:
             d = update.delta[name]
             if bases and name in update.coords:
                 d = lowrank.join(d, update.coords[name], *bases[name])
-            _add_weighted(delta_sums, name, d, weight)
+            _add_weighted(delta_sums, name, d, weight * clip)
             if support is not None and name in support:  # the indices this reply sent (top-k: its non-zeros)
                 sent = (d != 0).float()
                 _add_weighted(support, name, sent, weight)
@@ -361,6 +368,19 @@ class Aggregator:
             if kind != "ef":
                 value = restep(value, kind, update.opt_step, opt_step, betas, self.bias_correction)
             _add_weighted(moment_sums, key, value, weight / moment_norms[key])
+
+    def _clip_factors(self, refs: Sequence[ReplyRef]) -> list[float]:
+        """Each reply's factor min(1, median / ||Δ_m||) with `rounds.clip_median` (SparseLoCo's
+        production server clips each peer to the median norm), else 1: a reply's Δ then counts
+        with at most the round's median norm, m = `screening.round_median` of the refs' norms."""
+        if not self.rounds.clip_median:
+            return [1.0] * len(refs)
+        norms = [r.norm for r in refs]
+        if any(not math.isfinite(n) for n in norms):
+            raise ValueError(f"round {self.round}: median clipping needs every reply's ||Δ||, got {norms}; build the "
+                             "refs with ReplyRef.of(update, norm=...) from check_reply")
+        median = screening.round_median(norms)
+        return [1.0 if n <= median else median / n for n in norms]
 
     def _sparse_names(self, bases: Mapping[str, tuple[Tensor, str]]) -> list[str]:
         """The parameters whose Δ̄ is a contributor mean (`rounds.sparse_mean='contributors'`): those

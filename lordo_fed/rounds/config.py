@@ -53,6 +53,11 @@ class RoundConfig:
     """How the server averages a top-k Δ: 'all' (Σ_m w_m Δ_m, an index one worker sent gets its w_m)
     or 'contributors' (at each index, the token-weighted mean over the workers that sent it; SparseLoCo)."""
 
+    clip_median: bool = setting("clip-median", False)
+    """Scale each reply's Δ down to the round's median ||Δ|| before averaging (SparseLoCo's production
+    server; the median as the outlier rule takes it, `screening.round_median`): one worker's large
+    step moves θ no more than a typical one's. Moments and the contributor mean's weights are unchanged."""
+
     bases_from: str = setting("bases-from", "server")
     """LoRDO-Global's bases from round 2 on: 'server' (fitted to Δ̄ by the server and sent, fp32) or
     'downlink' (each worker fits them to the round's decoded change of θ_c with the server's method:
@@ -69,6 +74,8 @@ class RoundConfig:
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
             raise ValueError(f"rounds.wire_ef_decay={beta!r}: expected a number in [0, 1] (β of the compressed "
                              "payload's error feedback; 1 keeps all of it)")
+        if not isinstance(self.clip_median, bool):
+            raise ValueError(f"rounds.clip_median={self.clip_median!r}: expected true or false")
         if self.sparse_mean not in SPARSE_MEANS:
             raise ValueError(f"rounds.sparse_mean={self.sparse_mean!r}: expected one of {SPARSE_MEANS}")
         if self.bases_from not in BASES_FROM:

@@ -112,6 +112,10 @@ def resolve_method(name: str, inner: InnerConfig, rounds: RoundConfig, outer: Ou
         raise ValueError(f"rounds.overlap_delay={rounds.overlap_delay} with method {name!r}: overlap applies to "
                          "synchronous rounds (asynchronous rounds never wait for the others; DDP steps together); "
                          "expected overlap_delay=0")
+    if spec.loop != "rounds" and rounds.clip_median:
+        raise ValueError(f"rounds.clip_median=True with method {name!r}: the median is over one synchronous round's "
+                         "replies (asynchronous replies arrive one at a time; DDP has no replies); expected "
+                         "clip_median=False")
     if rounds.bases_from == "downlink":
         if not (inner.name == "lordo" and inner.projection == "global" and spec.loop == "rounds"):
             raise ValueError(f"rounds.bases_from='downlink' with method {name!r}: only LoRDO-Global's synchronous "

@@ -55,18 +55,22 @@ class ReplyRef:
     load: Callable[[], WorkerUpdate] = field(repr=False, compare=False)
     """Decodes the full `WorkerUpdate` on demand; the caller drops it before loading the next."""
     metrics: dict[str, float] = field(default_factory=dict, compare=False)
+    norm: float = field(default=math.nan, compare=False)
+    """||Δ|| (`delta_norm`), for median clipping (`RoundConfig.clip_median`)."""
 
     @classmethod
-    def of(cls, update: WorkerUpdate, load: Callable[[], WorkerUpdate] | None = None) -> "ReplyRef":
+    def of(cls, update: WorkerUpdate, load: Callable[[], WorkerUpdate] | None = None,
+           norm: float | None = None) -> "ReplyRef":
         """The ref of a decoded `update`. With `load` (e.g. a decode of the payload spooled to a
         file) the ref does not keep `update`, so the caller can drop its tensors; without, it
-        loads from memory (the list path, `Aggregator.aggregate`)."""
+        loads from memory (the list path, `Aggregator.aggregate`). `norm`: its ||Δ|| if the caller
+        already screened it (`Aggregator.check_reply`), else computed here."""
         if load is None:
             def load() -> WorkerUpdate:
                 return update
         return cls(worker_id=update.worker_id, round=update.round, tokens=update.tokens,
                    opt_step=update.opt_step, moment_keys=frozenset(update.moments), load=load,
-                   metrics=dict(update.metrics))
+                   metrics=dict(update.metrics), norm=delta_norm(update) if norm is None else norm)
 
     def matches(self, update: WorkerUpdate) -> str | None:
         """Why `update` (what `load` returned) is not the reply this ref describes, or None: the
@@ -214,11 +218,17 @@ def refuse_outliers(norms: Sequence[float], reasons: list[str | None], factor: f
     ok = [i for i, r in enumerate(reasons) if r is None]
     if factor <= 0 or len(ok) < 3:
         return
-    median = sorted(norms[i] for i in ok)[len(ok) // 2]
+    median = round_median([norms[i] for i in ok])
     for i in ok:
         if median > 0 and norms[i] > factor * median:
             reasons[i] = (f"pseudo-gradient norm {norms[i]:.4g} > outlier_factor {factor:g} x round median "
                           f"{median:.4g}")
+
+
+def round_median(norms: Sequence[float]) -> float:
+    """The round's median ||Δ|| over usable replies, as the outlier rule and median clipping
+    (`RoundConfig.clip_median`) take it: the upper middle value of an even count."""
+    return sorted(norms)[len(norms) // 2]
 
 
 def check_refs(refs: Sequence[ReplyRef], round_idx: int) -> None:

@@ -53,6 +53,7 @@ RUN_CONFIG_CASES = [
     ("wire-ef-decay", 1.5, "run-config key 'wire-ef-decay': rounds.wire_ef_decay=1.5: expected a number in [0, 1]"),
     ("sparse-mean", "median", "run-config key 'sparse-mean': rounds.sparse_mean='median': expected one of "
                               "('all', 'contributors')"),
+    ("clip-median", 1, "run-config key 'clip-median'=1: expected true or false like the default False"),
     ("bases-from", "clients", "run-config key 'bases-from': rounds.bases_from='clients': expected one of "
                               "('server', 'downlink')"),
     ("switch-step", -1, "run-config key 'switch-step': inner.switch_step=-1: expected an integer >= 0 (0 = one phase)"),

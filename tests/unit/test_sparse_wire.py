@@ -77,10 +77,52 @@ def test_the_aggregator_averages_top_k_over_the_senders(mean):
         assert result.metrics["sparse_support_shared"] == pytest.approx(1 / 3)
 
 
+@pytest.mark.parametrize("mean", ["all", "contributors"])
+def test_median_clipping_by_hand(mean):
+    """`clip_median`: three workers with equal tokens send Δ of norms 1, 2 and 6 on disjoint indices
+    of a top-k block matrix; the round's median is 2, so the third counts as [0, 0, 2, 0]: θ moves by
+    the mean of [1, 0, 0, 0], [0, 2, 0, 0], [0, 0, 2, 0] ('all': 1/3 each; 'contributors': each
+    index is its one sender's, clipped). Without clipping the third index would move by 6 (2)."""
+    from lordo_fed.rounds.aggregator import Aggregator
+    from lordo_fed.rounds.outer import Average
+    from lordo_fed.wire.messages import WorkerUpdate
+    from lordo_fed.wire.payload import resolve_payload
+
+    name = "layers.0.wq.weight"
+    deltas = [torch.tensor([[1.0, 0.0, 0.0, 0.0]]), torch.tensor([[0.0, 2.0, 0.0, 0.0]]),
+              torch.tensor([[0.0, 0.0, 6.0, 0.0]])]
+    replies = [WorkerUpdate(worker_id=m, round=1, delta={name: d}, moments={}, tokens=100, opt_step=1)
+               for m, d in enumerate(deltas)]
+    moved = {}
+    for clip in (False, True):
+        agg = Aggregator({name: torch.zeros(1, 4)}, {}, RoundConfig(local_steps=1, sync_exp_avg_every=0,
+                                                                 sync_exp_avg_sq_every=0, sparse_mean=mean,
+                                                                 clip_median=clip),
+                         Average(), None, payload=resolve_payload("topk2bit").codecs)
+        result = agg.aggregate(replies)
+        assert result.accepted == [0, 1, 2]
+        moved[clip] = (-agg.params[name])[0].tolist()
+        assert result.metrics.get("clients_clipped") == (1.0 if clip else None)
+    scale = 1.0 if mean == "contributors" else 1 / 3
+    assert moved[True] == pytest.approx([scale * 1, scale * 2, scale * 2, 0.0])
+    assert moved[False] == pytest.approx([scale * 1, scale * 2, scale * 6, 0.0])
+
+
+def test_median_clipping_is_for_synchronous_rounds():
+    from lordo_fed.optim.config import InnerConfig
+    from lordo_fed.rounds.methods import resolve_method
+    from lordo_fed.rounds.outer import OuterConfig
+
+    with pytest.raises(ValueError, match="rounds.clip_median=True with method 'heloco'"):
+        resolve_method("heloco", InnerConfig(), RoundConfig(clip_median=True), OuterConfig())
+    assert resolve_method("diloco", InnerConfig(), RoundConfig(clip_median=True), OuterConfig()).rounds.clip_median
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("wire_ef_decay", 1.5, "rounds.wire_ef_decay=1.5: expected a number in [0, 1]"),
     ("wire_ef_decay", True, "rounds.wire_ef_decay=True"),
     ("sparse_mean", "median", "rounds.sparse_mean='median': expected one of ('all', 'contributors')"),
+    ("clip_median", "yes", "rounds.clip_median='yes': expected true or false"),
 ])
 def test_bad_values_are_named(field, value, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
