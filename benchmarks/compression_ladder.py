@@ -24,6 +24,7 @@ error feedback `inner.ef_decay=0.9`).
     python benchmarks/compression_ladder.py                  # two seeds (~20 min on 2 cores, nothing beside it)
     python benchmarks/compression_ladder.py --rungs sign,beta --seeds 0
     python benchmarks/compression_ladder.py --method diloco --rounds 64 --local-steps 32   # the codec on its own (AdamW)
+    python benchmarks/compression_ladder.py --method diloco --rungs avg-wide --set diloco_outer.lr=1.3 --reference R.json
     python benchmarks/compression_ladder.py --gains-only     # the decoders' gains on Gaussian and Student-t(3) values
     python benchmarks/compression_ladder.py --quick          # tiny runs (seconds): the structure
 Each row keeps the wire's per-round metrics (`compression.WIRE_METRICS`: ‖e‖/‖Δ‖, the support shared
@@ -72,6 +73,9 @@ SPARSELOCO = ("rounds.wire_ef_decay=0.95", "rounds.sparse_mean=contributors", "d
               "diloco_outer.lr=1.0")
 """SparseLoCo's server (Sarfi et al. 2025): the decaying error feedback in place of outer momentum, the
 contributor mean, plain averaging at lr 1."""
+AVERAGE = ("rounds.wire_ef_decay=0.9", "rounds.sparse_mean=all", "diloco_outer.name=average", "diloco_outer.lr=1.0")
+"""SparseLoCo's wire and outer step with the plain token-weighted mean over all workers in place of the
+contributor mean (an index one of M workers sent counts 1/M, as in fp32 averaging), β = 0.9."""
 DILOCO_RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "sparseloco": ("topk2bit-both", SPARSELOCO),
     "sparseloco-up": ("topk2bit", SPARSELOCO),
@@ -79,13 +83,19 @@ DILOCO_RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "sparseloco-all": ("topk2bit-all", SPARSELOCO),
     "sparseloco-wide": ("topk2bit-both-wide", SPARSELOCO),
     "fp32-average": ("fp32", SPARSELOCO[2:]),
+    "sparseloco-clip": ("topk2bit-both-wide", (*SPARSELOCO, "rounds.clip_median=true")),
+    "avg-wide": ("topk2bit-both-wide", AVERAGE),
+    "avg-wide-d64": ("topk2bit-both-wide-d64", AVERAGE),
+    "avg-up": ("topk2bit-all", AVERAGE),
 }
 """`--method diloco`, the codec on its own (AdamW inner, against fp32 DiLoCo with its Nesterov outer step):
 SparseLoCo's recipe with our sparse downlink (every tensor top-k 2-bit both ways); with the uplink only
 top-k (embedding and norms int8, θ down int8: the aggregate arrives almost whole); with DiLoCo's
 Nesterov outer step kept; every tensor top-k up and θ down int8; every tensor top-k up and θ down
 top-k at 4x the density (room for the union of the 4 workers' supports); fp32 with SparseLoCo's outer
-step (plain averaging at lr 1) in place of DiLoCo's Nesterov."""
+step (plain averaging at lr 1) in place of DiLoCo's Nesterov; SparseLoCo's with median clipping (its
+production server); `AVERAGE` (the mean over all workers, β 0.9) with the wide downlink, at 1/64, and with
+θ down int8."""
 LOCAL_RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "wide": ("topk2bit-both-wide", ("rounds.wire_ef_decay=0.95",)),
     "wide-d64": ("topk2bit-both-wide-d64", ("rounds.wire_ef_decay=0.95",)),
@@ -135,6 +145,8 @@ def main() -> None:
     parser.add_argument("--local-steps", type=int, default=8, help="K, the local steps of a round")
     parser.add_argument("--workers", type=int, default=4, help="M, the workers (each its own batch of 16)")
     parser.add_argument("--gains-only", action="store_true", help="only the decoders' gains (seconds)")
+    parser.add_argument("--set", default="", help="comma-separated trainer overrides added to every rung (not to "
+                        "fp32), e.g. 'diloco_outer.lr=1.3,rounds.wire_ef_decay=0.8'")
     parser.add_argument("--reference", default="", help="an earlier result of the same method, horizon and M: its "
                         "fp32 rows stand in for this run's (the runs are deterministic), no fp32 rerun")
     args = parser.parse_args()
@@ -147,12 +159,14 @@ def main() -> None:
     if min(args.rounds, args.local_steps, args.workers) < 1:
         parser.error(f"--rounds {args.rounds} --local-steps {args.local_steps} --workers {args.workers}: expected each >= 1")
     base = (*base, f"workers={args.workers}") if args.workers != 4 else base
+    added = tuple(o for o in args.set.split(",") if o)
     horizon = (args.rounds, args.local_steps)
     seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
     started = time.perf_counter()
     result = result_header("compression_ladder", args.quick, {"method": args.method, "rungs": rungs, "seeds": seeds,
                                                               "base": list(base), "rounds": args.rounds,
-                                                              "local_steps": args.local_steps, "workers": args.workers})
+                                                              "local_steps": args.local_steps, "workers": args.workers,
+                                                              "set": list(added)})
     result["decoder_gains"] = decoder_gains(2 if args.quick else 10)
     for g in result["decoder_gains"]:
         print(f"{g['values']:5} {g['codec']:10} gain {g['gain_min']:.3f}-{g['gain_max']:.3f}, "
@@ -169,7 +183,7 @@ def main() -> None:
             rows.append({"rung": "fp32", **ref})
             for rung in rungs:
                 payload, extra = table[rung]
-                row = quality_run(payload, 1, seed, args.quick, Path(tmp), (*base, *extra), tag=f"_{rung}",
+                row = quality_run(payload, 1, seed, args.quick, Path(tmp), (*base, *extra, *added), tag=f"_{rung}",
                                   method=args.method, horizon=horizon)
                 row.update(rung=rung, ppl_vs_fp32=row["val_ppl"] / ref["val_ppl"] - 1.0,
                            bytes_vs_fp32=ref["bytes_per_worker"] / row["bytes_per_worker"])
