@@ -24,7 +24,7 @@ error feedback `inner.ef_decay=0.9`).
     python benchmarks/compression_ladder.py                  # two seeds (~20 min on 2 cores, nothing beside it)
     python benchmarks/compression_ladder.py --rungs sign,beta --seeds 0
     python benchmarks/compression_ladder.py --method diloco --rounds 64 --local-steps 32   # the codec on its own (AdamW)
-    python benchmarks/compression_ladder.py --method diloco --rungs avg-wide --set diloco_outer.lr=1.3 --reference R.json
+    python benchmarks/compression_ladder.py --method diloco --baseline fp32-average --rungs avg-wide --set diloco_outer.lr=1.3
     python benchmarks/compression_ladder.py --gains-only     # the decoders' gains on Gaussian and Student-t(3) values
     python benchmarks/compression_ladder.py --quick          # tiny runs (seconds): the structure
 Each row keeps the wire's per-round metrics (`compression.WIRE_METRICS`: ‖e‖/‖Δ‖, the support shared
@@ -147,6 +147,8 @@ def main() -> None:
     parser.add_argument("--gains-only", action="store_true", help="only the decoders' gains (seconds)")
     parser.add_argument("--set", default="", help="comma-separated trainer overrides added to every rung (not to "
                         "fp32), e.g. 'diloco_outer.lr=1.3,rounds.wire_ef_decay=0.8'")
+    parser.add_argument("--baseline", default="", help="a rung of the method (e.g. fp32-average) that every other rung "
+                        "is compared against in place of fp32 with the method's own outer step, which then is not run")
     parser.add_argument("--reference", default="", help="an earlier result of the same method, horizon and M: its "
                         "fp32 rows stand in for this run's (the runs are deterministic), no fp32 rerun")
     args = parser.parse_args()
@@ -156,6 +158,12 @@ def main() -> None:
     unknown = [r for r in rungs if r not in table]
     if unknown:
         parser.error(f"--rungs: unknown {unknown} for --method {args.method}; expected some of {list(table)}")
+    if args.baseline and args.baseline not in table:
+        parser.error(f"--baseline {args.baseline!r}: expected a rung of --method {args.method}: {list(table)}")
+    if args.baseline and args.reference:
+        parser.error("--baseline with --reference: the reference's fp32 rows would not be the baseline; give one")
+    if args.baseline:
+        rungs = [args.baseline, *(r for r in rungs if r != args.baseline)]
     if min(args.rounds, args.local_steps, args.workers) < 1:
         parser.error(f"--rounds {args.rounds} --local-steps {args.local_steps} --workers {args.workers}: expected each >= 1")
     base = (*base, f"workers={args.workers}") if args.workers != 4 else base
@@ -166,7 +174,7 @@ def main() -> None:
     result = result_header("compression_ladder", args.quick, {"method": args.method, "rungs": rungs, "seeds": seeds,
                                                               "base": list(base), "rounds": args.rounds,
                                                               "local_steps": args.local_steps, "workers": args.workers,
-                                                              "set": list(added)})
+                                                              "set": list(added), "baseline": args.baseline or "fp32"})
     result["decoder_gains"] = decoder_gains(2 if args.quick else 10)
     for g in result["decoder_gains"]:
         print(f"{g['values']:5} {g['codec']:10} gain {g['gain_min']:.3f}-{g['gain_max']:.3f}, "
@@ -178,19 +186,24 @@ def main() -> None:
     earlier = _references(args.reference, result["config"]) if args.reference else {}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
-            ref = earlier.get(seed) or quality_run("fp32", 1, seed, args.quick, Path(tmp), base, method=args.method,
-                                                   horizon=horizon)
-            rows.append({"rung": "fp32", **ref})
+            ref = None
+            if not args.baseline:
+                ref = earlier.get(seed) or quality_run("fp32", 1, seed, args.quick, Path(tmp), base, method=args.method,
+                                                       horizon=horizon)
+                rows.append({"rung": "fp32", **ref})
             for rung in rungs:
                 payload, extra = table[rung]
-                row = quality_run(payload, 1, seed, args.quick, Path(tmp), (*base, *extra, *added), tag=f"_{rung}",
+                # the baseline is run as it is defined, without --set
+                row = quality_run(payload, 1, seed, args.quick, Path(tmp),
+                                  (*base, *extra, *(() if rung == args.baseline else added)), tag=f"_{rung}",
                                   method=args.method, horizon=horizon)
+                ref = ref or row
                 row.update(rung=rung, ppl_vs_fp32=row["val_ppl"] / ref["val_ppl"] - 1.0,
                            bytes_vs_fp32=ref["bytes_per_worker"] / row["bytes_per_worker"])
                 rows.append(row)
                 last = row["round_metrics"][-1] if row["round_metrics"] else {}
                 print(f"seed {seed} {rung:13} {payload:17} val ppl {row['val_ppl']:.3f} ({row['ppl_vs_fp32']:+.2%} vs "
-                      f"fp32 {ref['val_ppl']:.3f}), {row['bytes_vs_fp32']:.2f}x fewer bytes; last round "
+                      f"{args.baseline or 'fp32'} {ref['val_ppl']:.3f}), {row['bytes_vs_fp32']:.2f}x fewer bytes; last round "
                       + ", ".join(f"{k} {v:.3f}" for k, v in last.items() if k != "round"), flush=True)
                 write_json({**result, "rows": rows, "seconds": time.perf_counter() - started}, args.out)
     result.update(rows=rows, seconds=time.perf_counter() - started)
