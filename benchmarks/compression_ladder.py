@@ -85,6 +85,7 @@ DILOCO_RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "fp32-average": ("fp32", SPARSELOCO[2:]),
     "sparseloco-clip": ("topk2bit-both-wide", (*SPARSELOCO, "rounds.clip_median=true")),
     "avg-wide": ("topk2bit-both-wide", AVERAGE),
+    "avg-wide-lr13": ("topk2bit-both-wide", (*AVERAGE, "diloco_outer.lr=1.3")),
     "avg-wide-d64": ("topk2bit-both-wide-d64", AVERAGE),
     "avg-up": ("topk2bit-all", AVERAGE),
 }
@@ -94,8 +95,8 @@ top-k (embedding and norms int8, θ down int8: the aggregate arrives almost whol
 Nesterov outer step kept; every tensor top-k up and θ down int8; every tensor top-k up and θ down
 top-k at 4x the density (room for the union of the 4 workers' supports); fp32 with SparseLoCo's outer
 step (plain averaging at lr 1) in place of DiLoCo's Nesterov; SparseLoCo's with median clipping (its
-production server); `AVERAGE` (the mean over all workers, β 0.9) with the wide downlink, at 1/64, and with
-θ down int8."""
+production server); `AVERAGE` (the mean over all workers, β 0.9) with the wide downlink (also at outer lr 1.3), at 1/64,
+and with θ down int8."""
 LOCAL_RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "wide": ("topk2bit-both-wide", ("rounds.wire_ef_decay=0.95",)),
     "wide-d64": ("topk2bit-both-wide-d64", ("rounds.wire_ef_decay=0.95",)),
