@@ -21,7 +21,7 @@ def test_pyproject_keys_and_defaults_match_the_app_config():
 def test_every_preset_composes_and_validates():
     presets = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
     assert {"quickstart", "paper-16m", "paper-125m", "paper-360m", "paper-720m", "diloco", "local-adam",
-            "desloc", "lordo-local", "sparseloco", "lordo-sparse"} <= set(presets)
+            "desloc", "lordo-local", "sparseloco", "lordo-sparse", "diloco-sparse"} <= set(presets)
     for name in presets:
         cfg = load_app_config({**pyproject_config(), "preset": name})
         assert cfg.num_rounds > 0, name
