@@ -287,7 +287,8 @@ class Aggregator:
 
         total = sum(r.tokens for r in refs)
         weights = [r.tokens / total for r in refs]
-        clip = self._clip_factors(refs)
+        # SparseLoCo's production server clips each peer to the median norm (`rounds.clip_median`)
+        clip = screening.clip_factors([r.norm for r in refs], self.round) if self.rounds.clip_median else [1.0] * len(refs)
         opt_step = max(r.opt_step for r in refs)
         # each moment is the mean over the replies that carry it: its own normaliser
         moment_norms = {key: sum(w for r, w in zip(refs, weights) if key in r.moment_keys)
@@ -368,19 +369,6 @@ class Aggregator:
             if kind != "ef":
                 value = restep(value, kind, update.opt_step, opt_step, betas, self.bias_correction)
             _add_weighted(moment_sums, key, value, weight / moment_norms[key])
-
-    def _clip_factors(self, refs: Sequence[ReplyRef]) -> list[float]:
-        """Each reply's factor min(1, median / ||Δ_m||) with `rounds.clip_median` (SparseLoCo's
-        production server clips each peer to the median norm), else 1: a reply's Δ then counts
-        with at most the round's median norm, m = `screening.round_median` of the refs' norms."""
-        if not self.rounds.clip_median:
-            return [1.0] * len(refs)
-        norms = [r.norm for r in refs]
-        if any(not math.isfinite(n) for n in norms):
-            raise ValueError(f"round {self.round}: median clipping needs every reply's ||Δ||, got {norms}; build the "
-                             "refs with ReplyRef.of(update, norm=...) from check_reply")
-        median = screening.round_median(norms)
-        return [1.0 if n <= median else median / n for n in norms]
 
     def _sparse_names(self, bases: Mapping[str, tuple[Tensor, str]]) -> list[str]:
         """The parameters whose Δ̄ is a contributor mean (`rounds.sparse_mean='contributors'`): those

@@ -231,6 +231,16 @@ def round_median(norms: Sequence[float]) -> float:
     return sorted(norms)[len(norms) // 2]
 
 
+def clip_factors(norms: Sequence[float], round_idx: int) -> list[float]:
+    """Median clipping (`RoundConfig.clip_median`): each reply's factor min(1, m / ||Δ_m||), m the
+    `round_median` of the usable replies' norms, so that no reply's Δ counts with more than m."""
+    if any(not math.isfinite(n) for n in norms):
+        raise ValueError(f"round {round_idx}: median clipping needs every reply's ||Δ||, got {list(norms)}; build "
+                         "the refs with ReplyRef.of(update, norm=...) from check_reply")
+    median = round_median(norms)
+    return [1.0 if n <= median else median / n for n in norms]
+
+
 def check_refs(refs: Sequence[ReplyRef], round_idx: int) -> None:
     """Refuse refs that cannot have passed screening (a caller's mistake, not a bad client): more
     than one per worker, or one for another round than `round_idx`. Raises ValueError."""
