@@ -251,7 +251,8 @@ class Aggregator:
         deployment that streams its replies."""
         rejected: dict[int, str] = {}
         refs: list[ReplyRef] = []
-        checked = [(None, None)] * len(updates) if screened else [self.check_reply(u) for u in updates]
+        checked = ([(None, screening.delta_norm(u) if self.rounds.clip_median else math.nan) for u in updates]
+                   if screened else [self.check_reply(u) for u in updates])
         reasons = [None] * len(updates) if screened else self.screen_round(
             [u.worker_id for u in updates], [n for _, n in checked], [r for r, _ in checked])
         for u, reason, (_, norm) in zip(updates, reasons, checked):

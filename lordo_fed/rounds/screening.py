@@ -60,17 +60,17 @@ class ReplyRef:
 
     @classmethod
     def of(cls, update: WorkerUpdate, load: Callable[[], WorkerUpdate] | None = None,
-           norm: float | None = None) -> "ReplyRef":
+           norm: float = math.nan) -> "ReplyRef":
         """The ref of a decoded `update`. With `load` (e.g. a decode of the payload spooled to a
         file) the ref does not keep `update`, so the caller can drop its tensors; without, it
-        loads from memory (the list path, `Aggregator.aggregate`). `norm`: its ||Δ|| if the caller
-        already screened it (`Aggregator.check_reply`), else computed here."""
+        loads from memory (the list path, `Aggregator.aggregate`). `norm`: its ||Δ|| as screening
+        computed it (`Aggregator.check_reply`); median clipping needs it."""
         if load is None:
             def load() -> WorkerUpdate:
                 return update
         return cls(worker_id=update.worker_id, round=update.round, tokens=update.tokens,
                    opt_step=update.opt_step, moment_keys=frozenset(update.moments), load=load,
-                   metrics=dict(update.metrics), norm=delta_norm(update) if norm is None else norm)
+                   metrics=dict(update.metrics), norm=norm)
 
     def matches(self, update: WorkerUpdate) -> str | None:
         """Why `update` (what `load` returned) is not the reply this ref describes, or None: the

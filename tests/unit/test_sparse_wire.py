@@ -94,15 +94,17 @@ def test_median_clipping_by_hand(mean):
     replies = [WorkerUpdate(worker_id=m, round=1, delta={name: d}, moments={}, tokens=100, opt_step=1)
                for m, d in enumerate(deltas)]
     moved = {}
-    for clip in (False, True):
+    for clip, screened in ((False, False), (True, False), (True, True)):  # screened: the norms computed for it
         agg = Aggregator({name: torch.zeros(1, 4)}, {}, RoundConfig(local_steps=1, sync_exp_avg_every=0,
                                                                  sync_exp_avg_sq_every=0, sparse_mean=mean,
                                                                  clip_median=clip),
                          Average(), None, payload=resolve_payload("topk2bit").codecs)
-        result = agg.aggregate(replies)
+        result = agg.aggregate(replies, screened=screened)
         assert result.accepted == [0, 1, 2]
-        moved[clip] = (-agg.params[name])[0].tolist()
+        moved[clip, screened] = (-agg.params[name])[0].tolist()
         assert result.metrics.get("clients_clipped") == (1.0 if clip else None)
+    assert moved[True, True] == moved[True, False]
+    moved = {clip: m for (clip, screened), m in moved.items() if not screened}
     scale = 1.0 if mean == "contributors" else 1 / 3
     assert moved[True] == pytest.approx([scale * 1, scale * 2, scale * 2, 0.0])
     assert moved[False] == pytest.approx([scale * 1, scale * 2, scale * 6, 0.0])
