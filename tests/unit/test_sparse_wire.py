@@ -110,6 +110,22 @@ def test_median_clipping_by_hand(mean):
     assert moved[False] == pytest.approx([scale * 1, scale * 2, scale * 6, 0.0])
 
 
+def test_median_clipping_refuses_refs_without_their_norm():
+    """A caller that builds refs without screening's norms gets a clear error, and θ stays as it was."""
+    from lordo_fed.rounds.aggregator import Aggregator
+    from lordo_fed.rounds.outer import Average
+    from lordo_fed.rounds.screening import ReplyRef
+    from lordo_fed.wire.messages import WorkerUpdate
+
+    agg = Aggregator({"w": torch.zeros(4)}, {}, RoundConfig(local_steps=1, sync_exp_avg_every=0, sync_exp_avg_sq_every=0,
+                                                           clip_median=True), Average(), None)
+    refs = [ReplyRef.of(WorkerUpdate(worker_id=m, round=1, delta={"w": torch.ones(4)}, moments={}, tokens=1,
+                                     opt_step=1)) for m in range(2)]
+    with pytest.raises(ValueError, match=r"round 1: median clipping needs every reply's \|\|Δ\|\|"):
+        agg.aggregate_refs(refs)
+    assert agg.params["w"].tolist() == [0.0] * 4 and agg.round == 1
+
+
 def test_median_clipping_is_for_synchronous_rounds():
     from lordo_fed.optim.config import InnerConfig
     from lordo_fed.rounds.methods import resolve_method
