@@ -218,12 +218,14 @@ class Aggregator:
         logs nothing."""
         return screening.screen_round(worker_ids, norms, reasons, self.outlier_factor)
 
-    def screen(self, updates: Sequence[WorkerUpdate]) -> list[str | None]:
-        """Why each update must not be applied (None: usable), in the order given: `check_reply`
-        per update, then `screen_round`. Logs nothing and changes nothing, so a caller can report
-        the reasons under its own client names."""
+    def screen(self, updates: Sequence[WorkerUpdate]) -> tuple[list[str | None], list[float]]:
+        """Why each update must not be applied (None: usable), in the order given, and each
+        one's ||Δ|| (NaN where refused by `check_reply`): `check_reply` per update, then
+        `screen_round`. Logs nothing and changes nothing, so a caller can report the reasons
+        under its own client names; `aggregate` keeps the norms for median clipping."""
         checked = [self.check_reply(u) for u in updates]
-        return self.screen_round([u.worker_id for u in updates], [n for _, n in checked], [r for r, _ in checked])
+        norms = [n for _, n in checked]
+        return self.screen_round([u.worker_id for u in updates], norms, [r for r, _ in checked]), norms
 
     def check_gradient(self, gradient: WorkerUpdate) -> str | None:
         """Why one round-0 gradient reply must not be used, or None: round 0, the low-rank
@@ -251,11 +253,12 @@ class Aggregator:
         deployment that streams its replies."""
         rejected: dict[int, str] = {}
         refs: list[ReplyRef] = []
-        checked = ([(None, screening.delta_norm(u) if self.rounds.clip_median else math.nan) for u in updates]
-                   if screened else [self.check_reply(u) for u in updates])
-        reasons = [None] * len(updates) if screened else self.screen_round(
-            [u.worker_id for u in updates], [n for _, n in checked], [r for r, _ in checked])
-        for u, reason, (_, norm) in zip(updates, reasons, checked):
+        if screened:
+            reasons = [None] * len(updates)
+            norms = [screening.delta_norm(u) if self.rounds.clip_median else math.nan for u in updates]
+        else:
+            reasons, norms = self.screen(updates)
+        for u, reason, norm in zip(updates, reasons, norms):
             if reason is None:
                 refs.append(ReplyRef.of(u, norm=norm))
             else:

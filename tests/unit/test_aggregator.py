@@ -805,7 +805,7 @@ def oracle_round(agg: Aggregator, updates: list[WorkerUpdate]) -> RoundResult:
     per tensor an fp32 sum over the list in partition order, acc += w·t (ALGORITHM.md, "One
     round", step 3)."""
     updates = sorted(updates, key=lambda u: u.worker_id)  # stable: the first of a worker's replies first
-    reasons = agg.screen(updates)
+    reasons, _ = agg.screen(updates)
     good = [u for u, r in zip(updates, reasons) if r is None]
     rejected = {u.worker_id: r for u, r in zip(updates, reasons) if r is not None}
 
@@ -992,7 +992,7 @@ def test_check_reply_and_screen_round_are_the_rules_of_screen():
     assert "NaN" in reason and math.isnan(norm)
     ids = [u.worker_id for u in replies]
     final = agg.screen_round(ids, [n for _, n in verdicts], [r for r, _ in verdicts])
-    assert final == agg.screen(replies) and final[:3] == [None] * 3 and "outlier_factor 3" in final[3]
+    assert agg.screen(replies) == (final, [n for _, n in verdicts]) and final[:3] == [None] * 3 and "outlier_factor 3" in final[3]
     # the median is over the replies still usable, and needs three of them
     norms = [n for _, n in verdicts]
     assert agg.screen_round(ids, norms, ["refused", None, None, None])[3] is not None
