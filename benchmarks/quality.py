@@ -28,7 +28,6 @@ Writes benchmarks/results/quality.json and quality.png.
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,9 +36,9 @@ from lordo_fed.device import pick_device
 from lordo_fed.optim.config import resolved_proj_method
 
 try:
-    from benchmarks.common import RESULTS, make_parser, new_figure, png_path, result_header, write_json
+    from benchmarks.common import make_parser, new_figure, png_path, result_header, write_json
 except ImportError:  # run as `python benchmarks/quality.py`
-    from common import RESULTS, make_parser, new_figure, png_path, result_header, write_json
+    from common import make_parser, new_figure, png_path, result_header, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "examples" / "reference"
@@ -123,8 +122,8 @@ QUICK_OVERRIDES = ("model.preset=tiny", "total_steps=8", "rounds.local_steps=4",
                    "data.batch_size=4", "eval_every=1", "eval_batches=2", "inner.warmup_steps=2")
 
 
-def compose(run: Run, quick: bool, out_dir: Path, base: tuple[str, ...] = ()):
-    """The run's TrainConfig: quality_cpu.yaml + `base` + the run's overrides (+ the quick ones)."""
+def compose(run: Run, quick: bool, out_dir: Path, base: tuple[str, ...] = (), config: str = "quality_cpu"):
+    """The run's TrainConfig: examples/reference/`config`.yaml + `base` + the run's overrides (+ the quick ones)."""
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
@@ -135,19 +134,21 @@ def compose(run: Run, quick: bool, out_dir: Path, base: tuple[str, ...] = ()):
     overrides = [f"methods=[{run.method}]", f"out_dir={out_dir}", "progress=false", *base,
                  *(QUICK_OVERRIDES if quick else ()), *run.overrides]
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        raw = hydra_compose(config_name="quality_cpu", overrides=overrides)
+        raw = hydra_compose(config_name=config, overrides=overrides)
     return OmegaConf.to_object(raw)
 
 
-def execute(run: Run, quick: bool, work: Path, fresh: bool, base: tuple[str, ...] = ()) -> dict:
-    """Train one run (or load its cached result); returns its summary and curves."""
+def execute(run: Run, quick: bool, work: Path, fresh: bool, base: tuple[str, ...] = (),
+            config: str = "quality_cpu") -> dict:
+    """Train one run (or load its cached result); returns its summary and curves (validation loss
+    against rounds, tokens and the bytes a worker sent and received so far)."""
     from lordo_fed.trainer.cli import train
 
     out_dir = work / run.label
     done = out_dir / "result.json"
     if done.exists() and not fresh:
         return json.loads(done.read_text())
-    cfg = compose(run, quick, out_dir, base)
+    cfg = compose(run, quick, out_dir, base, config)
     started = time.perf_counter()
     summary = train(cfg)[run.method]
     history = [json.loads(line) for line in (out_dir / f"{run.method}.jsonl").read_text().splitlines()]
@@ -160,7 +161,9 @@ def execute(run: Run, quick: bool, work: Path, fresh: bool, base: tuple[str, ...
         "seed": cfg.seed, **summary,
         "wall_seconds": time.perf_counter() - started,
         "curve": {"round": [r["round"] for r in evals], "tokens": [r["tokens"] for r in evals],
-                  "val_loss": [r["val_loss"] for r in evals]},
+                  "val_loss": [r["val_loss"] for r in evals],
+                  "bytes": [r.get("cum_bytes_sent_per_worker", 0) + r.get("cum_bytes_received_per_worker", 0)
+                            for r in evals]},
         "diagnostics": {
             "round": [r["round"] for r in rounds if "delta_stable_rank" in r],
             **{key: [r[key] for r in rounds if "delta_stable_rank" in r and key in r] for key in DIAGNOSTICS},

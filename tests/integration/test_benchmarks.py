@@ -54,6 +54,60 @@ def test_quality_quick(tmp_path):
     assert all(r == 0 for r in without["update_out_in_ratio"])  # ω = 1: nothing outside the subspace
 
 
+def test_corpora_quality_quick(tmp_path):
+    result = run_quick("corpora_quality.py", tmp_path)
+    tuning, rows, best = result["tuning"], result["rows"], result["best"]
+    corpora, methods = set(result["config"]["corpora"]), ["lowrank_ddp", "lordo_global"]
+    assert corpora == {"verse", "code", "prose"} and result["config"]["methods"] == methods
+    # every trial of every method ran on every corpus at the tuning horizon, at equal tokens
+    assert {(r["method"], r["trial"], r["corpus"]) for r in tuning} == {
+        (m, t["name"], c) for m in methods for t in result["config"]["trials"][m] for c in corpora}
+    assert len({r["tokens"] for r in tuning}) == 1 and len({round(r["val_ppl"], 6) for r in tuning}) == len(tuning)
+    for m in methods:  # the best trial has the lowest mean validation loss over the corpora, no corpus alone
+        means = {t: sum(r["val_loss"] for r in tuning if r["method"] == m and r["trial"] == t) / 3
+                 for t in {r["trial"] for r in tuning if r["method"] == m}}
+        assert best[m] == min(means, key=means.get) and result["tuning_mean_loss"][m] == pytest.approx(means)
+    # the table: each method's best trial on every corpus at both horizons; its first horizon is the tuning run
+    assert {(r["method"], r["trial"], r["corpus"], r["rounds"]) for r in rows} == {
+        (m, best[m], c, h) for m in methods for c in corpora for h in (1, 2)}
+    tuned = {(r["method"], r["trial"], r["corpus"]): r["val_ppl"] for r in tuning}
+    for r in rows:
+        if r["rounds"] == 1:
+            assert r["val_ppl"] == tuned[(r["method"], r["trial"], r["corpus"])]
+        if r["method"] == "lordo_global":
+            ref = next(o for o in rows if (o["method"], o["corpus"], o["rounds"]) == ("lowrank_ddp", r["corpus"], r["rounds"]))
+            assert r["gap_lowrank_ddp"] == pytest.approx(r["val_ppl"] / ref["val_ppl"] - 1)
+            assert 0 < r["bytes_per_worker"] < ref["bytes_per_worker"]  # LoRDO sends less than low-rank DDP
+        assert r["curve"]["bytes"] == sorted(r["curve"]["bytes"]) and r["curve"]["bytes"][-1] == r["bytes_per_worker"]
+    assert {r["tokens"] for r in rows if r["rounds"] == 2} == {2 * rows[0]["tokens"]}
+    assert set(result["goal"]) == {"lordo_global_within_3pct_short", "lordo_global_within_1pct_long",
+                                   "lordo_global_beats_diloco_long"}
+    assert result["goal"]["lordo_global_beats_diloco_long"] is False  # DiLoCo did not run: nothing to beat
+    assert Path(tmp_path / "corpora_quality.png").stat().st_size > 10_000
+
+
+def test_corpora_quality_trials_and_goal():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from corpora_quality import TRIALS, Trial, gaps, goal
+
+    assert len({len(t) for t in TRIALS.values()}) == 1, "every method gets the same budget of trials"
+    assert Trial("s", ("inner.switch_step={half}", "inner.lr=0.01")).resolved(512) == ("inner.switch_step=256", "inner.lr=0.01")
+    rows = [{"corpus": c, "rounds": h, "seed": 0, "method": m, "val_ppl": p, "bytes_per_worker": b}
+            for c, h, m, p, b in [("verse", 16, "lowrank_ddp", 10.0, 1000), ("verse", 16, "lordo_global", 10.25, 100),
+                                  ("verse", 64, "lowrank_ddp", 5.0, 4000), ("verse", 64, "lordo_global", 5.04, 400),
+                                  ("verse", 64, "diloco", 5.1, 4000)]]
+    gaps(rows)
+    g16, g64 = rows[1], rows[3]
+    assert g16["gap_lowrank_ddp"] == pytest.approx(0.025) and g64["gap_lowrank_ddp"] == pytest.approx(0.008)
+    assert g64["gap_diloco"] == pytest.approx(5.04 / 5.1 - 1) and g64["bytes_vs_diloco"] == 10
+    assert "gap_lowrank_ddp" not in rows[0] and "gap_diloco" not in g16  # no DiLoCo run at 16 rounds
+    assert goal(rows, (16, 64)) == {"lordo_global_within_3pct_short": True, "lordo_global_within_1pct_long": True,
+                                    "lordo_global_beats_diloco_long": True}
+    g64["val_ppl"] = 5.06  # 1.2% behind low-rank DDP
+    gaps(rows)
+    assert goal(rows, (16, 64))["lordo_global_within_1pct_long"] is False
+
+
 def test_long_horizon_quick(tmp_path):
     result = run_quick("long_horizon.py", tmp_path)
     runs, gaps, summary = result["runs"], result["gaps"], result["summary"]
