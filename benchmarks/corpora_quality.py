@@ -19,7 +19,7 @@ continues where it stopped; --fresh reruns):
   received. The goal (the issue): LoRDO-Global and LoRDO-Local within 1% of low-rank DDP at 64 rounds
   and within 3% at 16, on every corpus; at 64 rounds at or below DiLoCo with at least 10x fewer bytes.
 
-    python benchmarks/corpora_quality.py                  # tune, then the table (hours on 2 cores)
+    python benchmarks/corpora_quality.py --jobs 2         # tune, then the table (hours on 2 cores)
     python benchmarks/corpora_quality.py --part tune      # the trials only
     python benchmarks/corpora_quality.py --quick          # tiny runs: two methods, two trials, every corpus
 Writes benchmarks/results/corpora_quality.json and .png (validation loss against tokens and against
@@ -152,6 +152,18 @@ def row_of(result: dict, corpus: str, trial: str, rounds: int, seed: int) -> dic
             "tokens": result["curve"]["tokens"][-1], "wall_seconds": result["wall_seconds"], "curve": result["curve"]}
 
 
+def _train(spec: tuple) -> dict:
+    """One run (or its cached result) as a table row; top-level so that --jobs can run it in a process pool."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    corpus, method, trial, rounds, seed, quick, work, fresh, base = spec
+    run = run_of(corpus, method, trial, rounds, seed, quick)
+    result = execute(run, False, work, fresh, base, CONFIG)
+    print(f"{run.label}: val ppl {result['val_ppl']:.3f} ({result['wall_seconds']:.0f} s)", flush=True)
+    return row_of(result, corpus, trial.name, rounds, seed)
+
+
 def table_text(rows: list[dict], horizons: tuple[int, ...]) -> str:
     lines = []
     for rounds in horizons:
@@ -190,7 +202,11 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="folder of the per-run outputs (default: outputs/corpora_quality, "
                         "or a temporary one with --quick)")
     parser.add_argument("--fresh", action="store_true", help="rerun runs that already have a result in --work")
+    parser.add_argument("--jobs", type=int, default=1, help="runs trained at once, each in its own process (every run "
+                        "uses one torch thread whatever --jobs is, so the results do not depend on it)")
     args = parser.parse_args()
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: expected an int >= 1")
     import logging
     import tempfile
 
@@ -209,16 +225,20 @@ def main() -> None:
     trials = {m: TRIALS[m][:2] if args.quick else TRIALS[m] for m in methods}
     work = Path(args.work) if args.work else (Path(tempfile.mkdtemp(prefix="corpora-")) if args.quick
                                               else ROOT / "outputs" / "corpora_quality")
-    base = QUICK_OVERRIDES if args.quick else ()
+    base = (*(QUICK_OVERRIDES if args.quick else ()), "threads=1")
     started = time.perf_counter()
 
-    def train(corpus: str, method: str, trial: Trial, rounds: int, seed: int) -> dict:
-        run = run_of(corpus, method, trial, rounds, seed, args.quick)
-        result = execute(run, False, work, args.fresh, base, CONFIG)
-        print(f"{run.label}: val ppl {result['val_ppl']:.3f} ({result['wall_seconds']:.0f} s)", flush=True)
-        return row_of(result, corpus, trial.name, rounds, seed)
+    def train(runs: list[tuple[str, str, Trial, int, int]]) -> list[dict]:
+        specs = [(c, m, t, h, s, args.quick, work, args.fresh, base) for c, m, t, h, s in runs]
+        if args.jobs == 1:
+            return [_train(spec) for spec in specs]
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
 
-    tuned = [train(c, m, t, horizons[0], 0) for m in methods for t in trials[m] for c in CORPORA]
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return list(pool.map(_train, specs))
+
+    tuned = train([(c, m, t, horizons[0], 0) for m in methods for t in trials[m] for c in CORPORA])
     best = best_trials(tuned, methods)
     result = result_header("corpora_quality", args.quick, {
         "base": f"examples/reference/{CONFIG}.yaml" + (" + " + " ".join(QUICK_OVERRIDES) if args.quick else ""),
@@ -231,7 +251,7 @@ def main() -> None:
     rows = []
     if args.part != "tune":
         by_name = {m: {t.name: t for t in trials[m]} for m in methods}
-        rows = [train(c, m, by_name[m][best[m]], h, s) for h in horizons for s in seeds for m in methods for c in CORPORA]
+        rows = train([(c, m, by_name[m][best[m]], h, s) for h in horizons for s in seeds for m in methods for c in CORPORA])
         gaps(rows)
         result.update(rows=rows, goal=goal(rows, horizons))
         print(table_text(rows, horizons))

@@ -55,7 +55,7 @@ def test_quality_quick(tmp_path):
 
 
 def test_corpora_quality_quick(tmp_path):
-    result = run_quick("corpora_quality.py", tmp_path)
+    result = run_quick("corpora_quality.py", tmp_path, "--jobs", "2")
     tuning, rows, best = result["tuning"], result["rows"], result["best"]
     corpora, methods = set(result["config"]["corpora"]), ["lowrank_ddp", "lordo_global"]
     assert corpora == {"verse", "code", "prose"} and result["config"]["methods"] == methods
@@ -84,6 +84,15 @@ def test_corpora_quality_quick(tmp_path):
                                    "lordo_global_beats_diloco_long"}
     assert result["goal"]["lordo_global_beats_diloco_long"] is False  # DiLoCo did not run: nothing to beat
     assert Path(tmp_path / "corpora_quality.png").stat().st_size > 10_000
+    # --jobs 2 ran the runs in a process pool: one of them again here, alone, gives the same loss to the bit
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from corpora_quality import TRIALS, _train
+    from quality import QUICK_OVERRIDES
+
+    trial = TRIALS["lordo_global"][1]
+    alone = _train(("prose", "lordo_global", trial, 1, 0, True, tmp_path / "alone", False, (*QUICK_OVERRIDES, "threads=1")))
+    pooled = next(r for r in tuning if (r["method"], r["trial"], r["corpus"]) == ("lordo_global", trial.name, "prose"))
+    assert alone["val_loss"] == pooled["val_loss"] and alone["bytes_per_worker"] == pooled["bytes_per_worker"]
 
 
 def test_corpora_quality_trials_and_goal():
