@@ -30,6 +30,7 @@ Needs root (network namespaces).
     sudo python benchmarks/wan_rounds.py --overlap --out benchmarks/results/wan_overlap.json  # ~10 min
     sudo python benchmarks/wan_rounds.py --hetero --out benchmarks/results/wan_hetero.json   # ~8 min
     sudo python benchmarks/wan_rounds.py --compression --rounds 3 --out benchmarks/results/wan_compression.json  # ~10 min
+    sudo python benchmarks/wan_rounds.py --presets --rounds 3 --out benchmarks/results/wan_presets.json
     sudo python benchmarks/wan_rounds.py --quick    # tiny model, 2 nodes at 8 Mbit/s, overlapped, seconds
 Writes benchmarks/results/wan_rounds.json and .png.
 """
@@ -83,6 +84,12 @@ COMPRESSION_CASES = [(2, "100mbit", "grpc", 4, 0, {}), (2, "100mbit", "grpc", 4,
 """--compression: the 125m-size DiLoCo (FULL_MODEL, K = 4) with fp32 and with `WIDE` at 100 Mb/s and
 10 Mb/s, synchronous and overlapped (τ = 3); fp32 at 10 Mb/s would take ~9 minutes a round (341 MB each
 way): its link-bound ideal is the 100 Mb/s one's link time x 10."""
+PRESET_CASES = [(2, "100mbit", "grpc", 4, 0, {"preset": "diloco-sparse"}),
+                (2, "100mbit", "grpc", 4, 0, {"preset": "lordo-sparse"}),
+                (2, "10mbit", "grpc", 4, 0, {"preset": "lordo-sparse"})]
+"""--presets: the app presets that carry the wire (issue 30) on the 125m-size model (FULL_MODEL, K = 4):
+`diloco-sparse` at 100 Mb/s and LoRDO-Global's `lordo-sparse` (every worker fits the round's bases to
+the downlink, nothing dense on the wire) at 100 and 10 Mb/s, synchronous."""
 QUICK_CASES = [(2, "8mbit", "grpc", 3, 2)]
 """--quick: one overlapped case (the synchronous path is tests/integration/test_wan.py's deployment)."""
 
@@ -252,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlap", action="store_true", help="synchronous against overlapped rounds (OVERLAP_CASES)")
     parser.add_argument("--compression", action="store_true", help="fp32 against SparseLoCo's wire at 100 and 10 "
                         "Mb/s, synchronous and overlapped (COMPRESSION_CASES)")
+    parser.add_argument("--presets", action="store_true", help="the app presets diloco-sparse and lordo-sparse at 100 "
+                        "and 10 Mb/s (PRESET_CASES)")
     parser.add_argument("--hetero", action="store_true", help="one node at a tenth of the others' link: synchronous, "
                         "overlapped and asynchronous rounds (HETERO_CASES)")
     parser.add_argument("--work", default="", help="keep each case's logs and outputs here (default: a temporary folder)")
@@ -259,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.hetero:
         return main_hetero(args)
     cases = (QUICK_CASES if args.quick else OVERLAP_CASES if args.overlap else COMPRESSION_CASES if args.compression
-             else FULL_CASES)
+             else PRESET_CASES if args.presets else FULL_CASES)
     if args.cases:
         cases = [(int(n), link, plane, *map(int, rest)) for n, link, plane, *rest in (c.split(":") for c in args.cases.split(","))]
     model = QUICK_MODEL if args.quick else FULL_MODEL
@@ -269,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       "threads_per_process": 1})
     result["title"] = ("16m- and 125m-size DiLoCo: synchronous and overlapped rounds vs their bounds" if args.overlap
                        else "125m-size DiLoCo, fp32 and top-k 2-bit both ways: rounds vs their bounds" if args.compression
+                       else "125m-size model, the presets diloco-sparse and lordo-sparse: rounds vs their bounds" if args.presets
                        else f"{'tiny' if args.quick else '125m-size'} {model['preset']}: rounds over shaped links "
                        "vs their link-bound ideal")
     result["cases"] = []
