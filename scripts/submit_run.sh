@@ -73,7 +73,10 @@ mkdir -p "$FLOWER_RUN_DIR"
 log="$FLOWER_RUN_DIR/run-$(date +%Y%m%d-%H%M%S)-$$.log"
 cmd=("$flwr_bin" run "$app" "$connection" --stream "${run_configs[@]}" "${fed_configs[@]}" "${extra[@]}")
 echo "\$ ${cmd[*]}" | tee "$log"
-address="$("$py" - "$flwr_home/config.toml" "$connection" <<'PY' 2>/dev/null || true
+# The connection's address in config.toml. On a fresh FLWR_HOME, flwr writes the file itself on its first
+# run: until then the address is unknown, so it is read again when needed (record/stop below).
+read_address() {
+  "$py" - "$flwr_home/config.toml" "$connection" <<'PY' 2>/dev/null || true
 import sys
 try:
     import tomllib
@@ -82,7 +85,8 @@ except ImportError:
 with open(sys.argv[1], "rb") as f:
     print(tomllib.load(f).get("superlink", {}).get(sys.argv[2], {}).get("address", ""))
 PY
-)"
+}
+address="$(read_address)"
 local_pattern="flower-superlink .*--simulation .*--log-file $flwr_home/local-superlink/superlink.log"
 
 run_id() { grep -o 'Successfully started run [0-9]*' "$log" 2>/dev/null | grep -o '[0-9]*$' | head -n1 || true; }
@@ -90,6 +94,7 @@ run_id() { grep -o 'Successfully started run [0-9]*' "$log" 2>/dev/null | grep -
 # SuperLink (identified by its log file under this FLWR_HOME); its PID goes to a PID file as soon
 # as it exists, so that scripts/stop_all.sh finds it while the run is still going.
 record_local_superlink() {
+  [[ -n "$address" ]] || address="$(read_address)"
   [[ "$address" == :local* ]] || return 0
   local pid
   pid="$(pgrep -f -- "$local_pattern" | head -n1 || true)"
@@ -97,6 +102,7 @@ record_local_superlink() {
   [[ -n "$pid" ]]
 }
 stop_local_superlink() {
+  [[ -n "$address" ]] || address="$(read_address)"
   (( stop_local )) && [[ "$address" == :local* ]] || return 0
   record_local_superlink || true
   "$HERE/stop_all.sh" --dir "$FLOWER_RUN_DIR" --only superlink >/dev/null 2>&1 || true

@@ -66,6 +66,9 @@ def test_overrides_reruns_and_resume_as_printed(user, tmp_path):
     out = tmp_path / "out"
     assert "usage: simulate.sh" in simulate(app, env, "--help").stdout and not out.exists()  # runs nothing
 
+    # a user's first run: no Flower config yet (flwr writes its own); the script still finds and
+    # stops the local SuperLink flwr starts (it was left running: the fixture finds what is left)
+    (Path(env["FLWR_HOME"]) / "config.toml").unlink()
     # a preset given on the command line wins over the script's default (it was refused as a
     # duplicate key before), and keys given after the first string reach the run
     first = simulate(app, env, "preset='lordo-local'", "num-server-rounds=2", TINY, "rank=4")
@@ -73,6 +76,8 @@ def test_overrides_reruns_and_resume_as_printed(user, tmp_path):
     records = [json.loads(line) for line in (out / "server.jsonl").read_text().splitlines()]
     assert [r["round"] for r in records] == [0, 1, 2]
     assert "SuperLink still running" not in first.stdout  # the script stops it: no advice to stop it
+    superlink = find_pids({}, cmdline_contains=["flower-superlink", str(Path(env["FLWR_HOME"]) / "local-superlink")])
+    assert not superlink, f"the local SuperLink of the first run is still running: {sorted(superlink)}"
     meta = json.loads((out / "checkpoints" / "round_00002.json").read_text())["meta"]
     assert meta["config"]["inner"]["rank"] == 4 and meta["config"]["model"]["preset"] == "tiny"
     assert meta["variant"] == "lordo_local" and meta["config"]["num_rounds"] == 2
