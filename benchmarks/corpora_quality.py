@@ -202,6 +202,7 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="folder of the per-run outputs (default: outputs/corpora_quality, "
                         "or a temporary one with --quick)")
     parser.add_argument("--fresh", action="store_true", help="rerun runs that already have a result in --work")
+    parser.add_argument("--device", default="auto", help="the trainer's device: auto (CUDA when present), cpu, cuda")
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at once, each in its own process (every run "
                         "uses one torch thread whatever --jobs is, so the results do not depend on it)")
     args = parser.parse_args()
@@ -225,7 +226,7 @@ def main() -> None:
     trials = {m: TRIALS[m][:2] if args.quick else TRIALS[m] for m in methods}
     work = Path(args.work) if args.work else (Path(tempfile.mkdtemp(prefix="corpora-")) if args.quick
                                               else ROOT / "outputs" / "corpora_quality")
-    base = (*(QUICK_OVERRIDES if args.quick else ()), "threads=1")
+    base = (*(QUICK_OVERRIDES if args.quick else ()), "threads=1", f"device={args.device}")
     started = time.perf_counter()
 
     def train(runs: list[tuple[str, str, Trial, int, int]]) -> list[dict]:
@@ -248,6 +249,7 @@ def main() -> None:
     result.update(tuning=[{k: v for k, v in r.items() if k != "curve"} for r in tuned], best=best,
                   tuning_mean_loss={m: {t.name: mean_loss([r for r in tuned if r["method"] == m and r["trial"] == t.name])
                                         for t in trials[m]} for m in methods})
+    write_json({**result, "seconds": time.perf_counter() - started}, args.out)  # a cut-short run keeps the tuning
     rows = []
     if args.part != "tune":
         by_name = {m: {t.name: t for t in trials[m]} for m in methods}

@@ -13,6 +13,7 @@ Each step is a subprocess that writes its own `benchmarks/results/gpu_*.json`; t
 | `dataplane` | benchmarks/dataplane_throughput.py on this machine's 16 cores (the data plane against bare gRPC when the nodes do not share 2 cores) | `gpu_machine_dataplane_throughput.json` |
 | `overhead16m` | benchmarks/framework_overhead.py, 16m, reference / two at once / node workers, on 16 cores | `gpu_machine_framework_overhead_16m.json` |
 | `ranks` | benchmarks/node_ranks.py --overhead-only: a one-rank node's local steps through DDP and through FSDP2 (NCCL) against the bare model, 125m (issue 17: ≤ 5%) | `gpu_node_ranks.json` |
+| `corpora` | benchmarks/corpora_quality.py --jobs 8: every method on three corpora at 16 and 64 rounds, each method's best of four trials (issue 31; hours on 2 CPU cores); the tuning is written first, so a call cut short keeps it | `gpu_corpora_quality.json` |
 
 The 2-client 125m simulation round the GPU-readiness issue asks for is the `round125m` step's
 reference trainer (two workers and the aggregator in one process on the GPU) beside the
@@ -27,7 +28,7 @@ On an H200 (2026-11-26): tests 13 s, step125m 53 s, step16m 42 s, memory 376 s, 
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH && python3 benchmarks/gpu_check.py --only tests,step16m,step125m
-    ... --only round125m      ... --only dataplane,overhead16m      ... --only ranks
+    ... --only round125m      ... --only dataplane,overhead16m      ... --only ranks      ... --only corpora
 
     python benchmarks/gpu_check.py --quick --device cpu --only tests,step16m   # the orchestration, on a CPU
 Copy the result files back from $OUT (`--out-dir $OUT`) into benchmarks/results/.
@@ -46,7 +47,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-STEPS = ("tests", "step16m", "step125m", "memory", "round125m", "dataplane", "overhead16m", "ranks")
+STEPS = ("tests", "step16m", "step125m", "memory", "round125m", "dataplane", "overhead16m", "ranks", "corpora")
 
 
 def commands(step: str, device: str, quick: bool, out_dir: Path) -> tuple[list[str], Path, float]:
@@ -79,6 +80,10 @@ def commands(step: str, device: str, quick: bool, out_dir: Path) -> tuple[list[s
         out = out_dir / "gpu_node_ranks.json"
         return [py, str(bench / "node_ranks.py"), *q, "--overhead-only", "--device", device,
                 "--preset", "tiny" if quick else "125m", "--out", str(out)], out, 560
+    if step == "corpora":
+        out = out_dir / "gpu_corpora_quality.json"
+        return [py, str(bench / "corpora_quality.py"), *q, "--device", device, "--jobs", "2" if quick else "8",
+                "--out", str(out)], out, 580
     raise ValueError(f"unknown step {step!r}: expected one of {STEPS}")
 
 
