@@ -149,7 +149,11 @@ def run_case(nodes: int, link: str, plane: str, model: dict[str, Any], rounds: i
            for k in later[0] if k not in ("round", "phase_seconds", "links") and any(x[k] is not None for x in later)}
     # the app's own count of one node's payload bytes over the run (every round, both ways) against what
     # the kernel counted on each node's veth (framing, gRPC, Flower's control messages and evaluation included)
-    app_bytes = sum(r["bytes_sent_per_client"] + r["bytes_received_per_client"] for r in records if "bytes_sent_per_client" in r)
+    # (its running total: LoRDO-Global's round-0 gradient exchange, when its bases start from the gradient, is in it
+    # and in no round's own bytes)
+    app_bytes = next((r["cum_bytes_per_client"] for r in reversed(records) if "cum_bytes_per_client" in r), None)
+    if app_bytes is None:
+        app_bytes = sum(r["bytes_sent_per_client"] + r["bytes_received_per_client"] for r in records if "bytes_sent_per_client" in r)
     veth = {n: c["rx_bytes"] + c["tx_bytes"] for n, c in counters.items()}
     return {"nodes": nodes, "link": link, "rate_bytes_per_second": parse_rate(link), "data_plane": plane,
             "run_config": extra or {}, "rounds": rows, "median_rounds_2_to_n": med,
