@@ -220,7 +220,7 @@ class Recorder:
         upload fields); `evaluation`: called for the validation metrics when they are due."""
         received = list(rl.received.values())
         record = {
-            "round": r, "step": r * self.cfg.rounds.local_steps, "tokens": tokens,
+            "round": r, "step": self.cfg.rounds.steps_before(r + 1), "tokens": tokens,
             "train_loss": train_loss,
             "clients_ok": len(received), "clients_dropped": len(rl.dropped), "clients_missing": len(rl.missing),
             "clients_fresh_state": len(rl.fresh_state), "clientapps_with_torch": rl.clientapp_torch,

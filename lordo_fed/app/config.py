@@ -147,7 +147,7 @@ class AppConfig(CommonConfig):
     @property
     def total_steps(self) -> int:
         """Local steps of the whole run (the learning-rate schedule's horizon)."""
-        return self.num_rounds * self.rounds.local_steps
+        return self.rounds.steps_before(self.num_rounds + 1)
 
 
 FLAT: dict[str, FlatKey] = flat_keys(AppConfig)
@@ -174,8 +174,9 @@ def _parse_list(key: str, value: str) -> list:
         out = [kind(float(v)) if kind is float else int(v) for v in items]
     except ValueError:
         what = "integers" if kind is int else "numbers"
-        raise ValueError(f"run-config key {key!r}={value!r}: expected comma-separated {what} like '1,1,4' "
-                         "(one per partition), or '' for the default") from None
+        each = " (one per partition)" if key.startswith("async-") else ""
+        raise ValueError(f"run-config key {key!r}={value!r}: expected comma-separated {what} like '1,1,4'{each}, "
+                         "or '' for the default") from None
     return out
 
 
@@ -256,12 +257,12 @@ def _name_flat_key(message: str) -> str:
     dotted field (inner.lr=, num_rounds=) or its class-qualified form (data.seq_len ->
     DataConfig.seq_len=, model.preset -> ModelConfig.preset=). Fields no flat key sets
     (diloco_outer.lr, DataConfig.seed) keep their own name only."""
+    found = []  # (where the field is named, key): the message is about the field it names first
     for flat, dotted in FLAT_KEYS.items():
         section, _, field_name = dotted.rpartition(".")
         names = [dotted] + ([f"{section[:1].upper()}{section[1:]}Config.{field_name}"] if section else [])
-        if any(re.search(rf"(^|\s){re.escape(name)}=", message) for name in names):
-            return f"run-config key {flat!r}: {message}"
-    return message
+        found += [(m.start(), flat) for name in names if (m := re.search(rf"(^|\s){re.escape(name)}=", message))]
+    return f"run-config key {min(found)[1]!r}: {message}" if found else message
 
 
 def as_dict(cfg: AppConfig) -> dict:

@@ -330,7 +330,7 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
     if rt.cfg.progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=rt.settings.rounds.local_steps, desc=f"client {pid} round {state.round}", leave=False)
+        bar = tqdm(total=worker.rounds.steps_of(state.round), desc=f"client {pid} round {state.round}", leave=False)
     train_started = time.perf_counter()
     update = worker.train_round(state, progress=(lambda i, loss: bar.update(1)) if bar else None)
     train_seconds = time.perf_counter() - train_started
@@ -367,7 +367,7 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
         "save-wait-seconds": save_wait_seconds, "save-seconds": save_seconds,
         "early-seconds": early_seconds, "early-wait-seconds": early_wait_seconds,
         "fresh-state": int(state_source == "fresh" and state.round > 1),
-        "local-steps": worker.rounds.local_steps, "slowdown": slowdown,
+        "local-steps": worker.rounds.steps_of(state.round), "slowdown": slowdown,
     }
     return sent, metrics
 

@@ -384,7 +384,7 @@ class Aggregator:
 
     def round_betas(self) -> tuple[float, float]:
         """The inner betas at the last local step of the current round (the two-phase recipe)."""
-        last_step = self.round * self.rounds.local_steps - 1
+        last_step = self.rounds.steps_before(self.round + 1) - 1
         return self.switch_betas if 0 < self.switch_step <= last_step else self.betas
 
     def _diagnostics(self, delta: dict[str, Tensor]) -> dict[str, float]:

@@ -63,9 +63,18 @@ class RoundConfig:
     'downlink' (each worker fits them to the round's decoded change of θ_c with the server's method:
     nothing on the wire, no refit on the server; needs a compressed downlink and no averaged moments)."""
 
+    local_steps_ramp: List[int] = setting("local-steps-ramp", default_factory=list)
+    """K of the first rounds, in order, before every later round runs K (e.g. 8,8,16 with K = 32: the
+    first K steps in three rounds); their sum a multiple of K, so the later rounds keep K's grid
+    ([] = every round K; DDP ignores it: no rounds; docs/algorithm.md, "The first rounds")."""
+
     def validate(self) -> "RoundConfig":
         if self.local_steps <= 0:
             raise ValueError(f"rounds.local_steps={self.local_steps!r}: expected an integer > 0")
+        ramp = list(self.local_steps_ramp)
+        if any(isinstance(k, bool) or not isinstance(k, int) or k <= 0 for k in ramp) or sum(ramp) % self.local_steps:
+            raise ValueError(f"rounds.local_steps_ramp={ramp!r}: expected integers > 0 whose sum is a multiple of "
+                             f"rounds.local_steps={self.local_steps} (the first rounds' K; [] = every round K)")
         for name in ("sync_exp_avg_every", "sync_exp_avg_sq_every", "dense_sync_factor"):
             value = getattr(self, name)
             if value < 0:
@@ -81,6 +90,10 @@ class RoundConfig:
         if self.bases_from not in BASES_FROM:
             raise ValueError(f"rounds.bases_from={self.bases_from!r}: expected one of {BASES_FROM}")
         tau = self.overlap_delay
+        if tau and ramp:
+            raise ValueError(f"rounds.overlap_delay={tau!r} with rounds.local_steps_ramp={ramp!r}: overlapped rounds "
+                             "start the next round's steps before the global state, on a fixed K; expected "
+                             "overlap_delay=0 or local_steps_ramp=[]")
         if isinstance(tau, bool) or not isinstance(tau, int) or not 0 <= tau < self.local_steps:
             raise ValueError(f"rounds.overlap_delay={tau!r}: expected an integer from 0 (synchronous rounds) to "
                              f"local_steps - 1 = {self.local_steps - 1} (local steps of a round trained before the "
@@ -89,6 +102,25 @@ class RoundConfig:
             raise ValueError(f"rounds.overlap_delay={tau} with rounds.sync_ef=True: an averaged error-feedback buffer "
                              "cannot be merged into one that moved on; expected overlap_delay=0 or sync_ef=False")
         return self
+
+    def steps_of(self, round_idx: int) -> int:
+        """K_r: the local steps of 1-based round `round_idx` (`local_steps_ramp`, then K)."""
+        ramp = self.local_steps_ramp
+        return int(ramp[round_idx - 1]) if round_idx <= len(ramp) else self.local_steps
+
+    def steps_before(self, round_idx: int) -> int:
+        """The local steps of the rounds before 1-based round `round_idx`: the global step its first
+        local step takes (the learning-rate schedule's position)."""
+        ramp = self.local_steps_ramp
+        done = min(round_idx - 1, len(ramp))
+        return int(sum(ramp[:done])) + (round_idx - 1 - done) * self.local_steps
+
+    def rounds_in(self, total_steps: int) -> int:
+        """The whole rounds that `total_steps` local steps make (the ramp's first)."""
+        ramp = self.local_steps_ramp
+        if total_steps < sum(ramp):
+            return sum(1 for r in range(1, len(ramp) + 1) if self.steps_before(r + 1) <= total_steps)
+        return len(ramp) + (total_steps - int(sum(ramp))) // self.local_steps
 
     def periods(self, low_rank: bool = True) -> dict[str, int]:
         """Rounds between averages of each moment kind (0 = never) for a low-rank parameter, or

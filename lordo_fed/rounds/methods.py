@@ -108,6 +108,9 @@ def resolve_method(name: str, inner: InnerConfig, rounds: RoundConfig, outer: Ou
     if spec.loop == "async" and rounds.sync_ef:
         raise ValueError(f"rounds.sync_ef=True with the asynchronous method {name!r}: error feedback stays on the "
                          "workers in asynchronous rounds; expected sync_ef=False")
+    if spec.loop == "async" and rounds.local_steps_ramp:
+        raise ValueError(f"rounds.local_steps_ramp={list(rounds.local_steps_ramp)!r} with the asynchronous method "
+                         f"{name!r}: its workers run their own K every round (async_rounds.local_steps); expected []")
     if spec.loop != "rounds" and rounds.overlap_delay:
         raise ValueError(f"rounds.overlap_delay={rounds.overlap_delay} with method {name!r}: overlap applies to "
                          "synchronous rounds (asynchronous rounds never wait for the others; DDP steps together); "

@@ -85,7 +85,7 @@ class Overlap:
         sent, tau = self.sent, self.rounds.overlap_delay
         if not tau or sent is None or sent.early is not None:
             return None
-        first = sent.round * self.rounds.local_steps
+        first = self.rounds.steps_before(sent.round + 1)
         if first + tau > self.total_steps:
             return None
         return first

@@ -128,8 +128,8 @@ class Worker:
         node worker runs while the state is on its way), then `state` is merged in
         (`merge_global_state`) and the other K − τ steps follow. Δ is taken against `state`'s θ
         either way."""
-        K = self.rounds.local_steps
-        first_step = (state.round - 1) * K
+        K = self.rounds.steps_of(state.round)
+        first_step = self.rounds.steps_before(state.round)
         overlapped = self.overlapping(state.round) and (self.sent.early is not None or self.train_early(progress))
         if overlapped:
             early = self.sent.early

@@ -43,4 +43,8 @@ class TrainConfig(CommonConfig):
                 f"total_steps={self.total_steps} is not a multiple of rounds.local_steps={self.rounds.local_steps}: "
                 "every method must train on the same tokens in whole rounds"
             )
+        ramp = list(self.rounds.local_steps_ramp)
+        if self.total_steps < sum(ramp):
+            raise ValueError(f"total_steps={self.total_steps} is shorter than rounds.local_steps_ramp={ramp!r} "
+                             f"(sum {sum(ramp)}): expected the ramp to fit in the run")
         return self

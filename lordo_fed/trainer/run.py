@@ -84,14 +84,14 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     cfg = ctx.cfg
     run = build_run(cfg, settings, ctx.dataset.vocab_size, ctx.device)  # every method starts from the same θ0
     model = run.model
-    K = settings.rounds.local_steps
+    rc = settings.rounds  # K, and the first rounds' own (`local_steps_ramp`)
     workers = [run.worker(m, ctx.dataset.train_shards[m], cfg.total_steps) for m in range(cfg.workers)]
     aggregator = run.aggregator()
     aggregator.diagnostics = cfg.diagnostics
     for w in workers:
         if isinstance(w.optimizer, LoRDO):
             w.optimizer.track_update_split = cfg.diagnostics
-    num_rounds = cfg.total_steps // K
+    num_rounds = rc.rounds_in(cfg.total_steps)
     sent_total = received_total = 0
     if aggregator.needs_gradient_init:
         request = aggregator.gradient_request()
@@ -121,8 +121,9 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
             for n, p in model.named_parameters():
                 p.copy_(aggregator.params[n])
         r = state.round
+        K, step = rc.steps_of(r), rc.steps_before(r + 1)
         record = {
-            "round": r, "step": r * K, "tokens": tokens, "train_loss": result.metrics.get("train_loss"),
+            "round": r, "step": step, "tokens": tokens, "train_loss": result.metrics.get("train_loss"),
             "delta_norm": result.metrics.get("delta_norm"),
             **{k: result.metrics[k] for k in ("delta_stable_rank", "delta_in_subspace", "sparse_support_shared",
                                               *DIAGNOSTIC_METRICS)
@@ -133,10 +134,10 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
             "opt_state_bytes": optimizer_state_bytes(workers[0].optimizer),
             "round_seconds": elapsed, "aggregation_seconds": aggregation_seconds,
             # on the virtual clock of the asynchronous methods: every round waits for the slowest worker
-            "virtual_time": r * K * max(cfg.async_rounds.speed_of(w) for w in range(cfg.workers)),
+            "virtual_time": step * max(cfg.async_rounds.speed_of(w) for w in range(cfg.workers)),
         }
         if r % cfg.eval_every == 0 or r == num_rounds:
-            record.update(_eval_record(ctx, model, settings, r, r * K, tokens))
+            record.update(_eval_record(ctx, model, settings, r, step, tokens))
         ctx.emit({"method": settings.name, **record})
     bar.close()
     return model

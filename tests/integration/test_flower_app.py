@@ -68,14 +68,15 @@ EF_OPTIONS = {"sync-ef": True, "ef-reset": True, "ef-decay": 0.8, "full-rank-ter
 
 @pytest.mark.parametrize("variant,extra", [("lordo_global", {}),
                                            ("lordo_global", {"dense-sync-factor": 2, "overlap-delay": 2}),
-                                           ("lordo_global", EF_OPTIONS), ("diloco", SPARSELOCO), ("desloc", {}),
+                                           ("lordo_global", EF_OPTIONS), ("diloco", SPARSELOCO), ("desloc", {"local-steps-ramp": "1,2"}),
                                            ("lordo_global", {"payload-dtype": "lowrank+topk2bit+rows"}),
                                            ("lordo_global", {"preset": "lordo-sparse", "model-preset": "tiny",
                                                              "rank": 4})])
 def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     """Baselines run through the same app by config: DiLoCo (AdamW, Nesterov outer, no state
     sync; here with SparseLoCo's wire: every tensor top-k 2-bit both ways, the server re-sparsifying
-    θ − θ_c at 12%, Rice-coded positions, β = 0.95 error feedback, each index averaged over its senders) and DES-LOC (AdamW, states averaged at their own periods); LoRDO-Global also with the
+    θ − θ_c at 12%, Rice-coded positions, β = 0.95 error feedback, each index averaged over its senders) and DES-LOC (AdamW, states averaged at their own periods; here with its first rounds ramped: 1 step, then
+    2, the learning-rate schedule's steps as the reference trainer's); LoRDO-Global also with the
     embedding's and norms' moments averaged every second round only (dense-sync-factor=2) in
     overlapped rounds (overlap-delay=2), and
     with the error-feedback options and the two-phase switch (E crosses the wire both ways; the
@@ -107,7 +108,8 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     worst = max((flower[n] - reference[n]).abs().max().item() for n in reference)
     assert worst <= 1e-5, f"max |θ_flower − θ_reference| = {worst}"
     print(f"parity: max |θ_flower − θ_reference| = {worst:.3g}")
-    assert records[-1]["tokens"] == 2 * 2 * 3 * 4 * 32
+    steps = 1 + 2 if "local-steps-ramp" in extra else 2 * 3  # the ramp "1,2": rounds of 1 and 2 steps (K = 3)
+    assert records[-1]["tokens"] == 2 * steps * 4 * 32 and records[-1]["step"] == steps
     if "dense-sync-factor" in extra:  # round 1 sends the low-rank moments only, round 2 the full-size ones too
         assert records[1]["bytes_received_per_client"] < records[2]["bytes_received_per_client"]
     if extra.get("payload-dtype") == "lowrank+topk2bit+rows":  # Δ: r·max(p, q) bytes + ~3% x (2 + 12) bits, moments 8 bits

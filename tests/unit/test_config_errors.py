@@ -32,6 +32,10 @@ RUN_CONFIG_CASES = [
     ("num-server-rounds", 2.5, "run-config key 'num-server-rounds'=2.5: expected a number (an integer) like the default 4"),
     ("variant", "fedavg", f"run-config key 'variant': variant='fedavg': expected one of {VARIANTS}"),
     ("local-steps", 0, "run-config key 'local-steps': rounds.local_steps=0: expected an integer > 0"),
+    ("local-steps-ramp", "8,x", "run-config key 'local-steps-ramp'='8,x': expected comma-separated integers like "
+                                "'1,1,4', or '' for the default"),
+    ("local-steps-ramp", "8,8", "run-config key 'local-steps-ramp': rounds.local_steps_ramp=[8, 8]: expected integers "
+                                "> 0 whose sum is a multiple of rounds.local_steps=32"),
     ("dense-sync-factor", -1, "run-config key 'dense-sync-factor': rounds.dense_sync_factor=-1: expected an integer >= 0 (0 = never)"),
     ("rank", -1, "run-config key 'rank': inner.rank=-1: expected an integer > 0"),
     ("rank", 8.5, "run-config key 'rank'=8.5: expected a number (an integer) like the default 8"),

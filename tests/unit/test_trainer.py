@@ -56,6 +56,36 @@ def test_lordo_global_with_one_worker_and_k1_equals_low_rank_ddp(tmp_path, init_
     assert first["delta_norm"] > 0
 
 
+def test_the_ramp_gives_the_first_rounds_their_own_k_and_the_global_steps():
+    """`local_steps_ramp` [8, 8, 16] with K = 32: rounds of 8, 8, 16, then 32, on K's grid."""
+    rc = RoundConfig(local_steps=32, local_steps_ramp=[8, 8, 16]).validate()
+    assert [rc.steps_of(r) for r in range(1, 6)] == [8, 8, 16, 32, 32]
+    assert [rc.steps_before(r) for r in range(1, 6)] == [0, 8, 16, 32, 64]
+    assert [rc.rounds_in(n) for n in (8, 16, 32, 64, 512)] == [1, 2, 3, 4, 3 + 15]
+    plain = RoundConfig(local_steps=32)
+    assert [plain.steps_before(r) for r in (1, 2, 17)] == [0, 32, 512] and plain.rounds_in(512) == 16
+
+
+def test_a_ramp_with_one_worker_follows_the_plain_runs_path(tmp_path):
+    """M = 1, states averaged every round, plain averaging: cutting a round in two changes nothing, so a
+    run whose first rounds are ramped ([1, 3] with K = 4: rounds of 1, 3, 4 steps) must follow the plain
+    run's path (K = 4: 4, 4): the same learning rate at every global step (warm-up over the rounds'
+    boundaries), the same batches, the moments carried over."""
+    runs = {}
+    for name, rounds in (("plain", RoundConfig(local_steps=4)), ("ramp", RoundConfig(local_steps=4, local_steps_ramp=[1, 3]))):
+        cfg = tiny_config(tmp_path / name, total_steps=8, rounds=rounds,
+                          inner=InnerConfig(rank=4, warmup_steps=3, lr=5e-3, omega=0.9))
+        records: list = []
+        settings = resolve_method("local_adam", cfg.inner, cfg.rounds, cfg.outer)
+        runs[name] = (dict(run_rounds(context(cfg, records), settings).named_parameters()), records)
+    (plain, plain_records), (ramp, ramp_records) = runs["plain"], runs["ramp"]
+    assert [(r["round"], r["step"]) for r in ramp_records if "val_loss" in r] == [(0, 0), (1, 1), (2, 4), (3, 8)]
+    assert ramp_records[-1]["tokens"] == plain_records[-1]["tokens"] == 8 * 4 * 32
+    for name in plain:
+        torch.testing.assert_close(ramp[name], plain[name], rtol=0, atol=1e-6, msg=name)
+    assert all(r["delta_norm"] > 0 for r in ramp_records if r["round"])  # every round moved θ
+
+
 def test_lordo_global_learns_on_the_sample_corpus(tmp_path):
     """200 steps of LoRDO-Global on the tiny preset clearly lower the validation loss."""
     cfg = tiny_config(
@@ -163,6 +193,15 @@ def test_summary_table_compares_bytes_with_ddp():
         (dict(workers=0), "workers=0"),
         (dict(inner=InnerConfig(omega=1.2)), "inner.omega=1.2"),
         (dict(inner=InnerConfig(proj_method="qr")), "inner.proj_method='qr'"),
+        (dict(rounds=RoundConfig(local_steps=2, local_steps_ramp=[1, 2])),
+         r"rounds.local_steps_ramp=\[1, 2\]: expected integers > 0 whose sum is a multiple of rounds.local_steps=2"),
+        (dict(rounds=RoundConfig(local_steps=2, local_steps_ramp=[0, 2])), r"local_steps_ramp=\[0, 2\]: expected integers > 0"),
+        (dict(rounds=RoundConfig(local_steps=2, local_steps_ramp=[2, 2, 2])),
+         r"total_steps=4 is shorter than rounds.local_steps_ramp=\[2, 2, 2\]"),
+        (dict(rounds=RoundConfig(local_steps=2, local_steps_ramp=[1, 1], overlap_delay=1)),
+         r"rounds.overlap_delay=1 with rounds.local_steps_ramp=\[1, 1\]"),
+        (dict(methods=["heloco"], rounds=RoundConfig(local_steps=2, local_steps_ramp=[1, 1])),
+         r"rounds.local_steps_ramp=\[1, 1\] with the asynchronous method 'heloco'"),
     ],
 )
 def test_bad_config_is_named(tmp_path, overrides, match):
