@@ -34,6 +34,7 @@ from pathlib import Path
 
 from lordo_fed.device import pick_device
 from lordo_fed.optim.config import resolved_proj_method
+from lordo_fed.rounds.methods import resolve_method
 
 try:
     from benchmarks.common import make_parser, new_figure, png_path, result_header, write_json
@@ -149,6 +150,7 @@ def execute(run: Run, quick: bool, work: Path, fresh: bool, base: tuple[str, ...
     if done.exists() and not fresh:
         return json.loads(done.read_text())
     cfg = compose(run, quick, out_dir, base, config)
+    method = resolve_method(run.method, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
     started = time.perf_counter()
     summary = train(cfg)[run.method]
     history = [json.loads(line) for line in (out_dir / f"{run.method}.jsonl").read_text().splitlines()]
@@ -157,6 +159,7 @@ def execute(run: Run, quick: bool, work: Path, fresh: bool, base: tuple[str, ...
     result = {
         "label": run.label, "group": run.group, "method": run.method, "overrides": list(run.overrides),
         "rank": cfg.inner.rank, "omega": cfg.inner.omega, "K": cfg.rounds.local_steps, "M": cfg.workers,
+        **{k: getattr(method.inner, k) for k in ("lr", "ef_decay")},  # the method's own where the run left them
         "B": cfg.data.batch_size, "proj_method": resolved_proj_method(cfg.inner, pick_device(cfg.device)),
         "seed": cfg.seed, **summary,
         "wall_seconds": time.perf_counter() - started,

@@ -51,6 +51,8 @@ class FlatKey:
     """The field's type: bool, int, float, str, or list (then `item_type`)."""
     item_type: type | None = None
     """A list field's item type: its flat key takes comma-separated values (`'1,1,4'`; '' = [])."""
+    optional: bool = False
+    """The field may be None (the method's own default): '' in pyproject.toml and the run config."""
     doc: str = ""
     """The field's docstring (one line), for error messages and docs."""
 
@@ -66,11 +68,13 @@ def flat_keys(cls: type) -> dict[str, FlatKey]:
                 _add(found, dataclasses.replace(sub, dotted=f"{f.name}.{sub.dotted}"))
         elif FLAT_KEY in f.metadata:
             origin = typing.get_origin(hint)
+            args = [a for a in typing.get_args(hint) if a is not type(None)]
+            optional = origin is typing.Union and len(args) == 1
             if origin in (list, typing.List):
                 kind, item = list, typing.get_args(hint)[0]
             else:
-                kind, item = hint, None
-            _add(found, FlatKey(f.metadata[FLAT_KEY], f.name, kind, item, docs.get(f.name, "")))
+                kind, item = (args[0] if optional else hint), None
+            _add(found, FlatKey(f.metadata[FLAT_KEY], f.name, kind, item, optional=optional, doc=docs.get(f.name, "")))
     return found
 
 

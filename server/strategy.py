@@ -83,7 +83,7 @@ class LoRDOStrategy(Strategy):
         log.info("\t├── LoRDO strategy: variant %s, %d rounds of K=%d local steps", c.variant, c.num_rounds,
                  c.rounds.local_steps)
         log.info("\t├── Model %s (id %s), inner %s rank %d ω=%.3g lr=%.3g, outer %s", c.model.preset, self.model_id,
-                 self.settings.inner.name, c.inner.rank, c.inner.omega, c.inner.lr, self.settings.outer.name)
+                 self.settings.inner.name, c.inner.rank, c.inner.omega, self.settings.inner.lr, self.settings.outer.name)
         log.info("\t├── Sync periods (K_u, K_v) = (%d, %d), x %d for parameters that are not low-rank; projections: %s",
                  self.settings.rounds.sync_exp_avg_every, self.settings.rounds.sync_exp_avg_sq_every,
                  self.settings.rounds.dense_sync_factor,

@@ -163,7 +163,8 @@ LIST_KEYS: dict[str, type] = {k: f.item_type for k, f in FLAT.items() if f.item_
 def flat_defaults() -> dict[str, Any]:
     """The default of every flat key (what pyproject.toml's [tool.flwr.app.config] must hold)."""
     base = AppConfig()
-    return {"preset": "", **{k: ("" if k in LIST_KEYS else get_dotted(base, v)) for k, v in FLAT_KEYS.items()}}
+    return {"preset": "", **{k: ("" if k in LIST_KEYS or FLAT[k].optional and get_dotted(base, v) is None
+                                 else get_dotted(base, v)) for k, v in FLAT_KEYS.items()}}
 
 
 def _parse_list(key: str, value: str) -> list:
@@ -199,13 +200,20 @@ def load_app_config(run_config: Mapping[str, Any], preset_dir: Path = PRESET_DIR
         if key == "preset":
             continue
         default = defaults[key]
+        if FLAT[key].optional:  # '' = None (the method's own default), else a value of the field's type
+            if value == "":
+                if key in explicit:
+                    overrides[FLAT_KEYS[key]] = None
+                continue
+            default = FLAT[key].type()
         if isinstance(default, bool) != isinstance(value, bool) or (
                 isinstance(default, int) and not isinstance(value, int)) or (
                 isinstance(default, float) and not isinstance(value, (int, float))) or (
                 isinstance(default, str) and not isinstance(value, str)):
             kind = {bool: "true or false", int: "a number (an integer)", float: "a number", str: "a string"}[type(default)]
-            raise ValueError(f"run-config key {key!r}={value!r}: expected {kind} like the default {default!r}")
-        if value == default and key not in explicit:
+            like = "or '' for the method's own" if FLAT[key].optional else f"like the default {default!r}"
+            raise ValueError(f"run-config key {key!r}={value!r}: expected {kind} {like}")
+        if value == default and key not in explicit and not FLAT[key].optional:
             continue
         overrides[FLAT_KEYS[key]] = _parse_list(key, value) if key in LIST_KEYS else value
     cfg = compose_app_config(str(run_config.get("preset", "")), overrides, preset_dir)
@@ -245,6 +253,8 @@ def compose_app_config(preset: str, overrides: Mapping[str, Any], preset_dir: Pa
 
 
 def _hydra_value(value: Any) -> str:
+    if value is None:
+        return "null"
     if isinstance(value, str):
         return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
     if isinstance(value, list):

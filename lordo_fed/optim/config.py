@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -26,8 +27,8 @@ class InnerConfig:
 
     name: str = "lordo"
     """'lordo' (low-rank LoRDO step) or 'adamw' (torch.optim.AdamW, the DDP/DiLoCo baseline)."""
-    lr: float = setting("lr", 8e-3)
-    """Peak learning rate η."""
+    lr: Optional[float] = setting("lr", None)
+    """Peak learning rate η (None: the method's own, `lordo_fed.rounds.methods.METHOD_DEFAULTS`)."""
     betas: tuple[float, float] = (0.9, 0.999)
     """(β1, β2) of the Adam moments."""
     eps: float = 1e-8
@@ -45,9 +46,9 @@ class InnerConfig:
     ef_density: float = setting("ef-density", 1.0)
     """Share of the error-feedback buffer kept: 1 keeps E whole; ρ < 1 keeps its top ⌈ρ·pq⌉ entries
     per matrix with int8 values (MicroAdam-style, lordo_fed.optim.ef_compress; ef_dtype then unused)."""
-    ef_decay: float = setting("ef-decay", 0.9)
+    ef_decay: Optional[float] = setting("ef-decay", None)
     """γ in V = G + γ E: how much of the error-feedback buffer is fed back each step (1 = the paper;
-    0.9, the default, measured best: docs/results.md, section 8)."""
+    None: the method's own, `lordo_fed.rounds.methods.METHOD_DEFAULTS`; docs/algorithm.md, "Defaults")."""
     ef_reset: bool = setting("ef-reset", False)
     """Zero the error-feedback buffer whenever the projection changes (every round under LoRDO-Global)."""
     full_rank_term: str = setting("full-rank-term", "error_fed")
@@ -108,8 +109,8 @@ class InnerConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 bad(name, f"one of {allowed}")
-        if not self.lr > 0:
-            bad("lr", "a number > 0")
+        if self.lr is not None and not self.lr > 0:
+            bad("lr", "a number > 0 (or None: the method's own)")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             bad("betas", "two numbers in [0, 1)")
         if not 0 <= self.omega <= 1:
@@ -128,7 +129,7 @@ class InnerConfig:
             bad("min_lr_ratio", "a number in [0, 1]")
         if not 0 < self.ef_density <= 1:
             bad("ef_density", "a number in (0, 1] (1 = the whole buffer)")
-        if not 0 <= self.ef_decay <= 1:
+        if self.ef_decay is not None and not 0 <= self.ef_decay <= 1:
             bad("ef_decay", "a number in [0, 1] (1 = the paper)")
         if self.switch_step < 0:
             bad("switch_step", "an integer >= 0 (0 = one phase)")
@@ -147,7 +148,9 @@ def build_inner_optimizer(model: nn.Module, cfg: InnerConfig, lowrank_names: lis
                           local_steps: int = 32) -> torch.optim.Optimizer:
     """Param groups: low-rank matrices (LoRDO only), other 2-D weights (decayed), the rest (not).
 
-    `local_steps` (K) is the projection refit interval when `cfg.proj_interval` is 0."""
+    `local_steps` (K) is the projection refit interval when `cfg.proj_interval` is 0. `cfg` is a
+    method's (`resolve_method` fills in the method's own defaults)."""
+    require_resolved(cfg)
     lowrank = set(lowrank_names)
     named = list(model.named_parameters())
     unknown = lowrank - {n for n, _ in named}
@@ -176,6 +179,18 @@ def build_inner_optimizer(model: nn.Module, cfg: InnerConfig, lowrank_names: lis
         proj_interval=cfg.proj_interval or local_steps,
         rotate=cfg.rotate, bias_correction=cfg.bias_correction, seed=seed,
     )
+
+
+METHOD_FIELDS = ("lr", "ef_decay")
+"""The fields whose None means "the method's own" (`lordo_fed.rounds.methods.METHOD_DEFAULTS`)."""
+
+
+def require_resolved(cfg: InnerConfig, fields: tuple[str, ...] = METHOD_FIELDS) -> None:
+    """Raise ValueError if a method's own default of `fields` was not filled in (`resolve_method` does)."""
+    unset = [f for f in fields if getattr(cfg, f) is None]
+    if unset:
+        raise ValueError(f"inner.{unset[0]}=None: expected the method's settings (resolve_method fills in its "
+                         "own defaults) or a value")
 
 
 def resolved_proj_method(cfg: InnerConfig, device: torch.device) -> str:
@@ -226,6 +241,7 @@ def lr_at(step: int, total_steps: int, cfg: InnerConfig) -> float:
 
 
 def _schedule(step: int, total_steps: int, cfg: InnerConfig) -> float:
+    require_resolved(cfg, ("lr",))
     peak = cfg.lr
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return peak * (step + 1) / cfg.warmup_steps

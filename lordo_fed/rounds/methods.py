@@ -80,6 +80,13 @@ METHODS: dict[str, MethodSpec] = {
 }
 
 
+METHOD_DEFAULTS: dict[str, dict[str, float]] = {name: {"lr": 8e-3, "ef_decay": 0.9} for name in METHODS}
+"""Each method's own defaults of the InnerConfig fields a run leaves at None (`METHOD_FIELDS`: the peak
+learning rate and the error-feedback decay γ), so that every method runs at its own best setting,
+chosen by the mean over corpora (docs/algorithm.md, "Defaults per method"). A value the run sets
+wins, for every method it runs."""
+
+
 @dataclass
 class MethodSettings:
     """The concrete settings of one method, after its overrides."""
@@ -98,7 +105,8 @@ def resolve_method(name: str, inner: InnerConfig, rounds: RoundConfig, outer: Ou
     if name not in METHODS:
         raise ValueError(f"method {name!r}: expected one of {sorted(METHODS)}")
     spec = METHODS[name]
-    inner = dataclasses.replace(inner, **spec.inner).validate()
+    own = {k: v for k, v in METHOD_DEFAULTS[name].items() if getattr(inner, k) is None}
+    inner = dataclasses.replace(inner, **own, **spec.inner).validate()
     if spec.sync is not None:
         rounds = dataclasses.replace(rounds, sync_exp_avg_every=spec.sync[0], sync_exp_avg_sq_every=spec.sync[1])
     rounds.validate()

@@ -78,3 +78,30 @@ def test_unknown_key_is_named():
 def test_flat_keys_point_at_real_fields():
     defaults = flat_defaults()
     assert set(defaults) == set(FLAT_KEYS) | {"preset"}
+
+
+def test_lr_and_ef_decay_left_empty_take_each_methods_own(monkeypatch):
+    """'' (pyproject's default) leaves inner.lr and inner.ef_decay to the method (`METHOD_DEFAULTS`); a
+    value the run sets wins for the method it runs, 0.0 included (not mistaken for "unset"); a preset's
+    value stands unless the run sets the key; '' named as set takes the preset's value back."""
+    from lordo_fed.rounds import methods
+
+    monkeypatch.setitem(methods.METHOD_DEFAULTS, "lordo_local", {"lr": 1e-3, "ef_decay": 1.0})
+    base = pyproject_config()
+
+    def resolved(run_config, explicit=()):
+        cfg = load_app_config(run_config, explicit=explicit)
+        return methods.resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer).inner
+
+    cfg = load_app_config({**base, "variant": "lordo_local"})
+    assert (cfg.inner.lr, cfg.inner.ef_decay) == (None, None)
+    own = resolved({**base, "variant": "lordo_local"})
+    assert (own.lr, own.ef_decay) == (1e-3, 1.0)
+    other = resolved({**base, "variant": "lordo_global"})
+    assert (other.lr, other.ef_decay) == (methods.METHOD_DEFAULTS["lordo_global"]["lr"], methods.METHOD_DEFAULTS["lordo_global"]["ef_decay"])
+    chosen = resolved({**base, "variant": "lordo_local", "lr": 0.02, "ef-decay": 0.0})
+    assert (chosen.lr, chosen.ef_decay) == (0.02, 0.0)
+    assert resolved({**base, "preset": "paper-16m", "variant": "lordo_local"}).lr == 0.008  # the preset's
+    assert resolved({**base, "preset": "paper-16m", "variant": "lordo_local", "lr": ""}, explicit=("lr",)).lr == 1e-3
+    with pytest.raises(ValueError, match=r"run-config key 'lr'='fast': expected a number or '' for the method's own"):
+        load_app_config({**base, "lr": "fast"})

@@ -45,8 +45,8 @@ def test_lordo_global_with_one_worker_and_k1_equals_low_rank_ddp(tmp_path, init_
     ctx = context(cfg, records)
     lordo = resolve_method("lordo_global", cfg.inner, cfg.rounds, cfg.outer)
     # Low-rank DDP whose projection is refit from the update every K steps, as the server does.
-    ddp = dataclasses.replace(resolve_method("lowrank_ddp", cfg.inner, cfg.rounds, cfg.outer),
-                              inner=dataclasses.replace(cfg.inner, projection="global"))
+    ddp = resolve_method("lowrank_ddp", cfg.inner, cfg.rounds, cfg.outer)
+    ddp = dataclasses.replace(ddp, inner=dataclasses.replace(ddp.inner, projection="global"))
     a = dict(run_rounds(ctx, lordo).named_parameters())
     b = dict(run_ddp(ctx, ddp).named_parameters())
     for name in a:
@@ -64,6 +64,25 @@ def test_the_ramp_gives_the_first_rounds_their_own_k_and_the_global_steps():
     assert [rc.rounds_in(n) for n in (8, 16, 32, 64, 512)] == [1, 2, 3, 4, 3 + 15]
     plain = RoundConfig(local_steps=32)
     assert [plain.steps_before(r) for r in (1, 2, 17)] == [0, 32, 512] and plain.rounds_in(512) == 16
+
+
+def test_each_method_takes_its_own_lr_and_ef_decay_unless_the_config_sets_them(monkeypatch):
+    """inner.lr / inner.ef_decay None: every method runs with its own (`METHOD_DEFAULTS`); a value set
+    in the config holds for every method; a config never resolved is refused, not run with a guess."""
+    from lordo_fed.optim.config import build_inner_optimizer
+    from lordo_fed.rounds import methods
+
+    monkeypatch.setitem(methods.METHOD_DEFAULTS, "ddp", {"lr": 0.016, "ef_decay": 0.9})
+    monkeypatch.setitem(methods.METHOD_DEFAULTS, "lordo_local", {"lr": 0.008, "ef_decay": 1.0})
+    unset = InnerConfig(rank=4)
+    got = {m: resolve_method(m, unset, RoundConfig(), OuterConfig()).inner for m in ("ddp", "lordo_local")}
+    assert (got["ddp"].lr, got["lordo_local"].lr, got["lordo_local"].ef_decay) == (0.016, 0.008, 1.0)
+    pinned = InnerConfig(rank=4, lr=0.004, ef_decay=0.5)
+    for m in ("ddp", "lordo_local"):
+        inner = resolve_method(m, pinned, RoundConfig(), OuterConfig()).inner
+        assert (inner.lr, inner.ef_decay) == (0.004, 0.5), m
+    with pytest.raises(ValueError, match=r"inner.lr=None: expected the method's settings"):
+        build_inner_optimizer(torch.nn.Linear(4, 4), unset, [])
 
 
 def test_a_ramp_with_one_worker_follows_the_plain_runs_path(tmp_path):
