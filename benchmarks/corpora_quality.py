@@ -86,6 +86,24 @@ TRIALS: dict[str, list[Trial]] = {
 small_cpu.yaml's own setting (the paper's error feedback, E fed back whole; DiLoCo's Nesterov outer step)."""
 
 
+EARLY: list[tuple[str, Trial]] = [
+    ("lowrank_ddp", TRIALS["lowrank_ddp"][1]), ("lordo_global", TRIALS["lordo_global"][1]),
+    ("lordo_global", Trial("ef0.9-k8", ("inner.ef_decay=0.9", "rounds.local_steps=8"))),
+    ("lordo_global", Trial("ef0.9-k4", ("inner.ef_decay=0.9", "rounds.local_steps=4"))),
+    ("lordo_global", Trial("ef0.9-ramp4", ("inner.ef_decay=0.9", "rounds.local_steps_ramp=[4,4,8,16]"))),
+    ("lordo_global", Trial("ef0.9-ramp8x12", ("inner.ef_decay=0.9", "rounds.local_steps_ramp=[8,8,8,8,8,8,8,8,8,8,8,8,16,16]"))),
+    ("lordo_global", Trial("ef0.9-wu128", ("inner.ef_decay=0.9", "inner.warmup_steps=128"))),
+    ("lowrank_ddp", Trial("ef0.9-wu128", ("inner.ef_decay=0.9", "inner.warmup_steps=128"))),
+    ("lordo_global", Trial("ef0.9-nesterov", ("inner.ef_decay=0.9", "outer.name=nesterov", "outer.lr=0.7", "outer.momentum=0.9"))),
+    ("lordo_global", Trial("ef0.9-outer1.3", ("inner.ef_decay=0.9", "outer.lr=1.3"))),
+]
+"""`--part early`: why LoRDO trails low-rank DDP at 16 rounds of K = 32 (the issue's early-round gap), at
+the first horizon, seed 0: K smaller throughout (8, 4: more exchanges), K smaller in the first rounds
+only (`local_steps_ramp`: the first 32 steps in four rounds; the first 128 at K = 8), a longer warm-up
+(for low-rank DDP too: is it the warm-up against K, or a better warm-up for any method?) and outer steps
+that move further than the mean (Nesterov, as DiLoCo; lr 1.3). The first two are the tune's own runs."""
+
+
 def horizon_overrides(rounds: int, quick: bool) -> tuple[str, ...]:
     """`rounds` rounds of small_cpu's K = 32, eight evaluations (quick: rounds of QUICK_OVERRIDES' K = 4)."""
     k = 4 if quick else 32
@@ -95,8 +113,8 @@ def horizon_overrides(rounds: int, quick: bool) -> tuple[str, ...]:
 def run_of(corpus: str, method: str, trial: Trial, rounds: int, seed: int, quick: bool) -> Run:
     k = 4 if quick else 32
     return Run(f"{corpus}_{method}_{trial.name}_R{rounds}_s{seed}", corpus, method,
-               (f"data.path={CORPORA[corpus]}", f"seed={seed}", *trial.resolved(rounds * k),
-                *horizon_overrides(rounds, quick)))
+               (f"data.path={CORPORA[corpus]}", f"seed={seed}", *horizon_overrides(rounds, quick),
+                *trial.resolved(rounds * k)))  # the trial's last: it may change K (`EARLY`)
 
 
 def mean_loss(rows: list[dict]) -> float:
@@ -193,10 +211,30 @@ def plot(rows: list[dict], path: Path, rounds: int) -> None:
     fig.savefig(path, dpi=110)
 
 
+def early(train, rounds: int, out: str, quick: bool) -> None:
+    """The `EARLY` probes on every corpus: validation perplexity and the gap to low-rank DDP (its ef0.9
+    trial) on the same corpus, and the bytes against LoRDO-Global's own K = 32 run."""
+    probes = [EARLY[0], EARLY[1], EARLY[6]] if quick else EARLY  # quick rounds are too short for K = 8
+    rows = train([(c, m, t, rounds, 0) for m, t in probes for c in CORPORA])
+    ref = {(r["corpus"], r["method"], r["trial"]): r for r in rows}
+    for r in rows:
+        base, k32 = ref[(r["corpus"], "lowrank_ddp", EARLY[0][1].name)], ref[(r["corpus"], "lordo_global", EARLY[1][1].name)]
+        r["gap_lowrank_ddp"] = r["val_ppl"] / base["val_ppl"] - 1.0
+        r["bytes_vs_k32"] = r["bytes_per_worker"] / k32["bytes_per_worker"]
+        print(f"{r['corpus']:6} {r['method']:12} {r['trial']:16} val ppl {r['val_ppl']:7.3f}  vs low-rank DDP "
+              f"{r['gap_lowrank_ddp']:+6.1%}  bytes x{r['bytes_vs_k32']:.2f} of K = 32")
+    result = result_header("corpora_quality", quick, {"part": "early", "rounds": rounds, "seed": 0,
+                                                      "probes": [{"method": m, "name": t.name, "overrides": list(t.overrides)}
+                                                                 for m, t in probes]})
+    result["rows"] = [{k: v for k, v in r.items() if k != "curve"} for r in rows]
+    print(f"wrote {write_json(result, out)}")
+
+
 def main() -> None:
     parser = make_parser("corpora_quality", __doc__, "tiny runs: two methods, two trials each, every corpus (seconds)")
-    parser.add_argument("--part", default="all", choices=("all", "tune", "table"),
-                        help="tune: the trials at the first horizon, seed 0; table: each method's best everywhere")
+    parser.add_argument("--part", default="all", choices=("all", "tune", "table", "early"),
+                        help="tune: the trials at the first horizon, seed 0; table: each method's best everywhere; "
+                        "early: the early-round probes (`EARLY`), first horizon, seed 0")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     parser.add_argument("--seeds", default="0,1", help="comma-separated seeds of the table")
     parser.add_argument("--work", default=None, help="folder of the per-run outputs (default: outputs/corpora_quality, "
@@ -239,6 +277,10 @@ def main() -> None:
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             return list(pool.map(_train, specs))
 
+    if args.part == "early":
+        default = str(Path(parser.get_default("out")))
+        early(train, horizons[0], args.out.replace(".json", "_early.json") if args.out == default else args.out, args.quick)
+        return
     tuned = train([(c, m, t, horizons[0], 0) for m in methods for t in trials[m] for c in CORPORA])
     best = best_trials(tuned, methods)
     result = result_header("corpora_quality", args.quick, {

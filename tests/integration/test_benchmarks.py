@@ -55,7 +55,7 @@ def test_quality_quick(tmp_path):
 
 
 def test_corpora_quality_quick(tmp_path):
-    result = run_quick("corpora_quality.py", tmp_path, "--jobs", "2")
+    result = run_quick("corpora_quality.py", tmp_path, "--jobs", "2", "--work", str(tmp_path / "work"))
     tuning, rows, best = result["tuning"], result["rows"], result["best"]
     corpora, methods = set(result["config"]["corpora"]), ["lowrank_ddp", "lordo_global"]
     assert corpora == {"verse", "code", "prose"} and result["config"]["methods"] == methods
@@ -93,6 +93,16 @@ def test_corpora_quality_quick(tmp_path):
     alone = _train(("prose", "lordo_global", trial, 1, 0, True, tmp_path / "alone", False, (*QUICK_OVERRIDES, "threads=1")))
     pooled = next(r for r in tuning if (r["method"], r["trial"], r["corpus"]) == ("lordo_global", trial.name, "prose"))
     assert alone["val_loss"] == pooled["val_loss"] and alone["bytes_per_worker"] == pooled["bytes_per_worker"]
+    # --part early: the probes on every corpus, the tune's own runs taken from the cache, gaps to low-rank DDP
+    early = run_quick("corpora_quality.py", tmp_path, "--part", "early", "--work", str(tmp_path / "work"))["rows"]
+    assert {(r["method"], r["trial"], r["corpus"]) for r in early} == {
+        (m, t, c) for m, t in (("lowrank_ddp", "ef0.9"), ("lordo_global", "ef0.9"), ("lordo_global", "ef0.9-wu128"))
+        for c in corpora}
+    for r in early:
+        ref = next(o for o in early if (o["method"], o["trial"], o["corpus"]) == ("lowrank_ddp", "ef0.9", r["corpus"]))
+        assert r["gap_lowrank_ddp"] == pytest.approx(r["val_ppl"] / ref["val_ppl"] - 1)
+        if r["trial"] == "ef0.9":
+            assert r["val_ppl"] == tuned[(r["method"], r["trial"], r["corpus"])]
 
 
 def test_corpora_quality_trials_and_goal():
