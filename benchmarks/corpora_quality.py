@@ -94,7 +94,8 @@ EARLY: list[tuple[str, Trial]] = [
     ("lordo_global", Trial("ef0.9-ramp8x12", ("inner.ef_decay=0.9", "rounds.local_steps_ramp=[8,8,8,8,8,8,8,8,8,8,8,8,16,16]"))),
     ("lordo_global", Trial("ef0.9-wu128", ("inner.ef_decay=0.9", "inner.warmup_steps=128"))),
     ("lowrank_ddp", Trial("ef0.9-wu128", ("inner.ef_decay=0.9", "inner.warmup_steps=128"))),
-    ("lordo_global", Trial("ef0.9-nesterov", ("inner.ef_decay=0.9", "outer.name=nesterov", "outer.lr=0.7", "outer.momentum=0.9"))),
+    ("lordo_global", Trial("ef0.9-nesterov", ("inner.ef_decay=0.9", "outer.name=nesterov", "outer.lr=0.7",
+                                              "outer.momentum=0.9"))),
     ("lordo_global", Trial("ef0.9-outer1.3", ("inner.ef_decay=0.9", "outer.lr=1.3"))),
 ]
 """`--part early`: why LoRDO trails low-rank DDP at 16 rounds of K = 32 (the issue's early-round gap), at

@@ -75,7 +75,8 @@ EF_OPTIONS = {"sync-ef": True, "ef-reset": True, "ef-decay": 0.8, "full-rank-ter
 def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     """Baselines run through the same app by config: DiLoCo (AdamW, Nesterov outer, no state
     sync; here with SparseLoCo's wire: every tensor top-k 2-bit both ways, the server re-sparsifying
-    θ − θ_c at 12%, Rice-coded positions, β = 0.95 error feedback, each index averaged over its senders) and DES-LOC (AdamW, states averaged at their own periods; here with its first rounds ramped: 1 step, then
+    θ − θ_c at 12%, Rice-coded positions, β = 0.95 error feedback, each index averaged over its senders) and
+    DES-LOC (AdamW, states averaged at their own periods; here with its first rounds ramped: 1 step, then
     2, the learning-rate schedule's steps as the reference trainer's); LoRDO-Global also with the
     embedding's and norms' moments averaged every second round only (dense-sync-factor=2) in
     overlapped rounds (overlap-delay=2), and

@@ -98,7 +98,7 @@ def test_lr_and_ef_decay_left_empty_take_each_methods_own(monkeypatch):
     own = resolved({**base, "variant": "lordo_local"})
     assert (own.lr, own.ef_decay) == (1e-3, 1.0)
     other = resolved({**base, "variant": "lordo_global"})
-    assert (other.lr, other.ef_decay) == (methods.METHOD_DEFAULTS["lordo_global"]["lr"], methods.METHOD_DEFAULTS["lordo_global"]["ef_decay"])
+    assert (other.lr, other.ef_decay) == tuple(methods.METHOD_DEFAULTS["lordo_global"][k] for k in ("lr", "ef_decay"))
     chosen = resolved({**base, "variant": "lordo_local", "lr": 0.02, "ef-decay": 0.0})
     assert (chosen.lr, chosen.ef_decay) == (0.02, 0.0)
     assert resolved({**base, "preset": "paper-16m", "variant": "lordo_local"}).lr == 0.008  # the preset's
