@@ -97,12 +97,18 @@ EARLY: list[tuple[str, Trial]] = [
     ("lordo_global", Trial("ef0.9-nesterov", ("inner.ef_decay=0.9", "outer.name=nesterov", "outer.lr=0.7",
                                               "outer.momentum=0.9"))),
     ("lordo_global", Trial("ef0.9-outer1.3", ("inner.ef_decay=0.9", "outer.lr=1.3"))),
+    ("lordo_global", Trial("ef0.9-omega1", ("inner.ef_decay=0.9", "inner.omega=1.0"))),
+    ("lowrank_ddp", Trial("ef0.9-omega1", ("inner.ef_decay=0.9", "inner.omega=1.0"))),
+    ("lordo_global", Trial("noef", ("inner.error_feedback=false",))),
+    ("lowrank_ddp", Trial("noef", ("inner.error_feedback=false",))),
 ]
 """`--part early`: why LoRDO trails low-rank DDP at 16 rounds of K = 32 (the issue's early-round gap), at
 the first horizon, seed 0: K smaller throughout (8, 4: more exchanges), K smaller in the first rounds
 only (`local_steps_ramp`: the first 32 steps in four rounds; the first 128 at K = 8), a longer warm-up
 (for low-rank DDP too: is it the warm-up against K, or a better warm-up for any method?) and outer steps
-that move further than the mean (Nesterov, as DiLoCo; lr 1.3). The first two are the tune's own runs."""
+that move further than the mean (Nesterov, as DiLoCo; lr 1.3); and which part of LoRDO's step suffers from
+K unsynchronised steps: without the full-rank term (ω = 1) or without error feedback, against low-rank DDP
+the same. The first two are the tune's own runs."""
 
 
 def horizon_overrides(rounds: int, quick: bool) -> tuple[str, ...]:
