@@ -85,7 +85,10 @@ PEAK_METHOD = {"adamw": "diloco", "lordo_ef_fp32": "lordo_global", "lordo_ef_bf1
 
 
 def inner_config(config: str, rank: int) -> InnerConfig:
-    return InnerConfig(rank=rank, projection="global", proj_method="svd", **CONFIGS[config]).validate()
+    from lordo_fed.rounds.methods import METHOD_DEFAULTS
+
+    own = METHOD_DEFAULTS[PEAK_METHOD[config]]  # the lr and γ of the method the config stands for
+    return InnerConfig(rank=rank, projection="global", proj_method="svd", **{**own, **CONFIGS[config]}).validate()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from lordo_fed.device import autocast, pick_device
 from lordo_fed.model import ModelConfig, build_model, count_parameters, lm_loss, lowrank_parameter_names
 from lordo_fed.optim import LoRDO
 from lordo_fed.optim.config import InnerConfig, build_inner_optimizer
+from lordo_fed.rounds.methods import METHOD_DEFAULTS
 from lordo_fed.optim.projection import get_projection_method, projection_side
 
 try:
@@ -70,8 +71,9 @@ def make_optimizer(name: str, model: torch.nn.Module, preset: str, seed: int) ->
     """One of OPTIMIZERS; LoRDO with LoRDO-Global's shared projection set (seeded random basis)."""
     names = lowrank_parameter_names(model)
     kind = "adamw" if name.startswith("adamw") else "lordo"
+    own = METHOD_DEFAULTS["ddp" if kind == "adamw" else "lordo_global"]  # the method's lr and γ
     cfg = InnerConfig(name=kind, rank=RANKS[preset], projection="global", init_projection="random",
-                      batched=name == "lordo_batched").validate()
+                      batched=name == "lordo_batched", **own).validate()
     opt = build_inner_optimizer(model, cfg, names, seed=seed)
     if name == "adamw_fast":
         cuda = next(model.parameters()).device.type == "cuda"
