@@ -48,7 +48,7 @@ class InnerConfig:
     per matrix with int8 values (MicroAdam-style, lordo_fed.optim.ef_compress; ef_dtype then unused)."""
     ef_decay: Optional[float] = setting("ef-decay", None)
     """γ in V = G + γ E: how much of the error-feedback buffer is fed back each step (1 = the paper;
-    None: the method's own, `lordo_fed.rounds.methods.METHOD_DEFAULTS`; docs/algorithm.md, "Defaults")."""
+    None: the method's own, `lordo_fed.rounds.methods.METHOD_DEFAULTS`; docs/algorithm.md, "Defaults per method")."""
     ef_reset: bool = setting("ef-reset", False)
     """Zero the error-feedback buffer whenever the projection changes (every round under LoRDO-Global)."""
     full_rank_term: str = setting("full-rank-term", "error_fed")
