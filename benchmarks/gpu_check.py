@@ -13,7 +13,7 @@ Each step is a subprocess that writes its own `benchmarks/results/gpu_*.json`; t
 | `dataplane` | benchmarks/dataplane_throughput.py on this machine's 16 cores (the data plane against bare gRPC when the nodes do not share 2 cores) | `gpu_machine_dataplane_throughput.json` |
 | `overhead16m` | benchmarks/framework_overhead.py, 16m, reference / two at once / node workers, on 16 cores | `gpu_machine_framework_overhead_16m.json` |
 | `ranks` | benchmarks/node_ranks.py --overhead-only: a one-rank node's local steps through DDP and through FSDP2 (NCCL) against the bare model, 125m (issue 17: ≤ 5%) | `gpu_node_ranks.json` |
-| `corpora` | benchmarks/corpora_quality.py --jobs 8: every method on three corpora at 16 and 64 rounds, each method's best of four trials (issue 31; hours on 2 CPU cores); the tuning is written first, so a call cut short keeps it | `gpu_corpora_quality.json` |
+| `corpora` | benchmarks/corpora_quality.py --jobs 14: every method on three corpora at 16 and 64 rounds, each method's best of five trials (issue 31; hours on 2 CPU cores); the tuning is written first, so a call cut short keeps it | `gpu_corpora_quality.json` |
 
 The 2-client 125m simulation round the GPU-readiness issue asks for is the `round125m` step's
 reference trainer (two workers and the aggregator in one process on the GPU) beside the
@@ -23,8 +23,12 @@ On a lent GPU machine: it has torch but not Flower or Hydra, and no network, so 
 `scripts/device_wheels.sh` here once and carry `.whl`. One device command is at most 10 minutes and
 a session's device time was 15 minutes in all, so give the call `--budget-s` (a step's timeout is cut
 to what is left; `gpu_check.json` is rewritten after every step, so a call cut off still reports).
-On an H200 (2026-11-26): tests 13 s, step125m 53 s, step16m 42 s, memory 376 s, ranks 27 s. At most
-8 files come back from a call: give each call its own `--out-dir` (the PNGs count).
+On an H200 (2026-11-26): tests 13-20 s, step125m 53 s, step16m 42 s, memory 376 s, ranks 27 s;
+corpora's tuning (60 runs of 512 steps, 14 at once) 444 s, and the 16-round runs of one seed 220 s, so
+the 64-round table needs more than one call: start from benchmarks/results/gpu_corpora_runs.tar.gz (the
+runs so far) extracted into a folder `.git/info/exclude` ignores, carry it as `--work`, bring the new
+runs back as a `tar` of its `*/result.json`, and split the rest by `--seeds` (docs/results.md,
+section 17). At most 8 files come back from a call: give each call its own `--out-dir` (the PNGs count).
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH && python3 benchmarks/gpu_check.py --only tests,step16m,step125m
@@ -82,7 +86,7 @@ def commands(step: str, device: str, quick: bool, out_dir: Path) -> tuple[list[s
                 "--preset", "tiny" if quick else "125m", "--out", str(out)], out, 560
     if step == "corpora":
         out = out_dir / "gpu_corpora_quality.json"
-        return [py, str(bench / "corpora_quality.py"), *q, "--device", device, "--jobs", "2" if quick else "8",
+        return [py, str(bench / "corpora_quality.py"), *q, "--device", device, "--jobs", "2" if quick else "14",
                 "--out", str(out)], out, 580
     raise ValueError(f"unknown step {step!r}: expected one of {STEPS}")
 
