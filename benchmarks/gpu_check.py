@@ -13,7 +13,7 @@ Each step is a subprocess that writes its own `benchmarks/results/gpu_*.json`; t
 | `dataplane` | benchmarks/dataplane_throughput.py on this machine's 16 cores (the data plane against bare gRPC when the nodes do not share 2 cores) | `gpu_machine_dataplane_throughput.json` |
 | `overhead16m` | benchmarks/framework_overhead.py, 16m, reference / two at once / node workers, on 16 cores | `gpu_machine_framework_overhead_16m.json` |
 | `ranks` | benchmarks/node_ranks.py --overhead-only: a one-rank node's local steps through DDP and through FSDP2 (NCCL) against the bare model, 125m (issue 17: ≤ 5%) | `gpu_node_ranks.json` |
-| `corpora` | benchmarks/corpora_quality.py --jobs 14: every method on three corpora at 16 and 64 rounds, each method's best of five trials (issue 31; hours on 2 CPU cores); the tuning is written first, so a call cut short keeps it | `gpu_corpora_quality.json` |
+| `corpora` | benchmarks/corpora_quality.py --jobs 14: every method on three corpora at 16 and 64 rounds, each method's best of five trials (issue 31; hours on 2 CPU cores); the tuning is written first, so a call cut short keeps it | `gpu_corpora_quality.json`, `gpu_corpora_runs.tar.gz` |
 
 The 2-client 125m simulation round the GPU-readiness issue asks for is the `round125m` step's
 reference trainer (two workers and the aggregator in one process on the GPU) beside the
@@ -25,10 +25,11 @@ a session's device time was 15 minutes in all, so give the call `--budget-s` (a 
 to what is left; `gpu_check.json` is rewritten after every step, so a call cut off still reports).
 On an H200 (2026-11-26): tests 13-20 s, step125m 53 s, step16m 42 s, memory 376 s, ranks 27 s;
 corpora's tuning (60 runs of 512 steps, 14 at once) 444 s, and the 16-round runs of one seed 220 s, so
-the 64-round table needs more than one call: start from benchmarks/results/gpu_corpora_runs.tar.gz (the
-runs so far) extracted into a folder `.git/info/exclude` ignores, carry it as `--work`, bring the new
-runs back as a `tar` of its `*/result.json`, and split the rest by `--seeds` (docs/results.md,
-section 17). At most 8 files come back from a call: give each call its own `--out-dir` (the PNGs count).
+the 64-round table needs more than one call. The step starts from the runs earlier sessions finished
+(`gpu_corpora_runs.tar.gz` in benchmarks/results/, the cache) and writes them back to --out-dir with
+its own added, a call cut short included: copy that file back, commit it, and split what is left with
+`--corpora-args` (e.g. '--part table --seeds 0 --methods lowrank_ddp,lordo_global,lordo_local';
+docs/results.md, section 17). At most 8 files come back from a call: give each call its own `--out-dir` (the PNGs count).
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH && python3 benchmarks/gpu_check.py --only tests,step16m,step125m
@@ -44,17 +45,26 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 STEPS = ("tests", "step16m", "step125m", "memory", "round125m", "dataplane", "overhead16m", "ranks", "corpora")
+CORPORA_RUNS = RESULTS / "gpu_corpora_runs.tar.gz"
+"""Every corpora run a GPU session finished (each run's result.json): the `corpora` step starts from
+it as corpora_quality's cache and writes it back with the new runs added, so each session trains
+only what is missing (docs/results.md, section 17)."""
+CORPORA_WORK = Path(tempfile.gettempdir()) / "gpu_check_corpora"
 
 
-def commands(step: str, device: str, quick: bool, out_dir: Path) -> tuple[list[str], Path, float]:
+def commands(step: str, device: str, quick: bool, out_dir: Path, corpora_args: tuple[str, ...] = ()
+             ) -> tuple[list[str], Path, float]:
     """(argv, result file, timeout seconds) of one step."""
     py, bench = sys.executable, ROOT / "benchmarks"
     q = ["--quick"] if quick else []
@@ -86,9 +96,31 @@ def commands(step: str, device: str, quick: bool, out_dir: Path) -> tuple[list[s
                 "--preset", "tiny" if quick else "125m", "--out", str(out)], out, 560
     if step == "corpora":
         out = out_dir / "gpu_corpora_quality.json"
+        work = ["--work", str(CORPORA_WORK)] if not quick else []
         return [py, str(bench / "corpora_quality.py"), *q, "--device", device, "--jobs", "2" if quick else "14",
-                "--out", str(out)], out, 580
+                *work, *corpora_args, "--out", str(out)], out, 580
     raise ValueError(f"unknown step {step!r}: expected one of {STEPS}")
+
+
+def unpack_corpora_runs(archive: Path, work: Path) -> int:
+    """Extract the finished runs (`CORPORA_RUNS`) into corpora_quality's --work folder; how many."""
+    work.mkdir(parents=True, exist_ok=True)
+    if not archive.is_file():
+        return 0
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if m.isfile() and m.name.endswith("/result.json")]
+        tar.extractall(work, members=members, filter="data")  # plain files inside `work` only
+    return len(members)
+
+
+def pack_corpora_runs(work: Path, archive: Path) -> int:
+    """Every finished run in `work` (its result.json) into `archive`; how many."""
+    done = sorted(work.glob("*/result.json"))
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive, "w:gz") as tar:
+        for path in done:
+            tar.add(path, arcname=str(path.relative_to(work)))
+    return len(done)
 
 
 def pytest_counts(output: str) -> dict[str, int]:
@@ -114,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", help="where the step benchmarks run (default cuda)")
     parser.add_argument("--quick", action="store_true", help="tiny presets and the benchmarks' --quick (a structure check)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS, help="where the gpu_*.json files go")
+    parser.add_argument("--corpora-args", default="",
+                        help="more arguments of corpora_quality.py in the `corpora` step, e.g. '--part table --seeds 0 "
+                        "--methods lowrank_ddp,lordo_global,lordo_local' (a 64-round table takes more than one call)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="seconds for all steps together: each step's timeout is cut to what is left, and a step "
                              "with under 30 s left is skipped (a lent machine's call is at most 10 minutes)")
@@ -130,7 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out_dir / "gpu_check.json"
     deadline = None if args.budget_s is None else time.perf_counter() + args.budget_s
     for step in steps:
-        argv_, out, timeout = commands(step, args.device, args.quick, args.out_dir)
+        argv_, out, timeout = commands(step, args.device, args.quick, args.out_dir, tuple(args.corpora_args.split()))
+        if step == "corpora" and not args.quick:
+            print(f"[gpu_check] corpora: {unpack_corpora_runs(CORPORA_RUNS, CORPORA_WORK)} finished runs from "
+                  f"{CORPORA_RUNS.name}", flush=True)
         if deadline is not None:
             left = deadline - time.perf_counter()
             if left < 30:
@@ -140,18 +178,25 @@ def main(argv: list[str] | None = None) -> int:
             timeout = min(timeout, left)
         print(f"[gpu_check] {step}: {' '.join(argv_)}", flush=True)
         started = time.perf_counter()
+        # its own process group: a step cut off at its timeout takes its children with it (corpora's
+        # process pool would otherwise train on, beside the next step)
+        proc = subprocess.Popen(argv_, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
         try:
-            proc = subprocess.run(argv_, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-            rc, output = proc.returncode, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as err:
-            text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
-            rc, output = 124, f"timed out after {timeout:.0f} s\n{text(err.stdout)}{text(err.stderr)}"
+            stdout, stderr = proc.communicate(timeout=timeout)
+            rc, output = proc.returncode, stdout + stderr
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            rc, output = 124, f"timed out after {timeout:.0f} s\n{stdout}{stderr}"
         entry = {"rc": rc, "seconds": round(time.perf_counter() - started, 1), "result": out.name,
                  "output_tail": output[-3000:]}
         if step == "tests":
             entry["counts"] = pytest_counts(output.splitlines()[-1] if output.strip() else "")
             out.write_text(json.dumps({"benchmark": "gpu_tests", "machine": summary["machine"], **entry}, indent=1) + "\n")
         entry["result_written"] = out.is_file()
+        if step == "corpora" and not args.quick:  # also what a call cut short finished
+            entry["finished_runs"] = pack_corpora_runs(CORPORA_WORK, args.out_dir / CORPORA_RUNS.name)
         summary["steps"][step] = entry
         status = status or rc
         print(f"[gpu_check] {step}: rc {rc}, {entry['seconds']} s, {out.name} written: {entry['result_written']}",

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -247,6 +248,54 @@ def test_gpu_check_orchestrates_its_steps(tmp_path):
     skipped = json.loads((spent / "gpu_check.json").read_text())["steps"]
     assert [s["rc"] for s in skipped.values()] == [None, None] and all("budget" in s["skipped"] for s in skipped.values())
     assert sorted(p.name for p in spent.iterdir()) == ["gpu_check.json"]
+
+
+def test_gpu_check_a_step_past_its_timeout_is_killed_with_its_children(tmp_path, monkeypatch):
+    """A step cut off at its timeout is recorded as rc 124, and its children (corpora's process pool)
+    are killed with it rather than left to run beside the next step."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    script = f"sleep 30 & echo $! > {tmp_path / 'child.pid'}; wait"
+    monkeypatch.setattr(gpu_check, "commands", lambda *a, **k: (["bash", "-c", script], tmp_path / "none.json", 2.0))
+    assert gpu_check.main(["--quick", "--device", "cpu", "--only", "step16m", "--out-dir", str(tmp_path)]) == 124
+    step = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]["step16m"]
+    assert step["rc"] == 124 and "timed out after 2 s" in step["output_tail"] and step["seconds"] < 20
+    child = int((tmp_path / "child.pid").read_text())
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{child}"), "the step's child outlived its timeout"
+
+
+def test_gpu_check_carries_the_corpora_runs_between_sessions(tmp_path):
+    """The `corpora` step's cache: the committed runs unpacked and packed again come back the same,
+    file for file and byte for byte, with a new run added; a member outside the folder is refused."""
+    import tarfile
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_check import CORPORA_RUNS, pack_corpora_runs, unpack_corpora_runs
+
+    def contents(archive: Path) -> dict[str, bytes]:
+        with tarfile.open(archive) as tar:
+            return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+
+    committed = contents(CORPORA_RUNS)
+    assert len(committed) >= 75 and all(json.loads(b)["val_ppl"] > 1 for b in committed.values())
+    work = tmp_path / "work"
+    assert unpack_corpora_runs(CORPORA_RUNS, work) == len(committed)
+    (work / "new_run").mkdir()
+    (work / "new_run" / "result.json").write_text('{"val_ppl": 4.2}')
+    (work / "unfinished").mkdir()  # a run cut short: no result.json, not packed
+    assert pack_corpora_runs(work, tmp_path / "out.tar.gz") == len(committed) + 1
+    assert contents(tmp_path / "out.tar.gz") == {**committed, "new_run/result.json": b'{"val_ppl": 4.2}'}
+    assert unpack_corpora_runs(tmp_path / "missing.tar.gz", tmp_path / "empty") == 0
+    hostile = tmp_path / "hostile.tar.gz"
+    with tarfile.open(hostile, "w:gz") as tar:
+        tar.add(work / "new_run" / "result.json", arcname="../escaped/result.json")
+    with pytest.raises(tarfile.OutsideDestinationError):
+        unpack_corpora_runs(hostile, tmp_path / "w2")
+    assert not (tmp_path / "escaped").exists()
 
 
 def test_corpus_tokenize_quick(tmp_path):
