@@ -29,6 +29,7 @@ Writes benchmarks/results/compression.json and compression.png.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import subprocess
@@ -305,18 +306,26 @@ def quality_run(payload: str, factor: int, seed: int, quick: bool, work: Path, e
     """One run of the quality setting (`QUALITY`; `quick`: a tiny one; `horizon` (rounds, K): that many
     rounds of K steps instead) of `method` (LoRDO-Global) with `payload`, `dense_sync_factor` = `factor`,
     `seed` and trainer overrides `extra`: its final val loss and perplexity, its bytes per worker (sent +
-    received), its curve and the wire's per-round metrics (`WIRE_METRICS`)."""
-    out = work / f"{method}_{payload}_F{factor}_s{seed}{tag}"
+    received), its curve and the wire's per-round metrics (`WIRE_METRICS`).
+
+    A run whose folder in `work` holds a result of the same trainer arguments is not run again (the
+    runs are deterministic): the folder is named by a hash of them, so a long benchmark stopped part
+    way continues where it stopped when given the same `work`."""
     overrides = (["model.preset=tiny", "total_steps=8", "rounds.local_steps=2", "data.seq_len=32",
                   "eval_batches=2", "inner.warmup_steps=2", "eval_every=1"] if quick else QUALITY)
     if horizon is not None and not quick:
         rounds, k = horizon
         overrides = [*QUALITY[:1], f"rounds.local_steps={k}", f"total_steps={rounds * k}",
                      f"eval_every={max(1, rounds // 8)}"]
+    args = ["progress=false", f"methods=[{method}]", "diagnostics=false", f"seed={seed}", f"payload_dtype={payload}",
+            f"rounds.dense_sync_factor={factor}", *overrides, *extra]
+    key = hashlib.sha256(json.dumps(args).encode()).hexdigest()[:12]
+    out = work / f"{method}_{payload}_F{factor}_s{seed}{tag}_{key}"
+    done = out / "result.json"
+    if done.is_file():
+        return {**json.loads(done.read_text()), "cached": True}
     cmd = [sys.executable, "-m", "lordo_fed.trainer.cli", "--config-dir", str(ROOT / "examples" / "reference"),
-           "--config-name", "quality_cpu", f"out_dir={out}", "progress=false", f"methods=[{method}]",
-           "diagnostics=false", f"seed={seed}", f"payload_dtype={payload}",
-           f"rounds.dense_sync_factor={factor}", *overrides, *extra]
+           "--config-name", "quality_cpu", f"out_dir={out}", *args]
     started = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
@@ -324,14 +333,16 @@ def quality_run(payload: str, factor: int, seed: int, quick: bool, work: Path, e
                            f"{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in (out / f"{method}.jsonl").read_text().splitlines()]
     evals = [r for r in records if "val_loss" in r]
-    return {"method": method, "payload": payload, "dense_sync_factor": factor, "seed": seed, "overrides": list(extra),
-            "val_loss": evals[-1]["val_loss"], "val_ppl": math.exp(evals[-1]["val_loss"]),
-            "rounds": records[-1]["round"], "tokens": records[-1]["tokens"],
-            "bytes_per_worker": records[-1]["cum_bytes_sent_per_worker"] + records[-1]["cum_bytes_received_per_worker"],
-            "curve": [{"tokens": r["tokens"], "val_loss": r["val_loss"]} for r in evals],
-            "round_metrics": [{"round": r["round"], **{k: r[k] for k in WIRE_METRICS if k in r}} for r in records
-                              if any(k in r for k in WIRE_METRICS)],
-            "seconds": time.perf_counter() - started}
+    result = {"method": method, "payload": payload, "dense_sync_factor": factor, "seed": seed, "overrides": list(extra),
+                "val_loss": evals[-1]["val_loss"], "val_ppl": math.exp(evals[-1]["val_loss"]),
+                "rounds": records[-1]["round"], "tokens": records[-1]["tokens"],
+                "bytes_per_worker": records[-1]["cum_bytes_sent_per_worker"] + records[-1]["cum_bytes_received_per_worker"],
+                "curve": [{"tokens": r["tokens"], "val_loss": r["val_loss"]} for r in evals],
+                "round_metrics": [{"round": r["round"], **{k: r[k] for k in WIRE_METRICS if k in r}} for r in records
+                                  if any(k in r for k in WIRE_METRICS)],
+                "seconds": time.perf_counter() - started}
+    done.write_text(json.dumps(result))
+    return result
 
 
 def quality(payloads: list[str], seeds: list[int], quick: bool, work: Path, factors: tuple[int, ...] = (1,),

@@ -153,6 +153,8 @@ def main() -> None:
                         "fp32), e.g. 'diloco_outer.lr=1.3,rounds.wire_ef_decay=0.8'")
     parser.add_argument("--baseline", default="", help="a rung of the method (e.g. fp32-average) that every other rung "
                         "is compared against in place of fp32 with the method's own outer step, which then is not run")
+    parser.add_argument("--work", default=None, help="folder of the runs, kept: a ladder stopped part way continues "
+                        "from its finished runs when given the same folder (default: a temporary one)")
     parser.add_argument("--reference", default="", help="an earlier result of the same method, horizon and M: its "
                         "fp32 rows stand in for this run's (the runs are deterministic), no fp32 rerun")
     args = parser.parse_args()
@@ -189,6 +191,9 @@ def main() -> None:
     rows = []
     earlier = _references(args.reference, result["config"]) if args.reference else {}
     with tempfile.TemporaryDirectory() as tmp:
+        if args.work:
+            tmp = args.work
+            Path(tmp).mkdir(parents=True, exist_ok=True)
         for seed in seeds:
             ref = None
             if not args.baseline:

@@ -439,7 +439,8 @@ def test_compression_quick(tmp_path):
 def test_compression_ladder_quick(tmp_path):
     """benchmarks/compression_ladder.py --quick with two rungs: each rung's row against the seed's
     fp32 run, with the rung's overrides recorded (not the figures' quality)."""
-    result = run_quick("compression_ladder.py", tmp_path, "--rungs", "sign,mean")
+    work = str(tmp_path / "work")
+    result = run_quick("compression_ladder.py", tmp_path, "--rungs", "sign,mean", "--work", work)
     rows = {r["rung"]: r for r in result["rows"]}
     assert set(rows) == {"fp32", "sign", "mean"}
     assert "rounds.sparse_mean=contributors" in rows["mean"]["overrides"]
@@ -450,6 +451,14 @@ def test_compression_ladder_quick(tmp_path):
     assert "sparse_reselected" not in wire[0] and all(0 <= m["sparse_reselected"] <= 1 for m in wire[1:])
     assert all(0 <= m["sparse_support_shared"] <= 1 for m in wire) and not rows["fp32"]["round_metrics"]
     assert (tmp_path / "compression_ladder.png").exists()
+    # --work keeps the runs: the same ladder again trains nothing and gives the same rows; a rung run with
+    # other arguments (--set) is trained again, while fp32 (which --set does not touch) is not
+    again = run_quick("compression_ladder.py", tmp_path, "--rungs", "sign,mean", "--work", work)["rows"]
+    assert all(r.pop("cached") for r in again) and again == result["rows"]
+    changed = {r["rung"]: r for r in run_quick("compression_ladder.py", tmp_path, "--rungs", "sign", "--work", work,
+                                               "--set", "rounds.wire_ef_decay=0.5")["rows"]}
+    assert changed["fp32"]["cached"] and "cached" not in changed["sign"]
+    assert changed["sign"]["val_loss"] != rows["sign"]["val_loss"]
 
 
 def test_node_ranks_quick(tmp_path):
