@@ -25,6 +25,8 @@ error feedback `inner.ef_decay=0.9`).
     python benchmarks/compression_ladder.py --rungs sign,beta --seeds 0
     python benchmarks/compression_ladder.py --method diloco --rounds 64 --local-steps 32   # the codec on its own (AdamW)
     python benchmarks/compression_ladder.py --method diloco --baseline fp32-average --rungs avg-wide --set diloco_outer.lr=1.3
+    python benchmarks/compression_ladder.py --method lordo_local --rounds 64 --local-steps 32 --work outputs/ladder
+                                                             # hours: run again with the same --work after a stop
     python benchmarks/compression_ladder.py --gains-only     # the decoders' gains on Gaussian and Student-t(3) values
     python benchmarks/compression_ladder.py --quick          # tiny runs (seconds): the structure
 Each row keeps the wire's per-round metrics (`compression.WIRE_METRICS`: ‖e‖/‖Δ‖, the support shared
