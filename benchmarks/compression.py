@@ -334,13 +334,13 @@ def quality_run(payload: str, factor: int, seed: int, quick: bool, work: Path, e
     records = [json.loads(line) for line in (out / f"{method}.jsonl").read_text().splitlines()]
     evals = [r for r in records if "val_loss" in r]
     result = {"method": method, "payload": payload, "dense_sync_factor": factor, "seed": seed, "overrides": list(extra),
-                "val_loss": evals[-1]["val_loss"], "val_ppl": math.exp(evals[-1]["val_loss"]),
-                "rounds": records[-1]["round"], "tokens": records[-1]["tokens"],
-                "bytes_per_worker": records[-1]["cum_bytes_sent_per_worker"] + records[-1]["cum_bytes_received_per_worker"],
-                "curve": [{"tokens": r["tokens"], "val_loss": r["val_loss"]} for r in evals],
-                "round_metrics": [{"round": r["round"], **{k: r[k] for k in WIRE_METRICS if k in r}} for r in records
-                                  if any(k in r for k in WIRE_METRICS)],
-                "seconds": time.perf_counter() - started}
+            "val_loss": evals[-1]["val_loss"], "val_ppl": math.exp(evals[-1]["val_loss"]),
+            "rounds": records[-1]["round"], "tokens": records[-1]["tokens"],
+            "bytes_per_worker": records[-1]["cum_bytes_sent_per_worker"] + records[-1]["cum_bytes_received_per_worker"],
+            "curve": [{"tokens": r["tokens"], "val_loss": r["val_loss"]} for r in evals],
+            "round_metrics": [{"round": r["round"], **{k: r[k] for k in WIRE_METRICS if k in r}} for r in records
+                              if any(k in r for k in WIRE_METRICS)],
+            "seconds": time.perf_counter() - started}
     done.write_text(json.dumps(result))
     return result
 

@@ -35,6 +35,7 @@ across workers, the share of a worker's indices re-selected). Writes benchmarks/
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
 from pathlib import Path
@@ -192,10 +193,9 @@ def main() -> None:
         return
     rows = []
     earlier = _references(args.reference, result["config"]) if args.reference else {}
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.work:
-            tmp = args.work
-            Path(tmp).mkdir(parents=True, exist_ok=True)
+    if args.work:
+        Path(args.work).mkdir(parents=True, exist_ok=True)
+    with contextlib.nullcontext(args.work) if args.work else tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
             ref = None
             if not args.baseline:

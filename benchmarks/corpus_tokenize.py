@@ -4,8 +4,8 @@ The same documents (the shipped corpus's paragraphs, repeated with a counter unt
 reaches `--mb` MB of text) are written as a text file, JSON Lines, Parquet and a Hugging Face
 dataset saved to disk, then each is tokenised by `lordo_fed.data.load_corpus` into a fresh cache
 (one process per tokenizer setting, the readers imported before the clock starts): with the byte
-tokenizer, and with a BPE tokenizer (vocabulary 8192, trained here with `tokenizers` on the shipped corpus and saved to a local tokenizer.json: nothing is
-downloaded) on all cores and on one (`RAYON_NUM_THREADS=1`), the parallelism that HF tokenizers'
+tokenizer, and with a BPE tokenizer (vocabulary 8192, trained here with `tokenizers` on the shipped
+corpus and saved to a local tokenizer.json: nothing is downloaded) on all cores and on one (`RAYON_NUM_THREADS=1`), the parallelism that HF tokenizers'
 `encode_batch` brings to each batch of documents. MB/s counts the documents' UTF-8 bytes; a
 tokenizer must give the same tokens from JSON Lines, Parquet and the HF dataset (checked: sha256
 of the cached tokens; the text file also holds the blank lines between its paragraphs).
