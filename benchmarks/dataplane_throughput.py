@@ -13,22 +13,20 @@ Variants (each moves `size` MB down to each of 2 nodes and `size` MB up from eac
   Checked after the timed part: each side's sha256 of what it received against the sender's.
 - `dp transport only` / `... TLS`: the same processes and bytes through lordo_fed.transport (a
   DataPlaneServer serving prepared bytes, clients calling transport.client.download / upload
-  with their tickets): the data plane's own cost (protobuf chunks, sha256 both ends, tokens, the
-  server's upload buffers), without Flower and without the codec.
-- `dp transport, sha256 off` (diagnostic, plaintext): the same, with sha256 replaced by a no-op
-  inside lordo_fed.transport in these benchmark processes only (both ends agree on a constant
-  digest; the bytes are still checked against real sha256s after the timed part): how much of
-  the gap to bare grpc is the integrity hashing the design requires (each byte is hashed by its
-  sender and its receiver; ~2 GB/s per core here) rather than the transport.
+  with their tickets): the data plane's own cost (protobuf chunks, the default xxh3 checksum both
+  ends, tokens, the server's upload buffers), without Flower and without the codec.
+- `dp transport, sha256` / `... sha256 TLS`: the same with `checksum="sha256"` (the
+  `data-plane-checksum` option, and what every payload carried before xxh3 became the default):
+  what a cryptographic digest of each byte, by its sender and its receiver, costs against xxh3.
 - `data plane` / `data plane TLS`: a minimal Flower app (harness/apps/dataplane_bench/, copied to a
   temporary directory) on a real SuperLink + 2 SuperNodes (harness/deployment.Deployment; with
   tls_dir for TLS). The ServerApp hosts a DataPlaneServer and, per exchange, encodes one random
-  fp32 GlobalState (encode_global_state, once for all nodes), publishes it (sha256 + a ticket per
+  fp32 GlobalState (encode_global_state, once for all nodes), publishes it (digest + a ticket per
   node) and sends each node a train message carrying its ticket (as server/courier.py
   `Courier.outgoing`); the
   ClientApp downloads and decodes it, encodes a random fp32 WorkerUpdate of the same size,
-  uploads it and replies with its sha256 (as client/app.py `receive_state` / `send_reply`); the
-  server takes both uploads, checks the sha256 each reply vouches for (as `Courier._upload_of`) and
+  uploads it and replies with its digest (as client/app.py `receive_state` / `send_reply`); the
+  server takes both uploads, checks the digest each reply vouches for (as `Courier._upload_of`) and
   decodes them. The node's random Δ is drawn before its timed part; the draw's seconds are
   subtracted from the exchange.
 - `flower`: the same app with the payloads inside the messages (lordo_fed.app.records.payload_record /
@@ -43,7 +41,7 @@ path from timestamps, no Flower control latency and no subtraction (server encod
 the slower node's download, decode, encode, upload + server decode). `ratio` = MB/s / bare grpc
 MB/s of the same security mode (median of all bare runs, taken before, between and after the
 deployments). The data plane's breakdown comes from timestamps on both sides (time.time(), one
-machine): server encode, publish (sha256 + tickets), push, control down (push -> ClientApp
+machine): server encode, publish (digest + tickets), push, control down (push -> ClientApp
 handler), download, client decode, client encode, upload, control up (handler end -> reply
 pulled), server decode (both replies, one after the other); with each step's CPU seconds
 (time.process_time of the process doing it): wall >> CPU means it waited for a core. The
@@ -200,38 +198,15 @@ def _bare_client(args: argparse.Namespace) -> int:
     return 0
 
 
-class _NullHash:
-    """Stands in for hashlib.sha256 inside lordo_fed.transport (the sha256-off diagnostic)."""
-
-    def __init__(self, data=b""):
-        pass
-
-    def update(self, data) -> None:
-        pass
-
-    def hexdigest(self) -> str:
-        return "0" * 64
-
-
-def _hashing(args: argparse.Namespace) -> None:
-    if args.no_sha256:
-        import types
-
-        from lordo_fed.transport import client, server
-        client.hashlib = server.hashlib = types.SimpleNamespace(sha256=_NullHash)
-
-
 def _dp_server(args: argparse.Namespace) -> int:
     """The data plane alone (no Flower, no codec): a DataPlaneServer serving prepared random bytes
     to nodes 1..NODES; on 'collect' it reports the verified uploads (their real sha256)."""
     from lordo_fed.transport.server import DataPlaneServer
 
-    _hashing(args)
-
     tls = None
     if args.tls:
         tls = ((Path(args.tls) / "server.pem").read_bytes(), (Path(args.tls) / "server.key").read_bytes())
-    plane = DataPlaneServer(args.spool, tls=tls).start()
+    plane = DataPlaneServer(args.spool, tls=tls, checksum=args.checksum).start()
     blob = _random_bytes(7, args.bytes)
     tickets = plane.publish(1, blob, range(1, NODES + 1), ttl=600, max_upload=args.bytes)
     print(json.dumps({"tickets": {str(n): t.SerializeToString().hex() for n, t in tickets.items()},
@@ -253,9 +228,9 @@ def _dp_server(args: argparse.Namespace) -> int:
 
 def _dp_client(args: argparse.Namespace) -> int:
     """lordo_fed.transport.client download then upload with a ticket; timestamps, then checks."""
+    from lordo_fed.transport.checksum import digest_of
     from lordo_fed.transport.client import download, parse_ticket, upload
 
-    _hashing(args)
     ticket = parse_ticket(bytes.fromhex(args.ticket))
     blob = _random_bytes(100 + args.index, args.bytes)
     up_sha = hashlib.sha256(blob).hexdigest()
@@ -264,16 +239,16 @@ def _dp_client(args: argparse.Namespace) -> int:
     sys.stdin.readline()
     c0 = _cpu()
     t0 = time.time()
-    got = download(ticket, args.index, root, timeout=600)  # checks size and sha256 against the ticket
+    got = download(ticket, args.index, root, timeout=600)  # checks size and digest against the ticket
     t1 = time.time()
-    sha = upload(ticket, args.index, blob, root, timeout=600)  # the server's receipt must match
+    digest = upload(ticket, args.index, blob, root, timeout=600)  # the server's receipt must match
     t2 = time.time()
     cpu = _cpu() - c0
-    off = args.no_sha256  # the transport's digests are the constant stand-in: check the real ones
+    # after the timed part: the transport's own digests, and an independent sha256 of the bytes
     print(json.dumps({
         "t_start": t0, "t_down_end": t1, "t_end": t2, "cpu_s": cpu, "down_bytes": len(got), "up_bytes": len(blob),
-        "down_sha256_ok": hashlib.sha256(got).hexdigest() == args.sha256 and (off or ticket.sha256 == args.sha256),
-        "up_sha256_ok": off or sha == up_sha, "up_sha256": up_sha,
+        "down_sha256_ok": hashlib.sha256(got).hexdigest() == args.sha256,
+        "up_sha256_ok": digest == digest_of(ticket.checksum, blob), "up_sha256": up_sha,
     }), flush=True)
     return 0
 
@@ -300,12 +275,13 @@ def _ask_cpu(server: subprocess.Popen, kind: str) -> float:
 def stream_run(kind: str, nbytes: int, tls_dir: Path | None, spool: Path) -> dict[str, Any]:
     """One exchange without Flower: a server process (`kind` 'bare': bare grpcio; 'dataplane':
     lordo_fed.transport's DataPlaneServer) and NODES client processes, each downloading then
-    uploading `nbytes`; wall seconds from 'go' to the last client done. 'dataplane-nohash': the
-    data plane with sha256 off (diagnostic)."""
+    uploading `nbytes`; wall seconds from 'go' to the last client done. 'dataplane-sha256': the
+    data plane with checksum sha256 (the default is xxh3)."""
     tls = ["--tls", str(tls_dir)] if tls_dir else []
-    if kind == "dataplane-nohash":
-        kind, tls = "dataplane", tls + ["--no-sha256"]
-    server = _spawn(f"{kind}-server", "--bytes", str(nbytes), "--spool", str(spool), *tls)
+    checksum = "xxh3"
+    if kind == "dataplane-sha256":
+        kind, checksum = "dataplane", "sha256"
+    server = _spawn(f"{kind}-server", "--bytes", str(nbytes), "--spool", str(spool), "--checksum", checksum, *tls)
     clients: list[subprocess.Popen] = []
     uploads = None
     try:
@@ -456,7 +432,7 @@ def breakdown(rows: list[dict], mode: str) -> dict[str, Any]:
 
     b: dict[str, Any] = {
         "server_encode_s": _r(_med(r["server_encode_s"] for r in rows)),
-        ("publish_sha256_s" if mode == "grpc" else "server_record_wrap_s"): _r(_med(r["publish_s"] for r in rows)),
+        ("publish_digest_s" if mode == "grpc" else "server_record_wrap_s"): _r(_med(r["publish_s"] for r in rows)),
         "push_s": _r(_med(r["push_s"] for r in rows)),
         "control_down_s": _r(node_max("control_down_s")),
         "client_gen_excluded_s": _r(node_max("gen_s")),
@@ -537,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--sha256", default="")
         p.add_argument("--ticket", default="")
         p.add_argument("--spool", default="")
-        p.add_argument("--no-sha256", action="store_true")
+        p.add_argument("--checksum", default="xxh3")
         return _WORKERS[argv[0]](p.parse_args(argv[1:]))
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -573,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[dataplane_throughput] {size_mb:g} MB each way x {NODES} nodes, {repeats} repeat(s)", flush=True)
     streams: dict[tuple[str, str], list[dict]] = {(k, sec): [] for k in ("bare", "dataplane")
                                                   for sec in ("plaintext", "tls")}
-    streams["dataplane-nohash", "plaintext"] = []
+    streams.update({("dataplane-sha256", sec): [] for sec in ("plaintext", "tls")})
 
     with tempfile.TemporaryDirectory(prefix="dpbench-") as tmp:
         tmp_path = Path(tmp)
@@ -618,7 +594,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, key in (("bare grpc", ("bare", "plaintext")), ("bare grpc TLS", ("bare", "tls")),
                       ("dp transport only", ("dataplane", "plaintext")),
                       ("dp transport only TLS", ("dataplane", "tls")),
-                      ("dp transport, sha256 off", ("dataplane-nohash", "plaintext"))):
+                      ("dp transport, sha256", ("dataplane-sha256", "plaintext")),
+                      ("dp transport, sha256 TLS", ("dataplane-sha256", "tls"))):
         s = summaries[key]
         variants[name] = {"security": key[1], "bytes_moved": s["bytes_moved"], "seconds": s["seconds"],
                           "mb_per_s": s["mb_per_s"], "ratio_to_bare": round(s["mb_per_s"] / bare_mbs[key[1]], 3),

@@ -23,7 +23,7 @@ import time
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from lordo_fed.app.records import (IDENTIFY, ROUND_TIMEOUT, TICKET, UPLOAD_SHA256, explicit_keys, payload_bytes,
+from lordo_fed.app.records import (IDENTIFY, ROUND_TIMEOUT, TICKET, UPLOAD_DIGEST, explicit_keys, payload_bytes,
                                    payload_record)
 from lordo_fed.node.config import NodeConfig
 
@@ -63,7 +63,7 @@ def _handle(kind: str, msg: Message, context: Context) -> Message:
                                     dict(context.node_config), context.node_id, ticket=ticket, payload=payload,
                                     timeout=3 * _round_timeout(msg, context) + 60)
         metrics = dict(result.metrics)
-        content = (RecordDict({"upload": ConfigRecord({UPLOAD_SHA256: result.upload_sha256})}) if ticket
+        content = (RecordDict({"upload": ConfigRecord({UPLOAD_DIGEST: result.upload_digest})}) if ticket
                    else RecordDict({"update": payload_record(result.payload)}))
         metrics["transfer-seconds"] = metrics.get("download-seconds", 0.0) + metrics.get("upload-seconds", 0.0)
     else:
@@ -108,7 +108,7 @@ def _round_timeout(msg: Message, context: Context) -> float:
 
 def receive_state(msg: Message, context: Context, timeout: float) -> bytes | bytearray:
     """The encoded state a server message brings: inside it (Flower data plane), or fetched from
-    the gRPC data plane with the message's ticket (checked against its size and sha256)."""
+    the gRPC data plane with the message's ticket (checked against its size and digest)."""
     config = msg.content.config_records.get("config")
     if config is None or TICKET not in config:
         return payload_bytes(msg.content["state"])
@@ -120,14 +120,14 @@ def receive_state(msg: Message, context: Context, timeout: float) -> bytes | byt
 
 def send_reply(msg: Message, context: Context, data: bytes, timeout: float) -> RecordDict:
     """The reply's content for an encoded update: the update itself (Flower data plane), or only
-    its sha256 once the gRPC data plane has confirmed the upload."""
+    its digest once the gRPC data plane has confirmed the upload."""
     config = msg.content.config_records.get("config")
     if config is None or TICKET not in config:
         return RecordDict({"update": payload_record(data)})
     from lordo_fed.transport.client import parse_ticket, upload
 
-    sha = upload(parse_ticket(config[TICKET]), context.node_id, data, _root_certificates(context), timeout=timeout)
-    return RecordDict({"upload": ConfigRecord({UPLOAD_SHA256: sha})})
+    digest = upload(parse_ticket(config[TICKET]), context.node_id, data, _root_certificates(context), timeout=timeout)
+    return RecordDict({"upload": ConfigRecord({UPLOAD_DIGEST: digest})})
 
 
 def _root_certificates(context: Context) -> str | None:

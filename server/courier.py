@@ -18,11 +18,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
 from lordo_fed.app.config import AppConfig
-from lordo_fed.app.records import (EXPLICIT_KEYS, IDENTIFY, ROUND_TIMEOUT, TICKET, UPLOAD_SHA256, is_simulation,
+from lordo_fed.app.records import (EXPLICIT_KEYS, IDENTIFY, ROUND_TIMEOUT, TICKET, UPLOAD_DIGEST, is_simulation,
                                    payload_bytes, payload_record, shorten_pull_backoff)
 from lordo_fed.transport.server import DataPlaneServer, Upload
 from lordo_fed.wire.codec import PayloadError
@@ -35,7 +36,7 @@ from server.records import RoundLog
 
 log = logging.getLogger("lordo_fed.server")
 
-#: A usable reply: its ref (decoded again when the aggregator asks), its payload size, its client's metrics.
+#: A usable reply: its ref (the aggregator loads it when it asks), its payload size, its client's metrics.
 Usable = tuple[ReplyRef, int, MetricRecord]
 
 
@@ -67,7 +68,8 @@ class Courier:
             return
         self.data_plane = DataPlaneServer(self.spool, bind=dp.bind, port=dp.port,
                                           advertise=dp.address, tls=dp.tls(), stall_timeout=dp.stall_timeout,
-                                          memory_budget=dp.memory_mb << 20, max_uploads=dp.max_uploads).start()
+                                          memory_budget=dp.memory_mb << 20, max_uploads=dp.max_uploads,
+                                          checksum=dp.checksum).start()
 
     def stop(self) -> None:
         if self.data_plane is not None:
@@ -129,7 +131,7 @@ class Courier:
 
     def announce(self, grid: Grid, round_idx: int) -> None:
         """Push the train messages of a round whose state is not published yet (data plane
-        tickets with no size/sha256: the node's download waits for the publish). Valid two round
+        tickets with no size/digest: the node's download waits for the publish). Valid two round
         deadlines: the node may take the message while the previous round still runs."""
         tickets = self.data_plane.announce(round_idx, list(grid.get_node_ids()), ttl=2 * self.cfg.round_timeout + 60,
                                            max_upload=self.max_upload)
@@ -212,9 +214,10 @@ class Courier:
             log.warning("no reply from node %s: %s; excluded from this round", ids[mid], reason.rstrip(". "))
         return replies
 
-    def decode(self, payload: bytes | memoryview) -> WorkerUpdate:
-        """A reply's payload as a WorkerUpdate of this run's model (PayloadError when it is not one)."""
-        return decode_update(payload, expected_model_id=self.model_id, codecs=self.codecs)
+    def decode(self, payload: bytes | memoryview, adopt: bool = False) -> WorkerUpdate:
+        """A reply's payload as a WorkerUpdate of this run's model (PayloadError when it is not one);
+        `adopt`: fp32 tensors are views of a writable `payload` instead of copies (lordo_fed.wire.decode)."""
+        return decode_update(payload, expected_model_id=self.model_id, adopt=adopt, codecs=self.codecs)
 
     @contextlib.contextmanager
     def screened(self, replies: Iterable[Message], round_idx: int, phase: str,
@@ -224,15 +227,27 @@ class Courier:
         """(ref, payload size, client metrics) of every reply that decodes and passes screening,
         in partition order (sums in a fixed order are reproducible, whatever the arrival order).
 
-        Bounded server memory: each reply is decoded once on arrival for `check` (its tensors'
-        names, shapes, finiteness, and its ||Δ|| for the outlier rule), then dropped; the ref
-        decodes it again from its payload when the aggregator asks (one reply at a time,
-        `Aggregator.aggregate_refs`). The payloads stay where they arrived until the block ends:
+        Each reply is decoded on arrival for `check` (its tensors' names, shapes, finiteness, and
+        its ||Δ|| for the outlier rule). Decoded once where holding it costs no memory: an upload
+        held in the data plane's memory decodes in place (`adopt`: its fp32 tensors are views of
+        the upload's buffer), and the ref keeps that decode for the aggregator. Otherwise (a
+        compressed reply, whose decode is dense fp32 of its own; a reply spilled to disk; Flower's
+        path) the decode is dropped and the ref decodes the payload again when the aggregator asks,
+        one reply at a time (`Aggregator.aggregate_refs`), so the server's memory stays bounded
+        whatever the number of replies. The payloads stay where they arrived until the block ends:
         on the data plane, in its memory budget or spilled to disk; on Flower's path, in the
-        messages. Each refused reply is logged as `<phase>: dropped reply of node <id>[
+        messages. A ref must not be loaded after the block: the upload buffers its kept decodes
+        view are then released for later uploads. Each refused reply is logged as `<phase>: dropped reply of node <id>[
         (partition <p>)]: <reason>` (`<phase>: node <id> failed: ...` for an error reply) and
         recorded in `rl.dropped`; decoding time goes to `rl.decode_seconds`."""
         held = []  # data-plane uploads, discarded when the block ends
+        kept: dict[int, WorkerUpdate] = {}  # decodes that are views of those uploads, dropped with them
+
+        def load_kept(index: int) -> WorkerUpdate:
+            if index not in kept:
+                raise RuntimeError(f"{phase}: a reply loaded after its screening block ended (its upload buffer "
+                                   "was released)")
+            return kept[index]
         entries: list[tuple[str, ReplyRef, int, MetricRecord, str | None, float]] = []
         try:
             for msg in replies:
@@ -254,7 +269,8 @@ class Courier:
                         source = upload.buffer
                     payload = source()
                     size = len(payload)
-                    update = self.decode(payload)
+                    update = self.decode(payload, adopt=self.data_plane is not None)
+                    in_place = _views_of(update, payload)
                     del payload
                     reason, norm = check(update)
                 except (PayloadError, ValueError, KeyError) as err:
@@ -263,7 +279,12 @@ class Courier:
                     continue
                 finally:
                     rl.decode_seconds += time.perf_counter() - decode_started
-                ref = ReplyRef.of(update, load=lambda source=source: self.decode(source()), norm=norm)
+                if in_place:
+                    kept[len(entries)] = update
+                    load = (lambda index=len(entries): load_kept(index))
+                else:
+                    load = (lambda source=source: self.decode(source()))
+                ref = ReplyRef.of(update, load=load, norm=norm)
                 del update
                 entries.append((f"{who} (partition {ref.worker_id})", ref, size, msg.content.get("metrics", MetricRecord()),
                                 reason, norm))
@@ -278,21 +299,30 @@ class Courier:
                     usable.append((ref, size, metrics))
             yield usable
         finally:
+            kept.clear()
             for upload in held:
                 upload.discard()
 
     def _upload_of(self, msg: Message, round_idx: int) -> Upload:
-        """The data-plane upload a reply vouches for (its sha256 must match); ValueError naming
+        """The data-plane upload a reply vouches for (its digest must match); ValueError naming
         what is wrong, with the data plane's own refusals of this node when it has any."""
         node = msg.metadata.src_node_id
         upload = self.data_plane.upload(node, round_idx)
         config = msg.content.config_records.get("upload")
-        declared = str(config.get(UPLOAD_SHA256, "")) if config is not None else ""
+        declared = str(config.get(UPLOAD_DIGEST, "")) if config is not None else ""
         if upload is None:
             refused = [r.reason for r in self.data_plane.refusals if r.node_id == node and r.round == round_idx]
             raise ValueError("no verified upload on the data plane" + (f" (refused: {'; '.join(refused)})" if refused else ""))
-        if upload.sha256 != declared:
+        if upload.digest != declared:
             upload.discard()
-            raise ValueError(f"the reply vouches for sha256 {declared[:16] or 'none'}..., the data plane received "
-                             f"{upload.sha256[:16]}...")
+            raise ValueError(f"the reply vouches for digest {declared[:16] or 'none'}..., the data plane received "
+                             f"{upload.digest[:16]}...")
         return upload
+
+
+def _views_of(update: WorkerUpdate, payload) -> bool:
+    """Whether every tensor of `update` is a view of `payload` (decoded in place: keeping the
+    decode costs no memory beyond the payload, which is held anyway)."""
+    buf = np.frombuffer(payload, dtype=np.uint8)
+    start = buf.ctypes.data
+    return all(start <= t.data_ptr() < start + buf.nbytes for t in update.tensors().values())

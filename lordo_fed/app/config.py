@@ -25,6 +25,8 @@ PRESET_DIR = Path(__file__).resolve().parent / "presets"
 ServerApp, every ClientApp and every node worker read the same files."""
 CLIENT_STATE_STORES = ("disk", "context")
 DATA_PLANE_MODES = ("auto", "grpc", "flower")
+CHECKSUMS = ("xxh3", "sha256")
+"""The data plane's checksum kinds, the default first (lordo_fed.transport.checksum says why)."""
 
 
 @dataclass
@@ -52,6 +54,8 @@ class DataPlaneConfig:
     """MB of replies the server holds in memory; the rest spill to disk (bounded server memory)."""
     max_uploads: int = setting("data-plane-max-uploads", 4)
     """Uploads the server reads at once; later ones wait their turn (memory flat in the number of nodes)."""
+    checksum: str = setting("data-plane-checksum", CHECKSUMS[0])
+    """Digest of every payload, both ways: 'xxh3' (fast, against corruption) or 'sha256' (cryptographic)."""
 
     def validate(self) -> "DataPlaneConfig":
         if self.mode not in DATA_PLANE_MODES:
@@ -64,6 +68,8 @@ class DataPlaneConfig:
             raise ValueError(f"data_plane.memory_mb={self.memory_mb!r}: expected MB >= 0")
         if isinstance(self.max_uploads, bool) or not isinstance(self.max_uploads, int) or self.max_uploads < 1:
             raise ValueError(f"data_plane.max_uploads={self.max_uploads!r}: expected an integer >= 1")
+        if self.checksum not in CHECKSUMS:
+            raise ValueError(f"data_plane.checksum={self.checksum!r}: expected one of {CHECKSUMS}")
         if self.certfile and not self.keyfile:
             raise ValueError(f"data_plane.certfile={self.certfile!r} without data_plane.keyfile: expected both "
                              "(TLS) or neither")

@@ -20,8 +20,9 @@ if TYPE_CHECKING:  # a node-worker ClientApp never imports torch
 PAYLOAD = "payload"
 TICKET = "ticket"
 """ConfigRecord key of a server message on the gRPC data plane: a serialized `lordo_fed.v1.Ticket`."""
-UPLOAD_SHA256 = "sha256"
-"""Key, in a reply's "upload" ConfigRecord, of the sha256 of what the node put on the data plane."""
+UPLOAD_DIGEST = "digest"
+"""Key, in a reply's "upload" ConfigRecord, of the digest (the ticket's checksum kind) of what the node
+put on the data plane."""
 EXPLICIT_KEYS = "explicit-keys"
 """ConfigRecord key of every server message: the run-config keys the user set, comma-separated."""
 ROUND_TIMEOUT = "round-timeout"

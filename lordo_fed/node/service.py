@@ -83,7 +83,7 @@ class NodeWorkerServicer(pb_grpc.NodeWorkerServicer):
             timeout = runtime_for(job).cfg.round_timeout
             if isinstance(sent, StreamingEncode):  # the upload streams the reply while it is encoded
                 try:
-                    sha = upload(ticket, request.node_id, sent.buffer, ca, timeout=timeout, ready=sent.wait_for)
+                    digest = upload(ticket, request.node_id, sent.buffer, ca, timeout=timeout, ready=sent.wait_for)
                 except DataPlaneError:
                     sent.result()  # an encoding error is the cause: raise it instead
                     raise
@@ -91,9 +91,9 @@ class NodeWorkerServicer(pb_grpc.NodeWorkerServicer):
                 metrics["encode-seconds"] = sent.seconds
                 metrics["codec-seconds"] = metrics.get("decode-seconds", 0.0) + sent.seconds
             else:
-                sha = upload(ticket, request.node_id, sent, ca, timeout=timeout)
+                digest = upload(ticket, request.node_id, sent, ca, timeout=timeout)
             metrics["upload-seconds"] = time.perf_counter() - upload_started
-            result = pb.NodeResult(upload_sha256=sha)
+            result = pb.NodeResult(upload_digest=digest)
         metrics["worker-seconds"] = time.perf_counter() - started
         for key, value in metrics.items():
             result.metrics[key] = float(value)

@@ -2,19 +2,20 @@
 `Ticket` its Flower message carried (lordo_fed.transport.server serves the other side).
 
 Both directions verify what the ticket promises: the download must be exactly `ticket.size`
-bytes hashing to `ticket.sha256` (else `DataPlaneError`, and nothing is decoded); the upload
-declares its size and sha256 up front, and the server's receipt must repeat them.
+bytes whose digest is `ticket.digest` (else `DataPlaneError`, and nothing is decoded); the upload
+declares its size up front and its digest at the end, and the server's receipt must repeat them.
+The digest's kind is the ticket's `checksum` (lordo_fed.transport.checksum: xxh3 by default).
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 from typing import Callable, Iterator
 
 import grpc
 
+from lordo_fed.transport.checksum import CHECKSUMS, checksum_of, is_digest, new_digest
 from lordo_fed.wire.encode import new_buffer
 from lordo_fed.transport.framing import frame, unframe
 from lordo_fed.transport.server import (CHUNK_BYTES, CHUNK_DATA, DOWNLOAD_METHOD, UPLOAD_DATA, UPLOAD_METHOD,
@@ -33,10 +34,13 @@ def parse_ticket(data: bytes) -> pb.Ticket:
         ticket.ParseFromString(bytes(data))
     except Exception as err:  # noqa: BLE001 (protobuf's DecodeError and friends)
         raise DataPlaneError(f"data-plane ticket of {len(data)} bytes does not parse: {err}") from err
-    announced = ticket.size == 0 and not ticket.sha256  # the state is published later
-    if not ticket.address or ticket.size < 0 or (len(ticket.sha256) != 64 and not announced):
+    kind = checksum_of(ticket)
+    if kind not in CHECKSUMS:
+        raise DataPlaneError(f"data-plane ticket names checksum {kind!r}; this node knows {CHECKSUMS}")
+    announced = ticket.size == 0 and not ticket.digest  # the state is published later
+    if not ticket.address or ticket.size < 0 or (not is_digest(kind, ticket.digest) and not announced):
         raise DataPlaneError(f"data-plane ticket incomplete (address {ticket.address!r}, size {ticket.size}, "
-                             f"sha256 {ticket.sha256!r})")
+                             f"{kind} digest {ticket.digest!r})")
     return ticket
 
 
@@ -66,14 +70,14 @@ def open_channel(ticket: pb.Ticket, root_certificates: bytes | str | Path | None
 
 def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: float | None = None,
              stats: dict[str, float] | None = None) -> memoryview:
-    """The round's encoded GlobalState, checked against the size and sha256 that the ticket
+    """The round's encoded GlobalState, checked against the size and digest that the ticket
     names or, for a round announced before its state existed, that the stream's first chunk
     declares (the call then waits for the server to publish the round). Returns a writable buffer
     of this node's own (the decoder may adopt it, lordo_fed.wire.encode.new_buffer). `stats`, when given,
     gets `first_byte`: the time.perf_counter() of the first chunk (before it, the node waited)."""
     out, view = None, None
-    size, expected = ticket.size, ticket.sha256
-    digest, offset = hashlib.sha256(), 0
+    size, expected, kind = ticket.size, ticket.digest, checksum_of(ticket)
+    digest, offset = new_digest(kind), 0
     with open_channel(ticket, root_certificates) as channel:
         call = channel.unary_stream(DOWNLOAD_METHOD, request_serializer=pb.DownloadRequest.SerializeToString,
                                     response_deserializer=raw_bytes)
@@ -84,16 +88,20 @@ def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: f
                 if out is None:
                     if stats is not None:
                         stats["first_byte"] = time.perf_counter()
-                    if expected and chunk.sha256 and (chunk.sha256 != expected or chunk.size != size):
+                    if chunk.digest and checksum_of(chunk) != kind:
+                        stream.cancel()
+                        raise DataPlaneError(f"download from {ticket.address}: the stream's checksum is "
+                                             f"{checksum_of(chunk)!r}, the ticket's {kind!r}")
+                    if expected and chunk.digest and (chunk.digest != expected or chunk.size != size):
                         stream.cancel()
                         raise DataPlaneError(f"download from {ticket.address}: the server declares {chunk.size} bytes "
-                                             f"({chunk.sha256[:16]}...), the ticket {size} ({expected[:16]}...)")
+                                             f"({chunk.digest[:16]}...), the ticket {size} ({expected[:16]}...)")
                     if not expected:
-                        size, expected = chunk.size, chunk.sha256
-                        if size <= 0 or len(expected) != 64:
+                        size, expected = chunk.size, chunk.digest
+                        if size <= 0 or not is_digest(kind, expected):
                             stream.cancel()
-                            raise DataPlaneError(f"download from {ticket.address}: the stream declares no size/sha256 "
-                                                 "for an announced round")
+                            raise DataPlaneError(f"download from {ticket.address}: the stream declares no size/{kind} "
+                                                 "digest for an announced round")
                     out = view = new_buffer(size)  # written once, by the chunks: no memset first
                 n = len(data)
                 if offset + n > size:
@@ -108,7 +116,7 @@ def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: f
     if out is None or offset != size:
         raise DataPlaneError(f"download from {ticket.address}: {offset} of {size} bytes (truncated)")
     if digest.hexdigest() != expected:
-        raise DataPlaneError(f"download from {ticket.address}: sha256 mismatch (got {digest.hexdigest()[:16]}..., "
+        raise DataPlaneError(f"download from {ticket.address}: {kind} digest mismatch (got {digest.hexdigest()[:16]}..., "
                              f"expected {expected[:16]}...)")
     return out
 
@@ -116,26 +124,28 @@ def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: f
 def _chunks(ticket: pb.Ticket, node_id: int, data: memoryview, step: int, digest,
             ready: Callable[[int], None] | None) -> Iterator[bytes]:
     """The header alone first (token, node, size: the server checks it, and may queue the upload
-    behind others, before any data is sent), then the data, hashed as it goes, then the sha256
+    behind others, before any data is sent), then the data, hashed as it goes, then the digest
     (protocol: dataplane.proto; serialized by lordo_fed.transport.framing)."""
-    yield pb.UploadChunk(token=ticket.upload_token, node_id=int(node_id), size=len(data)).SerializeToString()
+    yield pb.UploadChunk(token=ticket.upload_token, node_id=int(node_id), size=len(data),
+                         checksum=checksum_of(ticket)).SerializeToString()
     for offset in range(0, len(data), step):
         if ready is not None:
             ready(min(offset + step, len(data)))  # the bytes are still being written (StreamingEncode)
         piece = data[offset:offset + step]
         digest.update(piece)
         yield frame(pb.UploadChunk(), UPLOAD_DATA, piece)
-    yield pb.UploadChunk(sha256=digest.hexdigest()).SerializeToString()
+    yield pb.UploadChunk(digest=digest.hexdigest()).SerializeToString()
 
 
 def upload(ticket: pb.Ticket, node_id: int, data: bytes | bytearray | memoryview, root_certificates=None,
            timeout: float | None = None, chunk_bytes: int = CHUNK_BYTES,
            ready: Callable[[int], None] | None = None) -> str:
-    """Send this node's encoded WorkerUpdate; returns its sha256 once the server confirmed it.
+    """Send this node's encoded WorkerUpdate; returns its digest (of the ticket's checksum kind)
+    once the server confirmed it.
     `ready(n)`, when given, blocks until the first `n` bytes of `data` are final: the upload then
     streams a payload that is still being encoded (lordo_fed.wire.encode.StreamingEncode)."""
     view = memoryview(data).cast("B")
-    digest = hashlib.sha256()
+    digest = new_digest(checksum_of(ticket))
     with open_channel(ticket, root_certificates) as channel:
         try:
             call = channel.stream_unary(UPLOAD_METHOD, request_serializer=raw_bytes,
@@ -144,8 +154,8 @@ def upload(ticket: pb.Ticket, node_id: int, data: bytes | bytearray | memoryview
         except grpc.RpcError as err:
             raise DataPlaneError(f"upload of {len(view)} bytes to {ticket.address} refused or failed: "
                                  f"{err.code().name}: {err.details()}") from err
-    sha = digest.hexdigest()
-    if receipt.sha256 != sha or receipt.size != len(view):
-        raise DataPlaneError(f"upload to {ticket.address}: the receipt ({receipt.size} bytes, {receipt.sha256[:16]}...) "
-                             f"does not match what was sent ({len(view)} bytes, {sha[:16]}...)")
-    return sha
+    sent = digest.hexdigest()
+    if receipt.digest != sent or receipt.size != len(view):
+        raise DataPlaneError(f"upload to {ticket.address}: the receipt ({receipt.size} bytes, {receipt.digest[:16]}...) "
+                             f"does not match what was sent ({len(view)} bytes, {sent[:16]}...)")
+    return sent

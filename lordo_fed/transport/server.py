@@ -13,7 +13,10 @@ down and the encoded `lordo_fed.v1.WorkerUpdate` comes up, cut into chunks
   <reason>` and kept in `refusals` for the round's report: a missing, malformed, forged, expired
   or replayed token, another node's or another round's token, an upload that declares or sends
   more than the round allows or more than it declared, one that ends short (the node died or
-  the stream was cut), a sha256 mismatch, and a stream that stalls longer than `stall_timeout`.
+  the stream was cut), a digest mismatch or another checksum kind than the round's, and a stream
+  that stalls longer than `stall_timeout`.
+- Every payload carries a digest of the server's `checksum` kind, both ways (xxh3 by default,
+  sha256 as an option: lordo_fed.transport.checksum says why).
 - Uploads stream to a spool file (written as they arrive, hashed on the fly) and are published
   by an atomic rename only once whole and verified: nothing of a refused upload is ever read,
   and server memory does not grow with the payload or the number of nodes.
@@ -27,7 +30,6 @@ timed out per chunk (`asyncio.wait_for`) without a thread per stream.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import mmap
 import os
@@ -40,6 +42,7 @@ from typing import Callable
 
 import grpc
 
+from lordo_fed.transport.checksum import CHECKSUMS, check_kind, checksum_of, digest_of, new_digest
 from lordo_fed.transport.framing import frame, unframe
 from lordo_fed.transport.tokens import DOWNLOAD, UPLOAD, TokenError, TokenIssuer
 from lordo_fed.v1 import dataplane_pb2 as pb
@@ -84,14 +87,15 @@ def channel_options() -> list[tuple[str, int]]:
 
 @dataclass
 class Upload:
-    """A verified reply: exactly `size` bytes whose sha256 is `sha256`, held in memory (`data`)
+    """A verified reply: exactly `size` bytes whose digest is `digest`, held in memory (`data`)
     or spilled to the spool file `path`. `buffer()` gives the bytes either way (an mmap of the
     file: the page cache, not the process, holds a spilled reply); `discard()` frees them."""
 
     node_id: int
     round: int
     size: int
-    sha256: str
+    digest: str
+    """Lowercase hex, of the data plane's checksum kind."""
     seconds: float
     """From the first to the last byte received."""
     data: memoryview | None = None
@@ -141,7 +145,7 @@ class DataPlaneServer:
     def __init__(self, spool_dir: str | os.PathLike, bind: str = "127.0.0.1", port: int = 0,
                  advertise: str = "", tls: tuple[bytes, bytes] | None = None, stall_timeout: float = 30.0,
                  chunk_bytes: int = CHUNK_BYTES, issuer: TokenIssuer | None = None,
-                 memory_budget: int = 1 << 30, max_uploads: int = 4):
+                 memory_budget: int = 1 << 30, max_uploads: int = 4, checksum: str = CHECKSUMS[0]):
         """`tls`: (PEM certificate chain, PEM private key), None for plaintext; `advertise`: the
         host nodes dial ('' = the bind host, 127.0.0.1 when binding all interfaces);
         `memory_budget`: bytes of replies held in memory at once, the rest spill to `spool_dir`
@@ -151,13 +155,15 @@ class DataPlaneServer:
         was checked, holding only gRPC's flow-control window: each stream being read costs the
         server ~45-90 MB of gRPC buffers and allocator arenas at 125m (results.md section 9), so
         this keeps its memory flat in the number of nodes, at the price of queueing uploads
-        that arrive together (raise it when many nodes upload over slow links of their own)."""
+        that arrive together (raise it when many nodes upload over slow links of their own);
+        `checksum`: the digest kind of every payload, both ways (lordo_fed.transport.checksum)."""
         if not 0 < chunk_bytes <= CHUNK_BYTES:
             raise ValueError(f"chunk_bytes={chunk_bytes}: expected 1..{CHUNK_BYTES}")
         if not stall_timeout > 0:
             raise ValueError(f"stall_timeout={stall_timeout!r}: expected seconds > 0")
         if not max_uploads >= 1:
             raise ValueError(f"max_uploads={max_uploads!r}: expected an integer >= 1")
+        self.checksum = check_kind(checksum)
         self.spool_dir = Path(spool_dir)
         self.bind, self.port, self.tls, self.stall_timeout = bind, port, tls, stall_timeout
         self.advertise = advertise or ("127.0.0.1" if bind in ("0.0.0.0", "::", "[::]", "") else bind)
@@ -172,7 +178,7 @@ class DataPlaneServer:
         self._lock = threading.Lock()
         self._round: int | None = None
         self._blobs: dict[int, memoryview] = {}
-        self._sha: dict[int, str] = {}
+        self._digest: dict[int, str] = {}
         self._events: dict[int, asyncio.Event] = {}
         """The current round's encoded state and the previous one's (a node that fell behind
         still trains the round it was sent, so its own state stays continuous)."""
@@ -259,34 +265,34 @@ class DataPlaneServer:
         discarded. The previous round's state stays downloadable: a node that fell behind
         (stalled, slow) still trains the round it was sent and keeps its own state continuous,
         though its late reply is refused. Downloads waiting for this round start now."""
-        sha = hashlib.sha256(data).hexdigest()
+        digest = digest_of(self.checksum, data)
         with self._lock:
             self._round = int(round_idx)
             self._max_upload = int(max_upload) or self._max_upload
             self._blobs = {r: b for r, b in self._blobs.items() if r == round_idx - 1}
             self._blobs[int(round_idx)] = memoryview(data).cast("B")
-            self._sha = {r: s for r, s in self._sha.items() if r in self._blobs}
-            self._sha[int(round_idx)] = sha
+            self._digest = {r: d for r, d in self._digest.items() if r in self._blobs}
+            self._digest[int(round_idx)] = digest
             stale = [k for k in self._uploads if k[1] != round_idx]
             stale = [self._uploads.pop(key) for key in stale]
         for upload in stale:
             upload.discard()
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._published(round_idx).set)
-        return {int(n): self._ticket(n, round_idx, ttl, max_upload or self._max_upload, len(data), sha)
+        return {int(n): self._ticket(n, round_idx, ttl, max_upload or self._max_upload, len(data), digest)
                 for n in node_ids}
 
     def announce(self, round_idx: int, node_ids, ttl: float, max_upload: int) -> dict[int, pb.Ticket]:
-        """Tickets for a round whose state does not exist yet (size 0, no sha256): a node can
+        """Tickets for a round whose state does not exist yet (size 0, no digest): a node can
         start on them at once, and its download waits until `publish(round_idx, ...)` (its first
-        chunk then declares size and sha256). Lets Flower deliver round r+1's message while
+        chunk then declares size and digest). Lets Flower deliver round r+1's message while
         round r is still running, taking Flower's message latency off the critical path."""
         with self._lock:
             self._max_upload = max(self._max_upload, int(max_upload))
         return {int(n): self._ticket(n, round_idx, ttl, max_upload, 0, "") for n in node_ids}
 
-    def _ticket(self, node_id: int, round_idx: int, ttl: float, max_upload: int, size: int, sha: str) -> pb.Ticket:
-        return pb.Ticket(address=self.address, round=int(round_idx), size=size, sha256=sha,
+    def _ticket(self, node_id: int, round_idx: int, ttl: float, max_upload: int, size: int, digest: str) -> pb.Ticket:
+        return pb.Ticket(address=self.address, round=int(round_idx), size=size, digest=digest, checksum=self.checksum,
                          download_token=self.issuer.issue(node_id, round_idx, DOWNLOAD, ttl),
                          upload_token=self.issuer.issue(node_id, round_idx, UPLOAD, ttl),
                          max_upload=int(max_upload), tls=self.tls is not None)
@@ -393,10 +399,10 @@ class _Servicer:
                 raise plane._refuse(request.node_id, claims.round, DOWNLOAD, f"round {claims.round} is no longer served")
             step = plane.chunk_bytes
             with plane._lock:
-                sha = plane._sha[claims.round]
-            # The header (size, sha256) alone first: the node knows the round is published at once,
+                digest = plane._digest[claims.round]
+            # The header (size, digest) alone first: the node knows the round is published at once,
             # whatever the chunk size (it times its wait by it), then the data.
-            header = pb.Chunk(size=len(blob), sha256=sha).SerializeToString()
+            header = pb.Chunk(size=len(blob), digest=digest, checksum=plane.checksum).SerializeToString()
             for offset in range(-step, len(blob), step):
                 chunk = header if offset < 0 else frame(pb.Chunk(), CHUNK_DATA, blob[offset:offset + step])
                 try:
@@ -423,6 +429,9 @@ class _Servicer:
             if first.size <= 0 or first.size > limit:
                 raise plane._refuse(node, round_idx, UPLOAD, f"declares {first.size} bytes; expected 1..{limit} "
                                     "(the round's largest reply)", grpc.StatusCode.INVALID_ARGUMENT)
+            if checksum_of(first) != plane.checksum:
+                raise plane._refuse(node, round_idx, UPLOAD, f"declares checksum {checksum_of(first)!r}; "
+                                    f"expected the ticket's {plane.checksum!r}", grpc.StatusCode.INVALID_ARGUMENT)
             # A turn among the uploads read at once (`max_uploads`), waited for at most until the
             # token expires; only a checked header waits.
             try:
@@ -450,13 +459,13 @@ class _Servicer:
 
     async def _receive(self, context, first: pb.UploadChunk, first_data, claims) -> pb.UploadReceipt:
         """The rest of an upload whose header (token, size) checked out: its bytes, stored as they
-        come, and their sha256 (raises _Refused)."""
+        come, and their digest (raises _Refused)."""
         plane = self.plane
         node, round_idx, declared, sink = first.node_id, claims.round, first.size, None
         try:
             sink = _Sink(plane, node, round_idx, declared)
             loop = asyncio.get_running_loop()
-            received, declared_sha, started = 0, "", time.perf_counter()
+            received, declared_digest, started = 0, "", time.perf_counter()
             pending = None  # hashing and storing chunk i (in a thread) overlaps receiving chunk i+1
             msg, data = first, first_data
             while msg is not None:
@@ -468,20 +477,21 @@ class _Servicer:
                         await pending
                     pending = loop.run_in_executor(plane._io, sink.write, received, data)
                     received += len(data)
-                declared_sha = msg.sha256 or declared_sha
+                declared_digest = msg.digest or declared_digest
                 msg, data = await self._read(context, node, round_idx, received, declared)
             if pending is not None:
                 await pending
             if received != declared:
                 raise plane._refuse(node, round_idx, UPLOAD, f"stream ended after {received} of the {declared} "
                                     "declared bytes (truncated)", grpc.StatusCode.INVALID_ARGUMENT)
-            sha = sink.digest.hexdigest()
-            if sha != declared_sha:
-                raise plane._refuse(node, round_idx, UPLOAD, f"sha256 mismatch: received bytes hash to {sha[:16]}..., "
-                                    f"the node declared {declared_sha[:16] or 'none'}...", grpc.StatusCode.DATA_LOSS)
+            digest = sink.digest.hexdigest()
+            if digest != declared_digest:
+                raise plane._refuse(node, round_idx, UPLOAD, f"{plane.checksum} digest mismatch: received bytes hash to "
+                                    f"{digest[:16]}..., the node declared {declared_digest[:16] or 'none'}...",
+                                    grpc.StatusCode.DATA_LOSS)
             if not plane.issuer.spend(claims):
                 raise plane._refuse(node, round_idx, UPLOAD, "upload token already used (replayed)")
-            upload = sink.finish(sha, time.perf_counter() - started)
+            upload = sink.finish(digest, time.perf_counter() - started)
             sink = None
             with plane._lock:
                 current = plane._round == round_idx
@@ -490,7 +500,7 @@ class _Servicer:
                     plane._arrived.notify_all()
             if not current:
                 upload.discard()  # the round closed while this one streamed
-            return pb.UploadReceipt(size=received, sha256=sha)
+            return pb.UploadReceipt(size=received, digest=digest)
         finally:
             if sink is not None:
                 sink.abandon()
@@ -515,7 +525,7 @@ class _Sink:
 
     def __init__(self, plane: DataPlaneServer, node: int, round_idx: int, size: int):
         self.plane, self.node, self.round, self.size = plane, node, round_idx, size
-        self.digest = hashlib.sha256()
+        self.digest = new_digest(plane.checksum)
         self.base = plane._take_buffer(size)
         self.data = memoryview(self.base)[:size] if self.base is not None else None
         self.part = None
@@ -532,8 +542,8 @@ class _Sink:
         else:
             self.file.write(chunk)
 
-    def finish(self, sha: str, seconds: float) -> Upload:
-        upload = Upload(self.node, self.round, self.size, sha, seconds, data=self.data,
+    def finish(self, digest: str, seconds: float) -> Upload:
+        upload = Upload(self.node, self.round, self.size, digest, seconds, data=self.data,
                         _base=self.base, _release=self.plane._release)
         if self.file is not None:
             self.file.close()

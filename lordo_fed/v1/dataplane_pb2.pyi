@@ -5,24 +5,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Ticket(_message.Message):
-    __slots__ = ("address", "round", "size", "sha256", "download_token", "upload_token", "max_upload", "tls")
+    __slots__ = ("address", "round", "size", "digest", "download_token", "upload_token", "max_upload", "tls", "checksum")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
-    SHA256_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     DOWNLOAD_TOKEN_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MAX_UPLOAD_FIELD_NUMBER: _ClassVar[int]
     TLS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     address: str
     round: int
     size: int
-    sha256: str
+    digest: str
     download_token: str
     upload_token: str
     max_upload: int
     tls: bool
-    def __init__(self, address: _Optional[str] = ..., round: _Optional[int] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., download_token: _Optional[str] = ..., upload_token: _Optional[str] = ..., max_upload: _Optional[int] = ..., tls: _Optional[bool] = ...) -> None: ...
+    checksum: str
+    def __init__(self, address: _Optional[str] = ..., round: _Optional[int] = ..., size: _Optional[int] = ..., digest: _Optional[str] = ..., download_token: _Optional[str] = ..., upload_token: _Optional[str] = ..., max_upload: _Optional[int] = ..., tls: _Optional[bool] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class DownloadRequest(_message.Message):
     __slots__ = ("token", "node_id")
@@ -33,33 +35,37 @@ class DownloadRequest(_message.Message):
     def __init__(self, token: _Optional[str] = ..., node_id: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("data", "size", "sha256")
+    __slots__ = ("data", "size", "digest", "checksum")
     DATA_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
-    SHA256_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     size: int
-    sha256: str
-    def __init__(self, data: _Optional[bytes] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    digest: str
+    checksum: str
+    def __init__(self, data: _Optional[bytes] = ..., size: _Optional[int] = ..., digest: _Optional[str] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class UploadChunk(_message.Message):
-    __slots__ = ("token", "node_id", "size", "sha256", "data")
+    __slots__ = ("token", "node_id", "size", "digest", "data", "checksum")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
-    SHA256_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     token: str
     node_id: int
     size: int
-    sha256: str
+    digest: str
     data: bytes
-    def __init__(self, token: _Optional[str] = ..., node_id: _Optional[int] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+    checksum: str
+    def __init__(self, token: _Optional[str] = ..., node_id: _Optional[int] = ..., size: _Optional[int] = ..., digest: _Optional[str] = ..., data: _Optional[bytes] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class UploadReceipt(_message.Message):
-    __slots__ = ("size", "sha256")
+    __slots__ = ("size", "digest")
     SIZE_FIELD_NUMBER: _ClassVar[int]
-    SHA256_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     size: int
-    sha256: str
-    def __init__(self, size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    digest: str
+    def __init__(self, size: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...

@@ -27,7 +27,7 @@ class NodeJob(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., run_id: _Optional[int] = ..., run_config_json: _Optional[str] = ..., explicit_keys: _Optional[_Iterable[str]] = ..., node_config_json: _Optional[str] = ..., node_id: _Optional[int] = ..., ticket: _Optional[bytes] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class NodeResult(_message.Message):
-    __slots__ = ("upload_sha256", "payload", "metrics")
+    __slots__ = ("upload_digest", "payload", "metrics")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -35,10 +35,10 @@ class NodeResult(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
-    UPLOAD_SHA256_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
-    upload_sha256: str
+    upload_digest: str
     payload: bytes
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, upload_sha256: _Optional[str] = ..., payload: _Optional[bytes] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    def __init__(self, upload_digest: _Optional[str] = ..., payload: _Optional[bytes] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...

@@ -342,7 +342,7 @@ def test_dataplane_throughput_quick(tmp_path):
     assert nodes == 2 and result["verified"] is True
     variants = result["variants"]
     assert set(variants) == {"bare grpc", "bare grpc TLS", "dp transport only", "dp transport only TLS",
-                             "dp transport, sha256 off",
+                             "dp transport, sha256", "dp transport, sha256 TLS",
                              "data plane", "flower"}  # --quick: no TLS deployment
     for name, v in variants.items():
         assert v["verified"] is True, name
@@ -373,9 +373,9 @@ def test_dataplane_throughput_quick(tmp_path):
         for n in r["nodes"].values():
             assert n["down_ok"] and n["up_content_ok"], r["mode"]  # decoded tensors equal what was drawn
             assert n["down_bytes"] == r["payload_bytes_down"] and n["up_bytes"] == n["up_bytes_received"] > 0
-            assert n["up_sha256_ok"] is (True if r["mode"] == "grpc" else None)
+            assert n["up_digest_ok"] is (True if r["mode"] == "grpc" else None)
     breakdown = variants["data plane"]["breakdown"]
-    for key in ("server_encode_s", "publish_sha256_s", "download_s", "client_decode_s", "client_encode_s",
+    for key in ("server_encode_s", "publish_digest_s", "download_s", "client_decode_s", "client_encode_s",
                 "upload_s", "server_decode_s", "control_down_s", "control_up_s", "critical_path_s"):
         assert breakdown[key] >= 0, key
     assert variants["data plane"]["critical_path_s"] == breakdown["critical_path_s"]

@@ -75,7 +75,7 @@ import grpc
 from lordo_fed.v1 import dataplane_pb2 as pb, dataplane_pb2_grpc as pb_grpc
 address, token = sys.argv[1], sys.argv[2]
 def chunks():
-    yield pb.UploadChunk(token=token, node_id=11, size=4 << 20, data=b"x" * (1 << 20))
+    yield pb.UploadChunk(token=token, node_id=11, size=4 << 20, data=b"x" * (1 << 20), checksum="xxh3")
     print("streaming", flush=True)
     time.sleep(60)  # killed here, mid-upload
 with grpc.insecure_channel(address) as ch:

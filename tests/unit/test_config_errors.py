@@ -110,6 +110,8 @@ RUN_CONFIG_CASES = [
     ("data-plane-memory-mb", -1, "run-config key 'data-plane-memory-mb': data_plane.memory_mb=-1: expected MB >= 0"),
     ("data-plane-max-uploads", 0, "run-config key 'data-plane-max-uploads': data_plane.max_uploads=0: expected an "
      "integer >= 1"),
+    ("data-plane-checksum", "crc32", "run-config key 'data-plane-checksum': data_plane.checksum='crc32': expected one of "
+     "('xxh3', 'sha256')"),
     ("async-order", "fifo", "run-config key 'async-order': async_rounds.order='fifo': expected one of ('arrival', 'virtual')"),
     ("async-weight", 0.0, "run-config key 'async-weight': async_rounds.weight=0.0: expected a weight > 0"),
     ("async-max-staleness", -1, "run-config key 'async-max-staleness': async_rounds.max_staleness=-1: expected an "

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import xxhash
 
 from lordo_fed.transport import client
 from lordo_fed.transport.server import DataPlaneServer
@@ -54,16 +55,22 @@ def assert_refused(server, caplog, result, what: str, reason: str, node: int = N
     assert not list(server.spool_dir.glob("*")), "a refused upload left bytes on the spool"
 
 
+DIGESTS = {"xxh3": lambda b: xxhash.xxh3_128(b).hexdigest(), "sha256": lambda b: hashlib.sha256(b).hexdigest()}
+"""Each checksum kind, computed in one call by its library (the transport hashes chunk by chunk)."""
+
+
+@pytest.mark.parametrize("checksum", ["xxh3", "sha256"])
 @pytest.mark.parametrize("budget", [1 << 30, 0], ids=["in-memory", "spilled"])
-def test_round_trip_is_exact(tmp_path, budget):
-    with DataPlaneServer(tmp_path / "spool", chunk_bytes=256 << 10, memory_budget=budget) as server:
+def test_round_trip_is_exact(tmp_path, budget, checksum):
+    with DataPlaneServer(tmp_path / "spool", chunk_bytes=256 << 10, memory_budget=budget, checksum=checksum) as server:
         state, tickets = publish(server, size=3 * MB + 17)
+        assert tickets[NODE].checksum == checksum and tickets[NODE].digest == DIGESTS[checksum](state)
         assert client.download(tickets[NODE], NODE) == state
         reply = os.urandom(2 * MB + 5)
-        sha = client.upload(tickets[NODE], NODE, reply)
-        assert sha == hashlib.sha256(reply).hexdigest()
+        digest = client.upload(tickets[NODE], NODE, reply)
+        assert digest == DIGESTS[checksum](reply)
         got = server.upload(NODE, 1)
-        assert got.size == len(reply) and got.sha256 == sha and bytes(got.buffer()) == reply
+        assert got.size == len(reply) and got.digest == digest and bytes(got.buffer()) == reply
         assert (got.path is None) == (budget > 0)  # spilled to a file only beyond the budget
         got.discard()
         assert server._memory_used == 0 and not list(server.spool_dir.glob("*"))
@@ -74,14 +81,12 @@ def test_bad_tokens_are_refused(plane, caplog):
     _, tickets = publish(plane)
     t = tickets[NODE]
     cases = [
-        (pb.Ticket(address=t.address, size=t.size, sha256=t.sha256, download_token=""), NODE, "no token"),
-        (pb.Ticket(address=t.address, size=t.size, sha256=t.sha256, download_token=t.download_token[:-4] + "AAAA"),
-         NODE, "invalid token"),
-        (pb.Ticket(address=t.address, size=t.size, sha256=t.sha256, download_token=TokenIssuer().issue(NODE, 1, "download", 60)),
+        (ticket_with(t, download_token=""), NODE, "no token"),
+        (ticket_with(t, download_token=t.download_token[:-4] + "AAAA"), NODE, "invalid token"),
+        (ticket_with(t, download_token=TokenIssuer().issue(NODE, 1, "download", 60)),
          NODE, "invalid token (not issued by this server run)"),
         (t, OTHER, f"token issued to node {NODE}, presented by node {OTHER}"),
-        (pb.Ticket(address=t.address, size=t.size, sha256=t.sha256, download_token=t.upload_token), NODE,
-         "an upload token presented for a download"),
+        (ticket_with(t, download_token=t.upload_token), NODE, "an upload token presented for a download"),
     ]
     for ticket, node, reason in cases:
         with pytest.raises(client.DataPlaneError, match="PERMISSION_DENIED") as err:
@@ -129,8 +134,17 @@ def test_replayed_upload_and_another_nodes_upload_token(plane, caplog):
     assert (NODE, "upload", "upload token already used (replayed)") in reasons
 
 
-def header(ticket, size: int, data: bytes = b"") -> pb.UploadChunk:
-    return pb.UploadChunk(token=ticket.upload_token, node_id=NODE, size=size, data=data)
+def header(ticket, size: int, data: bytes = b"", checksum: str | None = None) -> pb.UploadChunk:
+    return pb.UploadChunk(token=ticket.upload_token, node_id=NODE, size=size, data=data,
+                          checksum=ticket.checksum if checksum is None else checksum)
+
+
+def ticket_with(ticket: pb.Ticket, **fields) -> pb.Ticket:
+    out = pb.Ticket()
+    out.CopyFrom(ticket)
+    for name, value in fields.items():
+        setattr(out, name, value)
+    return out
 
 
 def test_oversized_truncated_and_mismatched_uploads(plane, caplog):
@@ -138,19 +152,24 @@ def test_oversized_truncated_and_mismatched_uploads(plane, caplog):
     _, tickets = publish(plane, max_upload=4 * MB)
     t = tickets[NODE]
     body = os.urandom(1000)
-    sha = hashlib.sha256(body).hexdigest()
+    digest = DIGESTS["xxh3"](body)  # the data plane's default checksum
     assert_refused(plane, caplog, raw_upload(plane, [header(t, 5 * MB)]), "upload",
                    f"declares {5 * MB} bytes; expected 1..{4 * MB}")
     assert_refused(plane, caplog, raw_upload(plane, [header(t, 1000, body), pb.UploadChunk(data=b"more")]), "upload",
                    "sent more than the 1000 bytes it declared")
-    assert_refused(plane, caplog, raw_upload(plane, [header(t, 2000, body), pb.UploadChunk(sha256=sha)]), "upload",
+    assert_refused(plane, caplog, raw_upload(plane, [header(t, 2000, body), pb.UploadChunk(digest=digest)]), "upload",
                    "stream ended after 1000 of the 2000 declared bytes (truncated)")
     tampered = bytes([body[0] ^ 1]) + body[1:]
-    assert_refused(plane, caplog, raw_upload(plane, [header(t, 1000, tampered), pb.UploadChunk(sha256=sha)]), "upload",
-                   "sha256 mismatch")
+    assert_refused(plane, caplog, raw_upload(plane, [header(t, 1000, tampered), pb.UploadChunk(digest=digest)]), "upload",
+                   "xxh3 digest mismatch")
+    # Another kind of checksum than the ticket's (here: none named, as a peer from before the
+    # checksum fields, which reads as sha256) is refused before any data is read.
+    sha = DIGESTS["sha256"](body)
+    assert_refused(plane, caplog, raw_upload(plane, [header(t, 1000, body, checksum=""), pb.UploadChunk(digest=sha)]),
+                   "upload", "declares checksum 'sha256'; expected the ticket's 'xxh3'")
     # The token is spent only by an accepted upload: the node can still send its real reply.
-    receipt = raw_upload(plane, [header(t, 1000, body), pb.UploadChunk(sha256=sha)])
-    assert receipt.sha256 == sha and bytes(plane.upload(NODE, 1).buffer()) == body
+    receipt = raw_upload(plane, [header(t, 1000, body), pb.UploadChunk(digest=digest)])
+    assert receipt.digest == digest and bytes(plane.upload(NODE, 1).buffer()) == body
 
 
 def test_a_stalled_upload_is_dropped_at_its_deadline(plane, caplog):
@@ -174,6 +193,22 @@ def test_a_ticket_that_does_not_parse_or_is_incomplete():
         client.parse_ticket(b"\xff\xff\xff")
     with pytest.raises(client.DataPlaneError, match="ticket incomplete"):
         client.parse_ticket(pb.Ticket(address="127.0.0.1:1", size=3).SerializeToString())
+    with pytest.raises(client.DataPlaneError, match=r"ticket incomplete .*xxh3 digest 'ab'"):
+        client.parse_ticket(pb.Ticket(address="127.0.0.1:1", size=3, checksum="xxh3", digest="ab").SerializeToString())
+    with pytest.raises(client.DataPlaneError, match=r"names checksum 'md5'; this node knows \('xxh3', 'sha256'\)"):
+        client.parse_ticket(pb.Ticket(address="127.0.0.1:1", size=3, checksum="md5", digest="ab" * 16).SerializeToString())
+
+
+@pytest.mark.parametrize("checksum", ["xxh3", "sha256"])
+def test_a_corrupted_download_is_refused_before_decoding(tmp_path, checksum):
+    """The node checks the downloaded bytes against the ticket's digest: state that changed after
+    the ticket was made (one flipped bit) is refused, and nothing is returned to decode."""
+    with DataPlaneServer(tmp_path / "spool", chunk_bytes=256 << 10, checksum=checksum) as server:
+        state = bytearray(os.urandom(MB + 3))
+        tickets = server.publish(1, state, [NODE], ttl=60, max_upload=MB)
+        state[MB // 2] ^= 0x10  # the served buffer changes under the ticket's digest
+        with pytest.raises(client.DataPlaneError, match=f"{checksum} digest mismatch"):
+            client.download(tickets[NODE], NODE)
 
 
 def test_data_plane_tls_settings_name_what_is_missing(tmp_path):
@@ -193,7 +228,7 @@ def test_an_announced_round_is_downloaded_once_published(plane):
     import threading
 
     tickets = plane.announce(1, [NODE], ttl=60, max_upload=4 * MB)
-    assert tickets[NODE].size == 0 and tickets[NODE].sha256 == ""
+    assert tickets[NODE].size == 0 and tickets[NODE].digest == ""
     got: dict = {}
     waiter = threading.Thread(target=lambda: got.update(state=client.download(tickets[NODE], NODE, timeout=30)))
     waiter.start()
@@ -208,7 +243,7 @@ def test_an_announced_round_is_downloaded_once_published(plane):
 
 
 @pytest.mark.parametrize("cls,field,head", [
-    (pb.Chunk, 1, {"size": 5 * MB, "sha256": "ab" * 32}),
+    (pb.Chunk, 1, {"size": 5 * MB, "digest": "ab" * 16, "checksum": "xxh3"}),
     (pb.Chunk, 1, {}),
     (pb.UploadChunk, 5, {"token": "t.k", "node_id": 2 ** 63 + 5, "size": 7}),
     (pb.UploadChunk, 5, {}),
@@ -245,10 +280,11 @@ def test_a_client_on_the_generated_stubs_interoperates(plane):
         chunks = list(pb_grpc.DataPlaneStub(channel).Download(
             pb.DownloadRequest(token=ticket.download_token, node_id=NODE), timeout=10))
     assert b"".join(c.data for c in chunks) == data
-    assert (chunks[0].size, chunks[0].sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    assert (chunks[0].size, chunks[0].digest, chunks[0].checksum) == (len(data), DIGESTS["xxh3"](data), "xxh3")
     reply = os.urandom(MB + 3)
-    receipt = raw_upload(plane, [pb.UploadChunk(token=ticket.upload_token, node_id=NODE, size=len(reply), data=reply),
-                                 pb.UploadChunk(sha256=hashlib.sha256(reply).hexdigest())])
+    receipt = raw_upload(plane, [pb.UploadChunk(token=ticket.upload_token, node_id=NODE, size=len(reply), data=reply,
+                                                checksum="xxh3"),
+                                 pb.UploadChunk(digest=DIGESTS["xxh3"](reply))])
     assert receipt.size == len(reply)
     assert bytes(plane.upload(NODE, 1).buffer()) == reply
 
@@ -265,13 +301,13 @@ def test_uploads_beyond_max_uploads_wait_their_turn_past_the_stall_deadline(tmp_
 
         def slow(node: int):  # 10 bytes, then one every 0.4 s: alive, and 2.4 s in all
             body, t = bodies[node], tickets[node]
-            yield pb.UploadChunk(token=t.upload_token, node_id=node, size=len(body))
+            yield pb.UploadChunk(token=t.upload_token, node_id=node, size=len(body), checksum=t.checksum)
             yield pb.UploadChunk(data=body[:10])
             first_reading.set()
             for i in range(6):
                 time.sleep(0.4)
                 yield pb.UploadChunk(data=body[10 + i:11 + i])
-            yield pb.UploadChunk(data=body[16:], sha256=hashlib.sha256(body).hexdigest())
+            yield pb.UploadChunk(data=body[16:], digest=DIGESTS["xxh3"](body))
 
         results = {}
         worker = threading.Thread(target=lambda: results.__setitem__(NODE, raw_upload(server, slow(NODE))))

@@ -1,5 +1,5 @@
 """ClientApp: fetch and decode the GlobalState (data plane with the ticket, or inside the message),
-encode a random fp32 WorkerUpdate of the same size, send it (upload + sha256 in the reply, or
+encode a random fp32 WorkerUpdate of the same size, send it (upload + its digest in the reply, or
 inside the reply); timestamps in the reply's metrics."""
 
 import time
@@ -9,7 +9,7 @@ from flwr.clientapp import ClientApp
 
 from lordo_fed.wire.decode import decode_global_state
 from lordo_fed.wire.encode import encode_update
-from lordo_fed.app.records import TICKET, UPLOAD_SHA256, payload_bytes, payload_record
+from lordo_fed.app.records import TICKET, UPLOAD_DIGEST, payload_bytes, payload_record
 from lordo_fed.metrics import peak_rss_bytes
 from lordo_fed.wire.messages import WorkerUpdate
 from lordo_fed.transport.client import download, parse_ticket, upload
@@ -46,8 +46,8 @@ def train(msg: Message, context: Context) -> Message:
     up_bytes = len(out)
     # client/app.py `send_reply`
     if ticket:
-        sha = upload(ticket, context.node_id, out, root, timeout=timeout)
-        content = RecordDict({"upload": ConfigRecord({UPLOAD_SHA256: sha})})
+        digest = upload(ticket, context.node_id, out, root, timeout=timeout)
+        content = RecordDict({"upload": ConfigRecord({UPLOAD_DIGEST: digest})})
     else:
         content = RecordDict({"update": payload_record(out)})
     h6, c6 = time.time(), time.process_time()

@@ -13,7 +13,7 @@ from flwr.serverapp import Grid, ServerApp
 import lordo_fed
 from lordo_fed.wire.decode import decode_update
 from lordo_fed.wire.encode import encode_global_state
-from lordo_fed.app.records import TICKET, UPLOAD_SHA256, payload_bytes, payload_record, shorten_pull_backoff
+from lordo_fed.app.records import TICKET, UPLOAD_DIGEST, payload_bytes, payload_record, shorten_pull_backoff
 from lordo_fed.metrics import peak_rss_bytes
 from lordo_fed.wire.messages import GlobalState
 from lordo_fed.transport.server import DataPlaneServer
@@ -104,16 +104,16 @@ def exchange(grid, plane, nodes, rnd, mode, mb, timeout):
         upload = None
         if mode == "grpc":  # server/courier.py `Courier._upload_of`
             upload = plane.upload(nd, rnd)
-            declared = str(reply.content.config_records["upload"][UPLOAD_SHA256])
-            if upload is None or upload.sha256 != declared:
-                raise RuntimeError(f"node {nd}: no verified upload matching sha256 {declared[:16]}...")
+            declared = str(reply.content.config_records["upload"][UPLOAD_DIGEST])
+            if upload is None or upload.digest != declared:
+                raise RuntimeError(f"node {nd}: no verified upload matching digest {declared[:16]}...")
             buf = upload.buffer()
         else:
             buf = payload_bytes(reply.content["update"])
         updates[nd] = decode_update(buf, expected_model_id="dpbench")
-        # the data plane hashed the bytes as they arrived and matched the node's sha256 (and the
-        # reply vouches for the same): checked above; the Flower path has no sha256 of its own
-        checks[nd] = {"up_bytes_received": len(buf), "up_sha256_ok": True if upload is not None else None}
+        # the data plane hashed the bytes as they arrived and matched the node's digest (and the
+        # reply vouches for the same): checked above; the Flower path has no digest of its own
+        checks[nd] = {"up_bytes_received": len(buf), "up_digest_ok": True if upload is not None else None}
         del buf
         if upload is not None:
             upload.discard()
@@ -140,7 +140,7 @@ def exchange(grid, plane, nodes, rnd, mode, mb, timeout):
         }
         rows[str(nd)]["verified"] = bool(
             rows[str(nd)]["down_ok"] and rows[str(nd)]["up_content_ok"] and rows[str(nd)]["down_bytes"] == nbytes
-            and rows[str(nd)]["up_bytes"] == rows[str(nd)]["up_bytes_received"] and rows[str(nd)]["up_sha256_ok"] is not False)
+            and rows[str(nd)]["up_bytes"] == rows[str(nd)]["up_bytes_received"] and rows[str(nd)]["up_digest_ok"] is not False)
     gen = max(r["gen_s"] for r in rows.values())
     return {
         "round": rnd, "mode": mode, "size_mb": mb, "payload_bytes_down": nbytes,

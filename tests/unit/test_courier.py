@@ -1,0 +1,68 @@
+"""The server's screening of data-plane replies (server/courier.py `Courier.screened`): a reply held
+in the data plane's memory is decoded once, in place, and what the aggregator loads equals what the
+node sent; a spilled reply is decoded again on load, to the same values; nothing is loaded after
+the block releases the upload buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from flwr.app import ConfigRecord, Message, Metadata, RecordDict
+
+from lordo_fed.app.config import load_app_config
+from lordo_fed.app.records import UPLOAD_DIGEST
+from lordo_fed.transport import client
+from lordo_fed.transport.server import DataPlaneServer
+from lordo_fed.wire.encode import encode_update
+from lordo_fed.wire.messages import WorkerUpdate
+from lordo_fed.wire.payload import resolve_payload
+from server.courier import Courier
+from server.records import RoundLog
+
+MODEL = "test-model"
+NODES = (11, 12, 13)
+
+
+def update_of(worker: int) -> WorkerUpdate:
+    g = torch.Generator().manual_seed(worker)
+    return WorkerUpdate(worker_id=worker, round=1, tokens=100 + worker, opt_step=32,
+                        delta={"w": torch.randn(64, 48, generator=g), "b": torch.randn(48, generator=g)},
+                        moments={"exp_avg_sq/w": torch.rand(16, 48, generator=g)})
+
+
+def reply(node: int, digest: str) -> Message:
+    """A reply as the SuperLink hands it to the ServerApp: the node's id, the digest it vouches for."""
+    meta = Metadata(run_id=1, message_id=f"r{node}", src_node_id=node, dst_node_id=0, reply_to_message_id="m",
+                    group_id="1", created_at=0.0, ttl=60.0, message_type="train")
+    return Message(metadata=meta, content=RecordDict({"upload": ConfigRecord({UPLOAD_DIGEST: digest})}))
+
+
+@pytest.mark.parametrize("budget", [1 << 30, 0], ids=["in-memory", "spilled"])
+def test_replies_load_as_sent_decoded_once_where_in_memory(tmp_path, budget):
+    cfg = load_app_config({}, tmp_path)
+    courier = Courier(cfg, (), model_id=MODEL, payload=resolve_payload("fp32"), max_upload=1 << 20, spool=tmp_path)
+    sent = {node: update_of(i) for i, node in enumerate(NODES)}
+    decodes = []
+    decode = courier.decode
+    courier.decode = lambda payload, adopt=False: decodes.append(adopt) or decode(payload, adopt)
+    with DataPlaneServer(tmp_path / "spool", memory_budget=budget) as plane:
+        courier.data_plane = plane
+        tickets = plane.publish(1, b"state", NODES, ttl=60, max_upload=1 << 20)
+        replies = [reply(node, client.upload(tickets[node], node, encode_update(sent[node], MODEL))) for node in NODES]
+        with courier.screened(replies, 1, "round 1", lambda u: (None, float(u.delta["w"].norm())),
+                              lambda ids, norms, reasons: list(reasons), RoundLog()) as usable:
+            assert len(usable) == len(NODES) and len(decodes) == len(NODES)
+            refs = [ref for ref, _, _ in usable]
+            for ref in refs:
+                got = ref.load()
+                want = sent[NODES[ref.worker_id]]
+                assert got.tensors().keys() == want.tensors().keys()
+                for name, t in want.tensors().items():
+                    assert torch.equal(got.tensors()[name], t), name
+                assert (ref.load() is got) == (budget > 0)  # in memory: the screening's own decode
+            # in memory: one decode per reply, on arrival; spilled: again at each load
+            assert len(decodes) == len(NODES) * (1 if budget else 3)
+        if budget:
+            with pytest.raises(RuntimeError, match="loaded after its screening block ended"):
+                refs[0].load()
+        courier.data_plane = None
