@@ -17,7 +17,9 @@ machine's speed.
 
     python benchmarks/async_rounds.py            # small preset, 128 steps per worker (~33 min on 2 cores)
     python benchmarks/async_rounds.py --quick    # tiny preset, a few pushes (seconds)
-Writes benchmarks/results/async_rounds.json and async_rounds.png.
+    python benchmarks/async_rounds.py --settings non_iid --methods async_lookahead,async_lordo,heloco_lordo \
+        --set async_rounds.staleness_exponent=0.5 --out benchmarks/results/async_rounds_staleness0.5.json
+Writes benchmarks/results/async_rounds.json and async_rounds.png (or --out).
 """
 
 from __future__ import annotations
@@ -54,15 +56,17 @@ def non_iid_corpus(directory: Path) -> Path:
     return directory
 
 
-def run(quick: bool, out_dir: Path, data: list[str]) -> dict[str, list[dict]]:
-    """Run the trainer once for all METHODS on one data setting; each method's records."""
+def run(quick: bool, out_dir: Path, data: list[str], methods: tuple[str, ...] = METHODS,
+        extra: tuple[str, ...] = ()) -> dict[str, list[dict]]:
+    """Run the trainer once for `methods` on one data setting (`extra`: more trainer overrides);
+    each method's records."""
     cmd = [sys.executable, "-m", "lordo_fed.trainer.cli", "--config-dir", str(ROOT / "examples" / "reference"),
            "--config-name", "async_cpu", f"out_dir={out_dir}", "progress=false",
-           f"methods=[{','.join(METHODS)}]", *data, *(QUICK if quick else [])]
+           f"methods=[{','.join(methods)}]", *data, *(QUICK if quick else []), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"lordo-train failed:\n{proc.stderr[-3000:]}")
-    return {m: [json.loads(line) for line in (out_dir / f"{m}.jsonl").read_text().splitlines()] for m in METHODS}
+    return {m: [json.loads(line) for line in (out_dir / f"{m}.jsonl").read_text().splitlines()] for m in methods}
 
 
 def summarise(records: dict[str, list[dict]]) -> dict[str, dict]:
@@ -106,7 +110,7 @@ def plot(result: dict, path: Path) -> None:
         ax1.set(xlabel="tokens (M)", ylabel="validation loss (clipped at 8)", title=f"{name}: same tokens")
         ax2.set(xlabel="virtual seconds (worker 3 4x slower)", title=f"{name}: same clock")
         ax2.axvline(summary["async_end_virtual_time"], color="grey", lw=0.8, ls="--")
-        hist = summary["methods"]["heloco"]["staleness"]
+        hist = next(s for m, s in summary["methods"].items() if m not in SYNC)["staleness"]  # one schedule
         ax3.bar([int(k) for k in hist], list(hist.values()))
         ax3.set(xlabel="staleness (outer steps between pull and push)", ylabel="pushes",
                 title=f"{name}: staleness of the asynchronous pushes")
@@ -116,16 +120,27 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
-    args = make_parser("async_rounds", __doc__, "tiny preset, a few pushes (seconds)").parse_args()
+    parser = make_parser("async_rounds", __doc__, "tiny preset, a few pushes (seconds)")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated, of " + ", ".join(METHODS))
+    parser.add_argument("--settings", default="iid,non_iid", help="comma-separated data settings: iid, non_iid")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a trainer override for every method, e.g. async_rounds.staleness_exponent=0.5 (repeatable)")
+    args = parser.parse_args()
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    names = [n.strip() for n in args.settings.split(",") if n.strip()]
+    bad = sorted(set(methods) - set(METHODS)) + sorted(set(names) - {"iid", "non_iid"})
+    if bad or not methods or not names or all(m in SYNC for m in methods):
+        parser.error(f"--methods {args.methods!r} / --settings {args.settings!r}: expected methods of {METHODS} "
+                     "(one asynchronous at least) and settings of ('iid', 'non_iid')")
     started = time.perf_counter()
     settings = {}
     with tempfile.TemporaryDirectory() as tmp:
         corpus = non_iid_corpus(Path(tmp) / "non_iid_corpus")
         data = {"iid": [], "non_iid": [f"data.path={corpus}", "data.partition=by_source"]}
-        for name, overrides in data.items():
-            settings[name] = summarise(run(args.quick, Path(tmp) / name, overrides))
-    cfg = {"config": "examples/reference/async_cpu.yaml", "methods": list(METHODS),
-           "overrides": QUICK if args.quick else [],
+        for name in names:
+            settings[name] = summarise(run(args.quick, Path(tmp) / name, data[name], methods, tuple(args.set)))
+    cfg = {"config": "examples/reference/async_cpu.yaml", "methods": list(methods),
+           "overrides": [*(QUICK if args.quick else []), *args.set],
            "non_iid": "tinyshakespeare.txt and python_stdlib.txt cut in two each, partition by_source: workers 0, 1 "
                       "verse; 2, 3 Python (3 is the slow one)"}
     result = {**result_header("async_rounds", args.quick, cfg), "seconds": time.perf_counter() - started,

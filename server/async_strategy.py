@@ -15,7 +15,9 @@ Flower's push/pull messages:
 3. Replies are applied as they arrive (`async-order='arrival'`) or in the virtual clock's order
    (`'virtual'`: each partition takes local_steps x speeds[p] virtual seconds per round, exactly the
    schedule of the reference trainer's `run_async`, whatever the real timing; a test holds the
-   two equal).
+   two equal). With a grace window (`async-grace`: real seconds in arrival order, virtual ones in
+   virtual order) the nodes whose replies were applied within it are sent their next round
+   together when it closes, all from the same θ.
 4. The budget is the synchronous run's tokens (num_rounds x nodes x K x batch x seq_len); a record,
    an evaluation (every eval_every records) and a checkpoint every `nodes` replies.
 
@@ -154,6 +156,8 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
         failures = {p: 0 for p in nodes}
         window: list[tuple[Arrival, float | None]] = []
         fresh: list[int] = []  # partitions whose node found no state of the previous round (logged by the node)
+        held: list[int] = []  # partitions applied in the open grace window: sent their next round when it closes
+        closes = [0.0]  # when that window closes: virtual seconds (virtual order) or time.monotonic() (arrival)
         sizes = {"sent": 0, "received": 0}
         committed = self.tokens  # tokens applied (or dropped) so far; in-flight rounds are added
 
@@ -229,17 +233,47 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
             self.rounds[pid] = flight.round
             self.pushes += 1
             window.append((arrival, loss))
-            dispatch(pid, self.virtual_time)
-            if self.pushes % M == 0 or not inflight:
-                self._finish_record(window, M, max(nodes) + 1, num_rounds, sizes, virtual, len(fresh))
-                window.clear()
-                fresh.clear()
+            if not held:
+                closes[0] = (self.virtual_time if virtual else time.monotonic()) + acfg.grace
+            held.append(pid)
+            if acfg.grace == 0:
+                close_window()
+            elif self.pushes % M == 0:  # a record every M replies, within a window too (as run_async)
+                record()
+
+        def record() -> None:
+            """A record of the replies since the last one (evaluation, checkpoint)."""
+            self._finish_record(window, M, max(nodes) + 1, num_rounds, sizes, virtual, len(fresh))
+            window.clear()
+            fresh.clear()
+
+        def window_closed() -> bool:
+            """Whether the open grace window is over: in virtual order once no scheduled arrival
+            is left within it (each one within it is applied first), else on the real clock."""
+            if not held:
+                return False
+            if virtual:
+                head = clock.peek()
+                return head is None or head[0] > closes[0]
+            return time.monotonic() >= closes[0]
+
+        def close_window() -> None:
+            """Send every partition of the window its next round, all from the same θ; then the
+            record due (every M replies without a window; with one, those came in `apply`), and
+            the last one when nothing is left in flight."""
+            if virtual:
+                self.virtual_time = max(self.virtual_time, closes[0])
+            for pid in held:
+                dispatch(pid, self.virtual_time)
+            held.clear()
+            if window and ((acfg.grace == 0 and self.pushes % M == 0) or not inflight):
+                record()
 
         for pid in sorted(nodes):
             if pid not in inflight:
                 dispatch(pid, self.virtual_time)
         start = time.monotonic()
-        while inflight:
+        while inflight or held:
             got = list(grid.pull_messages(list(by_message)))
             for msg in sorted(got, key=lambda m: by_message.get(m.metadata.reply_to_message_id, -1)):
                 pid = by_message.pop(msg.metadata.reply_to_message_id, None)
@@ -247,6 +281,9 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
                     arrived[pid] = msg
             progressed = False
             while True:
+                if window_closed():
+                    close_window()
+                    progressed = True
                 if virtual:
                     head = clock.peek()
                     pid = head[1] if head is not None and head[1] in arrived else None

@@ -15,7 +15,14 @@ computed from a model `s` outer steps old has staleness s. The three server rule
 ρ (`AsyncConfig.weight`) is HeLoCo's arrival weight, applied to every method alike: one outer
 step per arrival moves θ M times per "round" where a synchronous round moves it once with the
 mean of M pseudo-gradients, so unweighted arrivals at DiLoCo's outer lr overshoot (the paper
-suggests ρ = 1/√K for K concurrent workers).
+suggests ρ = 1/√K for K concurrent workers). With `AsyncConfig.staleness_exponent` a > 0 the weight
+also falls with the reply's staleness s: ρ_s = ρ·(1+s)^−a (the polynomial staleness function of
+FedAsync, Xie et al., arXiv 1903.03934, eq. 2), so a reply made from an old model moves θ less.
+
+With a grace window (`AsyncConfig.grace` > 0, the HeLoCo authors' option, off by default) the
+server, once an arrival comes, waits `grace` seconds for more: every arrival within the window is
+applied in turn (one outer step each, not averaged), and all of those workers are sent the same
+next start point when the window closes, so none of them is stale against the others.
 
 `VirtualClock` orders arrivals deterministically: worker w takes K · speeds[w] virtual seconds
 per round, arrivals are processed in (virtual time, worker id) order. The reference trainer
@@ -38,6 +45,12 @@ from lordo_fed.wire.messages import WorkerUpdate, split_moment_key
 from lordo_fed.rounds.outer import MomentumLookAhead, OuterOptimizer
 from lordo_fed.rounds.aggregator import Aggregator, fit_projections
 from lordo_fed.rounds.screening import delta_problem, tensor_problem
+
+
+def arrival_weight(cfg: AsyncConfig, staleness: int) -> float:
+    """ρ_s = ρ·(1+s)^−a: HeLoCo's arrival weight ρ (`weight`), lowered for a reply `staleness` outer
+    steps old by FedAsync's polynomial staleness function (`staleness_exponent` a; a = 0: ρ)."""
+    return cfg.weight * (1.0 + staleness) ** -cfg.staleness_exponent
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,16 @@ class VirtualClock:
     def peek(self) -> tuple[float, int] | None:
         """The earliest arrival without taking it (None when nothing is scheduled)."""
         return self._heap[0] if self._heap else None
+
+    def window(self, grace: float) -> tuple[float, list[tuple[float, int]]]:
+        """The next grace window: (when it closes, its arrivals in order): the earliest arrival
+        and every other one within `grace` seconds of it (grace 0: the earliest alone, and the
+        window closes at its time)."""
+        first = self.next()
+        close, batch = first[0] + grace, [first]
+        while grace > 0 and self._heap and self._heap[0][0] <= close:
+            batch.append(self.next())
+        return close, batch
 
     def remove(self, worker: int) -> float | None:
         """Take worker's scheduled arrival out of the clock (it was applied out of order, or failed);
@@ -206,7 +229,7 @@ class AsyncServer:
             if bound and staleness > bound:
                 return Arrival(update.worker_id, time, staleness, False,
                                f"staleness {staleness} > max_staleness {bound}")
-            rho = self.cfg.weight
+            rho = arrival_weight(self.cfg, staleness)
             if self.rule.correct:
                 g = correct(update.delta, self._momentum(), self.cfg.heloco, rho)
             else:

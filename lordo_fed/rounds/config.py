@@ -150,6 +150,10 @@ class AsyncConfig:
     """Local steps per round of each worker ([] = rounds.local_steps for all): per-node work, GradSkip's idea."""
     weight: float = setting("async-weight", 1.0)
     """ρ: every arriving Δ is scaled by it before its outer step (HeLoCo's; the paper suggests 1/√K for K workers)."""
+    staleness_exponent: float = setting("async-staleness-exponent", 0.0)
+    """a: a reply s outer steps stale is scaled by ρ·(1+s)^−a instead of ρ (FedAsync's polynomial weight; 0 = constant ρ)."""
+    grace: float = setting("async-grace", 0.0)
+    """Seconds the server waits after an arrival for more (virtual seconds in virtual order): each is applied, one outer step, and all get the same next start point (HeLoCo's grace window; 0 = off)."""
     max_staleness: int = setting("async-max-staleness", 0)
     """Drop a reply made from a model more than this many outer steps old (0 = no bound, as HeLoCo's code)."""
     order: str = setting("async-order", "arrival")
@@ -170,6 +174,13 @@ class AsyncConfig:
         if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or not (
                 math.isfinite(self.weight) and self.weight > 0):
             raise ValueError(f"async_rounds.weight={self.weight!r}: expected a weight > 0")
+        if isinstance(self.staleness_exponent, bool) or not isinstance(self.staleness_exponent, (int, float)) or not (
+                math.isfinite(self.staleness_exponent) and self.staleness_exponent >= 0):
+            raise ValueError(f"async_rounds.staleness_exponent={self.staleness_exponent!r}: expected an exponent >= 0 "
+                             "(0 = the constant weight ρ)")
+        if isinstance(self.grace, bool) or not isinstance(self.grace, (int, float)) or not (
+                math.isfinite(self.grace) and self.grace >= 0):
+            raise ValueError(f"async_rounds.grace={self.grace!r}: expected seconds >= 0 (0 = no grace window)")
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ValueError(f"async_rounds.max_staleness={self.max_staleness!r}: expected an integer >= 0 "
                              "(0 = no bound)")

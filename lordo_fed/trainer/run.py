@@ -152,6 +152,9 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     tokens applied and in flight plus that round's stay within M x total_steps x batch x seq_len
     (a fast worker makes more rounds than a slow one).
 
+    With a grace window (`async_rounds.grace` virtual seconds) the arrivals within it are applied
+    in turn and their workers pull together when it closes (`VirtualClock.window`).
+
     A worker's steps depend only on what it pulled and its own state, so they are computed when
     it pulls and its Δ is held until its arrival time: deterministic whatever the machine.
     A record every M pushes ("round" = pushes / M): tokens, virtual time, the staleness of the
@@ -196,32 +199,38 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     window: list = []
     cum_sent = cum_received = 0  # over all workers: each push's reply (up) and the state it was made from (down)
     while pending:
-        t, w = clock.next()
-        update, pull, received = pending.pop(w)
-        sent = tensor_bytes(update.tensors())
-        update = as_received(update)
-        cum_sent, cum_received = cum_sent + sent, cum_received + received
-        arrival = server.push(update, pull, t)
-        processed += 1
-        tokens += update.tokens
-        window.append((arrival, update.metrics.get("train_loss")))
-        start(w, t)
-        if processed % M and pending:
-            continue
-        r = -(-processed // M)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.copy_(server.params[n])
-        record = {"method": settings.name, **async_record(window, M, r, tokens, tokens // (M * step_tokens), t,
-                                                           processed, server.version),
-                  "bytes_sent_per_worker": sent, "bytes_received_per_worker": received,
-                  "bytes_sent_per_worker_per_step": sent / K, "bytes_received_per_worker_per_step": received / K,
-                  "cum_bytes_sent_per_worker": cum_sent / M, "cum_bytes_received_per_worker": cum_received / M,
-                  "opt_state_bytes": optimizer_state_bytes(workers[0].optimizer)}
-        window = []
-        if r % cfg.eval_every == 0 or not pending:
-            record.update(_eval_record(ctx, model, settings, r, record["step"], tokens))
-        ctx.emit(record)
+        close, batch = clock.window(acfg.grace)
+        for i, (t, w) in enumerate(batch):
+            update, pull, received = pending.pop(w)
+            sent = tensor_bytes(update.tensors())
+            update = as_received(update)
+            cum_sent, cum_received = cum_sent + sent, cum_received + received
+            arrival = server.push(update, pull, t)
+            processed += 1
+            tokens += update.tokens
+            window.append((arrival, update.metrics.get("train_loss")))
+            last = i == len(batch) - 1
+            if last:
+                for _, v in batch:  # the same start point for all of them, when the window closes
+                    start(v, close)
+            # A record every M pushes (at that push's time, within a window too), and at the end.
+            if processed % M and not (last and not pending):
+                continue
+            r = -(-processed // M)
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(server.params[n])
+            at = t if processed % M == 0 else close
+            record = {"method": settings.name, **async_record(window, M, r, tokens, tokens // (M * step_tokens), at,
+                                                               processed, server.version),
+                      "bytes_sent_per_worker": sent, "bytes_received_per_worker": received,
+                      "bytes_sent_per_worker_per_step": sent / K, "bytes_received_per_worker_per_step": received / K,
+                      "cum_bytes_sent_per_worker": cum_sent / M, "cum_bytes_received_per_worker": cum_received / M,
+                      "opt_state_bytes": optimizer_state_bytes(workers[0].optimizer)}
+            window = []
+            if r % cfg.eval_every == 0 or (last and not pending):
+                record.update(_eval_record(ctx, model, settings, r, record["step"], tokens))
+            ctx.emit(record)
     bar.close()
     return model
 

@@ -55,15 +55,21 @@ def flower_theta(out: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
 
 
-@pytest.mark.parametrize("variant", ["heloco", "async_diloco", "heloco_lordo"])
-def test_virtual_order_simulation_matches_the_reference_trainer(tmp_path, variant):
+@pytest.mark.parametrize("variant,extra", [
+    ("heloco", {"async-grace": 1.5, "async-staleness-exponent": 0.5}),
+    ("async_diloco", {}),
+    ("heloco_lordo", {}),
+], ids=["heloco-grace-staleness", "async_diloco", "heloco_lordo"])
+def test_virtual_order_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     """Three partitions, one 3x slower, one with its own local steps (per-node work): the Flower
     server applies the replies in the reference trainer's order, to the same θ; for async LoRDO
     with HeLoCo's correction too (round-0 gradient bases, moments blended, rotated out of stale
-    bases, bases refitted every 3 replies)."""
+    bases, bases refitted every 3 replies); for HeLoCo with a grace window of 1.5 virtual seconds
+    (partition 1 arrives at t = 2, partition 0 at t = 3 within its window: both pull at t = 3.5)
+    and stale replies weighted down, ρ·(1+s)^−0.5."""
     run_config = tiny_run_config(tmp_path, variant=variant, **{
         "num-server-rounds": 3, "min-clients": 3, "async-order": "virtual", "async-speeds": "1,1,3",
-        "async-local-steps": "3,2,3", "async-weight": 0.5})
+        "async-local-steps": "3,2,3", "async-weight": 0.5, **extra})
     proc = run_simulation(APP, flower_env(tmp_path), num_supernodes=3, run_config=run_config, timeout=300, check=True,
                           log_path=tmp_path / "sim.log")
     assert "lordo-fed: metrics" in proc.stdout

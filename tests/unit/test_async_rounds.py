@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from lordo_fed.rounds.async_rounds import AsyncRule, AsyncServer, VirtualClock
+from lordo_fed.rounds.async_rounds import AsyncRule, AsyncServer, VirtualClock, arrival_weight
 from lordo_fed.rounds.config import AsyncConfig
 from lordo_fed.rounds.methods import resolve_method
 from lordo_fed.rounds.outer import Average, MomentumLookAhead, Nesterov
@@ -58,6 +58,37 @@ def test_every_rule_weights_its_arrivals_by_rho():
     assert torch.equal(heloco.params["w"], torch.tensor([-1.25]))
 
 
+def test_a_stale_reply_is_weighted_down_by_the_staleness_exponent():
+    """ρ_s = ρ·(1+s)^−a: with ρ = 0.5 and a = 1, a fresh reply moves θ by −0.5·Δ, one made two outer
+    steps ago by −0.5/3·Δ (a plain average step, lr 1); a = 0 keeps the constant ρ."""
+    server = AsyncServer({"w": torch.zeros(1)}, Average(lr=1.0), AsyncRule(False, False),
+                         AsyncConfig(weight=0.5, staleness_exponent=1.0))
+    stale = server.pull()
+    for _ in range(2):
+        server.push(reply(0, w=torch.tensor([2.0])), server.pull(), 1.0)  # fresh: −0.5·2 each
+    assert torch.equal(server.params["w"], torch.tensor([-2.0]))
+    arrival = server.push(reply(1, w=torch.tensor([3.0])), stale, 2.0)
+    assert arrival.staleness == 2 and torch.allclose(server.params["w"], torch.tensor([-2.5]))  # −2 − 0.5·3/3
+    assert arrival_weight(AsyncConfig(weight=0.5), 7) == 0.5
+
+
+def test_a_grace_window_takes_every_arrival_within_it():
+    """Arrivals at 2, 3, 3.5 and 6: a window of 1.5 s opened at 2 closes at 3.5 with the first three
+    (3.5 is within it); the next one opens at 6. No window: one arrival at a time."""
+    def clock() -> VirtualClock:
+        c = VirtualClock()
+        for worker, at in enumerate((3.0, 2.0, 6.0, 3.5)):
+            c.start(worker, 0.0, at)
+        return c
+
+    c = clock()
+    assert c.window(1.5) == (3.5, [(2.0, 1), (3.0, 0), (3.5, 3)])
+    assert c.window(1.5) == (7.5, [(6.0, 2)]) and c.peek() is None
+    c = clock()
+    assert [c.window(0.0) for _ in range(4)] == [(2.0, [(2.0, 1)]), (3.0, [(3.0, 0)]), (3.5, [(3.5, 3)]),
+                                               (6.0, [(6.0, 2)])]
+
+
 def test_look_ahead_pulls_need_the_look_ahead_step():
     with pytest.raises(ValueError, match="need the momentum look-ahead outer step"):
         AsyncServer({"w": torch.zeros(1)}, Nesterov(), AsyncRule(True, False), AsyncConfig())
@@ -73,6 +104,8 @@ def test_look_ahead_pulls_need_the_look_ahead_step():
     (dict(speeds=[1.0, 0.0]), "expected virtual seconds per step > 0"),
     (dict(max_staleness=-1), "max_staleness=-1: expected an integer >= 0"),
     (dict(weight=0.0), "weight=0.0: expected a weight > 0"),
+    (dict(staleness_exponent=-0.5), "staleness_exponent=-0.5: expected an exponent >= 0"),
+    (dict(grace=float("nan")), "grace=nan: expected seconds >= 0"),
     (dict(local_steps=[4]), r"local_steps=\[4\]: expected 2 values"),
     (dict(local_steps=[4, 0]), "expected integers > 0"),
     (dict(order="lifo"), "order='lifo': expected one of"),

@@ -114,6 +114,10 @@ RUN_CONFIG_CASES = [
      "('xxh3', 'sha256')"),
     ("async-order", "fifo", "run-config key 'async-order': async_rounds.order='fifo': expected one of ('arrival', 'virtual')"),
     ("async-weight", 0.0, "run-config key 'async-weight': async_rounds.weight=0.0: expected a weight > 0"),
+    ("async-grace", -1.0, "run-config key 'async-grace': async_rounds.grace=-1.0: expected seconds >= 0 "
+     "(0 = no grace window)"),
+    ("async-staleness-exponent", -1.0, "run-config key 'async-staleness-exponent': async_rounds.staleness_exponent=-1.0: "
+     "expected an exponent >= 0 (0 = the constant weight ρ)"),
     ("async-max-staleness", -1, "run-config key 'async-max-staleness': async_rounds.max_staleness=-1: expected an "
                                 "integer >= 0 (0 = no bound)"),
     ("async-speeds", "1,x", "run-config key 'async-speeds'='1,x': expected comma-separated numbers like '1,1,4' (one "
