@@ -32,6 +32,12 @@ Variants (each moves `size` MB down to each of 2 nodes and `size` MB up from eac
 - `flower`: the same app with the payloads inside the messages (lordo_fed.app.records.payload_record /
   payload_bytes), same plaintext deployment, same exchanges.
 
+`server_decode`: the server's decoding of one reply of `size` MB held in the data plane's memory,
+in this process: as `Courier.screened` does it now (decoded once, in place: the fp32 tensors are views
+of the upload's buffer, kept for the aggregator) against before (decoded with a copy on arrival for
+screening and again when the aggregator loads it), median of the repeats, both checked equal to
+what was encoded.
+
 Each big exchange is paired with a tiny one (~1 KB, same path): `effective` throughput = bytes
 moved (2 nodes x 2 directions) / (big exchange - tiny exchange), i.e. with Flower's fixed control
 latency (message polls, ClientApp process start) subtracted, encode/decode on both sides
@@ -251,6 +257,38 @@ def _dp_client(args: argparse.Namespace) -> int:
         "up_sha256_ok": digest == digest_of(ticket.checksum, blob), "up_sha256": up_sha,
     }), flush=True)
     return 0
+
+
+def server_decode(mb: float, repeats: int) -> dict[str, float]:
+    """Seconds the server spends decoding one reply of `mb` MB (module docstring): once in place
+    (now) against twice with a copy (before); medians of `repeats`."""
+    import statistics
+
+    import numpy as np
+    import torch
+
+    from lordo_fed.wire.decode import decode_update
+    from lordo_fed.wire.encode import encode_update
+    from lordo_fed.wire.messages import WorkerUpdate
+
+    delta = torch.from_numpy(np.random.default_rng(1).standard_normal(int(mb * 1e6 / 4), dtype=np.float32))
+    buf = encode_update(WorkerUpdate(worker_id=0, round=1, delta={"w": delta}, moments={}, tokens=1, opt_step=1),
+                        "dpbench")  # a bytearray, as an upload held in memory
+    times: dict[str, list[float]] = {"in_place_once_s": [], "copy_twice_s": []}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        once = decode_update(memoryview(buf), expected_model_id="dpbench", adopt=True)
+        t1 = time.perf_counter()
+        for _ in range(2):
+            twice = decode_update(memoryview(buf), expected_model_id="dpbench")
+        t2 = time.perf_counter()
+        assert torch.equal(once.delta["w"], delta) and torch.equal(twice.delta["w"], delta)
+        times["in_place_once_s"].append(t1 - t0)
+        times["copy_twice_s"].append(t2 - t1)
+        del once, twice
+    out = {k: round(statistics.median(v), 4) for k, v in times.items()}
+    out["speedup"] = round(out["copy_twice_s"] / max(out["in_place_once_s"], 1e-6), 1)
+    return out
 
 
 def _spawn(*argv: str) -> subprocess.Popen:
@@ -588,6 +626,7 @@ def main(argv: list[str] | None = None) -> int:
             stream_round("after")
 
     result["local_codec"] = local_codec(size_mb, 1 if args.quick else 3)
+    result["server_decode"] = server_decode(size_mb, 1 if args.quick else 3)
     summaries = {key: summarize_stream(runs) for key, runs in streams.items()}
     bare_mbs = {sec: summaries["bare", sec]["mb_per_s"] for sec in ("plaintext", "tls")}
     variants: dict[str, dict] = {}

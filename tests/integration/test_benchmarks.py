@@ -379,6 +379,8 @@ def test_dataplane_throughput_quick(tmp_path):
                 "upload_s", "server_decode_s", "control_down_s", "control_up_s", "critical_path_s"):
         assert breakdown[key] >= 0, key
     assert variants["data plane"]["critical_path_s"] == breakdown["critical_path_s"]
+    decode = result["server_decode"]  # (the decodes were checked equal to what was encoded)
+    assert decode["in_place_once_s"] > 0 and decode["copy_twice_s"] > 0
     assert len(result["table"]) == 2 + len(variants)
 
 
