@@ -247,7 +247,7 @@ def _dp_client(args: argparse.Namespace) -> int:
     t0 = time.time()
     got = download(ticket, args.index, root, timeout=600)  # checks size and digest against the ticket
     t1 = time.time()
-    digest = upload(ticket, args.index, blob, root, timeout=600)  # the server's receipt must match
+    digest = upload(ticket, args.index, blob, root, timeout=600).digest  # the server's receipt must match
     t2 = time.time()
     cpu = _cpu() - c0
     # after the timed part: the transport's own digests, and an independent sha256 of the bytes

@@ -16,9 +16,10 @@ every tensor top-k 2-bit both ways, at 100 Mb/s and 10 Mb/s, synchronous and ove
 also counts every node's bytes on its veth (the kernel's counters) against the app's own count.
 
 Heterogeneous links (`--hetero`): 3 nodes, one at a tenth of the others' rate
-(`HETERO_LINK`), LoRDO-Global's synchronous and overlapped rounds and async LoRDO (which travels
-inside Flower's messages) on the same tokens: the federation's tokens per second and the
-validation loss at equal wall-clock.
+(`HETERO_LINK`), LoRDO-Global's synchronous and overlapped rounds and async LoRDO (each node's
+rounds a session on the data plane; and, for contrast, inside Flower's messages) on the same
+tokens: the federation's tokens per second and the validation loss at equal wall-clock
+(`--cases synchronous,async`: a subset by name).
 
 Full run (the issue's table): 125m-size model (byte vocabulary, 85 M parameters, 341 MB of fp32
 θ), DiLoCo (θ down, Δ up: the largest payload per parameter with no moments), one local step of
@@ -73,8 +74,10 @@ HETERO_MODEL = {"preset": "quickstart", "model-preset": "small", "rank": 16, "lo
 HETERO_CASES = {  # name -> run config on top of HETERO_MODEL
     "synchronous": {"variant": "lordo_global", "data-plane": "grpc"},
     "overlap": {"variant": "lordo_global", "data-plane": "grpc", "overlap-delay": 24},
-    # asynchronous rounds travel inside Flower's messages; ρ = 1/√3 for 3 concurrent workers
-    "async": {"variant": "async_lordo", "data-plane": "flower", "async-weight": 0.577},
+    # ρ = 1/√3 for 3 concurrent workers; each node's rounds as one session on the data plane
+    "async": {"variant": "async_lordo", "data-plane": "grpc", "async-weight": 0.577},
+    # the same inside Flower's messages (a message per round: the SuperNode's 3 s poll, a ClientApp per message)
+    "async-flower": {"variant": "async_lordo", "data-plane": "flower", "async-weight": 0.577},
 }
 WIDE = {"payload-dtype": "topk2bit-both-wide", "wire-ef-decay": 0.95, "sparse-mean": "contributors"}
 """--compression: SparseLoCo's wire on DiLoCo (every tensor top-k 2-bit, θ down top-k at 12%; issue 30)."""
@@ -189,7 +192,11 @@ def main_hetero(args) -> int:
                                                  "nodes": 3, "rounds": rounds, "threads_per_process": 1})
     result["cases"] = {}
     with tempfile.TemporaryDirectory(prefix="wan_hetero_") as tmp:
-        for name in HETERO_CASES:
+        names = args.cases.split(",") if args.cases else list(HETERO_CASES)
+        unknown = sorted(set(names) - set(HETERO_CASES))
+        if unknown:
+            raise SystemExit(f"--hetero --cases {args.cases!r}: unknown {unknown}; expected names of {sorted(HETERO_CASES)}")
+        for name in names:
             result["cases"][name] = run_hetero(name, 3, rounds, Path(args.work or tmp) / name, 1200.0)
             write_json(result, args.out)
     cases = result["cases"]
@@ -259,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=0, help="rounds per case (default 4; quick 3)")
     parser.add_argument("--cases", default="", help="subset, e.g. '2:1gbit:grpc,4:100mbit:grpc' (or "
                         "'2:1gbit:grpc:4:3': K = 4 local steps, overlap delay 3; --overlap's own cases may set "
-                        "more run-config keys)")
+                        "more run-config keys; --hetero: names of HETERO_CASES)")
     parser.add_argument("--overlap", action="store_true", help="synchronous against overlapped rounds (OVERLAP_CASES)")
     parser.add_argument("--compression", action="store_true", help="fp32 against SparseLoCo's wire at 100 and 10 "
                         "Mb/s, synchronous and overlapped (COMPRESSION_CASES)")

@@ -23,8 +23,8 @@ import time
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from lordo_fed.app.records import (IDENTIFY, ROUND_TIMEOUT, TICKET, UPLOAD_DIGEST, explicit_keys, payload_bytes,
-                                   payload_record)
+from lordo_fed.app.records import (IDENTIFY, ROUND_TIMEOUT, SESSION, TICKET, UPLOAD_DIGEST, explicit_keys,
+                                   payload_bytes, payload_record)
 from lordo_fed.node.config import NodeConfig
 
 app = ClientApp()
@@ -54,6 +54,7 @@ def _handle(kind: str, msg: Message, context: Context) -> Message:
         # Which partition this node trains: the node config says, no model or data needed.
         return Message(content=RecordDict({"metrics": MetricRecord({"partition-id": node.partition_id})}), reply_to=msg)
     ticket = bytes(config[TICKET]) if config is not None and TICKET in config else b""
+    session = bool(ticket and config.get(SESSION, 0))  # asynchronous rounds on the data plane: one reply at the end
     worker = node.node_worker
     if worker:
         from lordo_fed.node.channel import run_on_node_worker
@@ -61,11 +62,25 @@ def _handle(kind: str, msg: Message, context: Context) -> Message:
         payload = b"" if ticket else payload_bytes(msg.content["state"])
         result = run_on_node_worker(worker, kind, context.run_id, dict(context.run_config), explicit_keys(msg),
                                     dict(context.node_config), context.node_id, ticket=ticket, payload=payload,
-                                    timeout=3 * _round_timeout(msg, context) + 60)
+                                    timeout=None if session else 3 * _round_timeout(msg, context) + 60)
         metrics = dict(result.metrics)
-        content = (RecordDict({"upload": ConfigRecord({UPLOAD_DIGEST: result.upload_digest})}) if ticket
-                   else RecordDict({"update": payload_record(result.payload)}))
+        if session:
+            content = RecordDict()
+        elif ticket:
+            content = RecordDict({"upload": ConfigRecord({UPLOAD_DIGEST: result.upload_digest})})
+        else:
+            content = RecordDict({"update": payload_record(result.payload)})
         metrics["transfer-seconds"] = metrics.get("download-seconds", 0.0) + metrics.get("upload-seconds", 0.0)
+    elif session:
+        from lordo_fed.node.runtime import Job
+        from lordo_fed.node.session import run_session
+        from lordo_fed.transport.client import parse_ticket
+
+        job = Job(kind, context.run_id, dict(context.run_config), explicit_keys(msg), dict(context.node_config))
+        metrics = run_session(job, parse_ticket(ticket), context.node_id, _root_certificates(context),
+                              store_for=lambda cfg, pid: _store(cfg, context, pid))
+        content = RecordDict()
+        metrics["transfer-seconds"] = metrics["download-seconds"] + metrics["upload-seconds"]
     else:
         from lordo_fed.node.runtime import Job, run_job, runtime_for
 
@@ -126,7 +141,7 @@ def send_reply(msg: Message, context: Context, data: bytes, timeout: float) -> R
         return RecordDict({"update": payload_record(data)})
     from lordo_fed.transport.client import parse_ticket, upload
 
-    digest = upload(parse_ticket(config[TICKET]), context.node_id, data, _root_certificates(context), timeout=timeout)
+    digest = upload(parse_ticket(config[TICKET]), context.node_id, data, _root_certificates(context), timeout=timeout).digest
     return RecordDict({"upload": ConfigRecord({UPLOAD_DIGEST: digest})})
 
 

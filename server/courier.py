@@ -23,8 +23,8 @@ from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 
 from lordo_fed.app.config import AppConfig
-from lordo_fed.app.records import (EXPLICIT_KEYS, IDENTIFY, ROUND_TIMEOUT, TICKET, UPLOAD_DIGEST, is_simulation,
-                                   payload_bytes, payload_record, shorten_pull_backoff)
+from lordo_fed.app.records import (EXPLICIT_KEYS, IDENTIFY, ROUND_TIMEOUT, SESSION, TICKET, UPLOAD_DIGEST,
+                                   is_simulation, payload_bytes, payload_record, shorten_pull_backoff)
 from lordo_fed.transport.server import DataPlaneServer, Upload
 from lordo_fed.wire.codec import PayloadError
 from lordo_fed.wire.decode import decode_update
@@ -123,11 +123,22 @@ class Courier:
         return [Message(content=RecordDict({"config": config}), dst_node_id=n, message_type=MessageType.QUERY)
                 for n in node_ids]
 
-    def _ticket_messages(self, round_idx: int, tickets: dict[int, Any], message_type: str) -> list[Message]:
-        """One message per node carrying its data-plane ticket (no payload)."""
-        config = self.message_config(round_idx)
+    def _ticket_messages(self, round_idx: int, tickets: dict[int, Any], message_type: str,
+                         session: bool = False) -> list[Message]:
+        """One message per node carrying its data-plane ticket (no payload); with `session`, the
+        ticket starts the node's asynchronous session (lordo_fed/node/session.py)."""
+        config = {**self.message_config(round_idx), **({SESSION: 1} if session else {})}
         return [Message(content=RecordDict({"config": ConfigRecord({**config, TICKET: t.SerializeToString()})}),
                         dst_node_id=n, message_type=message_type) for n, t in tickets.items()]
+
+    def open_session(self, grid: Grid, round_idx: int, node_id: int) -> str | None:
+        """Start `node_id`'s asynchronous session at `round_idx` on the data plane: one train
+        message with its first ticket (its start point follows with `data_plane.publish_to`).
+        Returns the message id (its reply comes when the session ends), None if not accepted."""
+        ticket = self.data_plane.open_session(node_id, round_idx, ttl=2 * self.cfg.round_timeout + 60,
+                                              max_upload=self.max_upload)
+        ids = self.push(grid, self._ticket_messages(round_idx, {node_id: ticket}, MessageType.TRAIN, session=True))
+        return next(iter(ids), None)
 
     def announce(self, grid: Grid, round_idx: int) -> None:
         """Push the train messages of a round whose state is not published yet (data plane

@@ -144,9 +144,6 @@ class AppConfig(CommonConfig):
         if self.client_state not in CLIENT_STATE_STORES:
             raise ValueError(f"client_state={self.client_state!r}: expected one of {CLIENT_STATE_STORES}")
         self.data_plane.validate()
-        if METHODS[self.variant].loop == "async" and self.data_plane.mode == "grpc":
-            raise ValueError(f"data_plane.mode='grpc' with the asynchronous variant {self.variant!r}: not built yet "
-                             "(asynchronous rounds travel inside Flower's messages); expected 'auto' or 'flower'")
         super().validate()
         return self
 

@@ -29,6 +29,9 @@ ROUND_TIMEOUT = "round-timeout"
 """ConfigRecord key of every server message: the run's round deadline in seconds, as the server
 composed it (preset included). A ClientApp that hands its rounds to a node worker composes no
 settings (it imports no torch) and bounds its wait with this."""
+SESSION = "session"
+"""ConfigRecord key of an asynchronous session's message (1): its ticket starts the node's rounds on the data
+plane (lordo_fed/node/session.py), and the reply comes once the session ended."""
 IDENTIFY = "identify"
 """ConfigRecord key of a query message that asks a node only for its partition id (asynchronous
 rounds map partitions to nodes before the first round); the reply's metrics carry `partition-id`."""

@@ -322,7 +322,13 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
         return encode_update(worker.gradient(state, sorted(rt.run.ranks)), rt.model_id, rt.run.payload.wire_dtype), {}
     if job.kind != TRAIN:
         raise ValueError(f"job kind {job.kind!r}: expected {TRAIN!r} or {QUERY!r}")
-    worker, state_source = worker_for_round(rt, store, pid, shard, state.round, job.local_steps(rt))
+    steps = job.local_steps(rt)
+    if state.local_steps:  # the server matched this round's steps to the node's speed (async-match-speed)
+        if rt.settings.loop != "async" or state.local_steps > rt.cfg.total_steps:
+            raise ValueError(f"the server asks for {state.local_steps} local steps: expected only in asynchronous "
+                             f"rounds, and at most the run's {rt.cfg.total_steps} steps")
+        steps = state.local_steps
+    worker, state_source = worker_for_round(rt, store, pid, shard, state.round, steps)
     slowdown = job.slowdown
     setup_seconds = time.perf_counter() - started
 
@@ -333,11 +339,16 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
         bar = tqdm(total=worker.rounds.steps_of(state.round), desc=f"client {pid} round {state.round}", leave=False)
     train_started = time.perf_counter()
     update = worker.train_round(state, progress=(lambda i, loss: bar.update(1)) if bar else None)
+    # Whether this round found no state of the previous one; in the reply itself, so that the server
+    # sees it however the reply travels (an asynchronous session has no Flower reply per round).
+    update.metrics["fresh_state"] = float(state_source == "fresh" and state.round > 1)
     train_seconds = time.perf_counter() - train_started
     if bar:
         bar.close()
     if slowdown > 1.0:
         time.sleep((slowdown - 1.0) * train_seconds)
+    # The round's training seconds (a slowed node's sleep included), for the server's speed match.
+    update.metrics["train_seconds"] = train_seconds * max(slowdown, 1.0)
     snapshot_started = time.perf_counter()
     tensors, meta = worker.flat_state()
     meta = {**meta, "model_id": rt.model_id, "variant": rt.cfg.variant}

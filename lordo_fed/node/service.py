@@ -4,7 +4,8 @@ Flower starts a new ClientApp process for every message, which would import torc
 model and reload the worker state (~760 MB for 125M) every round. The node worker keeps the
 model, the optimizer state and the data cursor on its device between rounds; the ClientApp
 hands it each job over a local channel (lordo_fed/node/channel.py) and returns the small
-result. With the gRPC data plane the worker downloads the state and uploads its reply itself.
+result. With the gRPC data plane the worker downloads the state and uploads its reply itself
+(lordo_fed/node/session.py), and in asynchronous rounds runs a whole session of rounds on it.
 After each round it persists the worker state to disk on a thread, off the critical path (the
 next round waits for it), so a restarted worker resumes from disk without losing a round.
 
@@ -29,9 +30,9 @@ import grpc
 from lordo_fed.node.channel import OPTIONS, check_local
 from lordo_fed.node import runtime
 from lordo_fed.node.ranks import LocalRanks
-from lordo_fed.node.runtime import Job, ReadOnlyStore, disk_store, run_job, runtime_for
-from lordo_fed.wire.encode import StreamingEncode
-from lordo_fed.transport.client import DataPlaneError, download, parse_ticket, transfer_timeout, upload
+from lordo_fed.node.runtime import Job, ReadOnlyStore, disk_store, run_job
+from lordo_fed.node.session import data_plane_round, run_session
+from lordo_fed.transport.client import parse_ticket
 from lordo_fed.v1 import node_pb2 as pb
 from lordo_fed.v1 import node_pb2_grpc as pb_grpc
 
@@ -60,45 +61,28 @@ class NodeWorkerServicer(pb_grpc.NodeWorkerServicer):
         job = Job(request.kind, request.run_id, json.loads(request.run_config_json), tuple(request.explicit_keys),
                   json.loads(request.node_config_json))
         ca = job.node.root_certificates or None
-        ticket = parse_ticket(request.ticket) if request.ticket else None
-        stats: dict[str, float] = {}
-        if ticket is not None:
-            def receive(timeout: float) -> bytearray:
-                stats["started"] = time.perf_counter()
-                return download(ticket, request.node_id, ca, timeout=transfer_timeout(ticket, timeout), stats=stats)
-        else:
+        hand_on = None if self.ranks is None else (lambda receive: self._hand_on(request, receive))
+        if not request.ticket:  # the state came inside Flower's message, and the reply goes back in it
             def receive(timeout: float) -> bytes:
                 return request.payload
-        if self.ranks is not None:  # the other ranks run the same job on the same bytes
-            receive = self._hand_on(request, receive)
-        sent, metrics = run_job(job, receive, save_in_background=True, stream_reply=ticket is not None)
-        self.jobs += 1
-        metrics["node-worker-jobs"] = self.jobs
-        if "first_byte" in stats:  # before the first byte, the node waited for the server to publish
-            metrics["download-wait-seconds"] = stats["first_byte"] - stats["started"]
-        if ticket is None:
+            if hand_on is not None:  # the other ranks run the same job on the same bytes
+                receive = hand_on(receive)
+            sent, metrics = run_job(job, receive, save_in_background=True)
             result = pb.NodeResult(payload=bytes(sent))  # protobuf takes bytes only (one copy, Flower's path)
         else:
-            upload_started = time.perf_counter()
-            timeout = runtime_for(job).cfg.round_timeout
-            if isinstance(sent, StreamingEncode):  # the upload streams the reply while it is encoded
-                try:
-                    digest = upload(ticket, request.node_id, sent.buffer, ca, timeout=timeout, ready=sent.wait_for)
-                except DataPlaneError:
-                    sent.result()  # an encoding error is the cause: raise it instead
-                    raise
-                sent.result()
-                metrics["encode-seconds"] = sent.seconds
-                metrics["codec-seconds"] = metrics.get("decode-seconds", 0.0) + sent.seconds
+            ticket = parse_ticket(request.ticket)
+            if ticket.session:  # asynchronous rounds: round after round on the data plane, then one result
+                metrics = run_session(job, ticket, request.node_id, ca, hand_on)
+                result = pb.NodeResult()
             else:
-                digest = upload(ticket, request.node_id, sent, ca, timeout=timeout)
-            metrics["upload-seconds"] = time.perf_counter() - upload_started
-            result = pb.NodeResult(upload_digest=digest)
+                receipt, metrics = data_plane_round(job, ticket, request.node_id, ca, hand_on)
+                result = pb.NodeResult(upload_digest=receipt.digest)
+        self.jobs += 1
+        metrics["node-worker-jobs"] = self.jobs
         metrics["worker-seconds"] = time.perf_counter() - started
         for key, value in metrics.items():
             result.metrics[key] = float(value)
         return result
-
 
     def _hand_on(self, request: pb.NodeJob, receive):
         """Send the job to the other ranks now, and `receive` wrapped so that the state it

@@ -53,6 +53,53 @@ def arrival_weight(cfg: AsyncConfig, staleness: int) -> float:
     return cfg.weight * (1.0 + staleness) ** -cfg.staleness_exponent
 
 
+class SpeedMatch:
+    """Per-node local steps from measured speed, so that every node's round takes about the same
+    wall-clock (`AsyncConfig.match_speed`; GradSkip's per-client number of local steps,
+    Maranjyan et al. 2022, with each node's speed measured instead of given).
+
+    A node's round is modelled as a_p + b_p·k seconds for k local steps: b_p its measured training
+    seconds per step (compute), a_p the rest of its last round (transfers, waiting, encoding). The
+    target T is the mean over measured nodes of a_p + b_p·K, and no lower than the slowest fixed
+    part plus one step (max a_p + b_p: a node on a slow link cannot be faster than its transfers);
+    node p then trains k_p = (T − a_p) / b_p steps, rounded, within [1, `max_factor`·K]. Nodes not
+    measured yet train K."""
+
+    def __init__(self, local_steps: int, max_factor: float = 4.0):
+        if local_steps < 1 or not max_factor >= 1:
+            raise ValueError(f"SpeedMatch(local_steps={local_steps}, max_factor={max_factor}): expected K >= 1 "
+                             "and a factor >= 1")
+        self.K, self.max_steps = int(local_steps), max(1, int(max_factor * local_steps))
+        self.fixed: dict[int, float] = {}
+        """Node -> a_p: seconds of its last round not spent training."""
+        self.per_step: dict[int, float] = {}
+        """Node -> b_p: its last round's training seconds per step."""
+
+    def observe(self, worker: int, round_seconds: float, train_seconds: float, steps: int) -> None:
+        """Node `worker`'s last round: `round_seconds` from its start point's publication to its
+        reply's arrival, `train_seconds` of it training `steps` local steps."""
+        if steps < 1 or not train_seconds > 0:
+            return  # nothing to learn a speed from
+        self.per_step[worker] = train_seconds / steps
+        self.fixed[worker] = max(0.0, round_seconds - train_seconds)
+
+    def target(self) -> float | None:
+        """T, the round time every node is given steps for (None before any node is measured)."""
+        if not self.per_step:
+            return None
+        nodes = list(self.per_step)
+        mean = sum(self.fixed[p] + self.per_step[p] * self.K for p in nodes) / len(nodes)
+        return max(mean, max(self.fixed[p] + self.per_step[p] for p in nodes))
+
+    def steps(self, worker: int) -> int:
+        """Local steps for `worker`'s next round."""
+        target = self.target()
+        if target is None or worker not in self.per_step:
+            return self.K
+        k = round((target - self.fixed[worker]) / self.per_step[worker])
+        return int(min(self.max_steps, max(1, k)))
+
+
 @dataclass(frozen=True)
 class AsyncRule:
     """What the server does with an arrival (module docstring)."""

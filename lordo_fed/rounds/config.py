@@ -148,6 +148,8 @@ class AsyncConfig:
     """Virtual seconds per local step of each worker ([] = 1.0 for all); e.g. [1, 1, 1, 4]: one 4x slower."""
     local_steps: List[int] = setting("async-local-steps", default_factory=list)
     """Local steps per round of each worker ([] = rounds.local_steps for all): per-node work, GradSkip's idea."""
+    match_speed: bool = setting("async-match-speed", False)
+    """Arrival order: each node's local steps chosen from its measured speed, so that rounds take about equal wall-clock."""
     weight: float = setting("async-weight", 1.0)
     """ρ: every arriving Δ is scaled by it before its outer step (HeLoCo's; the paper suggests 1/√K for K workers)."""
     staleness_exponent: float = setting("async-staleness-exponent", 0.0)
@@ -186,6 +188,12 @@ class AsyncConfig:
                              "(0 = no bound)")
         if self.order not in ASYNC_ORDERS:
             raise ValueError(f"async_rounds.order={self.order!r}: expected one of {ASYNC_ORDERS}")
+        if not isinstance(self.match_speed, bool):
+            raise ValueError(f"async_rounds.match_speed={self.match_speed!r}: expected true or false")
+        if self.match_speed and (self.order != "arrival" or self.local_steps):
+            raise ValueError(f"async_rounds.match_speed=True with order={self.order!r} and local_steps="
+                             f"{list(self.local_steps)!r}: expected order='arrival' and local_steps=[] (steps from measured "
+                             "speed need real arrivals; the virtual clock takes its steps from async-local-steps)")
         self.heloco.validate()
         if workers is not None:
             self.check_workers(range(workers))

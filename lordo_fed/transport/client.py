@@ -27,6 +27,10 @@ class DataPlaneError(RuntimeError):
     """A transfer that failed or did not match its ticket; the message names the step."""
 
 
+class SessionEnded(Exception):
+    """A session's download found no further round for this node (dataplane.proto, `finished`)."""
+
+
 def parse_ticket(data: bytes) -> pb.Ticket:
     """A ticket from the bytes a Flower message carried (DataPlaneError if it is not one)."""
     ticket = pb.Ticket()
@@ -74,7 +78,8 @@ def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: f
     names or, for a round announced before its state existed, that the stream's first chunk
     declares (the call then waits for the server to publish the round). Returns a writable buffer
     of this node's own (the decoder may adopt it, lordo_fed.wire.encode.new_buffer). `stats`, when given,
-    gets `first_byte`: the time.perf_counter() of the first chunk (before it, the node waited)."""
+    gets `first_byte`: the time.perf_counter() of the first chunk (before it, the node waited).
+    Raises SessionEnded when a session's server has no further round for this node."""
     out, view = None, None
     size, expected, kind = ticket.size, ticket.digest, checksum_of(ticket)
     digest, offset = new_digest(kind), 0
@@ -88,6 +93,13 @@ def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: f
                 if out is None:
                     if stats is not None:
                         stats["first_byte"] = time.perf_counter()
+                    if chunk.finished:
+                        stream.cancel()
+                        if not ticket.session:
+                            raise DataPlaneError(f"download from {ticket.address}: the server ended a session, "
+                                                 "and this ticket is not one")
+                        raise SessionEnded(f"the data plane at {ticket.address} has no round {ticket.round} for "
+                                           f"node {node_id}")
                     if chunk.digest and checksum_of(chunk) != kind:
                         stream.cancel()
                         raise DataPlaneError(f"download from {ticket.address}: the stream's checksum is "
@@ -139,9 +151,9 @@ def _chunks(ticket: pb.Ticket, node_id: int, data: memoryview, step: int, digest
 
 def upload(ticket: pb.Ticket, node_id: int, data: bytes | bytearray | memoryview, root_certificates=None,
            timeout: float | None = None, chunk_bytes: int = CHUNK_BYTES,
-           ready: Callable[[int], None] | None = None) -> str:
-    """Send this node's encoded WorkerUpdate; returns its digest (of the ticket's checksum kind)
-    once the server confirmed it.
+           ready: Callable[[int], None] | None = None) -> pb.UploadReceipt:
+    """Send this node's encoded WorkerUpdate; returns the server's receipt once it confirmed it:
+    the digest (of the ticket's checksum kind) and, in a session, the next round's ticket.
     `ready(n)`, when given, blocks until the first `n` bytes of `data` are final: the upload then
     streams a payload that is still being encoded (lordo_fed.wire.encode.StreamingEncode)."""
     view = memoryview(data).cast("B")
@@ -158,4 +170,6 @@ def upload(ticket: pb.Ticket, node_id: int, data: bytes | bytearray | memoryview
     if receipt.digest != sent or receipt.size != len(view):
         raise DataPlaneError(f"upload to {ticket.address}: the receipt ({receipt.size} bytes, {receipt.digest[:16]}...) "
                              f"does not match what was sent ({len(view)} bytes, {sent[:16]}...)")
-    return sent
+    if ticket.session and not (receipt.HasField("next") and receipt.next.session):
+        raise DataPlaneError(f"upload to {ticket.address}: a session's receipt without the next round's ticket")
+    return receipt

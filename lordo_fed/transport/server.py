@@ -22,9 +22,14 @@ down and the encoded `lordo_fed.v1.WorkerUpdate` comes up, cut into chunks
   and server memory does not grow with the payload or the number of nodes.
 - TLS with the SuperLink's certificate and key (scripts/generate_certs.py) unless the deployment
   is explicitly insecure.
+- Asynchronous sessions (`open_session`): a node trains round after round on the data plane alone.
+  Each node has its own round and start point (`publish_to`); an upload's receipt carries the
+  ticket of the node's next round, whose download waits until the server published it (or ends
+  the session: `end_session`). Only the node's latest upload token counts, once.
 
 The gRPC server is grpc.aio on an event loop in a background thread, so a stalled peer can be
-timed out per chunk (`asyncio.wait_for`) without a thread per stream.
+timed out per chunk (`asyncio.wait_for`) without a thread per stream; its handlers are in
+lordo_fed/transport/handlers.py.
 """
 
 from __future__ import annotations
@@ -34,7 +39,6 @@ import logging
 import mmap
 import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,8 +46,8 @@ from typing import Callable
 
 import grpc
 
-from lordo_fed.transport.checksum import CHECKSUMS, check_kind, checksum_of, digest_of, new_digest
-from lordo_fed.transport.framing import frame, unframe
+from lordo_fed.transport.checksum import CHECKSUMS, check_kind, digest_of
+from lordo_fed.transport.framing import unframe
 from lordo_fed.transport.tokens import DOWNLOAD, UPLOAD, TokenError, TokenIssuer
 from lordo_fed.v1 import dataplane_pb2 as pb
 
@@ -133,7 +137,9 @@ class Refusal:
     reason: str
 
 
-class _Refused(Exception):
+class Refused(Exception):
+    """A call the data plane refuses: the gRPC status it ends with, and the reason (logged)."""
+
     def __init__(self, code: grpc.StatusCode, reason: str):
         super().__init__(reason)
         self.code = code
@@ -190,7 +196,16 @@ class DataPlaneServer:
         """Uploads being read now, and the most at once since start (tests, diagnostics)."""
         self._uploads: dict[tuple[int, int], Upload] = {}
         self._arrived = threading.Condition(self._lock)
-        """Notified whenever an upload is stored (`wait_for_uploads`)."""
+        """Notified whenever an upload is stored (`wait_for_uploads`, `session_uploads`)."""
+        self._sessions: dict[int, tuple[int, str]] = {}
+        """Asynchronous sessions: node -> (the round whose reply it may upload, the nonce of the
+        one upload token that counts for it)."""
+        self._session_states: dict[int, tuple[int, memoryview, str]] = {}
+        """node -> (round, encoded state, digest): the start point published to it last."""
+        self._session_ended: set[int] = set()
+        self._session_events: dict[int, asyncio.Event] = {}
+        self._session_uploads: list[Upload] = []
+        self._session_ttl = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: grpc.aio.Server | None = None
@@ -218,7 +233,9 @@ class DataPlaneServer:
         self._server = grpc.aio.server(options=channel_options())
         # The generated servicer's handlers, with the chunks (de)serialized by framing.py: same
         # wire bytes, the payload copied once (the generated stubs interoperate).
-        servicer = _Servicer(self)
+        from lordo_fed.transport.handlers import Servicer  # (it imports this module)
+
+        servicer = Servicer(self)
         handlers = {
             "Download": grpc.unary_stream_rpc_method_handler(
                 servicer.Download, request_deserializer=pb.DownloadRequest.FromString, response_serializer=raw_bytes),
@@ -291,11 +308,12 @@ class DataPlaneServer:
             self._max_upload = max(self._max_upload, int(max_upload))
         return {int(n): self._ticket(n, round_idx, ttl, max_upload, 0, "") for n in node_ids}
 
-    def _ticket(self, node_id: int, round_idx: int, ttl: float, max_upload: int, size: int, digest: str) -> pb.Ticket:
+    def _ticket(self, node_id: int, round_idx: int, ttl: float, max_upload: int, size: int, digest: str,
+                session: bool = False) -> pb.Ticket:
         return pb.Ticket(address=self.address, round=int(round_idx), size=size, digest=digest, checksum=self.checksum,
                          download_token=self.issuer.issue(node_id, round_idx, DOWNLOAD, ttl),
                          upload_token=self.issuer.issue(node_id, round_idx, UPLOAD, ttl),
-                         max_upload=int(max_upload), tls=self.tls is not None)
+                         max_upload=int(max_upload), tls=self.tls is not None, session=session)
 
     def _published(self, round_idx: int) -> asyncio.Event:
         """The event set when `round_idx` is published (event-loop thread only)."""
@@ -318,6 +336,64 @@ class DataPlaneServer:
         wanted = {(int(n), int(round_idx)) for n in node_ids}
         with self._arrived:
             return self._arrived.wait_for(lambda: wanted <= self._uploads.keys(), timeout)
+
+    # ------------------------------------------------------------------------------ sessions
+    def open_session(self, node_id: int, round_idx: int, ttl: float, max_upload: int) -> pb.Ticket:
+        """Start (or restart) `node_id`'s asynchronous session at `round_idx` and return its first
+        ticket (announced: the download waits for `publish_to`). Tokens issued to the node before
+        no longer upload. `ttl` bounds each of its tickets: a node's next round may wait that long
+        for its start point (a grace window, the virtual clock's order)."""
+        node = int(node_id)
+        ticket = self._ticket(node, round_idx, ttl, max_upload, 0, "", session=True)
+        nonce = self.issuer.check(ticket.upload_token, node, UPLOAD).nonce
+        with self._lock:
+            self._max_upload = max(self._max_upload, int(max_upload))
+            self._session_ttl = float(ttl)
+            self._sessions[node] = (int(round_idx), nonce)
+            self._session_ended.discard(node)
+        return ticket
+
+    def publish_to(self, node_id: int, round_idx: int, data: bytes | bytearray | memoryview) -> None:
+        """Serve `data` (an encoded GlobalState) as `node_id`'s start point of `round_idx`: its
+        waiting download starts now. Replaces the node's previous one."""
+        digest = digest_of(self.checksum, data)
+        node = int(node_id)
+        with self._lock:
+            self._session_states[node] = (int(round_idx), memoryview(data).cast("B"), digest)
+        self._wake(node)
+
+    def end_session(self, node_id: int) -> None:
+        """No further round for `node_id`: its waiting (or next) download answers `finished`, and
+        its uploads are refused until a new `open_session`."""
+        node = int(node_id)
+        with self._lock:
+            self._sessions.pop(node, None)
+            self._session_states.pop(node, None)
+            self._session_ended.add(node)
+        self._wake(node)
+
+    def session_uploads(self, timeout: float) -> list[Upload]:
+        """The verified session uploads that arrived (in arrival order), waiting up to `timeout`
+        seconds for the first; the caller owns them (`Upload.discard()`)."""
+        with self._arrived:
+            self._arrived.wait_for(lambda: bool(self._session_uploads), timeout)
+            out, self._session_uploads = self._session_uploads, []
+        return out
+
+    def _wake(self, node: int) -> None:
+        """Wake `node`'s download waiting for its start point (runs on the event loop)."""
+        def wake() -> None:
+            event = self._session_events.pop(node, None)
+            if event is not None:
+                event.set()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(wake)
+
+    def _session_event(self, node: int) -> asyncio.Event:
+        """The event `_wake` sets for `node` (event-loop thread only)."""
+        if node not in self._session_events:
+            self._session_events[node] = asyncio.Event()
+        return self._session_events[node]
 
     def _take_buffer(self, nbytes: int) -> bytearray | None:
         """A buffer of at least `nbytes` for an upload (a spare one when one fits), counted against
@@ -349,17 +425,21 @@ class DataPlaneServer:
         return out
 
     def _refuse(self, node_id: int, round_idx: int, what: str, reason: str,
-                code: grpc.StatusCode = grpc.StatusCode.PERMISSION_DENIED) -> _Refused:
+                code: grpc.StatusCode = grpc.StatusCode.PERMISSION_DENIED) -> Refused:
         log.warning("data plane: refused %s of node %s (round %s): %s", what, node_id, round_idx, reason)
         with self._lock:
             self.refusals.append(Refusal(int(node_id), int(round_idx), what, reason))
-        return _Refused(code, reason)
+        return Refused(code, reason)
 
     def _check(self, token: str, node_id: int, kind: str):
         """The token's claims; refused (logged) unless valid for this node and direction, and for
         the current round (uploads) or a round still served (downloads)."""
         with self._lock:
             current, served = self._round, sorted(self._blobs)
+            session = self._sessions.get(int(node_id))
+            ended = int(node_id) in self._session_ended
+        if session is not None or ended:  # an asynchronous session: the node's own round
+            return self._check_session(token, node_id, kind, session)
         if current is None and kind == UPLOAD:
             raise self._refuse(node_id, -1, kind, "no round is being served", grpc.StatusCode.UNAVAILABLE)
         current = -1 if current is None else current
@@ -376,187 +456,41 @@ class DataPlaneServer:
         return claims
 
 
-class _Servicer:
-    def __init__(self, plane: DataPlaneServer):
-        self.plane = plane
+    def _take_session_upload(self, upload: Upload, claims) -> pb.UploadReceipt:
+        """Store a session's verified upload for `session_uploads`, move the node to its next round
+        and answer with that round's ticket; refused if the session moved on while it streamed."""
+        node = upload.node_id
+        ticket = self._ticket(node, claims.round + 1, self._session_ttl, self._max_upload, 0, "", session=True)
+        nonce = self.issuer.check(ticket.upload_token, node, UPLOAD).nonce
+        with self._lock:
+            taken = self._sessions.get(node) == (claims.round, claims.nonce)
+            if taken:
+                self._sessions[node] = (claims.round + 1, nonce)
+                self._session_uploads.append(upload)
+                self._arrived.notify_all()
+        if not taken:
+            upload.discard()
+            raise self._refuse(node, claims.round, UPLOAD, "the node's session moved on while the upload streamed",
+                               grpc.StatusCode.FAILED_PRECONDITION)
+        return pb.UploadReceipt(size=upload.size, digest=upload.digest, next=ticket)
 
-    async def Download(self, request: pb.DownloadRequest, context: grpc.aio.ServicerContext):
-        plane = self.plane
+    def _check_session(self, token: str, node_id: int, kind: str, session: tuple[int, str] | None):
+        """`_check` for a node in an asynchronous session: an upload for the round it is at, with
+        the one token that counts; a download of that round (or a later one: it waits)."""
         try:
-            claims = plane._check(request.token, request.node_id, DOWNLOAD)
-            with plane._lock:
-                blob = plane._blobs.get(claims.round)
-            if blob is None and claims.round > (plane._round if plane._round is not None else -1):
-                # An announced round: wait for its state, at most until the token expires.
-                try:
-                    await asyncio.wait_for(plane._published(claims.round).wait(), max(0.0, claims.expires - time.time()))
-                except asyncio.TimeoutError:
-                    raise plane._refuse(request.node_id, claims.round, DOWNLOAD, f"round {claims.round} was not "
-                                        "published before the token expired", grpc.StatusCode.DEADLINE_EXCEEDED) from None
-                with plane._lock:
-                    blob = plane._blobs.get(claims.round)
-            if blob is None:  # published over between the check and now
-                raise plane._refuse(request.node_id, claims.round, DOWNLOAD, f"round {claims.round} is no longer served")
-            step = plane.chunk_bytes
-            with plane._lock:
-                digest = plane._digest[claims.round]
-            # The header (size, digest) alone first: the node knows the round is published at once,
-            # whatever the chunk size (it times its wait by it), then the data.
-            header = pb.Chunk(size=len(blob), digest=digest, checksum=plane.checksum).SerializeToString()
-            for offset in range(-step, len(blob), step):
-                chunk = header if offset < 0 else frame(pb.Chunk(), CHUNK_DATA, blob[offset:offset + step])
-                try:
-                    await asyncio.wait_for(context.write(chunk), plane.stall_timeout)
-                except asyncio.TimeoutError:
-                    raise plane._refuse(request.node_id, claims.round, DOWNLOAD,
-                                        f"stream stalled for more than {plane.stall_timeout:g}s at byte {max(offset, 0)} of "
-                                        f"{len(blob)}", grpc.StatusCode.DEADLINE_EXCEEDED) from None
-        except _Refused as err:
-            await context.abort(err.code, str(err))
-
-    async def Upload(self, request_iterator, context: grpc.aio.ServicerContext):
-        plane = self.plane
-        node, round_idx, slot = -1, -1, False
-        try:
-            first, first_data = await self._read(context, node, round_idx, 0, None)
-            if first is None:
-                raise plane._refuse(node, round_idx, UPLOAD, "empty upload stream", grpc.StatusCode.INVALID_ARGUMENT)
-            node = first.node_id
-            claims = plane._check(first.token, node, UPLOAD)
-            round_idx = claims.round
-            with plane._lock:
-                limit = plane._max_upload
-            if first.size <= 0 or first.size > limit:
-                raise plane._refuse(node, round_idx, UPLOAD, f"declares {first.size} bytes; expected 1..{limit} "
-                                    "(the round's largest reply)", grpc.StatusCode.INVALID_ARGUMENT)
-            if checksum_of(first) != plane.checksum:
-                raise plane._refuse(node, round_idx, UPLOAD, f"declares checksum {checksum_of(first)!r}; "
-                                    f"expected the ticket's {plane.checksum!r}", grpc.StatusCode.INVALID_ARGUMENT)
-            # A turn among the uploads read at once (`max_uploads`), waited for at most until the
-            # token expires; only a checked header waits.
-            try:
-                await asyncio.wait_for(plane._upload_slots.acquire(), max(0.0, claims.expires - time.time()))
-            except asyncio.TimeoutError:
-                raise plane._refuse(node, round_idx, UPLOAD, "waited for a turn among the uploads read at once "
-                                    f"(data-plane-max-uploads={plane.max_uploads}) until the token expired",
-                                    grpc.StatusCode.DEADLINE_EXCEEDED) from None
-            slot = True
-            with plane._lock:
-                plane.active_uploads += 1
-                plane.peak_active_uploads = max(plane.peak_active_uploads, plane.active_uploads)
-            return await self._receive(context, first, first_data, claims)
-        except _Refused as err:
-            await context.abort(err.code, str(err))
-        except asyncio.CancelledError:
-            plane._refuse(node, round_idx, UPLOAD, "connection lost mid-upload (the node stopped or cancelled)",
-                          grpc.StatusCode.CANCELLED)
-            raise
-        finally:
-            if slot:
-                with plane._lock:
-                    plane.active_uploads -= 1
-                plane._upload_slots.release()
-
-    async def _receive(self, context, first: pb.UploadChunk, first_data, claims) -> pb.UploadReceipt:
-        """The rest of an upload whose header (token, size) checked out: its bytes, stored as they
-        come, and their digest (raises _Refused)."""
-        plane = self.plane
-        node, round_idx, declared, sink = first.node_id, claims.round, first.size, None
-        try:
-            sink = _Sink(plane, node, round_idx, declared)
-            loop = asyncio.get_running_loop()
-            received, declared_digest, started = 0, "", time.perf_counter()
-            pending = None  # hashing and storing chunk i (in a thread) overlaps receiving chunk i+1
-            msg, data = first, first_data
-            while msg is not None:
-                if data:
-                    if received + len(data) > declared:
-                        raise plane._refuse(node, round_idx, UPLOAD, f"sent more than the {declared} bytes it "
-                                            "declared", grpc.StatusCode.INVALID_ARGUMENT)
-                    if pending is not None:
-                        await pending
-                    pending = loop.run_in_executor(plane._io, sink.write, received, data)
-                    received += len(data)
-                declared_digest = msg.digest or declared_digest
-                msg, data = await self._read(context, node, round_idx, received, declared)
-            if pending is not None:
-                await pending
-            if received != declared:
-                raise plane._refuse(node, round_idx, UPLOAD, f"stream ended after {received} of the {declared} "
-                                    "declared bytes (truncated)", grpc.StatusCode.INVALID_ARGUMENT)
-            digest = sink.digest.hexdigest()
-            if digest != declared_digest:
-                raise plane._refuse(node, round_idx, UPLOAD, f"{plane.checksum} digest mismatch: received bytes hash to "
-                                    f"{digest[:16]}..., the node declared {declared_digest[:16] or 'none'}...",
-                                    grpc.StatusCode.DATA_LOSS)
-            if not plane.issuer.spend(claims):
-                raise plane._refuse(node, round_idx, UPLOAD, "upload token already used (replayed)")
-            upload = sink.finish(digest, time.perf_counter() - started)
-            sink = None
-            with plane._lock:
-                current = plane._round == round_idx
-                if current:
-                    plane._uploads[(node, round_idx)] = upload
-                    plane._arrived.notify_all()
-            if not current:
-                upload.discard()  # the round closed while this one streamed
-            return pb.UploadReceipt(size=received, digest=digest)
-        finally:
-            if sink is not None:
-                sink.abandon()
-
-    async def _read(self, context, node: int, round_idx: int, received: int, declared: int | None):
-        """The next upload message and its data (lordo_fed.transport.framing), (None, None) at the
-        end of the stream; a stall past the deadline is refused."""
-        plane = self.plane
-        try:
-            msg = await asyncio.wait_for(context.read(), plane.stall_timeout)
-        except asyncio.TimeoutError:
-            raise plane._refuse(node, round_idx, UPLOAD, f"stream stalled for more than {plane.stall_timeout:g}s "
-                                f"after {received} of {declared if declared is not None else '?'} bytes",
-                                grpc.StatusCode.DEADLINE_EXCEEDED) from None
-        return (None, None) if msg is grpc.aio.EOF else msg
-
-
-class _Sink:
-    """Where one upload's bytes go while they stream: a buffer when the memory budget allows (a
-    spare one of an earlier upload when one fits), else a spool file (renamed into place only
-    once verified); hashed on the way in."""
-
-    def __init__(self, plane: DataPlaneServer, node: int, round_idx: int, size: int):
-        self.plane, self.node, self.round, self.size = plane, node, round_idx, size
-        self.digest = new_digest(plane.checksum)
-        self.base = plane._take_buffer(size)
-        self.data = memoryview(self.base)[:size] if self.base is not None else None
-        self.part = None
-        self.file = None
-        if self.data is None:
-            self.part = plane.spool_dir / f"round{round_idx}-node{node}-{os.getpid()}-{id(self)}.part"
-            self.file = open(self.part, "wb")
-
-    def write(self, offset: int, chunk: memoryview) -> None:
-        self.digest.update(chunk)
-        if self.data is not None:
-            # through a memoryview: bytearray slice assignment runs ~9x slower than memcpy here
-            self.data[offset:offset + len(chunk)] = chunk
-        else:
-            self.file.write(chunk)
-
-    def finish(self, digest: str, seconds: float) -> Upload:
-        upload = Upload(self.node, self.round, self.size, digest, seconds, data=self.data,
-                        _base=self.base, _release=self.plane._release)
-        if self.file is not None:
-            self.file.close()
-            final = self.plane.spool_dir / f"round{self.round}-node{self.node}.bin"
-            os.replace(self.part, final)
-            upload.path = final
-        return upload
-
-    def abandon(self) -> None:
-        if self.base is not None:
-            self.data = None
-            self.plane._release(self.base)
-            self.base = None
-        if self.file is not None:
-            self.file.close()
-            self.part.unlink(missing_ok=True)
+            claims = self.issuer.check(token, node_id, kind)
+        except TokenError as err:
+            raise self._refuse(node_id, session[0] if session else -1, kind, str(err)) from None
+        if session is None:
+            if kind == UPLOAD:
+                raise self._refuse(node_id, claims.round, kind, "the node's session has ended",
+                                   grpc.StatusCode.FAILED_PRECONDITION)
+            return claims  # the download answers `finished`
+        round_idx, nonce = session
+        if kind == UPLOAD and (claims.round != round_idx or claims.nonce != nonce):
+            raise self._refuse(node_id, claims.round, kind, f"token for round {claims.round}, the node's session takes "
+                               f"round {round_idx} with the token of its latest ticket")
+        if kind == DOWNLOAD and claims.round < round_idx:
+            raise self._refuse(node_id, claims.round, kind, f"token for round {claims.round}, the node's session is at "
+                               f"round {round_idx}")
+        return claims

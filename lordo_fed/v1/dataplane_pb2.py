@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1clordo_fed/v1/dataplane.proto\x12\x0clordo_fed.v1\"\xa7\x01\n\x06Ticket\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12\x16\n\x0e\x64ownload_token\x18\x05 \x01(\t\x12\x14\n\x0cupload_token\x18\x06 \x01(\t\x12\x12\n\nmax_upload\x18\x07 \x01(\x03\x12\x0b\n\x03tls\x18\x08 \x01(\x08\x12\x10\n\x08\x63hecksum\x18\t \x01(\t\"1\n\x0f\x44ownloadRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\x04\"E\n\x05\x43hunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\t\"k\n\x0bUploadChunk\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\t\"-\n\rUploadReceipt\x12\x0c\n\x04size\x18\x01 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t2\x91\x01\n\tDataPlane\x12@\n\x08\x44ownload\x12\x1d.lordo_fed.v1.DownloadRequest\x1a\x13.lordo_fed.v1.Chunk0\x01\x12\x42\n\x06Upload\x12\x19.lordo_fed.v1.UploadChunk\x1a\x1b.lordo_fed.v1.UploadReceipt(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1clordo_fed/v1/dataplane.proto\x12\x0clordo_fed.v1\"\xb8\x01\n\x06Ticket\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12\x16\n\x0e\x64ownload_token\x18\x05 \x01(\t\x12\x14\n\x0cupload_token\x18\x06 \x01(\t\x12\x12\n\nmax_upload\x18\x07 \x01(\x03\x12\x0b\n\x03tls\x18\x08 \x01(\x08\x12\x10\n\x08\x63hecksum\x18\t \x01(\t\x12\x0f\n\x07session\x18\n \x01(\x08\"1\n\x0f\x44ownloadRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\x04\"W\n\x05\x43hunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\t\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\"k\n\x0bUploadChunk\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\t\"Q\n\rUploadReceipt\x12\x0c\n\x04size\x18\x01 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\"\n\x04next\x18\x03 \x01(\x0b\x32\x14.lordo_fed.v1.Ticket2\x91\x01\n\tDataPlane\x12@\n\x08\x44ownload\x12\x1d.lordo_fed.v1.DownloadRequest\x1a\x13.lordo_fed.v1.Chunk0\x01\x12\x42\n\x06Upload\x12\x19.lordo_fed.v1.UploadChunk\x1a\x1b.lordo_fed.v1.UploadReceipt(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,15 +32,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lordo_fed.v1.dataplane_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TICKET']._serialized_start=47
-  _globals['_TICKET']._serialized_end=214
-  _globals['_DOWNLOADREQUEST']._serialized_start=216
-  _globals['_DOWNLOADREQUEST']._serialized_end=265
-  _globals['_CHUNK']._serialized_start=267
-  _globals['_CHUNK']._serialized_end=336
-  _globals['_UPLOADCHUNK']._serialized_start=338
-  _globals['_UPLOADCHUNK']._serialized_end=445
-  _globals['_UPLOADRECEIPT']._serialized_start=447
-  _globals['_UPLOADRECEIPT']._serialized_end=492
-  _globals['_DATAPLANE']._serialized_start=495
-  _globals['_DATAPLANE']._serialized_end=640
+  _globals['_TICKET']._serialized_end=231
+  _globals['_DOWNLOADREQUEST']._serialized_start=233
+  _globals['_DOWNLOADREQUEST']._serialized_end=282
+  _globals['_CHUNK']._serialized_start=284
+  _globals['_CHUNK']._serialized_end=371
+  _globals['_UPLOADCHUNK']._serialized_start=373
+  _globals['_UPLOADCHUNK']._serialized_end=480
+  _globals['_UPLOADRECEIPT']._serialized_start=482
+  _globals['_UPLOADRECEIPT']._serialized_end=563
+  _globals['_DATAPLANE']._serialized_start=566
+  _globals['_DATAPLANE']._serialized_end=711
 # @@protoc_insertion_point(module_scope)

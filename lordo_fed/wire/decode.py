@@ -297,7 +297,7 @@ def _finish_global_state(msg: pb.GlobalState, expected_model_id: str | None,
     path) or from the data spans the scanner found in `view` (fast path, keyed by field number)."""
     kind = "GlobalState"
     v2 = _check_header(msg, kind, GLOBAL_STATE_SCHEMA, expected_model_id)
-    _check_counts(kind, round=msg.round, opt_step=msg.opt_step)
+    _check_counts(kind, round=msg.round, opt_step=msg.opt_step, local_steps=msg.local_steps)
     groups = [(msg.params, f"{kind}.params", 5), (msg.projections, f"{kind}.projections", 6),
               (msg.moments, f"{kind}.moments", 7)]
     shapes = [_check_group(g, where, v2 and field != 6, codecs) for g, where, field in groups]
@@ -311,7 +311,7 @@ def _finish_global_state(msg: pb.GlobalState, expected_model_id: str | None,
                                                               f"in a {SCHEMA} payload (a {SCHEMA_V2} field)"))
     return GlobalState(round=int(msg.round), params=params, projections=projections,
                        moments=moments, opt_step=int(msg.opt_step), params_from_seed=bool(msg.params_from_seed),
-                       params_delta=bool(msg.params_delta))
+                       params_delta=bool(msg.params_delta), local_steps=int(msg.local_steps))
 
 
 def _finish_update(msg: pb.WorkerUpdate, expected_model_id: str | None,

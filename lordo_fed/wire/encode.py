@@ -173,6 +173,8 @@ def _global_state_plan(state: GlobalState, model_id: str, payload_dtype: str) ->
         plan.add(key(8, WT_VARINT) + varint(1))
     if state.params_delta:
         plan.add(key(9, WT_VARINT) + varint(1))
+    if state.local_steps:
+        plan.add(int64_field(10, int(state.local_steps), "GlobalState.local_steps"))
     return _finish_plan(plan, "GlobalState")
 
 
@@ -483,6 +485,7 @@ def encode_global_state_reference(state: GlobalState, model_id: str, payload_dty
     _fill_group(msg.moments, state.moments, payload_dtype, "GlobalState.moments")
     msg.params_from_seed = bool(state.params_from_seed)
     msg.params_delta = bool(state.params_delta)
+    msg.local_steps = int(state.local_steps)
     return msg.SerializeToString(deterministic=deterministic)
 
 

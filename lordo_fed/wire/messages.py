@@ -58,6 +58,9 @@ class GlobalState:
     params_delta: bool = False
     """`params` is the change of the clients' copy of θ since round `round` − 1 (a compressed
     downlink, lordo_fed.wire.payload): add it to the copy held from that round."""
+    local_steps: int = 0
+    """Asynchronous rounds with speed-matched steps: this round's local steps, chosen by the server
+    (lordo_fed.rounds.async_rounds.SpeedMatch); 0: the node's own."""
 
     def tensors(self) -> dict[str, Tensor]:
         """Everything that crosses the wire downstream, one flat dict (for byte counts)."""

@@ -4,10 +4,11 @@ trainer's virtual clock, and a deployment on 127.0.0.1 with one really slowed no
 - Parity: `async-order='virtual'` applies replies in the virtual clock's order, so a Flower run and
   `run_async` on the same settings apply the same Δs in the same order from the same pulls: the
   same θ (fp32, one thread: max |Δθ| ≤ 1e-5), the same staleness and pushes per worker.
-- Deployment: two SuperNodes, one with `slowdown=20` in its node config (it sleeps after its local
-  steps until its round took 20 times as long: a few seconds, against Flower's ~3 s per message
-  here); `async-order='arrival'`: the fast node makes more rounds than the slow one and the slow
-  one's replies are stale, the budget of tokens is kept and the loss goes down.
+- Deployment: two SuperNodes, one with `slowdown=3` in its node config (it sleeps after its local
+  steps until its round took 3 times as long), each running its rounds as one session on the gRPC
+  data plane (on node workers); `async-order='arrival'` with
+  `async-match-speed`: the slowed node is given fewer local steps a round and the fast one more,
+  the budget of tokens is kept and the loss goes down.
 """
 
 import dataclasses
@@ -25,6 +26,7 @@ from lordo_fed.rounds.methods import resolve_method
 from lordo_fed.trainer.config import TrainConfig
 from lordo_fed.trainer.run import RunContext, run_async
 from harness.deployment import Deployment
+from harness.node_workers import start_node_worker, stop_process
 from harness.flower import flower_env, run_simulation
 from tests.unit.test_appconfig import pyproject_config
 from tests.integration.test_flower_app import APP, server_records, tiny_run_config
@@ -55,25 +57,34 @@ def flower_theta(out: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
 
 
+ON_THE_DATA_PLANE = {"data-plane": "grpc", "data-plane-insecure": True}
+"""Asynchronous sessions on the gRPC data plane (one Flower message per node, then rounds on the data plane alone)."""
+
+
 @pytest.mark.parametrize("variant,extra", [
     ("heloco", {"async-grace": 1.5, "async-staleness-exponent": 0.5}),
     ("async_diloco", {}),
-    ("heloco_lordo", {}),
-], ids=["heloco-grace-staleness", "async_diloco", "heloco_lordo"])
+    ("heloco_lordo", ON_THE_DATA_PLANE),
+], ids=["heloco-grace-staleness", "async_diloco", "heloco_lordo-data-plane"])
 def test_virtual_order_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     """Three partitions, one 3x slower, one with its own local steps (per-node work): the Flower
     server applies the replies in the reference trainer's order, to the same θ; for async LoRDO
     with HeLoCo's correction too (round-0 gradient bases, moments blended, rotated out of stale
-    bases, bases refitted every 3 replies); for HeLoCo with a grace window of 1.5 virtual seconds
-    (partition 1 arrives at t = 2, partition 0 at t = 3 within its window: both pull at t = 3.5)
-    and stale replies weighted down, ρ·(1+s)^−0.5."""
+    bases, bases refitted every 3 replies), its rounds run as sessions on the gRPC data plane
+    (no Flower message between a node's rounds); for HeLoCo with a grace window of 1.5 virtual
+    seconds (partition 1 arrives at t = 2, partition 0 at t = 3 within its window: both pull at
+    t = 3.5) and stale replies weighted down, ρ·(1+s)^−0.5."""
     run_config = tiny_run_config(tmp_path, variant=variant, **{
         "num-server-rounds": 3, "min-clients": 3, "async-order": "virtual", "async-speeds": "1,1,3",
         "async-local-steps": "3,2,3", "async-weight": 0.5, **extra})
+    sessions = extra.get("data-plane") == "grpc"
+    # A session holds its simulated node (a Ray actor) for the whole run: one actor per node.
     proc = run_simulation(APP, flower_env(tmp_path), num_supernodes=3, run_config=run_config, timeout=300, check=True,
-                          log_path=tmp_path / "sim.log")
+                          log_path=tmp_path / "sim.log", federation_config={"init-args-num-cpus": 3} if sessions else None)
     assert "lordo-fed: metrics" in proc.stdout
     records = server_records(tmp_path / "out")
+    # On the data plane one Flower message per node starts its session, whatever its rounds.
+    assert records[-1]["train_messages"] == (3 if sessions else records[-1]["pushes"]), records[-1]
     reference, ref_records = reference_async(run_config, workers=3)
     flower = flower_theta(tmp_path / "out")
     worst = max((flower[n] - reference[n]).abs().max().item() for n in reference)
@@ -89,10 +100,11 @@ def test_virtual_order_simulation_matches_the_reference_trainer(tmp_path, varian
 def test_async_resume_continues_from_the_checkpoint(tmp_path):
     """A second run with `resume` continues the asynchronous schedule: θ, outer momentum, the shared
     bases, averaged moments and the updates summed since the last refit (async LoRDO), pushes and
-    each partition's round from the checkpoint; the nodes find their own state (none fresh)."""
+    each partition's round from the checkpoint; the nodes find their own state (none fresh). Both
+    runs' rounds are sessions on the gRPC data plane."""
     env = flower_env(tmp_path)
     out = tmp_path / "out"
-    config = {"variant": "heloco_lordo", "async-order": "virtual", "async-speeds": "1,2"}
+    config = {"variant": "heloco_lordo", "async-order": "virtual", "async-speeds": "1,2", **ON_THE_DATA_PLANE}
     run_simulation(APP, env, 2, tiny_run_config(tmp_path, **config), timeout=240, check=True)
     first = server_records(out)
     meta = load_checkpoint(out / "checkpoints")[1]
@@ -111,19 +123,39 @@ def test_async_resume_continues_from_the_checkpoint(tmp_path):
 
 
 def test_deployment_with_a_slowed_node(tmp_path):
-    """A real SuperLink and two SuperNodes, node 2 slowed (node config `slowdown=20`): replies are
-    applied as they arrive; the fast node trains more rounds, the slow node's replies are stale;
-    the run keeps the synchronous run's token budget."""
-    with Deployment(tmp_path, num_nodes=2, node_configs=[{}, {"slowdown": 20.0}]) as dep:
-        run_config = tiny_run_config(tmp_path, variant="heloco", **{"num-server-rounds": 4, "async-weight": 0.7})
-        dep.run(APP, run_config, timeout=300, check=True)
+    """A real SuperLink and two SuperNodes, each served by a node worker, node 2 slowed (node config
+    `slowdown=3`): each node runs one session on the gRPC data plane (one Flower message each,
+    whatever its number of rounds); replies are applied as they arrive, and with
+    `async-match-speed` the server gives the slowed node fewer local steps per round than K and the
+    fast one more (from their measured speeds); the run keeps the synchronous run's token budget.
+    The budget is large (192 rounds of the tiny model's K = 3 steps): the fast node's rounds take
+    ~0.1 s, the slowed node's first one several seconds (a fresh process, its first steps slowed
+    too), and the fast node runs at K until the slowed one has been measured.
+    (The in-process ClientApp's sessions: the simulation parity test above.)"""
+    socks = [tmp_path / f"nw{i}.sock" for i in range(2)]
+    workers = [start_node_worker(sock, tmp_path / f"node-worker-{i}.log") for i, sock in enumerate(socks)]
+    try:
+        with Deployment(tmp_path, num_nodes=2, node_configs=[{"node-worker": f"unix://{socks[0]}"},
+                                                            {"slowdown": 3.0, "node-worker": f"unix://{socks[1]}"}]
+                        ) as dep:
+            run_config = tiny_run_config(tmp_path, variant="heloco", **{
+                "num-server-rounds": 192, "async-weight": 0.7, "async-match-speed": True, "data-plane-insecure": True,
+                "eval-every": 16})
+            proc = dep.run(APP, run_config, timeout=300, check=True)
+    finally:
+        for worker in workers:
+            stop_process(worker)
+    assert "lordo-fed: metrics" in proc.stdout
+    assert all("session ended after" in (tmp_path / f"node-worker-{i}.log").read_text() for i in range(2))
     records = server_records(tmp_path / "out")
     pushes = [sum(r["pushes_by_worker"][p] for r in records[1:]) for p in (0, 1)]
-    assert pushes[0] > pushes[1] >= 1, pushes
-    assert records[-1]["tokens"] == 2 * 4 * 3 * 4 * 32
-    assert any(int(s) >= 1 for r in records[1:] for s in r["staleness"])
+    assert records[-1]["train_messages"] == 2 < sum(pushes), (records[-1], pushes)
+    assert min(pushes) >= 2, pushes  # both measured, both given matched steps
+    steps = [r["local_steps_by_worker"] for r in records[1:]]
+    # K = 3: once both are measured the fast node trains more a round, the slowed one less
+    assert any(s[0] > 3 for s in steps) and any(s[1] < 3 for s in steps), steps
+    assert records[-1]["tokens"] == 2 * 192 * 3 * 4 * 32
     assert records[-1]["val_loss"] < records[0]["val_loss"]
     meta = load_checkpoint(tmp_path / "out" / "checkpoints")[1]
     assert meta["async"]["pushes"] == sum(pushes)
-    print(f"slowed node: pushes per partition {pushes}, staleness "
-          f"{json.dumps([r['staleness'] for r in records[1:]])}")
+    print(f"slowed node: pushes per partition {pushes}, local steps of the last records {steps[-5:]}")

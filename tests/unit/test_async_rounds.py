@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from lordo_fed.rounds.async_rounds import AsyncRule, AsyncServer, VirtualClock, arrival_weight
+from lordo_fed.rounds.async_rounds import AsyncRule, AsyncServer, SpeedMatch, VirtualClock, arrival_weight
 from lordo_fed.rounds.config import AsyncConfig
 from lordo_fed.rounds.methods import resolve_method
 from lordo_fed.rounds.outer import Average, MomentumLookAhead, Nesterov
@@ -211,8 +211,8 @@ def test_node_settings_for_asynchronous_rounds_are_checked(tmp_path):
     assert Job("train", 8, run, (), {"local-steps": 2}).local_steps(runtime_for(Job("train", 8, run, (), {}))) == 2
     with pytest.raises(ValueError, match=r"no entry for partition 2"):
         Job("train", 8, run, (), {"partition-id": 2}).local_steps(runtime_for(Job("train", 8, run, (), {})))
-    with pytest.raises(ValueError, match="data_plane.mode='grpc' with the asynchronous variant 'heloco': not built yet"):
-        load_app_config({"variant": "heloco", "data-plane": "grpc", "data-plane-insecure": True})
+    # Asynchronous rounds run on the gRPC data plane too (sessions: lordo_fed/node/session.py).
+    assert load_app_config({"variant": "heloco", "data-plane": "grpc", "data-plane-insecure": True}).data_plane.mode == "grpc"
     cfg = load_app_config({"variant": "async_lordo", "sync-ef": True})
     with pytest.raises(ValueError, match="rounds.sync_ef=True with the asynchronous method 'async_lordo'"):
         resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
@@ -281,3 +281,61 @@ def test_a_stale_replys_moments_are_rotated_from_the_basis_it_trained_in():
     torch.testing.assert_close(agg.moments["exp_avg/w"], 0.5 * before["exp_avg/w"] + 0.5 * u_rot)
     torch.testing.assert_close(agg.moments["exp_avg_sq/w"], 0.5 * before["exp_avg_sq/w"] + 0.5 * v_rot)
     assert agg.opt_step == 6 and server._bases == {}  # basis 0 is let go once no pull trains in it
+
+
+def test_speed_match_gives_each_node_the_steps_that_equalise_round_times():
+    """`SpeedMatch` with K = 8, hand-computed: node 0 trains 0.1 s a step with 0.2 s of transfers,
+    node 1 is 4x slower at computing (0.4 s a step, 0.2 s), node 2 is on a slow link (0.1 s a step,
+    3.0 s of transfers). At K steps their rounds take 1.0, 3.4 and 3.8 s, 2.733 s on average; node 2
+    cannot finish a round in less than 3.0 + 0.1 = 3.1 s, so that is the target: node 0 gets
+    (3.1 − 0.2)/0.1 = 29 steps, node 1 (3.1 − 0.2)/0.4 = 7.25 → 7, node 2 one. Until a node was
+    measured it trains K; steps stay within [1, 4K]."""
+    match = SpeedMatch(8)
+    assert match.target() is None and match.steps(0) == 8
+    match.observe(0, round_seconds=1.0, train_seconds=0.8, steps=8)
+    assert match.steps(0) == 8 and match.steps(1) == 8  # one node: the target is its own round
+    match.observe(1, round_seconds=3.4, train_seconds=3.2, steps=8)
+    match.observe(2, round_seconds=3.8, train_seconds=0.8, steps=8)
+    assert match.target() == pytest.approx(3.1)
+    assert [match.steps(p) for p in (0, 1, 2)] == [29, 7, 1]
+    # Without the slow link the target is the mean round at K steps: (1.0 + 3.4) / 2 = 2.2 s.
+    two = SpeedMatch(8)
+    two.observe(0, 1.0, 0.8, 8)
+    two.observe(1, 3.4, 3.2, 8)
+    assert two.target() == pytest.approx(2.2) and [two.steps(0), two.steps(1)] == [20, 5]
+    # Rounds at those steps take about the target: 0.2 + 29·0.1 = 3.1 s.
+    match.observe(0, round_seconds=0.2 + 29 * 0.1, train_seconds=29 * 0.1, steps=29)
+    assert match.fixed[0] == pytest.approx(0.2) and match.per_step[0] == pytest.approx(0.1)
+    # A much faster node is capped at 4K; a round with nothing trained teaches nothing.
+    match.observe(3, round_seconds=0.11, train_seconds=0.08, steps=8)
+    assert match.steps(3) == 32
+    match.observe(3, round_seconds=5.0, train_seconds=0.0, steps=8)
+    assert match.per_step[3] == pytest.approx(0.01)
+    with pytest.raises(ValueError, match="expected K >= 1"):
+        SpeedMatch(0)
+
+
+def test_speed_match_needs_arrival_order_and_no_fixed_steps():
+    AsyncConfig(match_speed=True).validate()
+    for bad in (dict(order="virtual"), dict(local_steps=[2, 3])):
+        with pytest.raises(ValueError, match="async_rounds.match_speed=True with order="):
+            AsyncConfig(match_speed=True, **bad).validate()
+
+
+def test_a_node_refuses_local_steps_it_cannot_take(tmp_path):
+    """A start point that asks for more local steps than the run has, or any with a synchronous
+    method, is refused before training, naming the value."""
+    from lordo_fed.node.runtime import Job, run_job, runtime_for
+    from lordo_fed.node.store import DiskStore
+    from lordo_fed.wire.encode import encode_global_state
+    from lordo_fed.wire.messages import GlobalState
+
+    for variant, too_many in (("heloco", True), ("lordo_global", False)):
+        run = {"model-preset": "tiny", "output-dir": str(tmp_path), "seq-len": 16, "variant": variant}
+        job = Job("train", 9, run, (), {"partition-id": 0, "num-partitions": 2})
+        rt = runtime_for(job)
+        steps = rt.cfg.total_steps + 1 if too_many else 2
+        data = encode_global_state(GlobalState(round=1, params={}, params_from_seed=True, local_steps=steps), rt.model_id)
+        with pytest.raises(ValueError, match=f"the server asks for {steps} local steps: expected only in asynchronous "
+                                             f"rounds, and at most the run's {rt.cfg.total_steps} steps"):
+            run_job(job, lambda timeout: data, store_for=lambda cfg, pid: DiskStore(tmp_path / "state", pid))

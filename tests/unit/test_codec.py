@@ -93,7 +93,9 @@ def test_global_state_round_trip(payload_dtype):
     data = encode_global_state(s, MID, payload_dtype)
     assert isinstance(data, (bytes, bytearray)) and payload_nbytes(data) == len(data)
     got = decode_global_state(data, expected_model_id=MID)
-    assert (got.round, got.opt_step) == (3, 96)
+    assert (got.round, got.opt_step, got.local_steps) == (3, 96, 0)
+    assert decode_global_state(encode_global_state(dataclasses.replace(s, local_steps=7), MID, payload_dtype),
+                               expected_model_id=MID).local_steps == 7
     bf16 = payload_dtype == "bf16"
     _assert_same(got.params, s.params, bf16)
     _assert_same(got.projections, s.projections, False)  # bases always travel in fp32
@@ -422,6 +424,7 @@ def test_duplicate_and_missing_names():
 def test_negative_counters():
     _raises(_tamper_update(lambda m: setattr(m, "tokens", -1)), "WorkerUpdate.tokens=-1", update=True)
     _raises(_tamper_state(lambda m: setattr(m, "round", -2)), "GlobalState.round=-2")
+    _raises(_tamper_state(lambda m: setattr(m, "local_steps", -3)), "GlobalState.local_steps=-3")
 
 
 def test_truncated_payload():
@@ -538,7 +541,8 @@ def _random_case(seed: int):
         return GlobalState(round=rng.randint(0, 10 ** 6), params=_random_tensors(rng, g, rng.randint(0, 6), "p"),
                            projections=_random_tensors(rng, g, rng.randint(0, 3), "q"),
                            moments=_random_tensors(rng, g, rng.randint(0, 4), "exp_avg/m"),
-                           opt_step=rng.randint(0, 2 ** 40)), model_id(_params(seed))
+                           opt_step=rng.randint(0, 2 ** 40), local_steps=rng.choice((0, 1, rng.randint(2, 10 ** 4)))), \
+            model_id(_params(seed))
     return WorkerUpdate(worker_id=rng.randint(0, 99), round=rng.randint(0, 999),
                         delta=_random_tensors(rng, g, rng.randint(0, 6), "d"),
                         moments=_random_tensors(rng, g, rng.randint(0, 4), "exp_avg_sq/m"),

@@ -48,7 +48,7 @@ def test_replies_load_as_sent_decoded_once_where_in_memory(tmp_path, budget):
     with DataPlaneServer(tmp_path / "spool", memory_budget=budget) as plane:
         courier.data_plane = plane
         tickets = plane.publish(1, b"state", NODES, ttl=60, max_upload=1 << 20)
-        replies = [reply(node, client.upload(tickets[node], node, encode_update(sent[node], MODEL))) for node in NODES]
+        replies = [reply(node, client.upload(tickets[node], node, encode_update(sent[node], MODEL)).digest) for node in NODES]
         with courier.screened(replies, 1, "round 1", lambda u: (None, float(u.delta["w"].norm())),
                               lambda ids, norms, reasons: list(reasons), RoundLog()) as usable:
             assert len(usable) == len(NODES) and len(decodes) == len(NODES)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -67,7 +68,7 @@ def test_round_trip_is_exact(tmp_path, budget, checksum):
         assert tickets[NODE].checksum == checksum and tickets[NODE].digest == DIGESTS[checksum](state)
         assert client.download(tickets[NODE], NODE) == state
         reply = os.urandom(2 * MB + 5)
-        digest = client.upload(tickets[NODE], NODE, reply)
+        digest = client.upload(tickets[NODE], NODE, reply).digest
         assert digest == DIGESTS[checksum](reply)
         got = server.upload(NODE, 1)
         assert got.size == len(reply) and got.digest == digest and bytes(got.buffer()) == reply
@@ -314,7 +315,7 @@ def test_uploads_beyond_max_uploads_wait_their_turn_past_the_stall_deadline(tmp_
         worker.start()
         assert first_reading.wait(10)
         started = time.monotonic()
-        results[OTHER] = client.upload(tickets[OTHER], OTHER, bodies[OTHER])  # queued behind NODE
+        results[OTHER] = client.upload(tickets[OTHER], OTHER, bodies[OTHER]).digest  # queued behind NODE
         waited = time.monotonic() - started
         worker.join(10)
         assert isinstance(results[NODE], pb.UploadReceipt), results[NODE]
@@ -357,3 +358,91 @@ def test_upload_buffers_are_reused_within_the_budget(tmp_path):
         assert server._memory_used + sum(map(len, server._spare)) <= server.memory_budget
         got.discard()
         assert server._memory_used == 0
+
+
+# ----------------------------------------------------------------------------- asynchronous sessions
+def test_a_session_runs_rounds_on_the_data_plane_alone(plane, caplog):
+    """A node's session: its first ticket (from a Flower message), then each upload's receipt
+    carries the next round's ticket, whose download waits until the server publishes the node's
+    own start point; the server ends it with `finished`. Each node has its own rounds and state;
+    old, replayed, other-round and other-node tokens are refused with a reason; after the end no
+    upload is taken."""
+    caplog.set_level(logging.WARNING, logger="lordo_fed.dataplane")
+    tickets = {node: plane.open_session(node, r, ttl=60, max_upload=MB) for node, r in ((NODE, 3), (OTHER, 1))}
+    assert tickets[NODE].session and tickets[NODE].size == 0 and tickets[NODE].round == 3
+    starts = {NODE: os.urandom(1000), OTHER: os.urandom(2000)}
+    for node, r in ((NODE, 3), (OTHER, 1)):
+        plane.publish_to(node, r, starts[node])
+    for node in (NODE, OTHER):  # each downloads its own start point
+        assert bytes(client.download(tickets[node], node)) == starts[node]
+    reply = os.urandom(5000)
+    receipt = client.upload(tickets[NODE], NODE, reply)
+    nxt = receipt.next
+    assert nxt.session and nxt.round == 4 and receipt.digest == DIGESTS["xxh3"](reply)
+    (got,) = plane.session_uploads(1.0)
+    assert (got.node_id, got.round, bytes(got.buffer())) == (NODE, 3, reply)
+    got.discard()
+    assert plane.session_uploads(0.0) == []
+
+    # The next download waits for the server's publish (the reply being applied), then gets it.
+    result = {}
+    waiting = threading.Thread(target=lambda: result.__setitem__("data", bytes(client.download(nxt, NODE))))
+    waiting.start()
+    time.sleep(0.3)
+    assert waiting.is_alive(), "the download did not wait for the node's next start point"
+    second = os.urandom(3000)
+    plane.publish_to(NODE, 4, second)
+    waiting.join(10)
+    assert result["data"] == second
+
+    # Refused: the spent token again, the previous round's download, another node's ticket, a
+    # token minted for the right round but not the session's latest.
+    with pytest.raises(client.DataPlaneError, match=r"upload token already used \(replayed\)"):
+        client.upload(tickets[NODE], NODE, b"again")
+    with pytest.raises(client.DataPlaneError, match="the node's session is at round 4"):
+        client.download(tickets[NODE], NODE)
+    with pytest.raises(client.DataPlaneError, match="token issued to node 12, presented by node 11"):
+        client.upload(tickets[OTHER], NODE, b"under another node's token")
+    stray = plane._ticket(NODE, 4, 60, MB, 0, "", session=True)  # valid MAC, not the one the receipt gave
+    with pytest.raises(client.DataPlaneError, match="with the token of its latest ticket"):
+        client.upload(stray, NODE, b"x")
+    assert plane.session_uploads(0.0) == []
+
+    # The other node goes on independently; then the server ends both sessions.
+    assert client.upload(tickets[OTHER], OTHER, b"other's reply").next.round == 2
+    (got,) = plane.session_uploads(1.0)
+    assert (got.node_id, got.round) == (OTHER, 1)
+    got.discard()
+    plane.end_session(NODE)
+    with pytest.raises(client.SessionEnded):
+        client.download(nxt, NODE)
+    with pytest.raises(client.DataPlaneError, match="the node's session has ended"):
+        client.upload(nxt, NODE, b"after the end")
+    assert plane.session_uploads(0.0) == []
+    # A download already waiting when the session ends is answered `finished` too.
+    other_next = plane._ticket(OTHER, 2, 60, MB, 0, "", session=True)  # what its receipt carried, in effect
+    ended = {}
+
+    def download_next() -> None:
+        try:
+            client.download(other_next, OTHER)
+        except client.SessionEnded as err:
+            ended["error"] = err
+    waiting = threading.Thread(target=download_next)
+    waiting.start()
+    time.sleep(0.3)
+    assert waiting.is_alive()
+    plane.end_session(OTHER)
+    waiting.join(10)
+    assert "error" in ended
+    refused = [r.reason for r in plane.take_refusals()]
+    assert len(refused) == 5, refused
+
+
+def test_a_session_download_is_not_taken_for_a_synchronous_ticket(plane):
+    """A server that answers `finished` to a ticket that is not a session's is refused by the node."""
+    plane.open_session(NODE, 1, ttl=60, max_upload=MB)
+    plane.end_session(NODE)
+    ticket = plane._ticket(NODE, 1, 60, MB, 0, "")  # not marked as a session
+    with pytest.raises(client.DataPlaneError, match="the server ended a session, and this ticket is not one"):
+        client.download(ticket, NODE)

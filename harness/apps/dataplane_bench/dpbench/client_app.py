@@ -46,7 +46,7 @@ def train(msg: Message, context: Context) -> Message:
     up_bytes = len(out)
     # client/app.py `send_reply`
     if ticket:
-        digest = upload(ticket, context.node_id, out, root, timeout=timeout)
+        digest = upload(ticket, context.node_id, out, root, timeout=timeout).digest
         content = RecordDict({"upload": ConfigRecord({UPLOAD_DIGEST: digest})})
     else:
         content = RecordDict({"update": payload_record(out)})
