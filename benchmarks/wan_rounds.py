@@ -218,7 +218,7 @@ def plot_hetero(result: dict[str, Any], out: Path) -> None:
     for n, c in result["cases"].items():
         ax.plot([p["elapsed_seconds"] for p in c["curve"]], [p["val_loss"] for p in c["curve"]], marker=".", label=n)
     ax.set(xlabel="wall-clock seconds", ylabel="validation loss")
-    ax.set_title(f"3 nodes over {result['config']['link']}: synchronous, overlapped, asynchronous", fontsize=9)
+    ax.set_title(f"3 nodes over {result['config']['link']}: {', '.join(result['cases'])}", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out)

@@ -127,7 +127,7 @@ def training(app: Path, env: dict, out: Path, *args: str) -> Iterator[subprocess
 def test_an_interrupted_run_fails_names_its_round_and_resumes_as_printed(user, tmp_path):
     app, env = user
     out, run_dir = tmp_path / "out", tmp_path / "run"
-    with training(app, env, out, "num-server-rounds=12", TINY, SLOW) as proc:
+    with training(app, env, out, "num-server-rounds=6", TINY, SLOW) as proc:
         # while it runs, every process the script started is on file, and stop_all.sh would find it
         pids = {f.name: int(f.read_text()) for f in run_dir.glob("*.pid")}
         assert set(pids) == {"flwr-run.pid", "local-superlink.pid"} and all(map(pid_alive, pids.values()))
@@ -135,15 +135,15 @@ def test_an_interrupted_run_fails_names_its_round_and_resumes_as_printed(user, t
         output, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0, output[-4000:]
     status = json.loads((out / "run.json").read_text())
-    assert status["status"] == "running" and 1 <= status["round"] < 12, output[-4000:]
-    assert "the run did not finish" in output and f"reached round {status['round']} of 12" in output
+    assert status["status"] == "running" and 1 <= status["round"] < 6, output[-4000:]
+    assert "the run did not finish" in output and f"reached round {status['round']} of 6" in output
     assert "finished (log" not in output and "metrics:" not in output
     assert not list(run_dir.glob("*.pid"))
 
     resumed = simulate(app, env, *printed_resume(output))
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     assert f"at round {status['round'] + 1}" in resumed.stdout
-    assert [json.loads(x)["round"] for x in (out / "server.jsonl").read_text().splitlines()] == list(range(13))
+    assert [json.loads(x)["round"] for x in (out / "server.jsonl").read_text().splitlines()] == list(range(7))
 
 
 def test_sigterm_to_the_scripts_process_group_ends_the_whole_tree(user, tmp_path):
