@@ -1,16 +1,21 @@
 """Same seed, same config: the same run, bit for bit, in Flower's simulation engine.
 
 Two simulation runs (LoRDO-Global with the round-0 gradient exchange, 2 clients, 3 rounds, tiny
-model, one torch thread per process) into separate output directories must give identical
-server.jsonl records apart from the wall-clock fields named in WALL_CLOCK, identical final
-checkpoint tensors (θ, outer state, projections, moments, counters, torch RNG; not the unseeded
-numpy/Python global RNG states, see UNSEEDED_RNG) and metadata, and
+model, one torch thread per process), side by side into separate output directories and Flower
+environments, must give identical server.jsonl records apart from the wall-clock fields named in
+WALL_CLOCK, identical final checkpoint tensors (θ, outer state, projections, moments, counters,
+torch RNG; not the unseeded numpy/Python global RNG states, see UNSEEDED_RNG) and metadata, and
 identical client state files (error-feedback buffers, local moments, data cursor).
+
+The runs also set `local-steps=32`, pyproject's default, over `preset='quickstart'`'s 16: the
+server reads the keys the user set from Flower's Run and names them in every message, so the
+server (step counter) and both clients (tokens trained) run K = 32.
 """
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -32,13 +37,21 @@ WALL_CLOCK = ("round_seconds", "aggregation_seconds", "client_seconds", "client_
               "overlap_bound_seconds", "round_over_bound", "client_early_seconds")
 
 
-def run_once(tmp_path: Path, name: str) -> Path:
-    out = tmp_path / name
-    run_config = {"preset": "quickstart", "num-server-rounds": 3, "local-steps": 2, "batch-size": 2, "seq-len": 16,
-                  "eval-batches": 2, "threads": 1, "min-clients": 2, "seed": 3, "output-dir": str(out)}
-    run_simulation(APP, flower_env(tmp_path / f"{name}-env"), num_supernodes=2, run_config=run_config, timeout=240,
-                   check=True, log_path=tmp_path / f"{name}.log")
-    return out
+def run_config(out: Path) -> dict:
+    return {"preset": "quickstart", "num-server-rounds": 3, "local-steps": 32, "batch-size": 2, "seq-len": 16,
+            "eval-batches": 2, "threads": 1, "min-clients": 2, "seed": 3, "output-dir": str(out)}
+
+
+def run_both(tmp_path: Path) -> tuple[Path, Path]:
+    """The two runs at once (each in its own FLWR_HOME, SuperLink port and Ray), so that one's waits
+    (SuperLink and Ray start, polls) overlap the other's work."""
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(run_simulation, APP, flower_env(tmp_path / f"{name}-env"), num_supernodes=2,
+                               run_config=run_config(tmp_path / name), timeout=300, check=True,
+                               log_path=tmp_path / f"{name}.log") for name in ("first", "second")]
+        for future in futures:
+            future.result()
+    return tmp_path / "first", tmp_path / "second"
 
 
 def records(out: Path) -> list[dict]:
@@ -67,10 +80,12 @@ def assert_tensors_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tens
 
 
 def test_same_seed_and_config_give_bit_identical_runs(tmp_path):
-    first, second = run_once(tmp_path, "first"), run_once(tmp_path, "second")
+    first, second = run_both(tmp_path)
 
     a, b = records(first), records(second)
     assert [r["round"] for r in a] == [0, 1, 2, 3]
+    assert [r.get("step", 0) for r in a] == [0, 32, 64, 96]  # local-steps=32 won over the preset's 16
+    assert a[1]["tokens"] == 2 * 32 * 2 * 16
     assert all(r["clients_ok"] == 2 and r["clients_dropped"] == 0 for r in a[1:])
     assert all(isinstance(r[k], float) for r in a for k in ("round_seconds", "elapsed_seconds") if k in r)
     assert without_wall_clock(a) == without_wall_clock(b)  # val_loss, train_loss, tokens, bytes, ...

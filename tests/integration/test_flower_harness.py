@@ -209,8 +209,11 @@ def test_deployment_superlink_and_two_supernodes(tmp_path):
     app = write_echo_app(tmp_path / "app")
     result_path = tmp_path / "dep_result.json"
     t0 = time.monotonic()
-    with Deployment(tmp_path, num_nodes=2, startup_timeout=60) as dep:
+    # isolation="process": each SuperNode with its own `flower-superexec`, which the harness starts and stops
+    with Deployment(tmp_path, num_nodes=2, startup_timeout=60, isolation="process") as dep:
         startup = time.monotonic() - t0
+        assert all(s is not None and s.alive() for s in dep.executors)
+        assert "--isolation" in dep.node_command(0)
         first_ids = [dep.node_id(i) for i in range(2)]
         assert all(first_ids) and len(set(first_ids)) == 2
         t1 = time.monotonic()
@@ -223,11 +226,18 @@ def test_deployment_superlink_and_two_supernodes(tmp_path):
         )
         run_s = time.monotonic() - t1
         assert fh.parse_run_id(res.stdout) is not None
+        rounds = json.loads(result_path.read_text())["rounds"]
+        assert [r["partition_ids"] for r in rounds] == [[0, 1]] * ROUNDS
+        # flwr 1.41, 1.42: even with --isolation process, one flwr-clientapp process per message
+        assert len({pid for r in rounds for pid in r["client_pids"]}) == 2 * ROUNDS
+        executor_pid = dep.executors[1].pid
         # Crash and restart a node: it comes back with a new SuperNode ID.
         t2 = time.monotonic()
         dep.restart_node(1, sig=signal.SIGKILL)
         restart_s = time.monotonic() - t2
         assert dep.node_alive(1) and dep.node_id(1) not in first_ids
+        assert not procs.alive([executor_pid]), "the killed node's SuperExec outlived it"
+        assert dep.executors[1] is not None and dep.executors[1].alive() and dep.executors[1].pid != executor_pid
         pids = dep.all_pids()
         t3 = time.monotonic()
     stop_s = time.monotonic() - t3

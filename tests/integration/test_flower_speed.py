@@ -1,14 +1,13 @@
 """The per-round speed-ups of the Flower app keep behaviour: payload wrapping byte-identical to
 Flower's own `Array(ndarray)`, the client's config cache and lazy-dynamo shortcut, the shortened
-object-pull backoff, and the harness's `isolation="process"` option (benchmarks/round_overhead.py
-measures what they buy)."""
+object-pull backoff (benchmarks/round_overhead.py measures what they buy). The harness's
+`isolation="process"` option runs in test_flower_harness.py's deployment."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,28 +53,3 @@ def test_client_process_skips_dynamo_and_caches_its_config(tmp_path):
     assert "dynamo imported: False" in proc.stdout
     assert "dtensor imported: False" in proc.stdout
     assert list((tmp_path / ".cache" / "lordo_fed" / "appconfig").glob("*.pickle"))
-
-
-@pytest.mark.slow
-def test_deployment_with_process_isolation(tmp_path):
-    import json
-
-    from harness.apps import write_echo_app
-    from harness.deployment import Deployment
-    from harness.processes import alive
-
-    app = write_echo_app(tmp_path / "echo")
-    with Deployment(tmp_path, num_nodes=2, isolation="process") as dep:
-        assert all(s is not None and s.alive() for s in dep.executors)
-        assert "--isolation" in dep.node_command(0)
-        result = tmp_path / "result.json"
-        dep.run(app, {"num-server-rounds": 2, "result-path": str(result), "min-nodes": 2}, timeout=180, check=True)
-        rounds = json.loads(result.read_text())["rounds"]
-        assert [r["partition_ids"] for r in rounds] == [[0, 1], [0, 1]]
-        # flwr 1.41, 1.42: even with --isolation process, one flwr-clientapp process per message
-        assert len({pid for r in rounds for pid in r["client_pids"]}) == 4
-        executor_pid = dep.executors[1].pid
-        dep.kill_node(1)
-        assert not alive([executor_pid])
-        pids = dep.all_pids()
-    assert not alive(pids)
