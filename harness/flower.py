@@ -401,11 +401,15 @@ def local_superlink_pids(env: Mapping[str, str]) -> set[int]:
 def stop_local_superlink(env: Mapping[str, str], timeout: float = 15.0) -> set[int]:
     """Stop the background simulation SuperLink(s) `flwr run ... local` left for this
     environment (matched by FLWR_HOME in /proc/<pid>/environ), their SuperExec/simulation/Ray
-    descendants and anything started by `run_simulation` with this environment. Returns the PIDs
-    that were found (all gone afterwards, else RuntimeError)."""
+    descendants, anything started by `run_simulation` with this environment, and any other process
+    that carries this environment's id (ENV_ID_VAR): a `flwr run` started by a script or a shell with
+    this environment leaves Ray workers that have lost their parent and are no one's descendants
+    while they wind down. Returns the PIDs that were found (all gone afterwards, else RuntimeError)."""
     owner = _sim_owner(env)
     roots = local_superlink_pids(env)
     found = roots | descendants(roots) | (find_pids({OWNER_VAR: owner}) if owner else set())
+    if ENV_ID_VAR in env:
+        found |= find_pids({ENV_ID_VAR: env[ENV_ID_VAR]})
     if not found:
         return set()
     survivors = terminate(found, owner=owner, timeout=timeout)

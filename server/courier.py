@@ -28,7 +28,8 @@ from lordo_fed.app.records import (EXPLICIT_KEYS, IDENTIFY, ROUND_TIMEOUT, SESSI
 from lordo_fed.transport.server import DataPlaneServer, Upload
 from lordo_fed.wire.codec import PayloadError
 from lordo_fed.wire.decode import decode_update
-from lordo_fed.wire.encode import encode_global_state, encode_global_state_into, encoded_size, new_buffer
+from lordo_fed.wire.encode import encode_global_state, encode_global_state_into, encoded_size
+from lordo_fed.wire.protowire import new_buffer
 from lordo_fed.rounds.screening import ReplyRef
 from lordo_fed.wire.messages import GlobalState, WorkerUpdate
 from lordo_fed.wire.payload import Payload
@@ -88,7 +89,7 @@ class Courier:
     def encode_round(self, state: GlobalState) -> bytes | bytearray:
         """A round's state, encoded once for every node: on the data plane straight into a
         buffer it may publish (no memset of a fresh buffer on the round's critical path:
-        encode.new_buffer)."""
+        protowire.new_buffer)."""
         if self.data_plane is None:
             return self.encode(state)
         data = new_buffer(encoded_size(state, self.model_id, self.wire_dtype))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from lordo_fed.config import FlatKey, flat_keys, get_dotted, section, setting
+from lordo_fed.app import CHECKSUMS
 from lordo_fed.rounds.config import CommonConfig
 from lordo_fed.rounds.methods import METHODS
 
@@ -25,8 +26,6 @@ PRESET_DIR = Path(__file__).resolve().parent / "presets"
 ServerApp, every ClientApp and every node worker read the same files."""
 CLIENT_STATE_STORES = ("disk", "context")
 DATA_PLANE_MODES = ("auto", "grpc", "flower")
-CHECKSUMS = ("xxh3", "sha256")
-"""The data plane's checksum kinds, the default first (lordo_fed.transport.checksum says why)."""
 
 
 @dataclass

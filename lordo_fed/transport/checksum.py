@@ -22,7 +22,7 @@ from typing import Protocol
 
 import xxhash
 
-from lordo_fed.app.config import CHECKSUMS  # the `data-plane-checksum` run-config key's values
+from lordo_fed.app import CHECKSUMS  # the `data-plane-checksum` run-config key's values
 
 __all__ = ["CHECKSUMS", "HEX_LENGTH", "check_kind", "checksum_of", "digest_of", "is_digest", "new_digest"]
 HEX_LENGTH = {"xxh3": 32, "sha256": 64}

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import grpc
 
 from lordo_fed.transport.checksum import CHECKSUMS, checksum_of, is_digest, new_digest
-from lordo_fed.wire.encode import new_buffer
+from lordo_fed.wire.protowire import new_buffer
 from lordo_fed.transport.framing import frame, unframe
 from lordo_fed.transport.server import (CHUNK_BYTES, CHUNK_DATA, DOWNLOAD_METHOD, UPLOAD_DATA, UPLOAD_METHOD,
                                         raw_bytes, channel_options)
@@ -77,7 +77,7 @@ def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: f
     """The round's encoded GlobalState, checked against the size and digest that the ticket
     names or, for a round announced before its state existed, that the stream's first chunk
     declares (the call then waits for the server to publish the round). Returns a writable buffer
-    of this node's own (the decoder may adopt it, lordo_fed.wire.encode.new_buffer). `stats`, when given,
+    of this node's own (the decoder may adopt it, lordo_fed.wire.protowire.new_buffer). `stats`, when given,
     gets `first_byte`: the time.perf_counter() of the first chunk (before it, the node waited).
     Raises SessionEnded when a session's server has no further round for this node."""
     out, view = None, None

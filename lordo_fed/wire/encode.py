@@ -38,7 +38,8 @@ from lordo_fed.v1 import wire_pb2 as pb
 from lordo_fed.wire.codec import SCHEMA, SCHEMA_V2, WIRE_WORDS, check_payload_dtype, wire_form
 from lordo_fed.wire.compress import Encoded
 from lordo_fed.wire.messages import GlobalState, WorkerUpdate
-from lordo_fed.wire.protowire import MAX_MESSAGE, WT_FIXED64, WT_LEN, WT_VARINT, int64_field, key, string_field, varint
+from lordo_fed.wire.protowire import (MAX_MESSAGE, WT_FIXED64, WT_LEN, WT_VARINT, int64_field, key, new_buffer,
+                                      string_field, varint)
 
 Sink = Union[bytearray, memoryview, mmap.mmap, np.ndarray, BinaryIO]
 """Where `encode_into` writes: a writable buffer (from its offset 0) or a binary file."""
@@ -357,13 +358,6 @@ def encode_update(update: WorkerUpdate, model_id: str, payload_dtype: str = "fp3
     out = bytearray(plan.size)
     _write_plan_into(plan, out)
     return out
-
-
-def new_buffer(nbytes: int) -> memoryview:
-    """A writable buffer of `nbytes` whose memory is not zero-filled up front (`bytearray(n)`
-    memsets all of it: 0.14 s per 341 MB, ~0.9 s on a node whose cores are busy): pages come from
-    the kernel as they are first written, i.e. while a download or an encoding fills them."""
-    return memoryview(np.empty(int(nbytes), dtype=np.uint8)).cast("B")
 
 
 class StreamingEncode:

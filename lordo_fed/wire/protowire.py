@@ -16,6 +16,8 @@ whose own rules stay the reference.
 
 from __future__ import annotations
 
+import numpy as np
+
 WT_VARINT, WT_FIXED64, WT_LEN, WT_FIXED32 = 0, 1, 2, 5
 """The wire types the writers use and the readers handle (3 and 4, groups, are `Irregular`)."""
 _INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -117,3 +119,12 @@ def skip_value(view: memoryview, pos: int, end: int, wire_type: int) -> int:
     if pos > end:
         raise Irregular
     return pos
+
+
+def new_buffer(nbytes: int) -> memoryview:
+    """A writable buffer of `nbytes` whose memory is not zero-filled up front (`bytearray(n)`
+    memsets all of it: 0.14 s per 341 MB, ~0.9 s on a node whose cores are busy): pages come from
+    the kernel as they are first written, i.e. while a download or an encoding fills them. Here,
+    beside the wire primitives, so that the data plane's client allocates it without importing the
+    payload codec (and torch)."""
+    return memoryview(np.empty(int(nbytes), dtype=np.uint8)).cast("B")

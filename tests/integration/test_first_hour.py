@@ -25,13 +25,16 @@ from pathlib import Path
 import pytest
 
 from harness.flower import ENV_ID_VAR, fab_source, flower_env, stop_local_superlink
-from harness.processes import find_pids, pid_alive, terminate, wait_for
+from harness.processes import find_pids, pid_alive, proc_cmdline, terminate, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Tiny rounds (~0.15 s each on 2 cores): what the tests change of the quickstart preset.
 TINY = "local-steps=3 batch-size=4 seq-len=32 eval-batches=2 threads=1 model-preset='tiny'"
 #: Rounds long enough (~1 s) that a run is still going when a test interrupts it after round 1.
 SLOW = "local-steps=120"
+#: Seconds what a script stopped gets to exit before the test counts it as left running (the session's
+#: leak check gives 10, harness/process_leaks.py).
+LEFT_GRACE = 10.0
 
 
 @pytest.fixture
@@ -42,10 +45,15 @@ def user(tmp_path):
     env = flower_env(tmp_path)
     env.update(OUTPUT_DIR=str(tmp_path / "out"), FLOWER_RUN_DIR=str(tmp_path / "run"), NUM_CLIENTS="2")
     yield app, env
-    left = find_pids({ENV_ID_VAR: env[ENV_ID_VAR]})
+    # What the scripts stopped may take a moment to go (Ray's workers exit once their raylet has,
+    # slower on a loaded machine); still there after LEFT_GRACE seconds, it was left running.
+    deadline = time.monotonic() + LEFT_GRACE
+    while (left := find_pids({ENV_ID_VAR: env[ENV_ID_VAR]})) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    cmdlines = {pid: " ".join(proc_cmdline(pid))[:200] for pid in left}
     stop_local_superlink(env)
     terminate(left)
-    assert not left, f"processes left running: {sorted(left)}"
+    assert not left, f"processes left running: {cmdlines}"
 
 
 def simulate(app: Path, env: dict, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -124,3 +124,17 @@ def test_no_wheel_in_the_repository_root_and_gitignore_keeps_them_out():
     patterns = [line.strip() for line in (ROOT / ".gitignore").read_text().splitlines()
                 if line.strip() and not line.lstrip().startswith("#")]
     assert any(fnmatch.fnmatch("pyflakes-4.1.0-py2.py3-none-any.whl", p) for p in patterns), patterns
+
+
+def test_the_data_plane_and_the_node_workers_channel_load_without_torch():
+    """lordo_fed/transport says it imports without torch, and a node-worker ClientApp hands its job over
+    the channel without loading torch (docs/architecture.md): in a fresh interpreter, importing them
+    leaves torch unloaded (a checksum constant once pulled in AppConfig's whole tree, torch with it)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import lordo_fed.transport.server, lordo_fed.transport.client, lordo_fed.transport.handlers, "
+            "lordo_fed.node.channel; print(sorted(m for m in ('torch', 'flwr') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
