@@ -15,11 +15,14 @@ Compressed payloads (`--compression`, `COMPRESSION_CASES`): the 125m-size DiLoCo
 every tensor top-k 2-bit both ways, at 100 Mb/s and 10 Mb/s, synchronous and overlapped; each case
 also counts every node's bytes on its veth (the kernel's counters) against the app's own count.
 
-Heterogeneous links (`--hetero`): 3 nodes, one at a tenth of the others' rate
-(`HETERO_LINK`), LoRDO-Global's synchronous and overlapped rounds and async LoRDO (each node's
-rounds a session on the data plane; and, for contrast, inside Flower's messages) on the same
-tokens: the federation's tokens per second and the validation loss at equal wall-clock
-(`--cases synchronous,async`: a subset by name).
+Unequal nodes (`--hetero`, `--scenario`, `HETERO_SCENARIOS`): 4 nodes, one on 10 Mbit/s and the
+others at 1 Gbit/s (`link`), or all at 1 Gbit/s and one four times slower (`compute`); non-IID data,
+one source per node (verse, verse, code, code). DiLoCo and LoRDO-Global synchronous, LoRDO-Global
+overlapped, and the asynchronous methods (each node's rounds a session on the data plane) on the same
+tokens (`HETERO_CASES`; `--cases a,b`: a subset by name): the validation loss against wall-clock,
+each run's wall-clock to reach the synchronous LoRDO-Global final loss and its final loss at equal
+tokens, the staleness histograms and pushes per node against the virtual clock's prediction for the
+speeds the deployment showed.
 
 Full run (the issue's table): 125m-size model (byte vocabulary, 85 M parameters, 341 MB of fp32
 θ), DiLoCo (θ down, Δ up: the largest payload per parameter with no moments), one local step of
@@ -29,7 +32,7 @@ Needs root (network namespaces).
 
     sudo python benchmarks/wan_rounds.py            # ~25 min on 2 cores
     sudo python benchmarks/wan_rounds.py --overlap --out benchmarks/results/wan_overlap.json  # ~10 min
-    sudo python benchmarks/wan_rounds.py --hetero --out benchmarks/results/wan_hetero.json   # ~8 min
+    sudo python benchmarks/wan_rounds.py --hetero --scenario link --out benchmarks/results/wan_hetero_link.json  # ~20 min
     sudo python benchmarks/wan_rounds.py --compression --rounds 3 --out benchmarks/results/wan_compression.json  # ~10 min
     sudo python benchmarks/wan_rounds.py --presets --rounds 3 --out benchmarks/results/wan_presets.json
     sudo python benchmarks/wan_rounds.py --quick    # tiny model, 2 nodes at 8 Mbit/s, overlapped, seconds
@@ -48,6 +51,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.async_rounds import non_iid_corpus  # noqa: E402
 from benchmarks.common import make_parser, new_figure, png_path, print_rows, result_header, write_json  # noqa: E402
 from lordo_fed.wan.emulate import Emulation, EmulationConfig  # noqa: E402
 from lordo_fed.wan.links import parse_rate  # noqa: E402
@@ -67,18 +71,35 @@ OVERLAP_CASES = [(2, "20mbit", "grpc", 44, 0, BALANCED), (2, "20mbit", "grpc", 4
 where a round's transfers (10.5 s) are half its compute (44 steps) and hardly use the CPU, τ = 24
 steps while the link works; and the 125m-size model at 1 Gb/s (5.5 s of link a round, 4 steps of
 ~1.8 s), τ = 3, where moving 341 MB each way at 125 MB/s keeps these 2 cores busy too."""
-HETERO_LINK = "node0=10mbit,default=100mbit"
-"""--hetero: one node at a tenth of the others' rate."""
-HETERO_MODEL = {"preset": "quickstart", "model-preset": "small", "rank": 16, "local-steps": 32, "batch-size": 16,
-                "seq-len": 64, "eval-batches": 4, "eval-every": 1, "warmup-steps": 16}
-HETERO_CASES = {  # name -> run config on top of HETERO_MODEL
-    "synchronous": {"variant": "lordo_global", "data-plane": "grpc"},
-    "overlap": {"variant": "lordo_global", "data-plane": "grpc", "overlap-delay": 24},
-    # ρ = 1/√3 for 3 concurrent workers; each node's rounds as one session on the data plane
-    "async": {"variant": "async_lordo", "data-plane": "grpc", "async-weight": 0.577},
-    # the same inside Flower's messages (a message per round: the SuperNode's 3 s poll, a ClientApp per message)
-    "async-flower": {"variant": "async_lordo", "data-plane": "flower", "async-weight": 0.577},
+HETERO_SCENARIOS = {
+    # (b) 4 nodes of equal compute, one on 10 Mbit/s, the others at 1 Gbit/s
+    "link": {"nodes": 4, "link": "node0=10mbit,default=1gbit", "node_config": []},
+    # (a) 4 nodes at 1 Gbit/s, node 0 four times slower (it sleeps 3x its local steps' time after them)
+    "compute": {"nodes": 4, "link": "1gbit", "node_config": ["0:slowdown=4"]},
+    # results section 18's first setting: 3 nodes, one at a tenth of the others' 100 Mbit/s
+    "link3": {"nodes": 3, "link": "node0=10mbit,default=100mbit", "node_config": []},
 }
+"""--hetero --scenario: the nodes, their links and more node config."""
+HETERO_MODEL = {"preset": "quickstart", "model-preset": "small", "rank": 16, "local-steps": 32, "batch-size": 16,
+                "seq-len": 64, "eval-batches": 4, "eval-every": 1, "warmup-steps": 16, "data-plane": "grpc"}
+HETERO_CASES = {  # name -> run config on top of HETERO_MODEL; asynchronous ones get ρ = 1/√M unless they say
+    "diloco": {"variant": "diloco"},
+    "synchronous": {"variant": "lordo_global"},
+    "overlap": {"variant": "lordo_global", "overlap-delay": 24},
+    "lookahead": {"variant": "async_lookahead"},
+    "heloco": {"variant": "heloco"},
+    "async": {"variant": "async_lordo"},  # each node's rounds as one session on the data plane
+    "heloco-lordo": {"variant": "heloco_lordo"},
+    "heloco-lordo-staleness": {"variant": "heloco_lordo", "async-staleness-exponent": 0.5},  # ρ·(1+s)^-0.5
+    "heloco-lordo-grace": {"variant": "heloco_lordo", "async-grace": 2.0},  # arrivals within 2 s pull together
+    "heloco-lordo-match": {"variant": "heloco_lordo", "async-match-speed": True},  # steps from measured speed
+    # async LoRDO inside Flower's messages (a message per round: the SuperNode's 3 s poll, a ClientApp per message)
+    "async-flower": {"variant": "async_lordo", "data-plane": "flower"},
+}
+ASYNC_VARIANTS = ("async_diloco", "async_lookahead", "heloco", "async_lordo", "heloco_lordo")
+HETERO_DEFAULT = ("diloco", "synchronous", "overlap", "lookahead", "heloco", "async", "heloco-lordo")
+"""--hetero without --cases: the issue's methods (DiLoCo and LoRDO-Global synchronous, LoRDO-Global
+overlapped, async look-ahead, HeLoCo, async LoRDO, HeLoCo-LoRDO)."""
 WIDE = {"payload-dtype": "topk2bit-both-wide", "wire-ef-decay": 0.95, "sparse-mean": "contributors"}
 """--compression: SparseLoCo's wire on DiLoCo (every tensor top-k 2-bit, θ down top-k at 12%; issue 30)."""
 COMPRESSION_CASES = [(2, "100mbit", "grpc", 4, 0, {}), (2, "100mbit", "grpc", 4, 0, WIDE),
@@ -98,11 +119,12 @@ QUICK_CASES = [(2, "8mbit", "grpc", 3, 2)]
 
 
 def emulate(nodes: int, link: str, run_config: dict[str, Any], work: Path, timeout: float, what: str,
-            ranks_per_node: int = 1, counters: dict | None = None) -> list[dict]:
+            ranks_per_node: int = 1, counters: dict | None = None, node_config: list[str] = ()) -> list[dict]:
     """Run one `lordo-emulate` deployment (1 torch thread per process) and return its server.jsonl
-    records; `counters`, when given, receives each node's veth byte counts at the run's end."""
+    records; `counters`, when given, receives each node's veth byte counts at the run's end;
+    `node_config`: more node-config keys per node ('I:key=value')."""
     cfg = EmulationConfig(nodes=nodes, link=link, app=ROOT, out_dir=work, threads=1, timeout=timeout,
-                          ranks_per_node=ranks_per_node,
+                          ranks_per_node=ranks_per_node, node_config=list(node_config),
                           run_config=[" ".join(f"{k}={json.dumps(v)}" for k, v in run_config.items())])
     with Emulation(cfg) as emulation:
         status = emulation.submit(None)
@@ -165,19 +187,39 @@ def run_case(nodes: int, link: str, plane: str, model: dict[str, Any], rounds: i
             "wall_seconds": time.perf_counter() - started}
 
 
-def run_hetero(name: str, nodes: int, rounds: int, work: Path, timeout: float) -> dict[str, Any]:
-    """One heterogeneous-links deployment (`HETERO_CASES[name]`): the validation loss against
-    wall-clock and tokens (every record's), and the federation's tokens per second."""
-    run_config = {**HETERO_MODEL, **HETERO_CASES[name], "num-server-rounds": rounds, "min-clients": nodes,
-                  "round-timeout": timeout}
+def hetero_config(name: str, scenario: dict[str, Any], rounds: int, data: dict[str, Any]) -> dict[str, Any]:
+    """The run config of `HETERO_CASES[name]` in `scenario` (asynchronous: ρ = 1/√M unless set)."""
+    cfg = {**HETERO_MODEL, **data, **HETERO_CASES[name], "num-server-rounds": rounds, "min-clients": scenario["nodes"]}
+    if cfg["variant"] in ASYNC_VARIANTS:
+        cfg.setdefault("async-weight", round(scenario["nodes"] ** -0.5, 3))
+    return cfg
+
+
+def run_hetero(name: str, scenario: dict[str, Any], run_config: dict[str, Any], work: Path,
+               timeout: float) -> dict[str, Any]:
+    """One heterogeneous deployment: the validation loss against wall-clock and tokens (every
+    record's), the federation's tokens per second and, for asynchronous rounds, the staleness
+    histogram and the pushes per node (each record's, summed)."""
+    run_config = {**run_config, "round-timeout": timeout}
     started = time.perf_counter()
-    records = emulate(nodes, HETERO_LINK, run_config, work, timeout, f"{name} over {HETERO_LINK}")
+    records = emulate(scenario["nodes"], scenario["link"], run_config, work, timeout,
+                      f"{name} over {scenario['link']}", node_config=scenario["node_config"])
     curve = [{"elapsed_seconds": r.get("elapsed_seconds", 0.0), "tokens": r["tokens"], "val_loss": r["val_loss"]}
              for r in records if "val_loss" in r]
     last = records[-1]
-    return {"name": name, "run_config": run_config, "link": HETERO_LINK, "nodes": nodes, "curve": curve,
-            "tokens": last["tokens"], "elapsed_seconds": last["elapsed_seconds"],
-            "tokens_per_second": last["tokens"] / last["elapsed_seconds"], "final_val_loss": curve[-1]["val_loss"],
+    staleness: dict[str, int] = {}
+    pushes: dict[str, int] = {}
+    for r in records:
+        for k, v in (r.get("staleness") or {}).items():
+            staleness[k] = staleness.get(k, 0) + v
+        for k, v in (r.get("pushes_by_worker") or {}).items():
+            pushes[k] = pushes.get(k, 0) + v
+    return {"name": name, "run_config": run_config, "curve": curve, "tokens": last["tokens"],
+            "elapsed_seconds": last["elapsed_seconds"], "tokens_per_second": last["tokens"] / last["elapsed_seconds"],
+            "final_val_loss": curve[-1]["val_loss"], "staleness": staleness, "pushes_by_worker": pushes,
+            "local_steps_by_worker": last.get("local_steps_by_worker"),
+            "bytes_sent_per_client": last.get("bytes_sent_per_client"),
+            "bytes_received_per_client": last.get("bytes_received_per_client"),
             "wall_seconds": time.perf_counter() - started}
 
 
@@ -186,40 +228,107 @@ def loss_at(curve: list[dict[str, float]], seconds: float) -> float:
     return [c["val_loss"] for c in curve if c["elapsed_seconds"] <= seconds + 1e-9][-1]
 
 
+def seconds_to(curve: list[dict[str, float]], loss: float) -> float | None:
+    """Wall-clock seconds of the first evaluation at or below `loss` (None: never reached)."""
+    return next((c["elapsed_seconds"] for c in curve if c["val_loss"] <= loss), None)
+
+
+def virtual_staleness(case: dict[str, Any], nodes: int) -> dict[str, Any]:
+    """What the virtual clock predicts for the speeds the deployment showed: each node's seconds per
+    round taken as the run's wall-clock over its pushes (a slow link or slow compute alike), the
+    schedule of the reference trainer's `run_async` (lordo_fed.rounds.async_rounds.VirtualClock,
+    arrival order, no grace window) on the same budget of rounds; its staleness histogram and
+    pushes per node."""
+    from lordo_fed.rounds.async_rounds import VirtualClock
+
+    pushes = case["pushes_by_worker"]
+    seconds = [case["elapsed_seconds"] / max(pushes.get(str(w), 0), 1) for w in range(nodes)]
+    budget = sum(pushes.values())  # rounds sent in all (the same tokens: every round has K steps)
+    clock, version, pulled, staleness, predicted = VirtualClock(), 0, {}, {}, {}
+    for w in range(nodes):
+        pulled[w] = version
+        clock.start(w, 0.0, seconds[w])
+    sent = nodes
+    while len(clock):
+        _, batch = clock.window(0.0)
+        for t, w in batch:
+            s = str(version - pulled[w])
+            staleness[s] = staleness.get(s, 0) + 1
+            predicted[str(w)] = predicted.get(str(w), 0) + 1
+            version += 1
+            if sent < budget:
+                pulled[w] = version
+                clock.start(w, t, seconds[w])
+                sent += 1
+    return {"seconds_per_round": [round(x, 2) for x in seconds], "staleness": staleness, "pushes_by_worker": predicted}
+
+
 def main_hetero(args) -> int:
+    scenario_name = args.scenario or "link"
+    if scenario_name not in HETERO_SCENARIOS:
+        raise SystemExit(f"--scenario {scenario_name!r}: expected one of {sorted(HETERO_SCENARIOS)}")
+    scenario = HETERO_SCENARIOS[scenario_name]
     rounds = args.rounds or 8
-    result = result_header("wan_hetero", False, {"model": HETERO_MODEL, "cases": HETERO_CASES, "link": HETERO_LINK,
-                                                 "nodes": 3, "rounds": rounds, "threads_per_process": 1})
+    names = args.cases.split(",") if args.cases else list(HETERO_DEFAULT)
+    unknown = sorted(set(names) - set(HETERO_CASES))
+    if unknown:
+        raise SystemExit(f"--hetero --cases {args.cases!r}: unknown {unknown}; expected names of {sorted(HETERO_CASES)}")
+    result = result_header("wan_hetero", False, {"model": HETERO_MODEL, "scenario": scenario_name, **scenario,
+                                                 "rounds": rounds, "threads_per_process": 1,
+                                                 "data": "iid" if args.iid else "by_source"})
     result["cases"] = {}
     with tempfile.TemporaryDirectory(prefix="wan_hetero_") as tmp:
-        names = args.cases.split(",") if args.cases else list(HETERO_CASES)
-        unknown = sorted(set(names) - set(HETERO_CASES))
-        if unknown:
-            raise SystemExit(f"--hetero --cases {args.cases!r}: unknown {unknown}; expected names of {sorted(HETERO_CASES)}")
+        work = Path(args.work or tmp)
+        # non-IID by source: node m trains on source m (verse, verse, code, code; benchmarks/async_rounds.py)
+        data = {} if args.iid else {"data-path": str(non_iid_corpus(work / "corpus")), "partition": "by_source"}
         for name in names:
-            result["cases"][name] = run_hetero(name, 3, rounds, Path(args.work or tmp) / name, 1200.0)
-            write_json(result, args.out)
-    cases = result["cases"]
-    clock = min(c["elapsed_seconds"] for c in cases.values())
-    for c in cases.values():
-        c["val_loss_at_equal_clock"] = loss_at(c["curve"], clock)
-    result["equal_clock_seconds"] = clock
-    print_rows(f"{'case':>12} {'tokens':>9} {'seconds':>8} {'tok/s':>8} {'loss(end)':>9} {'loss@' + format(clock, '.0f') + 's':>10}",
-               [f"{n:>12} {c['tokens']:>9} {c['elapsed_seconds']:8.1f} {c['tokens_per_second']:8.0f} "
-                f"{c['final_val_loss']:9.3f} {c['val_loss_at_equal_clock']:10.3f}" for n, c in cases.items()])
+            cfg = hetero_config(name, scenario, rounds, data)
+            case = run_hetero(name, scenario, cfg, work / name, 1200.0)
+            if cfg["variant"] in ASYNC_VARIANTS and not cfg.get("async-match-speed") and not cfg.get("async-grace"):
+                case["virtual_clock"] = virtual_staleness(case, scenario["nodes"])
+            result["cases"][name] = case
+            write_json(result, args.out)  # a cut-short run keeps what it measured
+    summarise_hetero(result)
     write_json(result, args.out)
     plot_hetero(result, png_path(args.out))
     return 0
 
 
+def summarise_hetero(result: dict[str, Any]) -> None:
+    """Each case against the synchronous LoRDO-Global run (`synchronous`, else the first case): its
+    wall-clock to reach the synchronous final loss (as a ratio), its final loss at equal tokens (as a
+    difference in percent) and every case's loss at the shortest run's wall-clock."""
+    cases = result["cases"]
+    clock = min(c["elapsed_seconds"] for c in cases.values())
+    ref_name = "synchronous" if "synchronous" in cases else next(iter(cases))
+    ref = cases[ref_name]
+    for c in cases.values():
+        c["val_loss_at_equal_clock"] = loss_at(c["curve"], clock)
+        reach = seconds_to(c["curve"], ref["final_val_loss"])
+        c["seconds_to_reference_loss"] = reach
+        c["time_ratio_to_reference"] = None if reach is None else reach / ref["elapsed_seconds"]
+        c["final_loss_vs_reference_pct"] = 100 * (c["final_val_loss"] / ref["final_val_loss"] - 1)
+    result["equal_clock_seconds"] = clock
+    result["reference"] = ref_name
+    print_rows(f"{'case':>24} {'tokens':>9} {'seconds':>8} {'tok/s':>7} {'loss(end)':>9} {'vs ref':>7} "
+               f"{'t->ref':>7} {'loss@' + format(clock, '.0f') + 's':>10}",
+               [f"{n:>24} {c['tokens']:>9} {c['elapsed_seconds']:8.1f} {c['tokens_per_second']:7.0f} "
+                f"{c['final_val_loss']:9.3f} {c['final_loss_vs_reference_pct']:+6.1f}% "
+                f"{'-' if c['time_ratio_to_reference'] is None else format(c['time_ratio_to_reference'], '.2f'):>7} "
+                f"{c['val_loss_at_equal_clock']:10.3f}" for n, c in cases.items()])
+
+
 def plot_hetero(result: dict[str, Any], out: Path) -> None:
-    fig = new_figure(7, 4)
+    cfg = result["config"]
+    fig = new_figure(7.5, 4.2)
     ax = fig.add_subplot(1, 1, 1)
     for n, c in result["cases"].items():
-        ax.plot([p["elapsed_seconds"] for p in c["curve"]], [p["val_loss"] for p in c["curve"]], marker=".", label=n)
+        ax.plot([p["elapsed_seconds"] for p in c["curve"]], [p["val_loss"] for p in c["curve"]], marker=".",
+                label=n, linestyle="-" if c["run_config"]["variant"] in ASYNC_VARIANTS else "--")
     ax.set(xlabel="wall-clock seconds", ylabel="validation loss")
-    ax.set_title(f"3 nodes over {result['config']['link']}: {', '.join(result['cases'])}", fontsize=9)
-    ax.legend()
+    extra = f", {' '.join(cfg['node_config'])}" if cfg.get("node_config") else ""
+    ax.set_title(f"{cfg['nodes']} nodes over {cfg['link']}{extra} ({cfg.get('data', 'iid')} data)", fontsize=9)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out)
 
@@ -272,8 +381,11 @@ def main(argv: list[str] | None = None) -> int:
                         "Mb/s, synchronous and overlapped (COMPRESSION_CASES)")
     parser.add_argument("--presets", action="store_true", help="the app presets diloco-sparse and lordo-sparse at 100 "
                         "and 10 Mb/s (PRESET_CASES)")
-    parser.add_argument("--hetero", action="store_true", help="one node at a tenth of the others' link: synchronous, "
-                        "overlapped and asynchronous rounds (HETERO_CASES)")
+    parser.add_argument("--hetero", action="store_true", help="unequal nodes (--scenario): synchronous, overlapped and "
+                        "asynchronous rounds (HETERO_CASES), non-IID data by source")
+    parser.add_argument("--scenario", default="", help="--hetero: 'link' (4 nodes, one on 10 Mbit/s; default), "
+                        "'compute' (4 nodes, one 4x slower) or 'link3' (3 nodes, one on 10 of 100 Mbit/s)")
+    parser.add_argument("--iid", action="store_true", help="--hetero: IID data instead of one source per node")
     parser.add_argument("--work", default="", help="keep each case's logs and outputs here (default: a temporary folder)")
     args = parser.parse_args(argv)
     if args.hetero:

@@ -28,6 +28,9 @@ Flower's push/pull messages:
    reply only says that it ended (before its round's reply: a failure).
 6. With `async-match-speed` each round's local steps are chosen from the node's measured speed
    (`SpeedMatch`) and travel in its start point (`GlobalState.local_steps`).
+7. With a compressed payload preset a start point is the compressed change from what that node
+   holds (`NodeCopies`: one θ_c per node, error feedback in what the change leaves out), its
+   moments quantised: compressed both ways, as synchronous rounds.
 
 A node whose message fails (error reply, or no reply within round_timeout) is sent the same round
 again, twice at most, then left out. A resumed run continues from the checkpoint's θ, outer
@@ -51,7 +54,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy.result import Result
 
 from lordo_fed.app.config import AppConfig
-from lordo_fed.rounds.async_rounds import Arrival, AsyncServer, Pull, SpeedMatch, VirtualClock, async_record
+from lordo_fed.rounds.async_rounds import Arrival, AsyncServer, NodeCopies, Pull, SpeedMatch, VirtualClock, async_record
 from lordo_fed.transport.server import Upload
 from lordo_fed.wire.codec import PayloadError
 from lordo_fed.app.records import payload_bytes
@@ -183,6 +186,7 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
         session); None: every round is a Flower message."""
         sessions: dict[int, str] = {}  # partition -> the message id of its open session
         matcher = SpeedMatch(K) if acfg.match_speed else None
+        copies = NodeCopies(self.aggregator.payload)  # a compressed downlink: each node's copy θ_c
         self.local_steps = {pid: acfg.local_steps_of(pid, K) for pid in nodes}
         partition_of = {node: pid for pid, node in nodes.items()}
 
@@ -199,7 +203,7 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
             state = GlobalState(round=r, params=pull.params, projections=pull.projections, moments=pull.moments,
                                 opt_step=self.opt_steps.get(pid, 0) if pull.opt_step is None else pull.opt_step,
                                 local_steps=steps if matcher is not None else 0)
-            state = self.without_theta0(state)
+            state = self.without_theta0(copies.start_point(pid, state, pull))
             payload = self.courier.encode(state)
             sizes["sent"] = len(payload)
             if plane is not None:  # the node's session gets its start point on the data plane (opened first)
@@ -219,6 +223,7 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
                 accepted = bool(ids)
             if not accepted:
                 server.release(pull)
+                copies.forget(pid)
                 log.warning("partition %d: the message to node %d was not accepted; left out", pid, nodes[pid])
                 return
             committed += steps * step_tokens
@@ -236,6 +241,7 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
             nonlocal committed
             flight = inflight.pop(pid)
             server.release(flight.pull)
+            copies.forget(pid)  # it may not have applied the round's change: θ whole next time
             clock.remove(pid)
             committed -= flight.tokens
             failures[pid] += 1

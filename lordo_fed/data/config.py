@@ -43,7 +43,7 @@ class DataConfig:
     """Tokens per training sequence (the model's context length)."""
     batch_size: int = setting("batch-size", 16)
     """Sequences per batch, per worker."""
-    partition: str = "iid"
+    partition: str = setting("partition", "iid")
     """How train tokens are split among clients: "iid", "by_source" or "dirichlet"."""
     dirichlet_alpha: float = 0.5
     """Concentration of the per-source Dirichlet (partition="dirichlet"); smaller = more skewed."""

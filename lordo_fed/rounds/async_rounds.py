@@ -28,10 +28,15 @@ next start point when the window closes, so none of them is stale against the ot
 per round, arrivals are processed in (virtual time, worker id) order. The reference trainer
 uses it (`lordo_fed.trainer.run.run_async`) so that a Flower run on the same schedule can be
 compared with it.
+
+With a compressed payload preset the downlink is compressed too (`NodeCopies`): the server keeps,
+per worker, the copy θ_c[w] of θ that worker holds and sends each pull as the compressed change
+from it, as synchronous rounds do with the one copy all workers share.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass, field
 
@@ -41,7 +46,9 @@ from torch import Tensor
 from lordo_fed.rounds.config import AsyncConfig
 from lordo_fed.rounds.heloco import correct, look_ahead
 from lordo_fed.optim.bias import restep
-from lordo_fed.wire.messages import WorkerUpdate, split_moment_key
+from lordo_fed.wire.compress import decode, encode
+from lordo_fed.wire.messages import GlobalState, WorkerUpdate, split_moment_key
+from lordo_fed.wire.payload import PayloadCodecs
 from lordo_fed.rounds.outer import MomentumLookAhead, OuterOptimizer
 from lordo_fed.rounds.aggregator import Aggregator, fit_projections
 from lordo_fed.rounds.screening import delta_problem, tensor_problem
@@ -178,6 +185,54 @@ class Pull:
     """Async LoRDO: the shared step count the worker aligns its moments to (None: its own)."""
     basis: int = 0
     """Async LoRDO: which basis (refits so far) the worker trains in."""
+
+
+class NodeCopies:
+    """The compressed downlink of asynchronous rounds: each worker's own copy θ_c[w].
+
+    A synchronous round sends every worker the same change θ − θ_c of the one copy they all hold
+    (lordo_fed.rounds.aggregator). Asynchronous workers pull at different versions, so the server
+    keeps one copy per worker, what that worker last started from, and sends its pull θ̄ (θ, or the
+    look-ahead point) as the compressed change θ̄ − θ_c[w] with the preset's `down` codec. Both ends
+    add the same decoded change to the same tensors (the worker's `Downlink`), so they agree on
+    θ_c[w] bit for bit, and the worker trains from it; what the change leaves out stays in
+    θ̄ − θ_c[w] and goes with that worker's next pull (error feedback, as in the synchronous
+    downlink). The moments a pull carries (async LoRDO) go with the preset's moment codecs.
+
+    A worker whose copy the server does not know (its first pull, a message that failed, a server
+    resumed from a checkpoint) is sent θ̄ whole, which becomes its copy. Server memory: one θ per
+    worker that holds a copy (docs/algorithm.md, "Asynchronous rounds")."""
+
+    def __init__(self, payload: PayloadCodecs | None):
+        self.payload = payload
+        """The run's compressed preset (None: fp32 both ways, nothing kept)."""
+        self.copies: dict[int, dict[str, Tensor]] = {}
+        """Worker -> θ_c[w], the θ it holds (fp32, host)."""
+
+    def start_point(self, worker: int, state: GlobalState, pull: Pull) -> GlobalState:
+        """`state` (θ̄ of `pull` whole, its moments raw) as `worker` is sent it: with a compressed
+        downlink the change from the worker's copy (`params_delta`), and `pull.params` becomes the
+        copy the worker trains from; moments quantised with a compressed preset."""
+        codecs = self.payload
+        if codecs is None:
+            return state
+        if state.moments:
+            state = dataclasses.replace(state, moments=codecs.encode_moments(state.moments))
+        if codecs.down is None:
+            return state
+        held = self.copies.get(worker)
+        if held is None:
+            self.copies[worker] = {n: t.detach().float().clone() for n, t in pull.params.items()}
+            return state
+        change = {n: encode(pull.params[n] - held[n], codecs.down) for n in pull.params}
+        for n, e in change.items():
+            held[n] += decode(e, n).view(e.shape)
+        pull.params = {n: t.clone() for n, t in held.items()}
+        return dataclasses.replace(state, params=change, params_delta=True)
+
+    def forget(self, worker: int) -> None:
+        """The worker may not hold its copy (its round's message failed): θ̄ whole next time."""
+        self.copies.pop(worker, None)
 
 
 class AsyncServer:

@@ -23,7 +23,7 @@ from lordo_fed.optim import LoRDO
 from lordo_fed.optim.config import resolved_proj_method
 from lordo_fed.optim.projection import get_projection_method
 from lordo_fed.rounds.aggregator import fit_projections, initial_projections
-from lordo_fed.rounds.async_rounds import AsyncServer, VirtualClock, async_record
+from lordo_fed.rounds.async_rounds import AsyncServer, NodeCopies, VirtualClock, async_record
 from lordo_fed.rounds.build import build_run
 from lordo_fed.rounds.methods import MethodSettings, make_worker
 from lordo_fed.rounds.worker import Worker
@@ -153,7 +153,9 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     (a fast worker makes more rounds than a slow one).
 
     With a grace window (`async_rounds.grace` virtual seconds) the arrivals within it are applied
-    in turn and their workers pull together when it closes (`VirtualClock.window`).
+    in turn and their workers pull together when it closes (`VirtualClock.window`). With a
+    compressed payload preset each pull goes as the compressed change from that worker's copy
+    (`NodeCopies`), as the Flower strategy sends it.
 
     A worker's steps depend only on what it pulled and its own state, so they are computed when
     it pulls and its Δ is held until its arrival time: deterministic whatever the machine.
@@ -175,6 +177,7 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     step_tokens = data.batch_size * data.seq_len
     budget = M * cfg.total_steps * step_tokens
     clock, pending, rounds_of = VirtualClock(), {}, [0] * M
+    copies = NodeCopies(aggregator.payload)
     committed = 0  # tokens applied or in flight
     bar = StepBar(ctx, settings.name)  # worker-steps / M: the records' "step" (tokens applied / M)
 
@@ -188,6 +191,7 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         r = rounds_of[w]  # the worker's own round: its schedule position (and, but for LoRDO, its step count)
         state = GlobalState(round=r, params=pull.params, projections=pull.projections, moments=pull.moments,
                             opt_step=(r - 1) * steps[w] if pull.opt_step is None else pull.opt_step)
+        state = copies.start_point(w, state, pull)  # a compressed downlink: the change from w's copy
         update = workers[w].train_round(state, progress=bar.worker_step)
         pending[w] = (update, pull, tensor_bytes(state.tensors()))  # the update as sent: its bytes are counted
         clock.start(w, now, acfg.seconds(w, K))

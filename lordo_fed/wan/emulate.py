@@ -71,6 +71,8 @@ class EmulationConfig:
     """Seconds the run may take before it is stopped."""
     tag: str = ""
     """Names this emulation's namespaces (lfemu-TAG-*); '' = a fresh random tag."""
+    node_config: list[str] = field(default_factory=list)
+    """More node-config keys of one node, `I:key=value ...` (e.g. `0:slowdown=4`: node 0 four times slower)."""
 
     def validate(self) -> "EmulationConfig":
         if not 1 <= self.nodes <= 200:
@@ -87,7 +89,19 @@ class EmulationConfig:
         if not (self.app / "pyproject.toml").is_file():
             raise ValueError(f"--app {self.app}: no pyproject.toml there (expected a Flower app directory)")
         parse_links(self.link, self.nodes)
+        self.extra_node_config()
         return self
+
+    def extra_node_config(self) -> dict[int, str]:
+        """`node_config` by node index (ValueError naming an entry that is not `I:key=value` with I a node)."""
+        extra: dict[int, list[str]] = {}
+        for entry in self.node_config:
+            index, sep, keys = entry.partition(":")
+            if not sep or not index.strip().isdigit() or int(index) >= self.nodes or "=" not in keys:
+                raise ValueError(f"--node-config {entry!r}: expected 'I:key=value ...' with I a node index in "
+                                 f"0..{self.nodes - 1}, e.g. '0:slowdown=4'")
+            extra.setdefault(int(index), []).append(keys.strip())
+        return {i: " ".join(keys) for i, keys in extra.items()}
 
 
 @dataclass
@@ -152,8 +166,11 @@ class Emulation:
                     ["flower-superlink", "--insecure", "--host", "0.0.0.0", "--port", str(port),
                      "--database", ":flwr-in-memory:", "--disable-runtime-dependency-installation"], "superlink.home")
         self._wait_health()
+        extra = self.cfg.extra_node_config()
         for i in range(self.cfg.nodes):
             node_config = f"partition-id={i} num-partitions={self.cfg.nodes} {LINK_RATE_KEY}=\"{format_rate(self.rates[i])}\""
+            if i in extra:
+                node_config += f" {extra[i]}"
             if self.cfg.node_workers:
                 sock = self.dir / f"node-worker-{i}.sock"
                 self._spawn(f"node-worker-{i}", topo.node(i),
@@ -295,6 +312,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EmulationCon
     p.add_argument("--port", type=int, default=defaults.port, help="SuperLink port in the coordinator namespace")
     p.add_argument("--timeout", type=float, default=defaults.timeout, help="stop the run after this many seconds")
     p.add_argument("--tag", default="", help="namespace names lfemu-TAG-* (default: random)")
+    p.add_argument("--node-config", action="append", default=[], metavar="I:KEYS",
+                   help="more node-config keys of node I, e.g. '0:slowdown=4' (repeatable)")
     p.add_argument("--cleanup", action="store_true", help="remove what killed emulations left (lfemu-* namespaces) and exit")
     p.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -302,7 +321,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EmulationCon
                           run_config=args.run_config + ([" ".join(args.overrides)] if args.overrides else []),
                           out_dir=args.dir, node_workers=not args.no_node_workers, threads=args.threads,
                           ranks_per_node=args.ranks_per_node,
-                          port=args.port, timeout=args.timeout, tag=args.tag)
+                          port=args.port, timeout=args.timeout, tag=args.tag, node_config=args.node_config)
     return args, cfg
 
 

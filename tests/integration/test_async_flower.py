@@ -63,9 +63,9 @@ ON_THE_DATA_PLANE = {"data-plane": "grpc", "data-plane-insecure": True}
 
 @pytest.mark.parametrize("variant,extra", [
     ("heloco", {"async-grace": 1.5, "async-staleness-exponent": 0.5}),
-    ("async_diloco", {}),
-    ("heloco_lordo", ON_THE_DATA_PLANE),
-], ids=["heloco-grace-staleness", "async_diloco", "heloco_lordo-data-plane"])
+    ("async_diloco", {"payload-dtype": "topk2bit-both-wide"}),
+    ("heloco_lordo", {**ON_THE_DATA_PLANE, "payload-dtype": "int8"}),
+], ids=["heloco-grace-staleness", "async_diloco-topk2bit-both", "heloco_lordo-data-plane-int8"])
 def test_virtual_order_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     """Three partitions, one 3x slower, one with its own local steps (per-node work): the Flower
     server applies the replies in the reference trainer's order, to the same θ; for async LoRDO
@@ -73,7 +73,9 @@ def test_virtual_order_simulation_matches_the_reference_trainer(tmp_path, varian
     bases, bases refitted every 3 replies), its rounds run as sessions on the gRPC data plane
     (no Flower message between a node's rounds); for HeLoCo with a grace window of 1.5 virtual
     seconds (partition 1 arrives at t = 2, partition 0 at t = 3 within its window: both pull at
-    t = 3.5) and stale replies weighted down, ρ·(1+s)^−0.5."""
+    t = 3.5) and stale replies weighted down, ρ·(1+s)^−0.5. Compressed both ways: async DiLoCo's
+    Δ top-k 2-bit up and each pull the top-k change from that node's own copy θ_c down; async LoRDO's
+    Δ and moments int8 up, the moments and θ's change from the node's copy int8 down."""
     run_config = tiny_run_config(tmp_path, variant=variant, **{
         "num-server-rounds": 3, "min-clients": 3, "async-order": "virtual", "async-speeds": "1,1,3",
         "async-local-steps": "3,2,3", "async-weight": 0.5, **extra})
@@ -95,6 +97,9 @@ def test_virtual_order_simulation_matches_the_reference_trainer(tmp_path, varian
     assert max(r["staleness_max"] for r in records[1:]) >= 1  # the slow worker's replies were stale
     assert records[-1]["val_loss"] < records[0]["val_loss"]
     assert abs(records[-1]["val_loss"] - ref_records[-1]["val_loss"]) < 1e-4
+    if "payload-dtype" in extra:  # each node's second pull on: the change from its copy, not θ
+        plain = 4 * sum(t.numel() for t in reference.values())
+        assert records[-1]["bytes_sent_per_client"] < plain / 2, records[-1]
 
 
 def test_async_resume_continues_from_the_checkpoint(tmp_path):

@@ -99,12 +99,17 @@ def test_emulator_options_are_checked(tmp_path):
     for kw, match in (({"nodes": 0}, "--nodes 0"), ({"threads": -1}, "--threads -1"), ({"port": 70000}, "--port"),
                       ({"link": "node0=1gbit"}, "no rate for"), ({"app": tmp_path}, "no pyproject.toml"),
                       ({"timeout": 0}, "--timeout"), ({"ranks_per_node": 0}, "--ranks-per-node 0"),
-                      ({"ranks_per_node": 2, "node_workers": False}, "--ranks-per-node 2: expected >= 1, and node workers")):
+                      ({"ranks_per_node": 2, "node_workers": False}, "--ranks-per-node 2: expected >= 1, and node workers"),
+                      ({"node_config": ["2:slowdown=4"]}, "--node-config '2:slowdown=4': expected 'I:key=value ...' "
+                                                          "with I a node index in 0..1"),
+                      ({"node_config": ["slowdown=4"]}, "--node-config 'slowdown=4'")):
         with pytest.raises(ValueError, match=match):
             EmulationConfig(app=ROOT, **kw).validate() if "app" not in kw else EmulationConfig(**kw).validate()
     proc = subprocess.run([sys.executable, "-m", "lordo_fed.wan.emulate", "--link", "warp9", "--app", str(ROOT)],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "link rate 'warp9'" in proc.stderr, proc.stderr
+    cfg = EmulationConfig(app=ROOT, nodes=3, node_config=["0:slowdown=4", "2:local-steps=8", "0:data-path='/d'"]).validate()
+    assert cfg.extra_node_config() == {0: "slowdown=4 data-path='/d'", 2: "local-steps=8"}
 
 
 # ----------------------------------------------------------------------------- namespaces and links

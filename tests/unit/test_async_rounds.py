@@ -339,3 +339,61 @@ def test_a_node_refuses_local_steps_it_cannot_take(tmp_path):
         with pytest.raises(ValueError, match=f"the server asks for {steps} local steps: expected only in asynchronous "
                                              f"rounds, and at most the run's {rt.cfg.total_steps} steps"):
             run_job(job, lambda timeout: data, store_for=lambda cfg, pid: DiskStore(tmp_path / "state", pid))
+
+
+def test_each_node_gets_its_pull_as_the_change_from_its_own_copy():
+    """Compressed both ways (`NodeCopies`): two nodes pull a moving θ at different times; each is
+    sent the int8 change from the copy it holds. What the node starts from (its `Downlink`, as a
+    node decodes it) is the server's record of its copy bit for bit, within the codec's error of
+    the θ pulled, and what one change leaves out goes with the next: pulled again at a θ that
+    stands still, the node's copy closes in on it. A node forgotten (its message failed) gets θ whole."""
+    from lordo_fed.rounds.async_rounds import NodeCopies, Pull
+    from lordo_fed.rounds.downlink import Downlink
+    from lordo_fed.wire.messages import GlobalState
+    from lordo_fed.wire.payload import resolve_payload
+
+    torch.manual_seed(0)
+    copies = NodeCopies(resolve_payload("int8").codecs)
+    nodes = {0: Downlink(tracks=True), 1: Downlink(tracks=True)}
+    rounds = {0: 0, 1: 0}
+    theta = {"w": torch.randn(32, 64), "b": torch.randn(64)}
+
+    def pull(w: int, moments: dict | None = None) -> tuple[GlobalState, dict, dict]:
+        rounds[w] += 1
+        p = Pull({n: t.clone() for n, t in theta.items()}, 0)
+        state = copies.start_point(w, GlobalState(round=rounds[w], params=p.params, moments=moments or {}), p)
+        got = nodes[w].theta(state, theta)
+        assert all(torch.equal(got[n], p.params[n]) for n in theta), "node and server disagree on the copy"
+        return state, got, p.params
+
+    for w in (0, 1):  # first pulls: θ whole
+        state, got, _ = pull(w)
+        assert not state.params_delta and all(torch.equal(got[n], theta[n]) for n in theta)
+    whole = sum(4 * t.numel() for t in theta.values())
+    held = {w: {n: t.clone() for n, t in theta.items()} for w in (0, 1)}
+    for step in range(6):  # θ moves (other nodes' pushes); the nodes pull in turn, each from its own copy
+        for n in theta:
+            theta[n] += 0.01 * torch.randn_like(theta[n])
+        w = step % 2
+        change = {n: theta[n] - held[w][n] for n in theta}
+        state, got, _ = pull(w)
+        assert state.params_delta
+        assert sum(e.nbytes for e in state.params.values()) < whole / 3
+        for n in theta:  # int8, one scale per 64 values: |error| ≤ half a step, largest |change| / 127 / 2
+            assert (got[n] - theta[n]).abs().max() <= change[n].abs().max() / 254 * (1 + 1e-5), n
+        held[w] = {n: t.clone() for n, t in got.items()}
+    errors = []
+    for _ in range(3):  # θ stands still: the leftover of each change goes with the next pull
+        _, got, _ = pull(0)
+        errors.append(max((got[n] - theta[n]).abs().max().item() for n in theta))
+    assert errors[-1] < 0.05 * errors[0], errors
+    state, _, _ = pull(1, moments={"w::m": torch.randn(32, 8)})
+    assert all(hasattr(e, "nbytes") and not isinstance(e, torch.Tensor) for e in state.moments.values())
+
+    copies.forget(0)
+    for n in theta:
+        theta[n] += 0.01 * torch.randn_like(theta[n])
+    state, got, _ = pull(0)
+    assert not state.params_delta and all(torch.equal(got[n], theta[n]) for n in theta)
+    assert copies.start_point(0, GlobalState(round=9, params=theta), Pull(theta, 0)).params_delta
+    assert NodeCopies(None).start_point(0, GlobalState(round=1, params=theta), Pull(theta, 0)).params is theta

@@ -112,6 +112,8 @@ RUN_CONFIG_CASES = [
      "integer >= 1"),
     ("data-plane-checksum", "crc32", "run-config key 'data-plane-checksum': data_plane.checksum='crc32': expected one of "
      "('xxh3', 'sha256')"),
+    ("partition", "bysource", "run-config key 'partition': DataConfig.partition='bysource': expected one of ('iid', "
+     "'by_source', 'dirichlet')"),
     ("async-order", "fifo", "run-config key 'async-order': async_rounds.order='fifo': expected one of ('arrival', 'virtual')"),
     ("async-weight", 0.0, "run-config key 'async-weight': async_rounds.weight=0.0: expected a weight > 0"),
     ("async-grace", -1.0, "run-config key 'async-grace': async_rounds.grace=-1.0: expected seconds >= 0 "

@@ -1,0 +1,46 @@
+"""benchmarks/wan_rounds.py --hetero's analysis, on hand-made runs: the virtual clock's prediction
+for the speeds a deployment showed, each case against the synchronous run, the run configs."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.wan_rounds import HETERO_SCENARIOS, hetero_config, summarise_hetero, virtual_staleness
+
+
+def test_the_virtual_clock_predicts_staleness_from_the_measured_speeds():
+    """Node 0 pushed twice and node 1 four times in 12 s: 6 s and 3 s a round. By hand, six rounds:
+    t=3 node 1 (s 0); t=6 node 0 (s 1), node 1 (s 1); t=9 node 1 (s 0); t=12 node 0 (s 2), node 1 (s 1)."""
+    case = {"elapsed_seconds": 12.0, "pushes_by_worker": {"0": 2, "1": 4}}
+    got = virtual_staleness(case, nodes=2)
+    assert got["seconds_per_round"] == [6.0, 3.0]
+    assert got["staleness"] == {"0": 2, "1": 3, "2": 1}
+    assert got["pushes_by_worker"] == {"0": 2, "1": 4}
+
+
+def test_each_case_against_the_synchronous_run():
+    curve = lambda *pts: [{"elapsed_seconds": t, "tokens": 0, "val_loss": v} for t, v in pts]  # noqa: E731
+    result = {"cases": {
+        "synchronous": {"curve": curve((0, 5.0), (50, 3.0), (100, 2.0)), "elapsed_seconds": 100.0,
+                        "final_val_loss": 2.0, "tokens": 10, "tokens_per_second": 0.1},
+        "async": {"curve": curve((0, 5.0), (30, 2.5), (60, 1.98), (70, 1.97)), "elapsed_seconds": 70.0,
+                  "final_val_loss": 1.97, "tokens": 10, "tokens_per_second": 0.14},
+        "slow": {"curve": curve((0, 5.0), (80, 2.1)), "elapsed_seconds": 80.0, "final_val_loss": 2.1,
+                 "tokens": 10, "tokens_per_second": 0.12},
+    }}
+    summarise_hetero(result)
+    cases = result["cases"]
+    assert result["reference"] == "synchronous" and result["equal_clock_seconds"] == 70.0
+    assert cases["async"]["time_ratio_to_reference"] == pytest.approx(0.6)  # 2.0 reached at 60 s of 100
+    assert cases["async"]["final_loss_vs_reference_pct"] == pytest.approx(-1.5)
+    assert cases["slow"]["time_ratio_to_reference"] is None  # never reached 2.0
+    assert cases["synchronous"]["val_loss_at_equal_clock"] == 3.0 and cases["async"]["val_loss_at_equal_clock"] == 1.97
+
+
+def test_asynchronous_cases_get_one_over_root_m_unless_they_say():
+    link = HETERO_SCENARIOS["link"]
+    assert hetero_config("heloco", link, 8, {})["async-weight"] == 0.5
+    assert "async-weight" not in hetero_config("synchronous", link, 8, {})
+    cfg = hetero_config("heloco-lordo-staleness", HETERO_SCENARIOS["link3"], 6, {"partition": "by_source"})
+    assert cfg["async-weight"] == 0.577 and cfg["num-server-rounds"] == 6 and cfg["min-clients"] == 3
+    assert cfg["partition"] == "by_source" and cfg["async-staleness-exponent"] == 0.5
