@@ -190,7 +190,8 @@ PRESET_CASES = [
     ("data.tokenizer", "", "run-config key 'tokenizer': DataConfig.tokenizer='': expected 'byte' or a path to a local "
                            "tokenizer.json"),
     ("data.val_fraction", 1.0, "DataConfig.val_fraction=1.0: expected a number in [0, 1)"),
-    ("data.partition", "random", "DataConfig.partition='random': expected one of ('iid', 'by_source', 'dirichlet')"),
+    ("data.partition", "random", "run-config key 'partition': DataConfig.partition='random': expected one of ('iid', "
+                                 "'by_source', 'dirichlet')"),
     ("data.dirichlet_alpha", 0.0, "DataConfig.dirichlet_alpha=0.0: expected a finite number > 0"),
     ("data.seed", -1, "DataConfig.seed=-1: expected an int >= 0"),
     ("model.preset", "custom", "ModelConfig.dim=None: preset='custom' provides no value, so dim must be set explicitly"),
