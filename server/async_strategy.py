@@ -186,7 +186,7 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
         session); None: every round is a Flower message."""
         sessions: dict[int, str] = {}  # partition -> the message id of its open session
         matcher = SpeedMatch(K) if acfg.match_speed else None
-        copies = NodeCopies(self.aggregator.payload)  # a compressed downlink: each node's copy θ_c
+        copies = NodeCopies(self.payload.codecs)  # a compressed downlink: each node's copy θ_c
         self.local_steps = {pid: acfg.local_steps_of(pid, K) for pid in nodes}
         partition_of = {node: pid for pid, node in nodes.items()}
 

@@ -181,7 +181,8 @@ def make_aggregator(model: nn.Module, settings: MethodSettings, ranks: dict[str,
                     outlier_factor: float = 0.0, payload: Payload = FP32) -> Aggregator:
     """The server side for `settings`: owns projections only under LoRDO-Global; with a
     compressed `payload` preset of a round-based method, sends the moments quantised and θ as the
-    compressed change of the clients' copy (asynchronous methods: each pull carries θ whole)."""
+    compressed change of the clients' copy (asynchronous methods keep none: each pull is the change from
+    that worker's own copy, lordo_fed.rounds.async_rounds.NodeCopies)."""
     inner = settings.inner
     server_projections = inner.name == "lordo" and inner.projection == "global" and bool(ranks)
     payload.check_method(server_projections, asynchronous=settings.loop != "rounds")

@@ -177,7 +177,7 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     step_tokens = data.batch_size * data.seq_len
     budget = M * cfg.total_steps * step_tokens
     clock, pending, rounds_of = VirtualClock(), {}, [0] * M
-    copies = NodeCopies(aggregator.payload)
+    copies = NodeCopies(run.payload.codecs)
     committed = 0  # tokens applied or in flight
     bar = StepBar(ctx, settings.name)  # worker-steps / M: the records' "step" (tokens applied / M)
 
