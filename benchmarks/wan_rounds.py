@@ -283,7 +283,13 @@ def main_hetero(args) -> int:
         data = {} if args.iid else {"data-path": str(non_iid_corpus(work / "corpus")), "partition": "by_source"}
         for name in names:
             cfg = hetero_config(name, scenario, rounds, data)
-            case = run_hetero(name, scenario, cfg, work / name, 1200.0)
+            try:
+                case = run_hetero(name, scenario, cfg, work / name, 1200.0)
+            except RuntimeError as err:  # one failed deployment: recorded, the other cases still run
+                print(f"[wan_rounds] {name}: {err}", flush=True)
+                result.setdefault("failed", {})[name] = str(err)
+                write_json(result, args.out)
+                continue
             if cfg["variant"] in ASYNC_VARIANTS and not cfg.get("async-match-speed") and not cfg.get("async-grace"):
                 case["virtual_clock"] = virtual_staleness(case, scenario["nodes"])
             result["cases"][name] = case

@@ -62,8 +62,8 @@ ON_THE_DATA_PLANE = {"data-plane": "grpc", "data-plane-insecure": True}
 
 
 @pytest.mark.parametrize("variant,extra", [
-    ("heloco", {"async-grace": 1.5, "async-staleness-exponent": 0.5}),
-    ("async_diloco", {"payload-dtype": "topk2bit-both-wide"}),
+    pytest.param("heloco", {"async-grace": 1.5, "async-staleness-exponent": 0.5}, marks=pytest.mark.extended),
+    pytest.param("async_diloco", {"payload-dtype": "topk2bit-both-wide"}, marks=pytest.mark.extended),
     ("heloco_lordo", {**ON_THE_DATA_PLANE, "payload-dtype": "int8"}),
 ], ids=["heloco-grace-staleness", "async_diloco-topk2bit-both", "heloco_lordo-data-plane-int8"])
 def test_virtual_order_simulation_matches_the_reference_trainer(tmp_path, variant, extra):

@@ -1,4 +1,5 @@
-"""Benchmarks are not tests, but their --quick modes run here so they cannot rot."""
+"""Benchmarks are not tests, but their --quick modes run here so they cannot rot: most in the extended lane
+(`-m extended`, run it when you change a benchmark), the cheap ones in the CI lane too."""
 
 import json
 import os
@@ -31,6 +32,7 @@ def test_client_state_quick(tmp_path):
     assert row["state_bytes"] > 0 and row["disk_per_round_s"] > 0 and row["context_per_round_s"] > 0
 
 
+@pytest.mark.extended
 def test_quality_quick(tmp_path):
     result = run_quick("quality.py", tmp_path)
     runs = result["runs"]
@@ -55,6 +57,7 @@ def test_quality_quick(tmp_path):
     assert all(r == 0 for r in without["update_out_in_ratio"])  # ω = 1: nothing outside the subspace
 
 
+@pytest.mark.extended
 def test_corpora_quality_quick(tmp_path):
     result = run_quick("corpora_quality.py", tmp_path, "--jobs", "2", "--work", str(tmp_path / "work"))
     tuning, rows, best = result["tuning"], result["rows"], result["best"]
@@ -134,6 +137,7 @@ def test_corpora_quality_trials_and_goal():
         assert TRIALS[m][4].overrides == (*four[best].overrides, "inner.lr=0.004")
 
 
+@pytest.mark.extended
 def test_long_horizon_quick(tmp_path):
     result = run_quick("long_horizon.py", tmp_path)
     runs, gaps, summary = result["runs"], result["gaps"], result["summary"]
@@ -174,6 +178,7 @@ def test_step_cost_quick(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_framework_overhead_quick(tmp_path):
     result = run_quick("framework_overhead.py", tmp_path, timeout=600)
     ref = result["modes"]["reference"]["median_rounds_2_to_n"]
@@ -188,6 +193,7 @@ def test_framework_overhead_quick(tmp_path):
     assert Path(tmp_path / "framework_overhead.png").stat().st_size > 10_000
 
 
+@pytest.mark.extended
 def test_server_memory_quick(tmp_path):
     """Both paths end at the same θ; streaming loads each reply once and holds one at a time; its
     round peak does not grow from M = 2 to 4, while the list path's grows by about the two replies
@@ -207,6 +213,7 @@ def test_server_memory_quick(tmp_path):
     assert growth["stream"] < 0.5 * reply
 
 
+@pytest.mark.extended
 def test_server_memory_deployment_quick(tmp_path):
     """The product ServerApp in a real deployment with 2 stand-in nodes on the data plane (one
     deployment: the full run's M = 2, 4, 8 give the scaling): every round has every client, the
@@ -225,6 +232,7 @@ def test_server_memory_deployment_quick(tmp_path):
         assert r["per_round"][1]["bytes_received_per_client"] > model
 
 
+@pytest.mark.extended
 def test_gpu_check_orchestrates_its_steps(tmp_path):
     """benchmarks/gpu_check.py on a CPU (--quick --device cpu): each step runs as a subprocess and
     leaves its result file; the CUDA tests are collected and, without a GPU, all skipped."""
@@ -298,6 +306,7 @@ def test_gpu_check_carries_the_corpora_runs_between_sessions(tmp_path):
     assert not (tmp_path / "escaped").exists()
 
 
+@pytest.mark.extended
 def test_corpus_tokenize_quick(tmp_path):
     """Every format and tokenizer ran; the record formats gave the same tokens (the benchmark
     checks their sha256); one thread and all cores tokenise to the same stream."""
@@ -311,6 +320,7 @@ def test_corpus_tokenize_quick(tmp_path):
     assert all(r["mb_per_s"] > 0 and r["tokens"] > 0 for r in rows)
 
 
+@pytest.mark.extended
 def test_codec_memory_quick(tmp_path):
     """The direct encoder and in-place decoder need about their output (the payload, or the fp32
     tensors decoded from it); the protobuf path about 4x / 2x more, which the run must see."""
@@ -333,6 +343,7 @@ def test_codec_memory_quick(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_dataplane_throughput_quick(tmp_path):
     """Structure and verification of benchmarks/dataplane_throughput.py --quick (not its speed):
     every variant ran, every transfer arrived whole (sha256, sizes, content), ratios are ratios."""
@@ -384,6 +395,7 @@ def test_dataplane_throughput_quick(tmp_path):
     assert len(result["table"]) == 2 + len(variants)
 
 
+@pytest.mark.extended
 def test_async_rounds_quick(tmp_path):
     """Structure of benchmarks/async_rounds.py --quick: on IID and non-IID data every method trained
     on the same tokens, the asynchronous ones on the same deterministic schedule (not their
@@ -404,6 +416,7 @@ def test_async_rounds_quick(tmp_path):
     assert (tmp_path / "async_rounds.png").exists()
 
 
+@pytest.mark.extended
 def test_compression_quick(tmp_path):
     """Structure of benchmarks/compression.py --quick: the presets' serialized bytes at 16m against
     fp32 DDP (fp32 LoRDO-Global equal to communication.py's 12x, every compressed preset fewer
@@ -438,6 +451,7 @@ def test_compression_quick(tmp_path):
     assert (tmp_path / "compression.png").exists()
 
 
+@pytest.mark.extended
 def test_compression_ladder_quick(tmp_path):
     """benchmarks/compression_ladder.py --quick with two rungs: each rung's row against the seed's
     fp32 run, with the rung's overrides recorded (not the figures' quality)."""
@@ -463,6 +477,7 @@ def test_compression_ladder_quick(tmp_path):
     assert changed["sign"]["val_loss"] != rows["sign"]["val_loss"]
 
 
+@pytest.mark.extended
 def test_node_ranks_quick(tmp_path):
     """benchmarks/node_ranks.py --quick: local steps through DDP and FSDP2 (gloo, one rank) against
     the bare model; the bytes two ranks of one node hold under each (FSDP2: about half each)."""

@@ -79,6 +79,7 @@ def assert_tensors_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tens
         assert torch.equal(a[k], b[k]), f"{what}: {k} differs (max |Δ| {(a[k].double() - b[k].double()).abs().max()})"
 
 
+@pytest.mark.extended
 def test_same_seed_and_config_give_bit_identical_runs(tmp_path):
     first, second = run_both(tmp_path)
 

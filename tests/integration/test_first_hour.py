@@ -154,6 +154,7 @@ def test_an_interrupted_run_fails_names_its_round_and_resumes_as_printed(user, t
     assert [json.loads(x)["round"] for x in (out / "server.jsonl").read_text().splitlines()] == list(range(7))
 
 
+@pytest.mark.extended
 def test_sigterm_to_the_scripts_process_group_ends_the_whole_tree(user, tmp_path):
     app, env = user
     with training(app, env, tmp_path / "out", "num-server-rounds=50", TINY, SLOW) as proc:

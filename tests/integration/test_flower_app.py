@@ -66,8 +66,13 @@ top-k 2-bit both ways, θ down at 12%, decaying error feedback, contributor mean
 EF_OPTIONS = {"sync-ef": True, "ef-reset": True, "ef-decay": 0.8, "full-rank-term": "gradient", "switch-step": 4}
 
 
+EXTENDED = pytest.mark.extended  # in the extended lane: the CI lane runs the other configurations
+
+
 @pytest.mark.parametrize("variant,extra", [("lordo_global", {"dense-sync-factor": 2, "overlap-delay": 2}),
-                                           ("lordo_global", EF_OPTIONS), ("diloco", SPARSELOCO), ("desloc", {"local-steps-ramp": "1,2"}),
+                                           pytest.param("lordo_global", EF_OPTIONS, marks=EXTENDED),
+                                           pytest.param("diloco", SPARSELOCO, marks=EXTENDED),
+                                           pytest.param("desloc", {"local-steps-ramp": "1,2"}, marks=EXTENDED),
                                            ("lordo_global", {"preset": "lordo-sparse", "model-preset": "tiny",
                                                              "rank": 4})])
 def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
@@ -124,6 +129,7 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
         assert lowrank and all(r["bytes_received_per_client"] >= 4 * floats for r in records[1:])
 
 
+@pytest.mark.extended
 def test_resume_continues_from_the_checkpoint(tmp_path):
     """A second run with `resume` picks up θ, counters and history at round 2 and the clients'
     own state (their disk store, keyed by partition), then trains round 3."""

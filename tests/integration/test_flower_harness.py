@@ -159,6 +159,7 @@ def test_run_failure_detects_flower_exit_codes():
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
+@pytest.mark.extended
 def test_simulation_two_supernodes(tmp_path):
     app = write_echo_app(tmp_path / "app")
     env = fh.flower_env(tmp_path / "sim")

@@ -97,6 +97,7 @@ def test_the_local_channel_stays_on_the_machine():
             check_local(bad)
 
 
+@pytest.mark.extended
 def test_node_workers_on_flowers_data_plane_match_the_reference(tmp_path):
     """With `data-plane="flower"` the state comes inside the Flower message and the node worker's
     reply goes back inside it too (through the local channel): same θ as the reference."""

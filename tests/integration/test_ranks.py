@@ -404,7 +404,6 @@ def _dead_peer_main(rank: int, rendezvous: str, out: str) -> None:
     os._exit(0)
 
 
-@pytest.mark.serial  # the rank timeout against wall-clock
 def test_a_dead_rank_fails_the_leads_next_job_instead_of_hanging(tmp_path):
     """The lead hands a job on to a rank that has died: the collective raises (the node's job
     fails and the server goes on without the node), within the rank timeout, instead of hanging."""

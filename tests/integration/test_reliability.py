@@ -60,7 +60,7 @@ from harness.processes import (
 )
 
 APP = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.slow, pytest.mark.serial]  # round deadlines against wall-clock: run alone
+pytestmark = pytest.mark.slow
 
 ROUNDS = 4
 DEADLINE = 20.0  # seconds; a healthy deployment round takes 6-10 s here

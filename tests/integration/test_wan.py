@@ -246,6 +246,7 @@ def test_ctrl_c_and_a_failed_run_leave_nothing_behind(tmp_path):
 
 @needs_netns
 @pytest.mark.slow
+@pytest.mark.extended
 def test_wan_rounds_benchmark_quick(tmp_path):
     """benchmarks/wan_rounds.py --quick: one emulated deployment with overlapped rounds (K = 3, τ = 2),
     its rounds against the synchronous ideal and against max(compute, link)."""
