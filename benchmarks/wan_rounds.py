@@ -80,8 +80,10 @@ HETERO_SCENARIOS = {
     "link3": {"nodes": 3, "link": "node0=10mbit,default=100mbit", "node_config": []},
 }
 """--hetero --scenario: the nodes, their links and more node config."""
-HETERO_MODEL = {"preset": "quickstart", "model-preset": "small", "rank": 16, "local-steps": 32, "batch-size": 16,
+HETERO_MODEL = {"preset": "quickstart", "model-preset": "small", "rank": 16, "local-steps": 32, "batch-size": 8,
                 "seq-len": 64, "eval-batches": 4, "eval-every": 1, "warmup-steps": 16, "data-plane": "grpc"}
+"""The small preset, K = 32 steps of 8 x 64 tokens (section 18's first table used batches of 16: with 4
+nodes on 2 cores a round of those took ~12 s, ~48 s for the slowed node)."""
 HETERO_CASES = {  # name -> run config on top of HETERO_MODEL; asynchronous ones get ρ = 1/√M unless they say
     "diloco": {"variant": "diloco"},
     "synchronous": {"variant": "lordo_global"},
@@ -212,8 +214,8 @@ def run_hetero(name: str, scenario: dict[str, Any], run_config: dict[str, Any], 
     for r in records:
         for k, v in (r.get("staleness") or {}).items():
             staleness[k] = staleness.get(k, 0) + v
-        for k, v in (r.get("pushes_by_worker") or {}).items():
-            pushes[k] = pushes.get(k, 0) + v
+        for k, v in enumerate(r.get("pushes_by_worker") or []):  # a list: node index -> its pushes
+            pushes[str(k)] = pushes.get(str(k), 0) + v
     return {"name": name, "run_config": run_config, "curve": curve, "tokens": last["tokens"],
             "elapsed_seconds": last["elapsed_seconds"], "tokens_per_second": last["tokens"] / last["elapsed_seconds"],
             "final_val_loss": curve[-1]["val_loss"], "staleness": staleness, "pushes_by_worker": pushes,
