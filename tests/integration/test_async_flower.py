@@ -1,5 +1,5 @@
-"""Asynchronous rounds over real Flower (issue 13): the simulation engine against the reference
-trainer's virtual clock, and a deployment on 127.0.0.1 with one really slowed node.
+"""Asynchronous rounds over real Flower (issue 13): a deployment and the simulation engine against the
+reference trainer's virtual clock, and a deployment on 127.0.0.1 with one really slowed node.
 
 - Parity: `async-order='virtual'` applies replies in the virtual clock's order, so a Flower run and
   `run_async` on the same settings apply the same Δs in the same order from the same pulls: the
@@ -12,7 +12,6 @@ trainer's virtual clock, and a deployment on 127.0.0.1 with one really slowed no
 """
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
@@ -61,34 +60,19 @@ ON_THE_DATA_PLANE = {"data-plane": "grpc", "data-plane-insecure": True}
 """Asynchronous sessions on the gRPC data plane (one Flower message per node, then rounds on the data plane alone)."""
 
 
-@pytest.mark.parametrize("variant,extra", [
-    pytest.param("heloco", {"async-grace": 1.5, "async-staleness-exponent": 0.5}, marks=pytest.mark.extended),
-    pytest.param("async_diloco", {"payload-dtype": "topk2bit-both-wide"}, marks=pytest.mark.extended),
-    ("heloco_lordo", {**ON_THE_DATA_PLANE, "payload-dtype": "int8"}),
-], ids=["heloco-grace-staleness", "async_diloco-topk2bit-both", "heloco_lordo-data-plane-int8"])
-def test_virtual_order_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
-    """Three partitions, one 3x slower, one with its own local steps (per-node work): the Flower
-    server applies the replies in the reference trainer's order, to the same θ; for async LoRDO
-    with HeLoCo's correction too (round-0 gradient bases, moments blended, rotated out of stale
-    bases, bases refitted every 3 replies), its rounds run as sessions on the gRPC data plane
-    (no Flower message between a node's rounds); for HeLoCo with a grace window of 1.5 virtual
-    seconds (partition 1 arrives at t = 2, partition 0 at t = 3 within its window: both pull at
-    t = 3.5) and stale replies weighted down, ρ·(1+s)^−0.5. Compressed both ways: async DiLoCo's
-    Δ top-k 2-bit up and each pull the top-k change from that node's own copy θ_c down; async LoRDO's
-    Δ and moments int8 up, the moments and θ's change from the node's copy int8 down."""
-    run_config = tiny_run_config(tmp_path, variant=variant, **{
-        "num-server-rounds": 3, "min-clients": 3, "async-order": "virtual", "async-speeds": "1,1,3",
-        "async-local-steps": "3,2,3", "async-weight": 0.5, **extra})
-    sessions = extra.get("data-plane") == "grpc"
-    # A session holds its simulated node (a Ray actor) for the whole run: one actor per node.
-    proc = run_simulation(APP, flower_env(tmp_path), num_supernodes=3, run_config=run_config, timeout=300, check=True,
-                          log_path=tmp_path / "sim.log", federation_config={"init-args-num-cpus": 3} if sessions else None)
-    assert "lordo-fed: metrics" in proc.stdout
-    records = server_records(tmp_path / "out")
+PARITY = {"num-server-rounds": 3, "min-clients": 3, "async-order": "virtual", "async-speeds": "1,1,3",
+          "async-local-steps": "3,2,3", "async-weight": 0.5}
+"""Three partitions, one 3x slower, one with its own local steps, replies in the virtual clock's order."""
+
+
+def assert_matches_the_reference(out: Path, run_config: dict, variant: str, sessions: bool) -> None:
+    """The Flower run in `out` against `run_async` on the same settings: θ within fp32 rounding, the
+    same records (rounds, pushes, tokens, staleness, pushes per worker, virtual time, outer steps)."""
+    records = server_records(out)
     # On the data plane one Flower message per node starts its session, whatever its rounds.
     assert records[-1]["train_messages"] == (3 if sessions else records[-1]["pushes"]), records[-1]
     reference, ref_records = reference_async(run_config, workers=3)
-    flower = flower_theta(tmp_path / "out")
+    flower = flower_theta(out)
     worst = max((flower[n] - reference[n]).abs().max().item() for n in reference)
     print(f"async parity ({variant}): max |θ_flower − θ_reference| = {worst:.3g}")
     assert worst <= 1e-5, f"max |θ_flower − θ_reference| = {worst}"
@@ -97,9 +81,47 @@ def test_virtual_order_simulation_matches_the_reference_trainer(tmp_path, varian
     assert max(r["staleness_max"] for r in records[1:]) >= 1  # the slow worker's replies were stale
     assert records[-1]["val_loss"] < records[0]["val_loss"]
     assert abs(records[-1]["val_loss"] - ref_records[-1]["val_loss"]) < 1e-4
-    if "payload-dtype" in extra:  # each node's second pull on: the change from its copy, not θ
+    if run_config.get("payload-dtype", "fp32") != "fp32":  # each node's second pull on: the change from its copy
         plain = 4 * sum(t.numel() for t in reference.values())
         assert records[-1]["bytes_sent_per_client"] < plain / 2, records[-1]
+
+
+@pytest.mark.extended  # the CI lane runs the deployment below
+@pytest.mark.parametrize("variant,extra", [
+    ("heloco", {"async-grace": 1.5, "async-staleness-exponent": 0.5}),
+    ("async_diloco", {"payload-dtype": "topk2bit-both-wide"}),
+    ("heloco_lordo", {**ON_THE_DATA_PLANE, "payload-dtype": "int8"}),
+], ids=["heloco-grace-staleness", "async_diloco-topk2bit-both", "heloco_lordo-data-plane-int8"])
+def test_virtual_order_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
+    """Under the simulation engine, `PARITY`'s schedule: the Flower server applies the replies in the
+    reference trainer's order, to the same θ; for async LoRDO with HeLoCo's correction too (round-0
+    gradient bases, moments blended, rotated out of stale bases, bases refitted every 3 replies), its
+    rounds run as sessions on the gRPC data plane (no Flower message between a node's rounds); for
+    HeLoCo with a grace window of 1.5 virtual seconds (partition 1 arrives at t = 2, partition 0 at
+    t = 3 within its window: both pull at t = 3.5) and stale replies weighted down, ρ·(1+s)^−0.5.
+    Compressed both ways: async DiLoCo's Δ top-k 2-bit up and each pull the top-k change from that
+    node's own copy θ_c down; async LoRDO's Δ and moments int8 up, the moments and θ's change from
+    the node's copy int8 down."""
+    run_config = tiny_run_config(tmp_path, variant=variant, **{**PARITY, **extra})
+    sessions = extra.get("data-plane") == "grpc"
+    # A session holds its simulated node (a Ray actor) for the whole run: one actor per node.
+    proc = run_simulation(APP, flower_env(tmp_path), num_supernodes=3, run_config=run_config, timeout=300, check=True,
+                          log_path=tmp_path / "sim.log", federation_config={"init-args-num-cpus": 3} if sessions else None)
+    assert "lordo-fed: metrics" in proc.stdout
+    assert_matches_the_reference(tmp_path / "out", run_config, variant, sessions)
+
+
+def test_virtual_order_deployment_matches_the_reference_trainer(tmp_path):
+    """The same parity in a real deployment: a SuperLink and three SuperNodes on 127.0.0.1, async
+    LoRDO with HeLoCo's correction in `PARITY`'s schedule, each node's rounds one session on the gRPC
+    data plane (its in-process ClientApp keeps the model for the session), compressed both ways
+    (int8: Δ and moments up; the moments and each pull's change from the node's own copy down)."""
+    run_config = tiny_run_config(tmp_path, variant="heloco_lordo", **{**PARITY, **ON_THE_DATA_PLANE,
+                                                                       "payload-dtype": "int8"})
+    with Deployment(tmp_path, num_nodes=3) as dep:
+        proc = dep.run(APP, run_config, timeout=300, check=True)
+    assert "lordo-fed: metrics" in proc.stdout
+    assert_matches_the_reference(tmp_path / "out", run_config, "heloco_lordo, deployment", sessions=True)
 
 
 def test_async_resume_continues_from_the_checkpoint(tmp_path):
