@@ -93,6 +93,8 @@ HETERO_CASES = {  # name -> run config on top of HETERO_MODEL; asynchronous ones
     "async": {"variant": "async_lordo"},  # each node's rounds as one session on the data plane
     "heloco-lordo": {"variant": "heloco_lordo"},
     "heloco-lordo-staleness": {"variant": "heloco_lordo", "async-staleness-exponent": 0.5},  # ρ·(1+s)^-0.5
+    "async-balance": {"variant": "async_lordo", "async-balance": 1.0},  # slow node's replies weighted up
+    "heloco-lordo-balance": {"variant": "heloco_lordo", "async-balance": 1.0},
     "heloco-lordo-grace": {"variant": "heloco_lordo", "async-grace": 2.0},  # arrivals within 2 s pull together
     "heloco-lordo-match": {"variant": "heloco_lordo", "async-match-speed": True},  # steps from measured speed
     # async LoRDO inside Flower's messages (a message per round: the SuperNode's 3 s poll, a ClientApp per message)
@@ -277,12 +279,13 @@ def main_hetero(args) -> int:
         raise SystemExit(f"--hetero --cases {args.cases!r}: unknown {unknown}; expected names of {sorted(HETERO_CASES)}")
     result = result_header("wan_hetero", False, {"model": HETERO_MODEL, "scenario": scenario_name, **scenario,
                                                  "rounds": rounds, "threads_per_process": 1,
-                                                 "data": "iid" if args.iid else "by_source"})
+                                                 "data": "iid" if args.iid else "by_source", "seed": args.seed})
     result["cases"] = {}
     with tempfile.TemporaryDirectory(prefix="wan_hetero_") as tmp:
         work = Path(args.work or tmp)
         # non-IID by source: node m trains on source m (verse, verse, code, code; benchmarks/async_rounds.py)
         data = {} if args.iid else {"data-path": str(non_iid_corpus(work / "corpus")), "partition": "by_source"}
+        data["seed"] = args.seed
         for name in names:
             cfg = hetero_config(name, scenario, rounds, data)
             try:
@@ -394,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenario", default="", help="--hetero: 'link' (4 nodes, one on 10 Mbit/s; default), "
                         "'compute' (4 nodes, one 4x slower) or 'link3' (3 nodes, one on 10 of 100 Mbit/s)")
     parser.add_argument("--iid", action="store_true", help="--hetero: IID data instead of one source per node")
+    parser.add_argument("--seed", type=int, default=0, help="--hetero: the run's seed (θ0, data order; default 0)")
     parser.add_argument("--work", default="", help="keep each case's logs and outputs here (default: a temporary folder)")
     args = parser.parse_args(argv)
     if args.hetero:
