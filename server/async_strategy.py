@@ -106,6 +106,9 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
         self.opt_steps: dict[int, int] = {int(k): int(v) for k, v in saved.get("opt_steps", {}).items()}
         """Partition -> its optimizer step count after that round (what its next message carries)."""
         self.virtual_time = float(saved.get("virtual_time", 0.0))
+        self.starts: dict[int, float] = {int(k): float(v) for k, v in saved.get("starts", {}).items()}
+        """Partition -> the virtual time its current round started, or its next one starts (a grace
+        window's close): a resumed run restarts each round at it, keeping the virtual clock's schedule."""
         self.train_messages = 0
         """Train messages this server process sent through Flower: one per round, or one per
         session on the gRPC data plane (recorded as `train_messages`)."""
@@ -230,6 +233,7 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
             self.local_steps[pid] = steps
             inflight[pid] = InFlight(nodes[pid], r, pull, steps * step_tokens, time.monotonic(), len(payload))
             clock.start(pid, now, acfg.seconds(pid, K))
+            self.starts[pid] = now
 
         def end_session(pid: int) -> None:
             """No further round for this partition's node: its session's next download answers
@@ -301,6 +305,8 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
             if not held:
                 closes[0] = (self.virtual_time if virtual else time.monotonic()) + acfg.grace
             held.append(pid)
+            if virtual:  # its next round starts when the window closes (a checkpoint before then keeps that)
+                self.starts[pid] = closes[0]
             if acfg.grace == 0:
                 close_window()
             elif self.pushes % M == 0:  # a record every M replies, within a window too (as run_async)
@@ -335,9 +341,9 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
             if window and ((acfg.grace == 0 and self.pushes % M == 0) or not inflight):
                 record()
 
-        for pid in sorted(nodes):
+        for pid in sorted(nodes):  # a resumed run: each round again from where it started on the virtual clock
             if pid not in inflight:
-                dispatch(pid, self.virtual_time)
+                dispatch(pid, self.starts.get(pid, self.virtual_time) if virtual else self.virtual_time)
         start = time.monotonic()
         last_poll = 0.0
         progressed = True
@@ -437,5 +443,6 @@ class AsyncLoRDOStrategy(LoRDOStrategy):
         tensors, counters = self.server.state_dict()
         self.recorder.save(r, self.aggregator.state_dict(), self.tokens, self.cum_bytes,
                            {"async": {**counters, "pushes": self.pushes, "rounds": self.rounds,
-                                      "opt_steps": self.opt_steps, "virtual_time": self.virtual_time}}, tensors)
+                                      "opt_steps": self.opt_steps, "virtual_time": self.virtual_time,
+                                      "starts": self.starts}}, tensors)
         log.info("round %d (%d pushes): %s", r, self.pushes, rounded(record))

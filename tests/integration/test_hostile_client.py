@@ -59,3 +59,31 @@ def test_simulation_drops_a_hostile_client(tmp_path):
     tensors, meta = load_checkpoint(out / "checkpoints")
     assert meta["round"] == 2
     assert all(torch.isfinite(t).all() for k, t in tensors.items() if k.startswith("param/"))
+
+
+@pytest.mark.slow
+def test_asynchronous_rounds_drop_a_hostile_client(tmp_path):
+    """The same poisoned node under asynchronous rounds (HeLoCo, replies in the virtual clock's
+    order, both partitions at one speed: they alternate): each of its replies is refused on arrival
+    with the reason, nothing of it reaches θ, the other node's replies are applied, and the run
+    ends with every round of the budget accounted for."""
+    from harness.flower import flower_env, run_simulation
+
+    out = tmp_path / "out"
+    run_config = {"preset": "quickstart", "variant": "heloco", "num-server-rounds": 2, "local-steps": 2,
+                  "batch-size": 2, "seq-len": 16, "eval-batches": 1, "threads": 1, "min-clients": 2,
+                  "async-order": "virtual", "async-weight": 0.5, "output-dir": str(out)}
+    proc = run_simulation(hostile_app(tmp_path), flower_env(tmp_path), num_supernodes=2, run_config=run_config,
+                          timeout=240, check=True, log_path=tmp_path / "sim.log")
+    found = re.findall(r"push (\d+): dropped reply of node (\d+) \(partition 1\): (\S+): contains NaN or Inf",
+                       proc.stdout)
+    records = [json.loads(line) for line in (out / "server.jsonl").read_text().splitlines()]
+    pushes = [sum(r["pushes_by_worker"][p] for r in records[1:]) for p in (0, 1)]
+    assert pushes == [2, 2] and records[-1]["pushes"] == 4, records
+    assert len(found) == 2 and len({node for _, node, _ in found}) == 1, proc.stdout[-3000:]
+    assert sum(r["dropped"] for r in records[1:]) == 2
+    assert records[-1]["outer_steps"] == 2  # partition 0's replies alone moved θ
+    assert records[-1]["tokens"] == 2 * 2 * 2 * 16  # partition 0's two rounds of 2 steps of 2 x 16 tokens
+    assert records[-1]["val_loss"] < records[0]["val_loss"]
+    tensors, _ = load_checkpoint(out / "checkpoints")
+    assert all(torch.isfinite(t).all() for k, t in tensors.items() if k.startswith("param/"))
