@@ -96,6 +96,9 @@ HETERO_CASES = {  # name -> run config on top of HETERO_MODEL; asynchronous ones
     "async-balance": {"variant": "async_lordo", "async-balance": 1.0},  # slow node's replies weighted up
     "heloco-lordo-balance": {"variant": "heloco_lordo", "async-balance": 1.0},
     "heloco-lordo-grace": {"variant": "heloco_lordo", "async-grace": 2.0},  # arrivals within 2 s pull together
+    # the grace window of 1 s and ρ·(1+s)^-0.5 together (section 18's best on the virtual clock)
+    "async-grace-staleness": {"variant": "async_lordo", "async-grace": 1.0, "async-staleness-exponent": 0.5},
+    "heloco-lordo-grace-staleness": {"variant": "heloco_lordo", "async-grace": 1.0, "async-staleness-exponent": 0.5},
     "heloco-lordo-match": {"variant": "heloco_lordo", "async-match-speed": True},  # steps from measured speed
     # async LoRDO inside Flower's messages (a message per round: the SuperNode's 3 s poll, a ClientApp per message)
     "async-flower": {"variant": "async_lordo", "data-plane": "flower"},
