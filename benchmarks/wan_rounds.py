@@ -93,8 +93,6 @@ HETERO_CASES = {  # name -> run config on top of HETERO_MODEL; asynchronous ones
     "async": {"variant": "async_lordo"},  # each node's rounds as one session on the data plane
     "heloco-lordo": {"variant": "heloco_lordo"},
     "heloco-lordo-staleness": {"variant": "heloco_lordo", "async-staleness-exponent": 0.5},  # ρ·(1+s)^-0.5
-    "async-balance": {"variant": "async_lordo", "async-balance": 1.0},  # slow node's replies weighted up
-    "heloco-lordo-balance": {"variant": "heloco_lordo", "async-balance": 1.0},
     "heloco-lordo-grace": {"variant": "heloco_lordo", "async-grace": 2.0},  # arrivals within 2 s pull together
     # the grace window of 1 s and ρ·(1+s)^-0.5 together (section 18's best on the virtual clock)
     "async-grace-staleness": {"variant": "async_lordo", "async-grace": 1.0, "async-staleness-exponent": 0.5},

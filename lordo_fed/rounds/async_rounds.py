@@ -18,10 +18,6 @@ mean of M pseudo-gradients, so unweighted arrivals at DiLoCo's outer lr overshoo
 suggests ρ = 1/√K for K concurrent workers). With `AsyncConfig.staleness_exponent` a > 0 the weight
 also falls with the reply's staleness s: ρ_s = ρ·(1+s)^−a (the polynomial staleness function of
 FedAsync, Xie et al., arXiv 1903.03934, eq. 2), so a reply made from an old model moves θ less.
-With `AsyncConfig.balance` b > 0 a node that has sent fewer of the applied replies than its share (a
-slow one) is weighted up by ((n/M)/n_w)^b, so that at b = 1 every node's replies weigh about alike in sum,
-whatever its speed (FedAT's weighting of slow tiers, Chai et al., arXiv 2010.05958): on non-IID data
-the slow node's data otherwise counts for less.
 
 With a grace window (`AsyncConfig.grace` > 0, the HeLoCo authors' option, off by default) the
 server, once an arrival comes, waits `grace` seconds for more: every arrival within the window is
@@ -58,12 +54,10 @@ from lordo_fed.rounds.aggregator import Aggregator, fit_projections
 from lordo_fed.rounds.screening import delta_problem, tensor_problem
 
 
-def arrival_weight(cfg: AsyncConfig, staleness: int, share: float = 1.0) -> float:
-    """ρ_s = ρ·(1+s)^−a·share^−b: HeLoCo's arrival weight ρ (`weight`), lowered for a reply `staleness`
-    outer steps old by FedAsync's polynomial staleness function (`staleness_exponent` a; a = 0: ρ),
-    and raised for a node whose `share` of the applied replies, n_w/(n/M), is below 1 (`balance` b:
-    FedAT's weighting of slow tiers up, Chai et al., arXiv 2010.05958; b = 0: no change)."""
-    return cfg.weight * (1.0 + staleness) ** -cfg.staleness_exponent * share ** -cfg.balance
+def arrival_weight(cfg: AsyncConfig, staleness: int) -> float:
+    """ρ_s = ρ·(1+s)^−a: HeLoCo's arrival weight ρ (`weight`), lowered for a reply `staleness` outer
+    steps old by FedAsync's polynomial staleness function (`staleness_exponent` a; a = 0: ρ)."""
+    return cfg.weight * (1.0 + staleness) ** -cfg.staleness_exponent
 
 
 class SpeedMatch:
@@ -270,8 +264,6 @@ class AsyncServer:
         self.lowrank, self.workers = lowrank, int(workers)
         self.version = 0
         """Outer steps applied so far."""
-        self.applied: dict[int, int] = {}
-        """Worker -> replies of it applied so far (`AsyncConfig.balance`)."""
         self.basis = 0
         """Async LoRDO: refits of the shared projections so far."""
         self.accumulated: dict[str, Tensor] = {}
@@ -339,9 +331,7 @@ class AsyncServer:
             if bound and staleness > bound:
                 return Arrival(update.worker_id, time, staleness, False,
                                f"staleness {staleness} > max_staleness {bound}")
-            mine = self.applied.get(update.worker_id, 0) + 1
-            share = mine / ((sum(self.applied.values()) + 1) / self.workers)  # n_w / (n/M), this reply counted
-            rho = arrival_weight(self.cfg, staleness, share)
+            rho = arrival_weight(self.cfg, staleness)
             if self.rule.correct:
                 g = correct(update.delta, self._momentum(), self.cfg.heloco, rho)
             else:
@@ -351,7 +341,6 @@ class AsyncServer:
                 if self.lowrank is not None:
                     self._merge_lowrank(update, pull, g)
             self.version += 1
-            self.applied[update.worker_id] = mine
             return Arrival(update.worker_id, time, staleness, True)
         finally:
             self.release(pull)
@@ -394,14 +383,12 @@ class AsyncServer:
         """What a checkpoint needs beyond the aggregator's (θ, outer state, projections, moments,
         step count): the async LoRDO accumulator as tensors, the counters as JSON values."""
         return ({f"async_acc/{n}": t.clone() for n, t in self.accumulated.items()},
-                {"version": self.version, "basis": self.basis, "since_refit": self.since_refit,
-                 "applied": {str(w): n for w, n in self.applied.items()}})
+                {"version": self.version, "basis": self.basis, "since_refit": self.since_refit})
 
     def load_state_dict(self, tensors: dict[str, Tensor], meta: dict) -> None:
         self.version = int(meta.get("version", 0))
         self.basis = int(meta.get("basis", 0))
         self.since_refit = int(meta.get("since_refit", 0))
-        self.applied = {int(w): int(n) for w, n in meta.get("applied", {}).items()}
         self.accumulated = {k.removeprefix("async_acc/"): v.float().clone() for k, v in tensors.items()
                             if k.startswith("async_acc/")}
 

@@ -154,8 +154,6 @@ class AsyncConfig:
     """ρ: every arriving Δ is scaled by it before its outer step (HeLoCo's; the paper suggests 1/√K for K workers)."""
     staleness_exponent: float = setting("async-staleness-exponent", 0.0)
     """a: a reply s outer steps stale is scaled by ρ·(1+s)^−a instead of ρ (FedAsync's polynomial weight; 0 = constant ρ)."""
-    balance: float = setting("async-balance", 0.0)
-    """b: a reply from a node that has sent fewer of the applied replies than its share is scaled by ((n/M)/n_w)^b too (n applied, n_w its own, this one counted; slow nodes' data counts as the fast ones', FedAT's idea; 0 = off)."""
     grace: float = setting("async-grace", 0.0)
     """Seconds the server waits after an arrival for more (virtual seconds in virtual order): each is applied, one outer step, and all get the same next start point (HeLoCo's grace window; 0 = off)."""
     max_staleness: int = setting("async-max-staleness", 0)
@@ -182,10 +180,6 @@ class AsyncConfig:
                 math.isfinite(self.staleness_exponent) and self.staleness_exponent >= 0):
             raise ValueError(f"async_rounds.staleness_exponent={self.staleness_exponent!r}: expected an exponent >= 0 "
                              "(0 = the constant weight ρ)")
-        if isinstance(self.balance, bool) or not isinstance(self.balance, (int, float)) or not (
-                math.isfinite(self.balance) and 0 <= self.balance <= 1):
-            raise ValueError(f"async_rounds.balance={self.balance!r}: expected an exponent in [0, 1] "
-                             "(0 = off, 1 = every node's replies weigh about alike in sum)")
         if isinstance(self.grace, bool) or not isinstance(self.grace, (int, float)) or not (
                 math.isfinite(self.grace) and self.grace >= 0):
             raise ValueError(f"async_rounds.grace={self.grace!r}: expected seconds >= 0 (0 = no grace window)")

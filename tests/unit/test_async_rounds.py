@@ -5,7 +5,6 @@ synchronous DiLoCo, HeLoCo learning and reproducible."""
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
@@ -73,26 +72,6 @@ def test_a_stale_reply_is_weighted_down_by_the_staleness_exponent():
     assert arrival_weight(AsyncConfig(weight=0.5), 7) == 0.5
 
 
-def test_a_node_with_fewer_replies_than_its_share_is_weighted_up_by_the_balance():
-    """b = 1, M = 2, ρ = 0.5, a plain average step (lr 1): node 0's first reply is 1 of 1 applied
-    (share 2: ρ/2), its second 2 of 2 (share 2: ρ/2), then node 1's first is 1 of 3 (share 2/3:
-    ρ·1.5); the counts survive a checkpoint. b = 0 keeps ρ."""
-    server = AsyncServer({"w": torch.zeros(1)}, Average(lr=1.0), AsyncRule(False, False),
-                         AsyncConfig(weight=0.5, balance=1.0), workers=2)
-    server.push(reply(0, w=torch.tensor([4.0])), server.pull(), 1.0)
-    server.push(reply(0, w=torch.tensor([4.0])), server.pull(), 2.0)
-    assert torch.equal(server.params["w"], torch.tensor([-2.0]))  # −0.25·4 twice
-    tensors, meta = server.state_dict()
-    resumed = AsyncServer({"w": server.params["w"].clone()}, Average(lr=1.0), AsyncRule(False, False),
-                          AsyncConfig(weight=0.5, balance=1.0), workers=2)
-    resumed.load_state_dict(tensors, json.loads(json.dumps(meta)))
-    for s in (server, resumed):
-        s.push(reply(1, w=torch.tensor([4.0])), s.pull(), 3.0)
-        assert torch.equal(s.params["w"], torch.tensor([-5.0]))  # −2 − 0.75·4
-    assert arrival_weight(AsyncConfig(weight=0.5), 0, share=0.25) == 0.5
-    assert arrival_weight(AsyncConfig(weight=0.5, balance=0.5), 0, share=0.25) == 1.0
-
-
 def test_a_grace_window_takes_every_arrival_within_it():
     """Arrivals at 2, 3, 3.5 and 6: a window of 1.5 s opened at 2 closes at 3.5 with the first three
     (3.5 is within it); the next one opens at 6. No window: one arrival at a time."""
@@ -126,7 +105,6 @@ def test_look_ahead_pulls_need_the_look_ahead_step():
     (dict(max_staleness=-1), "max_staleness=-1: expected an integer >= 0"),
     (dict(weight=0.0), "weight=0.0: expected a weight > 0"),
     (dict(staleness_exponent=-0.5), "staleness_exponent=-0.5: expected an exponent >= 0"),
-    (dict(balance=2.0), r"balance=2.0: expected an exponent in \[0, 1\]"),
     (dict(grace=float("nan")), "grace=nan: expected seconds >= 0"),
     (dict(local_steps=[4]), r"local_steps=\[4\]: expected 2 values"),
     (dict(local_steps=[4, 0]), "expected integers > 0"),

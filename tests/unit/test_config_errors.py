@@ -120,8 +120,6 @@ RUN_CONFIG_CASES = [
      "(0 = no grace window)"),
     ("async-staleness-exponent", -1.0, "run-config key 'async-staleness-exponent': async_rounds.staleness_exponent=-1.0: "
      "expected an exponent >= 0 (0 = the constant weight ρ)"),
-    ("async-balance", 1.5, "run-config key 'async-balance': async_rounds.balance=1.5: expected an exponent in [0, 1] "
-     "(0 = off, 1 = every node's replies weigh about alike in sum)"),
     ("async-match-speed", "yes", "run-config key 'async-match-speed'='yes': expected true or false like the default False"),
     ("async-max-staleness", -1, "run-config key 'async-max-staleness': async_rounds.max_staleness=-1: expected an "
                                 "integer >= 0 (0 = no bound)"),
