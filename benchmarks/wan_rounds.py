@@ -19,10 +19,10 @@ Unequal nodes (`--hetero`, `--scenario`, `HETERO_SCENARIOS`): 4 nodes, one on 10
 others at 1 Gbit/s (`link`), or all at 1 Gbit/s and one four times slower (`compute`); non-IID data,
 one source per node (verse, verse, code, code). DiLoCo and LoRDO-Global synchronous, LoRDO-Global
 overlapped, and the asynchronous methods (each node's rounds a session on the data plane) on the same
-tokens (`HETERO_CASES`; `--cases a,b`: a subset by name): the validation loss against wall-clock,
-each run's wall-clock to reach the synchronous LoRDO-Global final loss and its final loss at equal
-tokens, the staleness histograms and pushes per node against the virtual clock's prediction for the
-speeds the deployment showed.
+tokens (`HETERO_CASES`; `--cases a,b`: a subset by name; `--seed`: another θ0 and data order): the
+validation loss against wall-clock, each run's wall-clock to reach the synchronous LoRDO-Global final
+loss and its final loss at equal tokens, the staleness histograms and pushes per node against the
+virtual clock's prediction for the speeds the deployment showed.
 
 Full run (the issue's table): 125m-size model (byte vocabulary, 85 M parameters, 341 MB of fp32
 θ), DiLoCo (θ down, Δ up: the largest payload per parameter with no moments), one local step of

@@ -28,7 +28,7 @@ from lordo_fed.trainer.config import TrainConfig
 from lordo_fed.trainer.run import RunContext, run_async
 from harness.deployment import Deployment
 from harness.node_workers import start_node_worker, stop_process
-from harness.flower import flower_env, run_simulation, stop_local_superlink
+from harness.flower import check_run, flower_env, run_simulation, stop_local_superlink
 from harness.processes import find_pids, pid_alive, tail, wait_for
 from tests.unit.test_appconfig import pyproject_config
 from tests.integration.test_flower_app import APP, server_records, tiny_run_config
@@ -213,3 +213,41 @@ def test_deployment_with_a_slowed_node(tmp_path):
     meta = load_checkpoint(tmp_path / "out" / "checkpoints")[1]
     assert meta["async"]["pushes"] == sum(pushes)
     print(f"slowed node: pushes per partition {pushes}, local steps of the last records {steps[-5:]}")
+
+
+@pytest.mark.extended  # the CI lane kills the ServerApp (above) and a synchronous node worker (test_node_worker.py)
+def test_a_node_worker_killed_mid_run_comes_back_from_its_state(tmp_path):
+    """Asynchronous rounds (HeLoCo, arrival order) on two node workers, each node's rounds one
+    session on the gRPC data plane: node worker 1 is SIGKILLed once its partition has answered a
+    round and saved its state, and restarted. Its session's message fails; the server sends the
+    round again in a new session; the restarted worker continues from its disk state (no node
+    starts afresh) and the run ends with its whole budget of tokens, the loss down."""
+    from tests.integration.test_node_worker import wait_for_round_1_saved
+
+    socks = [tmp_path / f"nw{i}.sock" for i in range(2)]
+    logs = [tmp_path / f"node-worker-{i}.log" for i in range(2)]
+    workers = [start_node_worker(sock, log) for sock, log in zip(socks, logs)]
+    out = tmp_path / "out"
+    rounds = 24  # the tiny model's rounds take a fraction of a second: room to kill one mid-run
+    run_config = tiny_run_config(tmp_path, variant="heloco", **{"num-server-rounds": rounds, "async-weight": 0.7,
+                                                               "data-plane-insecure": True, "eval-every": 6})
+    try:
+        with Deployment(tmp_path, num_nodes=2, node_configs=[{"node-worker": f"unix://{s}"} for s in socks]) as dep:
+            run = Background(dep.run, APP, run_config, timeout=300, log_path=tmp_path / "run.log")
+            wait_for_round_1_saved(out, run, tmp_path / "run.log")
+            os.killpg(workers[1].pid, signal.SIGKILL)
+            workers[1].wait(timeout=10)
+            workers[1] = start_node_worker(socks[1], logs[1])
+            proc = run.result(300)
+    finally:
+        for worker in workers:
+            stop_process(worker)
+    check_run(proc)
+    records = server_records(out)
+    assert "sending the round again" in proc.stdout, proc.stdout[-3000:]
+    assert records[-1]["tokens"] == 2 * rounds * 3 * 4 * 32  # the whole budget, the redone round counted once
+    assert sum(r["clients_fresh_state"] for r in records[1:]) == 0, "the restarted worker lost its state"
+    pushes = [sum(r["pushes_by_worker"][p] for r in records[1:]) for p in (0, 1)]
+    assert min(pushes) >= 2, pushes
+    assert records[-1]["val_loss"] < records[0]["val_loss"]
+    assert logs[1].read_text().count("listening on") >= 1
