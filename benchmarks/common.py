@@ -20,7 +20,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 
 GPT2_VOCAB = 50257
 """The GPT-2 BPE vocabulary the paper's parameter counts assume."""
@@ -88,10 +89,34 @@ def write_json(result: dict[str, Any], out: str | Path) -> Path:
     return out
 
 
+def code_info() -> dict[str, Any]:
+    """What code a result measured: this tree's git commit, whether tracked files had changes, and
+    where `lordo_fed` was imported from. The processes a benchmark starts (a deployment's SuperNodes,
+    node workers, ServerApp) import the package as this one does, so with an editable install of
+    another checkout they run that checkout's code beside this tree's server/ and client/: warned
+    about here (run with PYTHONPATH=<this tree>) and recorded."""
+    import lordo_fed
+
+    package = Path(lordo_fed.__file__).resolve().parent
+    info: dict[str, Any] = {"package": str(package), "commit": None, "dirty": None}
+    try:
+        git = ["git", "-C", str(ROOT)]
+        info["commit"] = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                                        timeout=30).stdout.strip()
+        info["dirty"] = bool(subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                            text=True, check=True, timeout=30).stdout.strip())
+    except (OSError, subprocess.SubprocessError):  # not a git checkout (an unpacked release): no commit to name
+        pass
+    if package.parent != ROOT:
+        print(f"[benchmarks] lordo_fed is imported from {package}, not from this tree ({ROOT}): the figures would "
+              f"measure that code; run with PYTHONPATH={ROOT}", file=sys.stderr, flush=True)
+    return info
+
+
 def result_header(benchmark: str, quick: bool, config: dict[str, Any]) -> dict[str, Any]:
-    """The common top of every result file."""
+    """The common top of every result file: the benchmark, its command, the machine and the code."""
     return {"benchmark": benchmark, "quick": quick, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-            "machine": machine_info(), "config": config}
+            "machine": machine_info(), "code": code_info(), "config": config}
 
 
 def new_figure(width: float, height: float):

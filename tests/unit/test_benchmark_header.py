@@ -1,0 +1,38 @@
+"""Every result file names the code it measured (benchmarks/common.py `result_header`): the tree's
+commit, and where `lordo_fed` came from, with a warning when that is another tree."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from benchmarks.common import ROOT, code_info, result_header
+
+
+def test_a_result_names_this_trees_commit_and_package():
+    header = result_header("x", True, {"k": 1})
+    code = header["code"]
+    assert Path(code["package"]) == ROOT / "lordo_fed"
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout: no commit to compare")
+    assert code["commit"] == head.stdout.strip() and isinstance(code["dirty"], bool)
+    assert header["config"] == {"k": 1} and header["quick"] is True
+
+
+def test_a_package_from_another_tree_is_warned_about_and_recorded(tmp_path, monkeypatch, capsys):
+    elsewhere = tmp_path / "other-checkout" / "lordo_fed"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "__init__.py").write_text("")
+    fake = types.ModuleType("lordo_fed")
+    fake.__file__ = str(elsewhere / "__init__.py")
+    monkeypatch.setitem(sys.modules, "lordo_fed", fake)
+    code = code_info()
+    assert code["package"] == str(elsewhere.resolve())
+    err = capsys.readouterr().err
+    assert f"lordo_fed is imported from {elsewhere.resolve()}, not from this tree ({ROOT})" in err
+    assert f"PYTHONPATH={ROOT}" in err
