@@ -111,7 +111,7 @@ def test_corpora_quality_quick(tmp_path):
 
 def test_corpora_quality_trials_and_goal():
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from corpora_quality import TRIALS, Trial, gaps, goal
+    from corpora_quality import TRIALS, Trial, gaps, goal, parse_best
 
     assert len({len(t) for t in TRIALS.values()}) == 1, "every method gets the same budget of trials"
     assert Trial("s", ("inner.switch_step={half}", "inner.lr=0.01")).resolved(512) == ("inner.switch_step=256", "inner.lr=0.01")
@@ -131,10 +131,21 @@ def test_corpora_quality_trials_and_goal():
     assert goal(rows, (16, 64))["lordo_global_within_1pct_long"] is False
     # the first horizon alone (--horizons 16): the long-horizon goals were not measured, so not reported
     assert goal(rows, (16,)) == {"lordo_global_within_3pct_short": True}
-    # each method's fifth trial is its best of the first four (docs/results.md, section 17) at half the lr
+    # the long horizon alone (--horizons 64): its goals only, never the short one's bound
+    assert goal(rows, (64,)) == {"lordo_global_within_1pct_long": False, "lordo_global_beats_diloco_long": True}
+    # each method's fifth trial is its best of the first four (docs/results.md, section 17) at half the lr,
+    # the sixth at a quarter
     for m, best in (("lowrank_ddp", "ef0.9"), ("lordo_global", "ef0.9"), ("lordo_local", "ef1-switch")):
         four = {t.name: t for t in TRIALS[m][:4]}
         assert TRIALS[m][4].overrides == (*four[best].overrides, "inner.lr=0.004")
+        assert TRIALS[m][5].overrides == (*four[best].overrides, "inner.lr=0.002")
+    # --best: the table's trials without a tuning; a bad value names itself and what was expected
+    methods = ["lowrank_ddp", "lordo_global"]
+    assert parse_best("lowrank_ddp=ef0.9,lordo_global=ef1-switch", methods, TRIALS) == {
+        "lowrank_ddp": "ef0.9", "lordo_global": "ef1-switch"}
+    assert "expected one of lowrank_ddp's trials" in parse_best("lowrank_ddp=ef2,lordo_global=ef1", methods, TRIALS)
+    assert "expected a method among" in parse_best("adam=lr1", methods, {m: TRIALS[m] for m in methods})
+    assert "no trial for ['lordo_global']" in parse_best("lowrank_ddp=ef0.9", methods, TRIALS)
 
 
 @pytest.mark.extended
