@@ -24,8 +24,10 @@ On a lent GPU machine: it has torch but not Flower or Hydra, and no network, so 
 a session's device time was 15 minutes in all, so give the call `--budget-s` (a step's timeout is cut
 to what is left; `gpu_check.json` is rewritten after every step, so a call cut off still reports).
 On an H200 (2026-11-26): tests 13-20 s, step125m 53 s, step16m 42 s, memory 376 s, ranks 27 s;
-corpora's tuning (60 runs of 512 steps, 14 at once) 444 s, and the 16-round runs of one seed 220 s, so
-the 64-round table needs more than one call. The step starts from the runs earlier sessions finished
+corpora's tuning (60 runs of 512 steps, 14 at once) 444 s, and the 16-round runs of one seed 220 s, the
+runs taking turns on the GPU. The corpora step now starts the CUDA MPS daemon, so the runs share the GPU
+at once (2026-11-27, H200): the 64-round runs of one seed (12: four methods on three corpora) 212 s, a
+seed's 16-round table 71 s. The step starts from the runs earlier sessions finished
 (`gpu_corpora_runs.tar.gz` in benchmarks/results/, the cache) and writes them back to --out-dir with
 its own added, a call cut short included: copy that file back, commit it, and split what is left with
 `--corpora-args` (e.g. '--part table --seeds 0 --methods lowrank_ddp,lordo_global,lordo_local';
@@ -123,6 +125,37 @@ def pack_corpora_runs(work: Path, archive: Path) -> int:
     return len(done)
 
 
+def start_mps(env: dict[str, str]) -> dict[str, str]:
+    """Start the CUDA MPS daemon, so that corpora's many one-thread runs share the GPU at once instead
+    of taking turns (2026-11-27, H200: 4x the runs per second, docs/results.md section 17); the env of
+    its clients, or `env` unchanged where the daemon is missing or a client cannot reach it."""
+    import shutil
+
+    if shutil.which("nvidia-cuda-mps-control") is None:
+        return env
+    mps = dict(env, CUDA_MPS_PIPE_DIRECTORY=str(Path(tempfile.gettempdir()) / "mps"),
+               CUDA_MPS_LOG_DIRECTORY=str(Path(tempfile.gettempdir()) / "mps-log"))
+    for key in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):
+        Path(mps[key]).mkdir(parents=True, exist_ok=True)
+    try:
+        subprocess.run(["nvidia-cuda-mps-control", "-d"], env=mps, timeout=20, check=True)
+        subprocess.run([sys.executable, "-c", "import torch; torch.ones(1, device='cuda').add_(1).item()"],
+                       env=mps, timeout=60, check=True)
+    except (subprocess.SubprocessError, OSError) as exc:
+        print(f"[gpu_check] MPS unavailable ({exc}): the runs take turns on the GPU", flush=True)
+        stop_mps(mps)
+        return env
+    print("[gpu_check] MPS daemon started", flush=True)
+    return mps
+
+
+def stop_mps(mps: dict[str, str]) -> None:
+    try:
+        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env=mps, timeout=10)
+    except (subprocess.SubprocessError, OSError):
+        pass
+
+
 def pytest_counts(output: str) -> dict[str, int]:
     """passed / failed / skipped / error counts from pytest's summary line."""
     return {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", output)}
@@ -166,9 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     deadline = None if args.budget_s is None else time.perf_counter() + args.budget_s
     for step in steps:
         argv_, out, timeout = commands(step, args.device, args.quick, args.out_dir, tuple(args.corpora_args.split()))
+        step_env = env
         if step == "corpora" and not args.quick:
             print(f"[gpu_check] corpora: {unpack_corpora_runs(CORPORA_RUNS, CORPORA_WORK)} finished runs from "
                   f"{CORPORA_RUNS.name}", flush=True)
+            step_env = start_mps(env) if args.device == "cuda" else env
         if deadline is not None:
             left = deadline - time.perf_counter()
             if left < 30:
@@ -180,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         # its own process group: a step cut off at its timeout takes its children with it (corpora's
         # process pool would otherwise train on, beside the next step)
-        proc = subprocess.Popen(argv_, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        proc = subprocess.Popen(argv_, cwd=ROOT, env=step_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
@@ -197,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         entry["result_written"] = out.is_file()
         if step == "corpora" and not args.quick:  # also what a call cut short finished
             entry["finished_runs"] = pack_corpora_runs(CORPORA_WORK, args.out_dir / CORPORA_RUNS.name)
+        if step_env is not env:
+            stop_mps(step_env)
+            entry["mps"] = True
         summary["steps"][step] = entry
         status = status or rc
         print(f"[gpu_check] {step}: rc {rc}, {entry['seconds']} s, {out.name} written: {entry['result_written']}",
