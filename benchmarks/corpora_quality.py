@@ -54,13 +54,17 @@ CONFIG = "small_cpu"
 @dataclass(frozen=True)
 class Trial:
     """One setting of a method: a name and trainer overrides. `{half}` in an override stands for half
-    the run's steps (the two-phase switch at the same point of every horizon)."""
+    the run's steps (the two-phase switch at the same point of every horizon), `{decay}` for the first
+    step of WSD's learning-rate decay (the default `inner.decay_fraction`: the last 20% of the steps)."""
 
     name: str
     overrides: tuple[str, ...]
 
     def resolved(self, total_steps: int) -> tuple[str, ...]:
-        return tuple(o.format(half=total_steps // 2) for o in self.overrides)
+        from lordo_fed.optim.config import InnerConfig
+
+        decay = total_steps - int(round(InnerConfig().decay_fraction * total_steps))
+        return tuple(o.format(half=total_steps // 2, decay=decay) for o in self.overrides)
 
 
 def _lordo_trials(best: str) -> list[Trial]:
@@ -122,6 +126,20 @@ only (`local_steps_ramp`: the first 32 steps in four rounds; the first 128 at K 
 that move further than the mean (Nesterov, as DiLoCo; lr 1.3); and which part of LoRDO's step suffers from
 K unsynchronised steps: without the full-rank term (ω = 1) or without error feedback, against low-rank DDP
 the same. The first two are the tune's own runs."""
+
+
+LATE: list[tuple[str, Trial]] = [
+    ("lowrank_ddp", TRIALS["lowrank_ddp"][1]), ("lordo_global", TRIALS["lordo_global"][1]),
+    ("lordo_local", TRIALS["lordo_local"][2]),
+    ("lordo_global", Trial("ef0.9-late8", ("inner.ef_decay=0.9", "rounds.late_local_steps=8",
+                                           "rounds.late_from_step={decay}"))),
+    ("lordo_local", Trial("ef1-switch-late8", (*TRIALS["lordo_local"][2].overrides, "rounds.late_local_steps=8",
+                                               "rounds.late_from_step={decay}"))),
+]
+"""`--part late`: at 64 rounds LoRDO leads low-rank DDP mid-run and gives part of the lead back while the
+learning rate decays (section 17, part three): the same runs with rounds of K = 8 from the decay's first
+step on (`rounds.late_local_steps`: four times the exchanges in the last 20% of the steps, 1.56x the
+bytes). The first three are the table's own runs (their cache)."""
 
 
 def horizon_overrides(rounds: int, quick: bool) -> tuple[str, ...]:
@@ -253,19 +271,22 @@ def plot(rows: list[dict], path: Path, rounds: int) -> None:
     fig.savefig(path, dpi=110)
 
 
-def early(train, rounds: int, out: str, quick: bool) -> None:
-    """The `EARLY` probes on every corpus: validation perplexity and the gap to low-rank DDP (its ef0.9
-    trial) on the same corpus, and the bytes against LoRDO-Global's own K = 32 run."""
-    probes = [EARLY[0], EARLY[1], EARLY[6]] if quick else EARLY  # quick rounds are too short for K = 8
-    rows = train([(c, m, t, rounds, 0) for m, t in probes for c in CORPORA])
+def early(train, rounds: int, out: str, quick: bool, part: str = "early", corpora: tuple[str, ...] = tuple(CORPORA)
+          ) -> None:
+    """The `EARLY` (or `LATE`) probes on every corpus: validation perplexity and the gap to low-rank DDP
+    (its ef0.9 trial) on the same corpus, and the bytes against LoRDO-Global's own K = 32 run."""
+    probes = EARLY if part == "early" else LATE
+    if quick:  # quick rounds are too short for K = 8
+        probes = [EARLY[0], EARLY[1], EARLY[6]] if part == "early" else LATE[:2]
+    rows = train([(c, m, t, rounds, 0) for m, t in probes for c in corpora])
     ref = {(r["corpus"], r["method"], r["trial"]): r for r in rows}
     for r in rows:
-        base, k32 = ref[(r["corpus"], "lowrank_ddp", EARLY[0][1].name)], ref[(r["corpus"], "lordo_global", EARLY[1][1].name)]
+        base, k32 = ref[(r["corpus"], "lowrank_ddp", probes[0][1].name)], ref[(r["corpus"], "lordo_global", probes[1][1].name)]
         r["gap_lowrank_ddp"] = r["val_ppl"] / base["val_ppl"] - 1.0
         r["bytes_vs_k32"] = r["bytes_per_worker"] / k32["bytes_per_worker"]
         print(f"{r['corpus']:6} {r['method']:12} {r['trial']:16} val ppl {r['val_ppl']:7.3f}  vs low-rank DDP "
               f"{r['gap_lowrank_ddp']:+6.1%}  bytes x{r['bytes_vs_k32']:.2f} of K = 32")
-    result = result_header("corpora_quality", quick, {"part": "early", "rounds": rounds, "seed": 0,
+    result = result_header("corpora_quality", quick, {"part": part, "rounds": rounds, "seed": 0, "corpora": list(corpora),
                                                       "probes": [{"method": m, "name": t.name, "overrides": list(t.overrides)}
                                                                  for m, t in probes]})
     result["rows"] = [{k: v for k, v in r.items() if k != "curve"} for r in rows]
@@ -274,9 +295,12 @@ def early(train, rounds: int, out: str, quick: bool) -> None:
 
 def main() -> None:
     parser = make_parser("corpora_quality", __doc__, "tiny runs: two methods, two trials each, every corpus (seconds)")
-    parser.add_argument("--part", default="all", choices=("all", "tune", "table", "early"),
+    parser.add_argument("--part", default="all", choices=("all", "tune", "table", "early", "late"),
                         help="tune: the trials at the first horizon, seed 0; table: each method's best everywhere; "
-                        "early: the early-round probes (`EARLY`), first horizon, seed 0")
+                        "early: the early-round probes (`EARLY`), first horizon, seed 0; late: the late-round "
+                        "probes (`LATE`), likewise (e.g. --horizons 64)")
+    parser.add_argument("--corpora", default=",".join(CORPORA),
+                        help=f"comma-separated, of {', '.join(CORPORA)} (early and late parts only)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     parser.add_argument("--seeds", default="0,1", help="comma-separated seeds of the table")
     parser.add_argument("--horizons", default=",".join(map(str, HORIZONS)),
@@ -331,9 +355,13 @@ def main() -> None:
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             return list(pool.map(_train, specs))
 
-    if args.part == "early":
+    if args.part in ("early", "late"):
+        corpora = tuple(c for c in args.corpora.split(",") if c)
+        if not corpora or any(c not in CORPORA for c in corpora):
+            parser.error(f"--corpora {args.corpora!r}: expected some of {list(CORPORA)}")
         default = str(Path(parser.get_default("out")))
-        early(train, horizons[0], args.out.replace(".json", "_early.json") if args.out == default else args.out, args.quick)
+        out = args.out.replace(".json", f"_{args.part}.json") if args.out == default else args.out
+        early(train, horizons[0], out, args.quick, args.part, corpora)
         return
     given = parse_best(args.best, methods, trials) if args.best else None
     if isinstance(given, str):

@@ -68,6 +68,15 @@ class RoundConfig:
     first K steps in three rounds); their sum a multiple of K, so the later rounds keep K's grid
     ([] = every round K; DDP ignores it: no rounds; docs/algorithm.md, "The first rounds")."""
 
+    late_local_steps: int = setting("late-local-steps", 0)
+    """K of every round that starts at or after global step `late_from_step` (e.g. 8 with K = 32 from the
+    learning rate's decay on: more exchanges where LoRDO loses ground to low-rank DDP; 0 = K throughout;
+    docs/algorithm.md, "The last rounds")."""
+
+    late_from_step: int = setting("late-from-step", 0)
+    """The global step from which rounds run `late_local_steps`: the first round starting at or after it
+    is the first short one (with WSD's decay over the last 20% of T steps: 0.8·T)."""
+
     def validate(self) -> "RoundConfig":
         if self.local_steps <= 0:
             raise ValueError(f"rounds.local_steps={self.local_steps!r}: expected an integer > 0")
@@ -75,6 +84,14 @@ class RoundConfig:
         if any(isinstance(k, bool) or not isinstance(k, int) or k <= 0 for k in ramp) or sum(ramp) % self.local_steps:
             raise ValueError(f"rounds.local_steps_ramp={ramp!r}: expected integers > 0 whose sum is a multiple of "
                              f"rounds.local_steps={self.local_steps} (the first rounds' K; [] = every round K)")
+        for name in ("late_local_steps", "late_from_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"rounds.{name}={value!r}: expected an integer >= 0 (late_local_steps: the K of the "
+                                 "rounds from global step late_from_step on; 0 = K throughout)")
+        if self.late_local_steps and not self.late_from_step:
+            raise ValueError(f"rounds.late_local_steps={self.late_local_steps} with rounds.late_from_step=0: expected "
+                             "the global step the short rounds start at (> 0; for K throughout late_local_steps=0)")
         for name in ("sync_exp_avg_every", "sync_exp_avg_sq_every", "dense_sync_factor"):
             value = getattr(self, name)
             if value < 0:
@@ -94,6 +111,9 @@ class RoundConfig:
             raise ValueError(f"rounds.overlap_delay={tau!r} with rounds.local_steps_ramp={ramp!r}: overlapped rounds "
                              "start the next round's steps before the global state, on a fixed K; expected "
                              "overlap_delay=0 or local_steps_ramp=[]")
+        if tau and self.late_local_steps:
+            raise ValueError(f"rounds.overlap_delay={tau!r} with rounds.late_local_steps={self.late_local_steps}: "
+                             "overlapped rounds run a fixed K; expected overlap_delay=0 or late_local_steps=0")
         if isinstance(tau, bool) or not isinstance(tau, int) or not 0 <= tau < self.local_steps:
             raise ValueError(f"rounds.overlap_delay={tau!r}: expected an integer from 0 (synchronous rounds) to "
                              f"local_steps - 1 = {self.local_steps - 1} (local steps of a round trained before the "
@@ -104,23 +124,48 @@ class RoundConfig:
         return self
 
     def steps_of(self, round_idx: int) -> int:
-        """K_r: the local steps of 1-based round `round_idx` (`local_steps_ramp`, then K)."""
+        """K_r: the local steps of 1-based round `round_idx` (`local_steps_ramp`, then K, then
+        `late_local_steps` from the first round that starts at or after `late_from_step`)."""
+        late = self.first_late_round()
+        if late is not None and round_idx >= late:
+            return self.late_local_steps
         ramp = self.local_steps_ramp
         return int(ramp[round_idx - 1]) if round_idx <= len(ramp) else self.local_steps
 
     def steps_before(self, round_idx: int) -> int:
         """The local steps of the rounds before 1-based round `round_idx`: the global step its first
         local step takes (the learning-rate schedule's position)."""
+        late = self.first_late_round()
+        if late is not None and round_idx > late:
+            return self._steps_before_unlate(late) + (round_idx - late) * self.late_local_steps
+        return self._steps_before_unlate(round_idx)
+
+    def rounds_in(self, total_steps: int) -> int:
+        """The whole rounds that `total_steps` local steps make (the ramp's first, the late ones last)."""
+        late = self.first_late_round()
+        if late is not None and total_steps > self._steps_before_unlate(late):
+            return late - 1 + (total_steps - self._steps_before_unlate(late)) // self.late_local_steps
+        ramp = self.local_steps_ramp
+        if total_steps < sum(ramp):
+            return sum(1 for r in range(1, len(ramp) + 1) if self._steps_before_unlate(r + 1) <= total_steps)
+        return len(ramp) + (total_steps - int(sum(ramp))) // self.local_steps
+
+    def _steps_before_unlate(self, round_idx: int) -> int:
+        """`steps_before` of the ramp and K alone."""
         ramp = self.local_steps_ramp
         done = min(round_idx - 1, len(ramp))
         return int(sum(ramp[:done])) + (round_idx - 1 - done) * self.local_steps
 
-    def rounds_in(self, total_steps: int) -> int:
-        """The whole rounds that `total_steps` local steps make (the ramp's first)."""
-        ramp = self.local_steps_ramp
-        if total_steps < sum(ramp):
-            return sum(1 for r in range(1, len(ramp) + 1) if self.steps_before(r + 1) <= total_steps)
-        return len(ramp) + (total_steps - int(sum(ramp))) // self.local_steps
+    def first_late_round(self) -> int | None:
+        """The first round that starts at or after `late_from_step` (None: no late rounds)."""
+        if not self.late_local_steps:
+            return None
+        done = 0
+        for r, k in enumerate(self.local_steps_ramp, start=1):
+            if done >= self.late_from_step:
+                return r
+            done += int(k)
+        return len(self.local_steps_ramp) + 1 + max(0, -(-(self.late_from_step - done) // self.local_steps))
 
     def periods(self, low_rank: bool = True) -> dict[str, int]:
         """Rounds between averages of each moment kind (0 = never) for a low-rank parameter, or

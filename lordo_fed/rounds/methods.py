@@ -128,6 +128,9 @@ def resolve_method(name: str, inner: InnerConfig, rounds: RoundConfig, outer: Ou
     if spec.loop == "async" and rounds.local_steps_ramp:
         raise ValueError(f"rounds.local_steps_ramp={list(rounds.local_steps_ramp)!r} with the asynchronous method "
                          f"{name!r}: its workers run their own K every round (async_rounds.local_steps); expected []")
+    if spec.loop == "async" and rounds.late_local_steps:
+        raise ValueError(f"rounds.late_local_steps={rounds.late_local_steps} with the asynchronous method {name!r}: its "
+                         "workers run their own K every round (async_rounds.local_steps); expected 0")
     if spec.loop != "rounds" and rounds.overlap_delay:
         raise ValueError(f"rounds.overlap_delay={rounds.overlap_delay} with method {name!r}: overlap applies to "
                          "synchronous rounds (asynchronous rounds never wait for the others; DDP steps together); "

@@ -38,7 +38,7 @@ class TrainConfig(CommonConfig):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected an integer > 0")
         super().validate()
         self.async_rounds.validate(self.workers)
-        if self.total_steps % self.rounds.local_steps:
+        if self.total_steps % self.rounds.local_steps and not self.rounds.late_local_steps:  # late: below
             raise ValueError(
                 f"total_steps={self.total_steps} is not a multiple of rounds.local_steps={self.rounds.local_steps}: "
                 "every method must train on the same tokens in whole rounds"
@@ -47,4 +47,11 @@ class TrainConfig(CommonConfig):
         if self.total_steps < sum(ramp):
             raise ValueError(f"total_steps={self.total_steps} is shorter than rounds.local_steps_ramp={ramp!r} "
                              f"(sum {sum(ramp)}): expected the ramp to fit in the run")
+        rc = self.rounds
+        if rc.late_local_steps and rc.steps_before(rc.rounds_in(self.total_steps) + 1) != self.total_steps:
+            start = rc.steps_before(rc.first_late_round())
+            raise ValueError(f"total_steps={self.total_steps} with rounds.late_local_steps={rc.late_local_steps} from "
+                             f"rounds.late_from_step={rc.late_from_step}: the late rounds start at step {start}, and the "
+                             f"{self.total_steps - start} steps after it are not a whole number of them; expected every "
+                             "method to train on the same tokens in whole rounds")
         return self

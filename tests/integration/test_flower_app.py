@@ -73,6 +73,8 @@ EXTENDED = pytest.mark.extended  # in the extended lane: the CI lane runs the ot
                                            pytest.param("lordo_global", EF_OPTIONS, marks=EXTENDED),
                                            pytest.param("diloco", SPARSELOCO, marks=EXTENDED),
                                            pytest.param("desloc", {"local-steps-ramp": "1,2"}, marks=EXTENDED),
+                                           pytest.param("lordo_local", {"late-local-steps": 1, "late-from-step": 3},
+                                                        marks=EXTENDED),
                                            ("lordo_global", {"preset": "lordo-sparse", "model-preset": "tiny",
                                                              "rank": 4})])
 def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
@@ -80,7 +82,8 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     sync; here with SparseLoCo's wire: every tensor top-k 2-bit both ways, the server re-sparsifying
     θ − θ_c at 12%, Rice-coded positions, β = 0.95 error feedback, each index averaged over its senders) and
     DES-LOC (AdamW, states averaged at their own periods; here with its first rounds ramped: 1 step, then
-    2, the learning-rate schedule's steps as the reference trainer's); LoRDO-Global with the
+    2, the learning-rate schedule's steps as the reference trainer's); LoRDO-Local with its late rounds
+    short (round 2 starts at step 3 and runs 1 step); LoRDO-Global with the
     embedding's and norms' moments averaged every second round only (dense-sync-factor=2) in
     overlapped rounds (overlap-delay=2), and
     with the error-feedback options and the two-phase switch (E crosses the wire both ways; the
@@ -110,7 +113,8 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     worst = max((flower[n] - reference[n]).abs().max().item() for n in reference)
     assert worst <= 1e-5, f"max |θ_flower − θ_reference| = {worst}"
     print(f"parity: max |θ_flower − θ_reference| = {worst:.3g}")
-    steps = 1 + 2 if "local-steps-ramp" in extra else 2 * 3  # the ramp "1,2": rounds of 1 and 2 steps (K = 3)
+    # the ramp "1,2": rounds of 1 and 2 steps (K = 3); late rounds of 1 step from step 3: rounds of 3 and 1
+    steps = 1 + 2 if "local-steps-ramp" in extra else 3 + 1 if "late-local-steps" in extra else 2 * 3
     assert records[-1]["tokens"] == 2 * steps * 4 * 32 and records[-1]["step"] == steps
     if "dense-sync-factor" in extra:  # round 1 sends the low-rank moments only, round 2 the full-size ones too
         assert records[1]["bytes_received_per_client"] < records[2]["bytes_received_per_client"]

@@ -36,6 +36,10 @@ RUN_CONFIG_CASES = [
                                 "'1,1,4', or '' for the default"),
     ("local-steps-ramp", "8,8", "run-config key 'local-steps-ramp': rounds.local_steps_ramp=[8, 8]: expected integers "
                                 "> 0 whose sum is a multiple of rounds.local_steps=32"),
+    ("late-local-steps", 8, "run-config key 'late-local-steps': rounds.late_local_steps=8 with rounds.late_from_step=0: "
+                            "expected the global step the short rounds start at"),
+    ("late-local-steps", -8, "run-config key 'late-local-steps': rounds.late_local_steps=-8: expected an integer >= 0"),
+    ("late-from-step", -1, "run-config key 'late-from-step': rounds.late_from_step=-1: expected an integer >= 0"),
     ("dense-sync-factor", -1, "run-config key 'dense-sync-factor': rounds.dense_sync_factor=-1: expected an integer >= 0 (0 = never)"),
     ("rank", -1, "run-config key 'rank': inner.rank=-1: expected an integer > 0"),
     ("rank", 8.5, "run-config key 'rank'=8.5: expected a number (an integer) like the default 8"),

@@ -66,6 +66,24 @@ def test_the_ramp_gives_the_first_rounds_their_own_k_and_the_global_steps():
     assert [plain.steps_before(r) for r in (1, 2, 17)] == [0, 32, 512] and plain.rounds_in(512) == 16
 
 
+def test_late_rounds_run_their_own_k_from_the_step_they_start_at():
+    """`late_local_steps` 8 from step 1638 of 2048 with K = 32 (WSD's decay): 52 rounds of 32, the first
+    starting at or after step 1638 (step 1664) begins 48 rounds of 8; with a ramp in front, both hold."""
+    rc = RoundConfig(local_steps=32, late_local_steps=8, late_from_step=1638).validate()
+    assert [rc.steps_of(r) for r in (1, 52, 53, 100)] == [32, 32, 8, 8]
+    assert [rc.steps_before(r) for r in (1, 52, 53, 54, 101)] == [0, 1632, 1664, 1672, 2048]
+    assert rc.rounds_in(2048) == 52 + 48 and rc.rounds_in(1664) == 52 and rc.rounds_in(1000) == 31
+    both = RoundConfig(local_steps=32, local_steps_ramp=[8, 8, 16], late_local_steps=16, late_from_step=64).validate()
+    assert [both.steps_of(r) for r in range(1, 8)] == [8, 8, 16, 32, 16, 16, 16]
+    assert [both.steps_before(r) for r in range(1, 8)] == [0, 8, 16, 32, 64, 80, 96]
+    assert both.rounds_in(128) == 4 + 4
+    inside = RoundConfig(local_steps=32, local_steps_ramp=[8, 8, 16], late_local_steps=4, late_from_step=10).validate()
+    assert [inside.steps_of(r) for r in range(1, 5)] == [8, 8, 4, 4] and inside.steps_before(5) == 24
+    for r in range(1, 101):  # every round starts where the last ended, under each schedule
+        for c in (rc, both, inside):
+            assert c.steps_before(r + 1) == c.steps_before(r) + c.steps_of(r)
+
+
 def test_each_method_takes_its_own_lr_and_ef_decay_unless_the_config_sets_them(monkeypatch):
     """inner.lr / inner.ef_decay None: every method runs with its own (`METHOD_DEFAULTS`); a value set
     in the config holds for every method; a config never resolved is refused, not run with a guess."""
@@ -103,6 +121,25 @@ def test_a_ramp_with_one_worker_follows_the_plain_runs_path(tmp_path):
     for name in plain:
         torch.testing.assert_close(ramp[name], plain[name], rtol=0, atol=1e-6, msg=name)
     assert all(r["delta_norm"] > 0 for r in ramp_records if r["round"])  # every round moved θ
+
+
+def test_late_rounds_with_one_worker_follow_the_plain_runs_path(tmp_path):
+    """As the ramp's test: rounds of 4, 4, then 2, 2, 2, 2 from step 8 (`late_local_steps`) must follow
+    the plain run's path (K = 4 throughout) with one worker averaged every round."""
+    runs = {}
+    for name, rounds in (("plain", RoundConfig(local_steps=4)),
+                         ("late", RoundConfig(local_steps=4, late_local_steps=2, late_from_step=8))):
+        cfg = tiny_config(tmp_path / name, total_steps=16, rounds=rounds,
+                          inner=InnerConfig(rank=4, warmup_steps=3, lr=5e-3, omega=0.9))
+        records: list = []
+        settings = resolve_method("local_adam", cfg.inner, cfg.rounds, cfg.outer)
+        runs[name] = (dict(run_rounds(context(cfg, records), settings).named_parameters()), records)
+    (plain, plain_records), (late, late_records) = runs["plain"], runs["late"]
+    assert [(r["round"], r["step"]) for r in late_records if "val_loss" in r] == [
+        (0, 0), (1, 4), (2, 8), (3, 10), (4, 12), (5, 14), (6, 16)]
+    assert late_records[-1]["tokens"] == plain_records[-1]["tokens"] == 16 * 4 * 32
+    for name in plain:
+        torch.testing.assert_close(late[name], plain[name], rtol=0, atol=1e-6, msg=name)
 
 
 def test_lordo_global_learns_on_the_sample_corpus(tmp_path):
@@ -221,6 +258,13 @@ def test_summary_table_compares_bytes_with_ddp():
          r"rounds.overlap_delay=1 with rounds.local_steps_ramp=\[1, 1\]"),
         (dict(methods=["heloco"], rounds=RoundConfig(local_steps=2, local_steps_ramp=[1, 1])),
          r"rounds.local_steps_ramp=\[1, 1\] with the asynchronous method 'heloco'"),
+        (dict(rounds=RoundConfig(local_steps=2, late_local_steps=3, late_from_step=2)),
+         r"total_steps=4 with rounds.late_local_steps=3 from rounds.late_from_step=2: the late rounds start at step 2, "
+         r"and the 2 steps after it are not a whole number of them"),
+        (dict(rounds=RoundConfig(local_steps=2, late_local_steps=1, late_from_step=2, overlap_delay=1)),
+         r"rounds.overlap_delay=1 with rounds.late_local_steps=1"),
+        (dict(methods=["heloco"], rounds=RoundConfig(local_steps=2, late_local_steps=1, late_from_step=2)),
+         r"rounds.late_local_steps=1 with the asynchronous method 'heloco'"),
     ],
 )
 def test_bad_config_is_named(tmp_path, overrides, match):
