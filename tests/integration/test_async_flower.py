@@ -128,6 +128,7 @@ def test_virtual_order_deployment_matches_the_reference_trainer(tmp_path):
     assert_matches_the_reference(tmp_path / "out", run_config, "heloco_lordo, deployment", sessions=True)
 
 
+@pytest.mark.extended  # the CI lane kills the ServerApp in synchronous rounds (test_reliability.py)
 def test_server_killed_mid_run_resumes_to_the_uninterrupted_state(tmp_path):
     """Async LoRDO with HeLoCo's correction, each node's rounds one session on the gRPC data plane:
     the ServerApp is SIGKILLed after its second record's checkpoint, and the run restarted with

@@ -62,6 +62,7 @@ def test_simulation_drops_a_hostile_client(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the CI lane drops a hostile client in synchronous rounds (above)
 def test_asynchronous_rounds_drop_a_hostile_client(tmp_path):
     """The same poisoned node under asynchronous rounds (HeLoCo, replies in the virtual clock's
     order, both partitions at one speed: they alternate): each of its replies is refused on arrival
