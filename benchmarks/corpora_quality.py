@@ -135,11 +135,14 @@ LATE: list[tuple[str, Trial]] = [
                                            "rounds.late_from_step={decay}"))),
     ("lordo_local", Trial("ef1-switch-late8", (*TRIALS["lordo_local"][2].overrides, "rounds.late_local_steps=8",
                                                "rounds.late_from_step={decay}"))),
+    ("lordo_global", Trial("ef0.9-M1xB64", ("inner.ef_decay=0.9", "workers=1", "data.batch_size=64"))),
 ]
 """`--part late`: at 64 rounds LoRDO leads low-rank DDP mid-run and gives part of the lead back while the
 learning rate decays (section 17, part three): the same runs with rounds of K = 8 from the decay's first
 step on (`rounds.late_local_steps`: four times the exchanges in the last 20% of the steps, 1.56x the
-bytes). The first three are the table's own runs (their cache)."""
+bytes). The first three are the table's own runs (their cache). The last is one worker of batch 64 (the
+same tokens per step, nothing averaged): if it gains in the decay what low-rank DDP gains, what LoRDO
+lacks there is moments of the whole batch's gradient, not exchanges."""
 
 
 def horizon_overrides(rounds: int, quick: bool) -> tuple[str, ...]:
