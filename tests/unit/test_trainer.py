@@ -103,19 +103,23 @@ def test_each_method_takes_its_own_lr_and_ef_decay_unless_the_config_sets_them(m
         build_inner_optimizer(torch.nn.Linear(4, 4), unset, [])
 
 
+def one_worker_run(out, rounds: RoundConfig, total_steps: int) -> tuple[dict, list]:
+    """Local Adam with M = 1 (states averaged every round, plain averaging) under `rounds`' schedule:
+    its parameters and records, for the schedules' same-path tests."""
+    cfg = tiny_config(out, total_steps=total_steps, rounds=rounds,
+                      inner=InnerConfig(rank=4, warmup_steps=3, lr=5e-3, omega=0.9))
+    records: list = []
+    settings = resolve_method("local_adam", cfg.inner, cfg.rounds, cfg.outer)
+    return dict(run_rounds(context(cfg, records), settings).named_parameters()), records
+
+
 def test_a_ramp_with_one_worker_follows_the_plain_runs_path(tmp_path):
     """M = 1, states averaged every round, plain averaging: cutting a round in two changes nothing, so a
     run whose first rounds are ramped ([1, 3] with K = 4: rounds of 1, 3, 4 steps) must follow the plain
     run's path (K = 4: 4, 4): the same learning rate at every global step (warm-up over the rounds'
     boundaries), the same batches, the moments carried over."""
-    runs = {}
-    for name, rounds in (("plain", RoundConfig(local_steps=4)), ("ramp", RoundConfig(local_steps=4, local_steps_ramp=[1, 3]))):
-        cfg = tiny_config(tmp_path / name, total_steps=8, rounds=rounds,
-                          inner=InnerConfig(rank=4, warmup_steps=3, lr=5e-3, omega=0.9))
-        records: list = []
-        settings = resolve_method("local_adam", cfg.inner, cfg.rounds, cfg.outer)
-        runs[name] = (dict(run_rounds(context(cfg, records), settings).named_parameters()), records)
-    (plain, plain_records), (ramp, ramp_records) = runs["plain"], runs["ramp"]
+    plain, plain_records = one_worker_run(tmp_path / "plain", RoundConfig(local_steps=4), 8)
+    ramp, ramp_records = one_worker_run(tmp_path / "ramp", RoundConfig(local_steps=4, local_steps_ramp=[1, 3]), 8)
     assert [(r["round"], r["step"]) for r in ramp_records if "val_loss" in r] == [(0, 0), (1, 1), (2, 4), (3, 8)]
     assert ramp_records[-1]["tokens"] == plain_records[-1]["tokens"] == 8 * 4 * 32
     for name in plain:
@@ -126,15 +130,9 @@ def test_a_ramp_with_one_worker_follows_the_plain_runs_path(tmp_path):
 def test_late_rounds_with_one_worker_follow_the_plain_runs_path(tmp_path):
     """As the ramp's test: rounds of 4, 4, then 2, 2, 2, 2 from step 8 (`late_local_steps`) must follow
     the plain run's path (K = 4 throughout) with one worker averaged every round."""
-    runs = {}
-    for name, rounds in (("plain", RoundConfig(local_steps=4)),
-                         ("late", RoundConfig(local_steps=4, late_local_steps=2, late_from_step=8))):
-        cfg = tiny_config(tmp_path / name, total_steps=16, rounds=rounds,
-                          inner=InnerConfig(rank=4, warmup_steps=3, lr=5e-3, omega=0.9))
-        records: list = []
-        settings = resolve_method("local_adam", cfg.inner, cfg.rounds, cfg.outer)
-        runs[name] = (dict(run_rounds(context(cfg, records), settings).named_parameters()), records)
-    (plain, plain_records), (late, late_records) = runs["plain"], runs["late"]
+    plain, plain_records = one_worker_run(tmp_path / "plain", RoundConfig(local_steps=4), 16)
+    late, late_records = one_worker_run(tmp_path / "late", RoundConfig(local_steps=4, late_local_steps=2,
+                                                                       late_from_step=8), 16)
     assert [(r["round"], r["step"]) for r in late_records if "val_loss" in r] == [
         (0, 0), (1, 4), (2, 8), (3, 10), (4, 12), (5, 14), (6, 16)]
     assert late_records[-1]["tokens"] == plain_records[-1]["tokens"] == 16 * 4 * 32
