@@ -10,6 +10,7 @@ same stem and `.png`). Results default to `benchmarks/results/<name>.json`.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -32,29 +33,37 @@ RANKS = {"tiny": 8, "small": 16, "16m": 32, "125m": 96, "360m": 128, "720m": 256
 
 
 def machine_info() -> dict[str, Any]:
-    """Where a result was measured: versions, CPU count, platform."""
+    """Where a result was measured: versions, the CPU (its model and the vector instructions torch's
+    kernels use), CPU count, platform, memory and load.
+
+    The CPU is named because a run's figures depend on it bit for bit: the same commit and seed give
+    other floating-point roundings under another kernel set, and over a training run those grow into
+    differences of the order of the seeds' (docs/results.md section 12, part six). Results are
+    compared side by side on one machine; these fields say when two were not."""
     import torch  # here, not at the top: scripts that only need the other helpers start fast
 
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
     info: dict[str, Any] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
     }
-    try:
-        import numpy
-
-        info["numpy"] = numpy.__version__
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        pass
-    try:
-        import google.protobuf
-
-        info["protobuf"] = google.protobuf.__version__
-    except ImportError:  # pragma: no cover
-        pass
+    for name in ("numpy", "protobuf", "flwr"):  # read from the installed metadata: nothing imported
+        try:
+            info[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:  # pragma: no cover - each is a dependency
+            pass
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:

@@ -572,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         os.pathsep) if p and p != str(ROOT)])
 
     from benchmarks.payload_throughput import TINY_MB, local_codec
-    from benchmarks.round_overhead import machine_info
+    from benchmarks.common import machine_info
     from harness.apps import copy_app
 
     started = time.perf_counter()

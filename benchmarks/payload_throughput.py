@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.round_overhead import machine_info  # noqa: E402
+from benchmarks.common import machine_info  # noqa: E402
 from harness.apps import copy_app  # noqa: E402
 from harness.deployment import Deployment  # noqa: E402
 from harness.flower import flower_env  # noqa: E402

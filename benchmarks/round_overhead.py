@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -60,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import median_rounds_2_to_n  # noqa: E402
+from benchmarks.common import machine_info, median_rounds_2_to_n  # noqa: E402
 from harness.apps import copy_app  # noqa: E402
 from harness.deployment import Deployment  # noqa: E402
 from harness.flower import flower_env, run_simulation  # noqa: E402
@@ -114,20 +113,6 @@ def startup_breakdown(repeats: int = 3) -> dict[str, Any]:
     summary["note"] = ("one process alone; in a deployment round both nodes start such a process at once "
                        "on this 2-core machine, and each then takes longer")
     return summary
-
-
-def machine_info() -> dict[str, Any]:
-    import flwr
-    import torch
-
-    cpu = ""
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu_count": os.cpu_count(), "cpu_model": cpu, "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__, "flwr": flwr.__version__,
-            "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}
 
 
 def app_run_config(out_dir: Path, rounds: int) -> dict[str, Any]:

@@ -22,7 +22,7 @@ def run_quick(script: str, tmp_path: Path, *args: str, timeout: float = 300, **e
                           capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["quick"] is True and result["machine"]["torch"]
+    assert result["quick"] is True and result["machine"]["torch"] and result["machine"]["torch_cpu_capability"]
     return result
 
 
