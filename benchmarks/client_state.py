@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import flwr
 import torch
 from flwr.app import Context, RecordDict
 from flwr.common.serde import context_from_proto, context_to_proto
 
+from benchmarks.common import machine_info
 from client.state import ContextStore
 from lordo_fed.node.store import DiskStore
 from lordo_fed.data import TokenShard
@@ -108,8 +107,7 @@ def main() -> None:
     rows = [measure(p, r, 2 if args.quick else 5) for p, r in cases]
     result = {
         "benchmark": "client_state", "quick": args.quick,
-        "machine": {"python": platform.python_version(), "torch": torch.__version__, "flwr": flwr.__version__,
-                    "cpus": torch.get_num_threads(), "platform": platform.platform()},
+        "machine": machine_info(),
         "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -165,10 +165,14 @@ def pytest_counts(output: str) -> dict[str, int]:
 
 
 def machine() -> dict:
+    """`benchmarks.common.machine_info` with the CUDA version and the GPU."""
     import torch
 
-    info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-            "cpu_count": os.cpu_count(), "gpu": None}
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.common import machine_info
+
+    info = {**machine_info(), "cuda": torch.version.cuda, "gpu": None}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info["gpu"] = {"name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
