@@ -101,6 +101,19 @@ def test_average_weights_replies_by_tokens():
     assert result.metrics["clients_ok"] == 3.0 and result.metrics["clients_dropped"] == 0.0
 
 
+def test_delta_retention_is_the_average_s_length_against_the_replies():
+    """`delta_retention` = ||Δ̄|| / Σ w_m ||Δ_m||, hand-computed: ||Δ1|| = √3, ||Δ2|| = 3, ||Δ3|| = 4
+    (w and b together), so Σ w ||Δ|| = 0.1·√3 + 0.3·3 + 0.6·4 and ||Δ̄|| = √8.4; two equal replies
+    keep all of it, two opposite ones none. Only with diagnostics on."""
+    assert "delta_retention" not in make_agg().aggregate(round1_replies()).metrics
+    result = make_agg(diagnostics=True).aggregate(round1_replies())
+    assert result.metrics["delta_retention"] == pytest.approx(8.4 ** 0.5 / (0.1 * 3 ** 0.5 + 0.9 + 2.4), rel=1e-6)
+    same = [upd(1, 100, [[1.0, 2.0], [0.0, 0.0]], [3.0, 0.0]), upd(2, 300, [[1.0, 2.0], [0.0, 0.0]], [3.0, 0.0])]
+    assert make_agg(diagnostics=True).aggregate(same).metrics["delta_retention"] == pytest.approx(1.0)
+    opposite = [upd(1, 100, [[1.0, 2.0], [0.0, 0.0]], [3.0, 0.0]), upd(2, 100, [[-1.0, -2.0], [0.0, 0.0]], [-3.0, 0.0])]
+    assert make_agg(diagnostics=True).aggregate(opposite).metrics["delta_retention"] == pytest.approx(0.0, abs=1e-7)
+
+
 def test_a_second_reply_for_the_same_worker_is_refused(caplog):
     """Worker 2 answers twice (two nodes with one partition-id): its shard counts once, the first
     reply is kept, and the round equals the three-reply round above."""
@@ -818,8 +831,11 @@ def oracle_round(agg: Aggregator, updates: list[WorkerUpdate]) -> RoundResult:
     total = sum(u.tokens for u in good)
     weights = [u.tokens / total for u in good]
     delta = {n: weighted_sum([u.delta[n] for u in good], weights) for n in agg.params}
+    lengths = [math.sqrt(sum(float(u.delta[n].float().square().sum()) for n in agg.params)) for u in good]
+    retention = (math.sqrt(sum(float(d.square().sum()) for d in delta.values()))
+                 / sum(w * n for w, n in zip(weights, lengths)))
     agg.outer.step(agg.params, delta)
-    diagnostics = agg._diagnostics(delta)
+    diagnostics = {**agg._diagnostics(delta), "delta_retention": retention}
     agg.opt_step = max(u.opt_step for u in good)
     moments = {}
     for key in sorted({k for u in good for k in u.moments}):
