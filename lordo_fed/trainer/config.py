@@ -24,7 +24,8 @@ class TrainConfig(CommonConfig):
     """Show a progress bar."""
     diagnostics: bool = False
     """Log the stable rank of each round's averaged pseudo-gradient, its share in the shared subspace and
-    the length it keeps of the replies' (`delta_retention`), and the workers' out-of-subspace share of the update and error-feedback norm (lordo_fed.wire.messages.DIAGNOSTIC_METRICS)."""
+    the length it keeps of the replies' (`delta_retention`), and the workers' out-of-subspace share of the
+    update and error-feedback norm (lordo_fed.wire.messages.DIAGNOSTIC_METRICS)."""
 
     def validate(self) -> "TrainConfig":
         """Raise ValueError naming the key, the value and what is allowed."""
