@@ -274,13 +274,33 @@ def plot(rows: list[dict], path: Path, rounds: int) -> None:
     fig.savefig(path, dpi=110)
 
 
+WORKERS: list[tuple[str, Trial]] = [
+    ("lowrank_ddp", TRIALS["lowrank_ddp"][4]), ("lordo_global", TRIALS["lordo_global"][4]),
+    ("lordo_global", Trial("ef0.9-lr0.5x-M1xB64", (*TRIALS["lordo_global"][4].overrides, "workers=1", "data.batch_size=64", "diagnostics=true"))),
+    ("lordo_global", Trial("ef0.9-lr0.5x-M1xB16", (*TRIALS["lordo_global"][4].overrides, "workers=1", "diagnostics=true"))),
+    ("lordo_global", Trial("ef0.9-lr0.5x-outer2", (*TRIALS["lordo_global"][4].overrides, "outer.lr=2.0", "diagnostics=true"))),
+    ("lordo_global", Trial("ef0.9-lr0.5x-outer3", (*TRIALS["lordo_global"][4].overrides, "outer.lr=3.0", "diagnostics=true"))),
+    ("lowrank_ddp", Trial("ef0.9-lr0.5x-shuffled", (*TRIALS["lowrank_ddp"][4].overrides, "data.partition=dirichlet",
+                                                    "data.dirichlet_alpha=1000"))),
+    ("lordo_global", Trial("ef0.9-lr0.5x-shuffled", (*TRIALS["lordo_global"][4].overrides, "data.partition=dirichlet",
+                                                     "data.dirichlet_alpha=1000", "diagnostics=true"))),
+    ("lordo_global", Trial("ef0.9-lr0.25x-diag", (*TRIALS["lordo_global"][5].overrides, "diagnostics=true"))),
+]
+"""`--part workers`: what four workers cost LoRDO-Global at 16 rounds, at today's defaults (lr 0.004, γ 0.9;
+run with `diagnostics=true` for `delta_retention`, ||Δ̄|| / Σ w ||Δ_m||): one worker with the whole batch
+(64: the same tokens per step) and with one worker's batch (16: a quarter of the tokens); outer steps of
+2 and 3 times the mean (does the mean move too little?); a random share of the paragraphs per worker in place
+of the `iid` partition's contiguous pieces (are the workers' pieces of one file too different?), for
+low-rank DDP too; and the sixth trial's lr (0.002, with diagnostics). The first two are the tune's fifth trials."""
+
+
 def early(train, rounds: int, out: str, quick: bool, part: str = "early", corpora: tuple[str, ...] = tuple(CORPORA)
           ) -> None:
-    """The `EARLY` (or `LATE`) probes on every corpus: validation perplexity and the gap to low-rank DDP
+    """The `EARLY` (or `LATE`, `WORKERS`) probes on every corpus: validation perplexity and the gap to low-rank DDP
     (its ef0.9 trial) on the same corpus, and the bytes against LoRDO-Global's own K = 32 run."""
-    probes = EARLY if part == "early" else LATE
+    probes = {"early": EARLY, "late": LATE, "workers": WORKERS}[part]
     if quick:  # quick rounds are too short for K = 8
-        probes = [EARLY[0], EARLY[1], EARLY[6]] if part == "early" else LATE[:2]
+        probes = [EARLY[0], EARLY[1], EARLY[6]] if part == "early" else probes[:2]
     rows = train([(c, m, t, rounds, 0) for m, t in probes for c in corpora])
     ref = {(r["corpus"], r["method"], r["trial"]): r for r in rows}
     for r in rows:
@@ -298,12 +318,12 @@ def early(train, rounds: int, out: str, quick: bool, part: str = "early", corpor
 
 def main() -> None:
     parser = make_parser("corpora_quality", __doc__, "tiny runs: two methods, two trials each, every corpus (seconds)")
-    parser.add_argument("--part", default="all", choices=("all", "tune", "table", "early", "late"),
+    parser.add_argument("--part", default="all", choices=("all", "tune", "table", "early", "late", "workers"),
                         help="tune: the trials at the first horizon, seed 0; table: each method's best everywhere; "
                         "early: the early-round probes (`EARLY`), first horizon, seed 0; late: the late-round "
-                        "probes (`LATE`), likewise (e.g. --horizons 64)")
+                        "probes (`LATE`), likewise (e.g. --horizons 64); workers: what four workers cost (`WORKERS`), likewise")
     parser.add_argument("--corpora", default=",".join(CORPORA),
-                        help=f"comma-separated, of {', '.join(CORPORA)} (early and late parts only)")
+                        help=f"comma-separated, of {', '.join(CORPORA)} (early, late and workers parts only)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     parser.add_argument("--seeds", default="0,1", help="comma-separated seeds of the table")
     parser.add_argument("--horizons", default=",".join(map(str, HORIZONS)),
@@ -358,7 +378,7 @@ def main() -> None:
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             return list(pool.map(_train, specs))
 
-    if args.part in ("early", "late"):
+    if args.part in ("early", "late", "workers"):
         corpora = tuple(c for c in args.corpora.split(",") if c)
         if not corpora or any(c not in CORPORA for c in corpora):
             parser.error(f"--corpora {args.corpora!r}: expected some of {list(CORPORA)}")

@@ -70,7 +70,7 @@ ef_decay0.9, the default they modify."""
 BEST_EF = "ef_decay0.9"
 """The option the projection methods are re-measured with (chosen from the "error feedback" runs)."""
 DIAGNOSTICS = ("delta_stable_rank", "delta_in_subspace", "update_out_in_ratio", "update_out_in_ratio_last",
-               "ef_norm")
+               "ef_norm", "delta_retention")
 """Per-round diagnostics kept in a run's result (those the trainer logged with `diagnostics=true`)."""
 
 

@@ -44,7 +44,8 @@ class DataConfig:
     batch_size: int = setting("batch-size", 16)
     """Sequences per batch, per worker."""
     partition: str = setting("partition", "iid")
-    """How train tokens are split among clients: "iid", "by_source" or "dirichlet"."""
+    """How train tokens are split among clients: "iid" (M contiguous pieces of the train stream), "by_source"
+    or "dirichlet" (with a large alpha: a random share of every source's paragraphs)."""
     dirichlet_alpha: float = 0.5
     """Concentration of the per-source Dirichlet (partition="dirichlet"); smaller = more skewed."""
     seed: int = 0

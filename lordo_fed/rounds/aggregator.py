@@ -70,29 +70,25 @@ class Aggregator:
         projection: the projection method when the server owns projections (LoRDO-Global),
             None when workers fit their own (LoRDO-Local) or there are none (AdamW baselines).
         seed: seeds the initial projections and randomized fits.
-        outlier_factor: reject a reply whose ||Δ|| exceeds this multiple of the round's median
-            (0 disables; needs at least 3 replies to have a meaningful median).
-        betas, bias_correction: the inner optimizer's, needed to rotate the second moment and to
-            move moments between step counts.
-        switch_step, switch_betas: the two-phase recipe's (InnerConfig): the betas in force from
-            global step `switch_step` on (0 = one phase).
+        outlier_factor: refuse a reply whose ||Δ|| exceeds this multiple of the round's median (0: off; 3+ replies).
+        betas, bias_correction: the inner optimizer's, to rotate the second moment and move moments
+            between step counts.
+        switch_step, switch_betas: the two-phase recipe (InnerConfig): betas from step `switch_step` on (0: one phase).
         rotate: rotate the averaged moments into each new basis (the inner optimizer's `rotate`).
         init_projection: 'random' (seeded basis for round 1) or 'gradient' (round 1 waits for
             `init_projections` with the workers' gradients at θ0).
-        diagnostics: also report, per round, the mean stable rank of Δ̄ over the low-rank
-            matrices and the share of ||Δ̄||² inside the round's shared subspace (an SVD per
-            matrix: the paper's stagnation diagnostic, off by default), and how much of the
-            replies' length the average keeps, ||Δ̄|| / Σ_m w_m ||Δ_m|| (`delta_retention`: 1 when
-            the workers agree, 1/√M for M orthogonal replies of equal length, 0 when they cancel).
+        diagnostics: also report, per round, the mean stable rank of Δ̄ over the low-rank matrices and
+            the share of ||Δ̄||² inside the round's shared subspace (an SVD per matrix: the paper's
+            stagnation diagnostic, off by default), and ||Δ̄|| / Σ_m w_m ||Δ_m|| (`delta_retention`:
+            1 when the replies agree, 1/√M for M orthogonal ones of one length).
         fit_device: where the projections are fitted (batched, `fit_projections`): the server's
             GPU when it has one; θ, the outer state and the sums stay on the host.
     """
 
-    def __init__(self, params: dict[str, Tensor], ranks: dict[str, int], rounds: RoundConfig,
-                 outer: OuterOptimizer, projection: ProjectionMethod | None, seed: int = 0,
-                 outlier_factor: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
-                 bias_correction: bool = True, rotate: bool = True, init_projection: str = "random",
-                 diagnostics: bool = False, switch_step: int = 0,
+    def __init__(self, params: dict[str, Tensor], ranks: dict[str, int], rounds: RoundConfig, outer: OuterOptimizer,
+                 projection: ProjectionMethod | None, seed: int = 0, outlier_factor: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.999), bias_correction: bool = True, rotate: bool = True,
+                 init_projection: str = "random", diagnostics: bool = False, switch_step: int = 0,
                  switch_betas: tuple[float, float] = (0.999, 0.999), fit_device: torch.device | str | None = None,
                  payload: PayloadCodecs | None = None):
         self.params = {n: p.detach().float().clone() for n, p in params.items()}
@@ -312,15 +308,13 @@ class Aggregator:
         delta = {n: contributor_mean(delta_sums[n], support[n]) if n in support else delta_sums[n]
                  for n in self.params}
         moments = {k: moment_sums[k] for k in moment_norms}
-        if lengths:  # before the outer step: what the workers' replies sum to, not what θ does with it
-            mean_length = sum(w * n for w, n in zip(weights, lengths))
-            retention = _norm(delta_sums.values()) / mean_length if mean_length > 0 else math.nan
 
         self._commit_downlink()  # before θ moves: the change the workers applied this round
         self.outer.step(self.params, delta)
         diagnostics = self._diagnostics(delta) if self.diagnostics else {}
-        if lengths:
-            diagnostics["delta_retention"] = retention
+        if lengths:  # the length of the replies' weighted sum against theirs
+            diagnostics["delta_retention"] = (math.sqrt(sum(float(d.square().sum()) for d in delta_sums.values()))
+                                              / max(sum(w * n for w, n in zip(weights, lengths)), 1e-30))
         self.opt_step = opt_step
         if self.projection is not None and self.rounds.bases_from == "server":
             new = fit_projections(delta, self.ranks, self.projection, self.seed + 7919 * self.round, self.fit_device)
@@ -332,7 +326,7 @@ class Aggregator:
         metrics = {
             "train_loss": sum(w * r.metrics.get("train_loss", math.nan) for r, w in zip(refs, weights)),
             "tokens": float(total),
-            "delta_norm": _norm(delta.values()),
+            "delta_norm": math.sqrt(sum(float(d.float().square().sum()) for d in delta.values())),
             "clients_ok": float(len(refs)),
             "clients_dropped": float(len(rejected)),
             **({"clients_clipped": float(sum(c < 1.0 for c in clip))} if self.rounds.clip_median else {}),
@@ -349,8 +343,8 @@ class Aggregator:
                     support: dict[str, Tensor | None] | None = None, senders: dict[str, Tensor] | None = None,
                     clip: float = 1.0, lengths: list[float] | None = None) -> None:
         """Load one reply and add it into the accumulators: Δ of each of `names` with weight w_m
-        (times `clip`, its median-clipping factor; the contributor mean's weights stay w_m), and
-        its length ||Δ_m|| over `names` to `lengths` when given;
+        (times `clip`, its median-clipping factor; the contributor mean's weights stay w_m; its
+        clipped `screening.delta_norm` to `lengths` when given);
         each moment it carries with w_m / (Σ w of the replies carrying it), first moved from the
         reply's step count to the shared one S (a worker that joined late or lost its state has
         fewer steps; rescaling keeps its bias-corrected moments, `lordo_fed.optim.bias`); E as
@@ -364,21 +358,18 @@ class Aggregator:
         if problem is not None:
             raise ValueError(f"round {self.round}: the reply loaded for worker {ref.worker_id} is not the one "
                              f"screened: {problem}")
-        squares = 0.0
         for name in names:
             d = update.delta[name]
             if bases and name in update.coords:
                 d = lowrank.join(d, update.coords[name], *bases[name])
             _add_weighted(delta_sums, name, d, weight * clip)
-            if lengths is not None:
-                squares += float(d.float().square().sum())
             if support is not None and name in support:  # the indices this reply sent (top-k: its non-zeros)
                 sent = (d != 0).float()
                 _add_weighted(support, name, sent, weight)
                 if senders is not None:
                     _add_weighted(senders, name, sent, 1.0)
         if lengths is not None:
-            lengths.append(clip * math.sqrt(squares))
+            lengths.append(clip * screening.delta_norm(update))
         if moment_sums is None:  # round-0 gradients: Δ only
             return
         betas = self.round_betas()
@@ -550,11 +541,6 @@ def support_overlap(senders: Mapping[str, Tensor]) -> dict[str, float]:
     if not sent:
         return {}
     return {"sparse_support_shared": sum(int((s > 1).sum()) for s in senders.values()) / sent}
-
-
-def _norm(tensors: Iterable[Tensor]) -> float:
-    """The L2 norm of all the tensors together, in fp32."""
-    return math.sqrt(sum(float(t.float().square().sum()) for t in tensors))
 
 
 def _add_weighted(sums: dict[str, Tensor], key: str, t: Tensor, weight: float) -> None:

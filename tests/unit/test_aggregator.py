@@ -831,7 +831,7 @@ def oracle_round(agg: Aggregator, updates: list[WorkerUpdate]) -> RoundResult:
     total = sum(u.tokens for u in good)
     weights = [u.tokens / total for u in good]
     delta = {n: weighted_sum([u.delta[n] for u in good], weights) for n in agg.params}
-    lengths = [math.sqrt(sum(float(u.delta[n].float().square().sum()) for n in agg.params)) for u in good]
+    lengths = [math.sqrt(sum(float(d.square().sum()) for d in u.delta.values())) for u in good]  # no coords here
     retention = (math.sqrt(sum(float(d.square().sum()) for d in delta.values()))
                  / sum(w * n for w, n in zip(weights, lengths)))
     agg.outer.step(agg.params, delta)
