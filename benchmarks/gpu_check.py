@@ -34,7 +34,8 @@ its own added, a call cut short included: copy that file back, commit it, and sp
 docs/results.md, section 17). At most 8 files come back from a call: give each call its own `--out-dir` (the PNGs count).
 What the corpora step has left (2026-11-27): the sixth trial of each method (`--part tune --horizons 16`:
 15 runs, the other 75 cached), then the late rounds on every corpus (`--part late --horizons 64`: 6 runs,
-the references cached; and `--horizons 16`), then the 64-round table at the tuning's new winners.
+the references cached; and `--horizons 16`), then the 64-round table at the tuning's new winners, and
+what four workers cost on every corpus (`--part workers --horizons 16`: 7 runs a corpus; the CPU ran prose).
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH && python3 benchmarks/gpu_check.py --only tests,step16m,step125m
