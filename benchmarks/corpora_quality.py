@@ -276,7 +276,8 @@ def plot(rows: list[dict], path: Path, rounds: int) -> None:
 
 WORKERS: list[tuple[str, Trial]] = [
     ("lowrank_ddp", TRIALS["lowrank_ddp"][4]), ("lordo_global", TRIALS["lordo_global"][4]),
-    ("lordo_global", Trial("ef0.9-lr0.5x-M1xB64", (*TRIALS["lordo_global"][4].overrides, "workers=1", "data.batch_size=64", "diagnostics=true"))),
+    ("lordo_global", Trial("ef0.9-lr0.5x-M1xB64", (*TRIALS["lordo_global"][4].overrides, "workers=1",
+                                                   "data.batch_size=64", "diagnostics=true"))),
     ("lordo_global", Trial("ef0.9-lr0.5x-M1xB16", (*TRIALS["lordo_global"][4].overrides, "workers=1", "diagnostics=true"))),
     ("lordo_global", Trial("ef0.9-lr0.5x-outer2", (*TRIALS["lordo_global"][4].overrides, "outer.lr=2.0", "diagnostics=true"))),
     ("lordo_global", Trial("ef0.9-lr0.5x-outer3", (*TRIALS["lordo_global"][4].overrides, "outer.lr=3.0", "diagnostics=true"))),

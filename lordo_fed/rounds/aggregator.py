@@ -312,9 +312,9 @@ class Aggregator:
         self._commit_downlink()  # before θ moves: the change the workers applied this round
         self.outer.step(self.params, delta)
         diagnostics = self._diagnostics(delta) if self.diagnostics else {}
-        if lengths:  # the length of the replies' weighted sum against theirs
-            diagnostics["delta_retention"] = (math.sqrt(sum(float(d.square().sum()) for d in delta_sums.values()))
-                                              / max(sum(w * n for w, n in zip(weights, lengths)), 1e-30))
+        delta_norm = math.sqrt(sum(float(d.float().square().sum()) for d in delta.values()))
+        if lengths:  # the length of Δ̄ against the replies'
+            diagnostics["delta_retention"] = delta_norm / max(sum(w * n for w, n in zip(weights, lengths)), 1e-30)
         self.opt_step = opt_step
         if self.projection is not None and self.rounds.bases_from == "server":
             new = fit_projections(delta, self.ranks, self.projection, self.seed + 7919 * self.round, self.fit_device)
@@ -326,7 +326,7 @@ class Aggregator:
         metrics = {
             "train_loss": sum(w * r.metrics.get("train_loss", math.nan) for r, w in zip(refs, weights)),
             "tokens": float(total),
-            "delta_norm": math.sqrt(sum(float(d.float().square().sum()) for d in delta.values())),
+            "delta_norm": delta_norm,
             "clients_ok": float(len(refs)),
             "clients_dropped": float(len(rejected)),
             **({"clients_clipped": float(sum(c < 1.0 for c in clip))} if self.rounds.clip_median else {}),
