@@ -43,7 +43,7 @@ import torch
 
 from lordo_fed.wire import codec
 from lordo_fed.wire.encode import encode_global_state, encode_update
-from lordo_fed.rounds.aggregator import low_rank_shape
+from lordo_fed.rounds.bases import low_rank_shape
 from lordo_fed.rounds.methods import resolve_method
 from lordo_fed.model import ModelConfig, build_model, count_parameters, lowrank_parameter_names
 from lordo_fed.optim.config import InnerConfig

@@ -49,6 +49,7 @@ from lordo_fed.optim.config import InnerConfig
 from lordo_fed.rounds.outer import OuterConfig
 from lordo_fed.wire.messages import GlobalState, WorkerUpdate
 from lordo_fed.rounds.config import RoundConfig
+from lordo_fed.rounds.relay import replay
 from lordo_fed.optim.projection import projection_side
 from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import Encoded, ErrorFeedback, encode, part_sizes
@@ -115,7 +116,7 @@ def round_messages(ms: ModelShapes, payload: str, k: int, factor: int, t: int,
             coords = {n: layout(codecs.lowrank, ms.moment_shape(n, True)) for n in ms.ranks}
         up_moments = {key: layout(codecs.moment_spec(key), v.shape) for key, v in up_moments.items()}
         down_moments = {key: layout(codecs.moment_spec(key), v.shape) for key, v in down_moments.items()}
-        theta = {n: layout(codecs.down, p.shape) for n, p in params.items()}
+        theta = {n: layout(codecs.down, p.shape) for n, p in params.items()} if codecs.down is not None else {}
     else:
         delta, theta = params, params
     update = WorkerUpdate(worker_id=0, round=t, delta=delta, moments=up_moments, tokens=4096 * k, opt_step=t * k,
@@ -159,6 +160,8 @@ def bytes_table(presets: list[str], ks: list[int], factors: list[int], payloads:
                     update, state = round_messages(ms, payload, k, factor, t, state_kind)
                     n_up, e_up = message_bytes(update, ms, payload)
                     n_down, e_down = message_bytes(state, ms, payload)
+                    if codecs is not None and codecs.relay:  # the state's own fields, then RELAY_M replies
+                        n_down += RELAY_M * message_bytes(relayed(update), ms, payload)[0]
                     up, down, estimated = up + n_up, down + n_down, estimated or e_up or e_down
                 up, down = up / cycle, down / cycle
                 per_step = (up + down) / k
@@ -166,21 +169,22 @@ def bytes_table(presets: list[str], ks: list[int], factors: list[int], payloads:
                              "payload": payload, "states": state_kind, "up_bytes_per_round": up, "down_bytes_per_round": down,
                              "bytes_per_step": per_step, "ddp_fp32_bytes_per_step": ddp,
                              "reduction_vs_ddp_fp32": ddp / per_step, "tensor_bytes_only": estimated,
-                             **({"row_share": ROW_SHARE} if "rows" in payload else {})})
-                if payload == RELAYED:  # option B: the server relays the other workers' replies
-                    relay_down = (RELAY_M - 1) * up
-                    per_step = (up + relay_down) / k
-                    rows.append({**rows[-1], "payload": f"relay:{payload}", "down_bytes_per_round": relay_down,
-                                 "bytes_per_step": per_step, "reduction_vs_ddp_fp32": ddp / per_step, "M": RELAY_M})
+                             **({"row_share": ROW_SHARE} if "rows" in payload else {}),
+                             **({"M": RELAY_M} if codecs is not None and codecs.relay else {})})
         del ms
     return rows
 
 
-RELAYED, RELAY_M = "topk2bit-all", 4
-"""Option B of issue 30's sparse downlink, counted, not built: the server relays the M − 1 other workers'
-replies of `RELAYED` (every tensor top-k 2-bit up) to each worker, which rebuilds the exact aggregate
-(rows 'relay:topk2bit-all': the same uplink, (M − 1) x its bytes down, M = 4). Its quality is that of an
-exact downlink, which `topk2bit-all` (θ's change int8) bounds."""
+RELAY_M = 4
+"""Workers whose replies a relaying preset's state carries (`topk2bit-relay`, issue 30's option B: each
+worker replays the round, lordo_fed.rounds.relay). Its state carries all M replies, the worker's own too
+(one state for every worker); the Flower app does not carry a relay yet, so each relayed reply is counted
+as its own serialized message (Δ only: no moments, no metrics)."""
+
+
+def relayed(update: WorkerUpdate) -> WorkerUpdate:
+    """`update` as a relaying state carries it: its Δ, tokens and counters."""
+    return dataclasses.replace(update, moments={}, metrics={}, coords={})
 
 
 def time_round(preset: str, payloads: list[str], repeats: int = 3) -> list[dict]:
@@ -239,21 +243,28 @@ def _time_once(preset: str, payload: str) -> dict:
     for n, c in received.coords.items():  # the server rebuilds Δ = P·Ĉ + R̂
         lowrank.join(received.delta[n], c, *bases[n])
     t2 = time.perf_counter()
-    if codecs is not None:  # the server: θ's change and the averaged moments
-        theta = {n: encode(p, codecs.down) for n, p in params.items()}
+    if codecs is not None:  # the server: θ's change (a relay: the replies, `relayed` below) and the averaged moments
+        theta = {n: encode(p, codecs.down) for n, p in params.items()} if codecs.down is not None else {}
         down_moments = codecs.encode_moments(moments)
     else:
         theta, down_moments = params, moments
     down = encode_global_state(GlobalState(2, theta, projections, down_moments, 64, params_delta=codecs is not None),
                                      ms.model_id, dtype)
+    relay = codecs is not None and codecs.relay  # the server forwards the M replies' Δ as it received them
+    forwarded = encode_update(WorkerUpdate(0, 2, delta, {}, 4096, 64), ms.model_id, dtype) if relay else b""
+    down_bytes = len(down) + RELAY_M * len(forwarded)
     t3 = time.perf_counter()
-    decode_global_state(down, ms.model_id, codecs=resolve_payload(payload).downlink_specs)
+    state = decode_global_state(down, ms.model_id, codecs=resolve_payload(payload).downlink_specs)
+    if relay:  # the worker decodes the M replies and replays the round's mean and outer step
+        replies = [dataclasses.replace(decode_update(forwarded, ms.model_id, codecs=resolve_payload(payload).receiver_specs),
+                                       worker_id=m) for m in range(RELAY_M)]
+        replay(params, dataclasses.replace(state, round=3, relay=replies, outer_lr=1.0), RoundConfig(local_steps=32), codecs)
     t4 = time.perf_counter()
     # what a compressed preset adds to a worker's state (saved with it, held between rounds): Δ's
     # compression residual (as measured on the object) and the clients' copy θ_c (fp32, every parameter)
     residual = ef.nbytes() if codecs is not None else 0
-    copy = 4 * ms.num_params if codecs is not None and codecs.down is not None else 0
-    return {"preset": preset, "payload": payload, "up_bytes": len(up), "down_bytes": len(down),
+    copy = 4 * ms.num_params if codecs is not None and codecs.tracks_copy else 0
+    return {"preset": preset, "payload": payload, "up_bytes": len(up), "down_bytes": down_bytes,
             "worker_encode_s": t1 - t0, "server_decode_s": t2 - t1, "server_encode_s": t3 - t2,
             "worker_decode_s": t4 - t3, "worker_state_residual_bytes": residual, "worker_state_copy_bytes": copy,
             "params": ms.num_params}
@@ -273,7 +284,7 @@ def refit_times(preset: str, payload: str = "topk2bit-both", methods: tuple[str,
     links (the lean state, K = 32: the bytes with nothing dense left, up and down; SVD bases would
     add their own fp32 bytes). Each method timed once after a warm-up fit of one matrix per shape."""
     from lordo_fed.optim.projection import get_projection_method
-    from lordo_fed.rounds.aggregator import fit_projections
+    from lordo_fed.rounds.bases import fit_projections
 
     ms = _SHAPES.setdefault(preset, ModelShapes(preset, GPT2_VOCAB, RANKS[preset]))
     params = ms.params()

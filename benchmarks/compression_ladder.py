@@ -91,6 +91,7 @@ DILOCO_RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "avg-wide-lr13": ("topk2bit-both-wide", (*AVERAGE, "diloco_outer.lr=1.3")),
     "avg-wide-d64": ("topk2bit-both-wide-d64", AVERAGE),
     "avg-up": ("topk2bit-all", AVERAGE),
+    "avg-relay": ("topk2bit-relay", AVERAGE),
     "avg-sign": ("topk2bit", AVERAGE),
     "avg-lut": ("topk2bit-lut", AVERAGE),
 }
@@ -101,7 +102,7 @@ Nesterov outer step kept; every tensor top-k up and θ down int8; every tensor t
 top-k at 4x the density (room for the union of the 4 workers' supports); fp32 with SparseLoCo's outer
 step (plain averaging at lr 1) in place of DiLoCo's Nesterov; SparseLoCo's with median clipping (its
 production server); `AVERAGE` (the mean over all workers, β 0.9) with the wide downlink (also at outer lr 1.3), at 1/64,
-and with θ down int8; the 2-bit values as sign x chunk scale against SparseLoCo's bin-mean table (`lut`), the
+and with θ down int8, and relayed (`avg-relay`: every worker replays the round, θ exact); the 2-bit values as sign x chunk scale against SparseLoCo's bin-mean table (`lut`), the
 blocks' matrices top-k (the embedding and norms int8, θ down int8)."""
 LOCAL_RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "wide": ("topk2bit-both-wide", ("rounds.wire_ef_decay=0.95",)),

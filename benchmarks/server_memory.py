@@ -42,7 +42,8 @@ import torch
 from lordo_fed.wire import codec
 from lordo_fed.wire.decode import decode_update
 from lordo_fed.wire.encode import encode_update
-from lordo_fed.rounds.aggregator import Aggregator, low_rank_shape
+from lordo_fed.rounds.aggregator import Aggregator
+from lordo_fed.rounds.bases import low_rank_shape
 from lordo_fed.rounds.methods import MethodSettings, lowrank_ranks, make_aggregator, resolve_method
 from lordo_fed.metrics import peak_rss_bytes
 from lordo_fed.model import ModelConfig, build_model, count_parameters

@@ -165,7 +165,7 @@ def batched_refresh(counts: dict[tuple[int, int], int], rank: int, device: torch
     same-shaped matrices stacked, one batched fit per stack, on `device`), measured once per
     method after a warm-up on one matrix of each shape. The exact SVD is left out on the CPU
     (~170 s at 720m: the per-matrix sum above estimates it)."""
-    from lordo_fed.rounds.aggregator import fit_projections
+    from lordo_fed.rounds.bases import fit_projections
 
     deltas, ranks = {}, {}
     for (p, q), n in counts.items():

@@ -20,6 +20,7 @@ from lordo_fed.config import FlatKey, flat_keys, get_dotted, section, setting
 from lordo_fed.app import CHECKSUMS
 from lordo_fed.rounds.config import CommonConfig
 from lordo_fed.rounds.methods import METHODS
+from lordo_fed.wire.payload import resolve_payload
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 """The Hydra presets of the Flower app (`preset` run-config key): installed with the package, so the
@@ -144,6 +145,12 @@ class AppConfig(CommonConfig):
             raise ValueError(f"client_state={self.client_state!r}: expected one of {CLIENT_STATE_STORES}")
         self.data_plane.validate()
         super().validate()
+        codecs = resolve_payload(self.payload_dtype).codecs
+        if codecs is not None and codecs.relay:
+            raise ValueError(f"payload_dtype={self.payload_dtype!r}: the relay (every worker replays the round from the "
+                             "relayed replies) runs in the reference trainer (lordo-train) only for now; the Flower "
+                             "app's wire does not carry relayed replies yet. Use 'topk2bit-both-wide' (the server "
+                             "re-sparsifies θ's change)")
         return self
 
     @property

@@ -38,7 +38,9 @@ from lordo_fed.optim.projection import ProjectionMethod, project, projection_sid
 from lordo_fed.optim.rotation import rotate_moments
 from lordo_fed.rounds import screening
 from lordo_fed.rounds.config import RoundConfig
-from lordo_fed.rounds.outer import OuterOptimizer
+from lordo_fed.rounds.bases import fit_projections, initial_projections, low_rank_shape
+from lordo_fed.rounds.outer import Average, OuterOptimizer
+from lordo_fed.rounds.sparse import contributor_mean, support_overlap
 from lordo_fed.rounds.screening import ReplyRef
 from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import Encoded, decode, encode
@@ -115,13 +117,21 @@ class Aggregator:
         self.moments: dict[str, Tensor] = {}
         self.payload = payload
         """A compressed payload preset (lordo_fed.wire.payload): moments sent quantised and, with
-        its `down` codec, θ as the compressed change of the clients' copy."""
+        its `down` codec, θ as the compressed change of the clients' copy (with `relay`, as the
+        replies the last round applied)."""
+        if payload is not None and payload.relay and not isinstance(outer, Average):
+            raise ValueError(f"outer={outer.name!r} with a relaying payload: every worker replays the server's outer "
+                             "step from the relayed replies, which needs the plain average (outer.name='average', "
+                             "any lr; its state is θ alone)")
         self.client_params: dict[str, Tensor] | None = (
-            {n: p.clone() for n, p in self.params.items()} if payload is not None and payload.down is not None else None)
+            {n: p.clone() for n, p in self.params.items()} if payload is not None and payload.tracks_copy else None)
         """θ_c, what every worker that applied every round's state holds (θ0 at first): the server
         keeps it exactly, so that both sides add the same decoded change to the same tensors."""
         self._resync_all = False
         """θ_c unknown (resumed from a checkpoint without it): the next state carries θ whole."""
+        self._relayed: list[WorkerUpdate] | None = None
+        """A relaying payload: the replies the last round applied, as received (None: unknown, after a
+        resume: the next state carries θ whole)."""
         self._encoded: tuple[int, GlobalState] | None = None
         """The compressed state of a round, encoded once (the round number changes with θ)."""
 
@@ -135,8 +145,10 @@ class Aggregator:
         if self._encoded is None or self._encoded[0] != self.round:
             moments = self.payload.encode_moments(self.moments)
             params, delta = (self._downlink(), True) if self.downlink_due() else (self.params, False)
+            relay = dict(relay=self._relayed, outer_lr=self.outer.lr) if delta and self.payload.relay else {}
             self._encoded = (self.round, GlobalState(round=self.round, params=params, projections=self._bases_sent(delta),
-                                                     moments=moments, opt_step=self.opt_step, params_delta=delta))
+                                                     moments=moments, opt_step=self.opt_step, params_delta=delta,
+                                                     **relay))
         return self._encoded[1]
 
     def _bases_sent(self, params_delta: bool) -> dict[str, Tensor]:
@@ -148,23 +160,27 @@ class Aggregator:
         """This round's state with θ_c whole (what a worker that missed a round is sent): the
         clients' copy as the other workers hold it once they applied `global_state()`."""
         return dataclasses.replace(self.global_state(), params=self.client_copy(), params_delta=False,
-                                   projections=self._bases_sent(False))
+                                   projections=self._bases_sent(False), relay=[], outer_lr=0.0)
 
     def client_copy(self) -> dict[str, Tensor]:
         """θ_c after this round's state is applied (θ itself without a compressed downlink)."""
         if self.client_params is None:
             return self.params
-        if not self.downlink_due():
+        if not self.downlink_due() or self.payload.relay:  # a relay's replay gives θ itself
             return {n: p.clone() for n, p in self.params.items()}
         change = self.global_state().params
         return {n: self.client_params[n] + decode(e, n).view(e.shape) for n, e in change.items()}
 
     def downlink_due(self) -> bool:
         """Whether this round's state carries θ as the compressed change of the clients' copy."""
-        return self.client_params is not None and self.round > 1 and not self._resync_all
+        relay_known = not self.payload.relay or self._relayed is not None if self.payload is not None else True
+        return self.client_params is not None and self.round > 1 and not self._resync_all and relay_known
 
     def _downlink(self) -> dict[str, Encoded]:
-        """θ − θ_c per parameter, compressed (deterministic: the same bytes every call)."""
+        """θ − θ_c per parameter, compressed (deterministic: the same bytes every call); nothing with a
+        relay (the state carries the replies instead)."""
+        if self.payload.relay:
+            return {}
         return {n: encode(self.params[n] - self.client_params[n], self.payload.down) for n in self.params}
 
     def _commit_downlink(self) -> None:
@@ -177,6 +193,7 @@ class Aggregator:
         """The round is given up (too few usable replies): θ and the states stay, the round counter
         moves on, and the clients' copy keeps what this round's state told them."""
         self._commit_downlink()
+        self._relayed = [] if self._relayed is not None else None  # θ did not move: nothing to replay
         self.round += 1
 
     def expected_moment_shape(self, name: str) -> tuple[int, ...]:
@@ -242,13 +259,15 @@ class Aggregator:
         return self.screen_gradient_round([g.worker_id for g in gradients], [self.check_gradient(g) for g in gradients])
 
     # ----------------------------------------------------------------------------- aggregation
-    def aggregate(self, updates: Sequence[WorkerUpdate], screened: bool = False) -> RoundResult:
+    def aggregate(self, updates: Sequence[WorkerUpdate], screened: bool = False,
+                  relay: Mapping[int, WorkerUpdate] | None = None) -> RoundResult:
         """Apply one round of decoded replies; bad replies are logged and dropped, never applied.
 
         `screened=True`: the caller already dropped what `screen()` refuses (the checks are not
         run a second time). The replies are averaged by `aggregate_refs` over in-memory refs, in
         worker_id order whatever the order given: one code path for the reference trainer and a
-        deployment that streams its replies."""
+        deployment that streams its replies. `relay`: with a relaying payload, each reply as received
+        (still compressed), by worker_id (`aggregate_refs`)."""
         rejected: dict[int, str] = {}
         refs: list[ReplyRef] = []
         if screened:
@@ -262,10 +281,11 @@ class Aggregator:
             else:
                 rejected[u.worker_id] = reason
                 log.warning("round %d: dropped reply of worker %s: %s", self.round, u.worker_id, reason)
-        return self.aggregate_refs(refs, rejected)
+        return self.aggregate_refs(refs, rejected, relay)
 
     @torch.no_grad()
-    def aggregate_refs(self, refs: Sequence[ReplyRef], rejected: Mapping[int, str] | None = None) -> RoundResult:
+    def aggregate_refs(self, refs: Sequence[ReplyRef], rejected: Mapping[int, str] | None = None,
+                       relay: Mapping[int, WorkerUpdate] | None = None) -> RoundResult:
         """Apply one round from screened replies that are loaded one at a time.
 
         Server memory is θ, the outer state, the fp32 accumulators (Δ̄ and the due moments) and
@@ -279,13 +299,18 @@ class Aggregator:
         The refs must have passed screening (`check_reply` + `screen_round`): one per worker, all
         for the current round; anything else raises ValueError, as does a `load` that returns a
         reply other than the one its ref describes. The state changes only after every reply
-        was loaded, so a failed load leaves the aggregator as it was."""
+        was loaded, so a failed load leaves the aggregator as it was.
+
+        With a relaying payload (`PayloadCodecs.relay`) `relay` holds every accepted reply as received
+        (worker_id -> the update with its Δ still compressed): the next state relays their Δ, without
+        moments or metrics, for the workers to replay this round (lordo_fed.rounds.relay)."""
         rejected = dict(rejected or {})
         if not refs:
             log.warning("round %d: no usable reply; global state unchanged", self.round)
             return RoundResult(self.global_state(), [], rejected, {})
         refs = sorted(refs, key=lambda r: r.worker_id)
         screening.check_refs(refs, self.round)
+        relayed = self._relay_of(refs, relay)
 
         total = sum(r.tokens for r in refs)
         weights = [r.tokens / total for r in refs]
@@ -322,6 +347,7 @@ class Aggregator:
                 moments = self._rotate(moments, self.projections, new)
             self.projections = new
         self.moments = moments
+        self._relayed = relayed
 
         metrics = {
             "train_loss": sum(w * r.metrics.get("train_loss", math.nan) for r, w in zip(refs, weights)),
@@ -336,6 +362,19 @@ class Aggregator:
         }
         self.round += 1
         return RoundResult(self.global_state(), [r.worker_id for r in refs], rejected, metrics)
+
+    def _relay_of(self, refs: Sequence[ReplyRef], relay: Mapping[int, WorkerUpdate] | None) -> list[WorkerUpdate] | None:
+        """The replies the next state relays (a relaying payload; None otherwise): each ref's reply
+        as received, its Δ only; ValueError if `relay` lacks one or holds another round's."""
+        if self.payload is None or not self.payload.relay:
+            return None
+        missing = [r.worker_id for r in refs if relay is None or r.worker_id not in relay
+                   or relay[r.worker_id].round != r.round]
+        if missing:
+            raise ValueError(f"round {self.round}: a relaying payload needs every applied reply as received; "
+                             f"none given for worker(s) {missing}")
+        return [WorkerUpdate(worker_id=r.worker_id, round=r.round, delta=dict(relay[r.worker_id].delta), moments={},
+                             tokens=r.tokens, opt_step=r.opt_step) for r in refs]
 
     def _accumulate(self, ref: ReplyRef, weight: float, names: Iterable[str], delta_sums: dict[str, Tensor],
                     moment_sums: dict[str, Tensor] | None = None, moment_norms: Mapping[str, float] | None = None,
@@ -524,23 +563,7 @@ class Aggregator:
             else:  # a checkpoint of a run without the compressed downlink: every worker gets θ whole once
                 self.client_params = {n: p.clone() for n, p in self.params.items()}
                 self._resync_all = True
-
-
-def contributor_mean(total: Tensor, weight: Tensor | None) -> Tensor:
-    """Σ_m w_m Δ_m / Σ_{m sent i} w_m at each index i, 0 where no worker sent one (SparseLoCo's
-    aggregation, Sarfi et al. 2025: an index one of M workers chose is not shrunk to 1/M)."""
-    if weight is None:  # no reply carried the tensor
-        return total
-    return torch.where(weight > 0, total / weight.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-
-
-def support_overlap(senders: Mapping[str, Tensor]) -> dict[str, float]:
-    """`sparse_support_shared`: the share of the indices sent this round that more than one worker
-    sent (0: the workers' top-k supports are disjoint, 1: they all chose the same indices)."""
-    sent = sum(int((s > 0).sum()) for s in senders.values())
-    if not sent:
-        return {}
-    return {"sparse_support_shared": sum(int((s > 1).sum()) for s in senders.values()) / sent}
+            self._relayed = None  # a relay's replies are not in the checkpoint: θ whole once
 
 
 def _add_weighted(sums: dict[str, Tensor], key: str, t: Tensor, weight: float) -> None:
@@ -553,48 +576,3 @@ def _add_weighted(sums: dict[str, Tensor], key: str, t: Tensor, weight: float) -
     elif acc.shape != t.shape:
         raise ValueError(f"{key}: shape {tuple(t.shape)} added to a sum of shape {tuple(acc.shape)}")
     acc.add_(t.float(), alpha=weight)
-
-
-def low_rank_shape(shape: tuple[int, int], rank: int) -> tuple[int, int]:
-    """Shape of a low-rank moment of a p×q weight (GaLore's side rule)."""
-    p, q = shape
-    return (p, rank) if projection_side(shape) == "right" else (rank, q)
-
-
-def fit_projections(deltas: dict[str, Tensor], ranks: dict[str, int], method: ProjectionMethod,
-                    seed: int, device: torch.device | str | None = None) -> dict[str, Tensor]:
-    """Stored-form projections (on the CPU) fitted to each low-rank parameter's pseudo-gradient.
-
-    Matrices of one shape and rank are fitted as one stack (`ProjectionMethod.fit_stack`: one
-    batched SVD or randomized SVD instead of a loop), on `device` (None: where the deltas are),
-    e.g. the server's GPU. Parameter i in name order is seeded with seed + i, as `method.fit`
-    of each matrix alone would be (the test oracle)."""
-    seeds = {name: seed + i for i, name in enumerate(sorted(ranks))}
-    groups: dict[tuple, list[str]] = {}
-    for name in sorted(ranks):
-        groups.setdefault((tuple(deltas[name].shape), ranks[name]), []).append(name)
-    out: dict[str, Tensor] = {}
-    for (shape, rank), names in groups.items():
-        per_stack = max(1, _MAX_STACK_BYTES // (4 * math.prod(shape)))  # bounds the extra host memory
-        for start in range(0, len(names), per_stack):
-            chunk = names[start:start + per_stack]
-            stack = torch.stack([deltas[n].float() for n in chunk])
-            stack = stack.to(device, non_blocking=True) if device is not None else stack
-            fitted = method.fit_stack(stack, rank, projection_side(shape), [seeds[n] for n in chunk]).cpu()
-            out.update((n, f.clone()) for n, f in zip(chunk, fitted.unbind(0)))
-    return {name: out[name] for name in sorted(ranks)}
-
-
-_MAX_STACK_BYTES = 1 << 28
-"""At most 256 MB of pseudo-gradients stacked at once by `fit_projections`."""
-
-
-
-def initial_projections(shapes: dict[str, tuple[int, int]], ranks: dict[str, int], method: ProjectionMethod,
-                        seed: int) -> dict[str, Tensor]:
-    """The projections of round 1, before any pseudo-gradient exists (seeded, same everywhere)."""
-    return {
-        name: method.initial(shapes[name], rank, projection_side(shapes[name]), seed=seed + i)
-        for i, (name, rank) in enumerate(sorted(ranks.items()))
-    }
-

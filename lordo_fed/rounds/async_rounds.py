@@ -50,7 +50,8 @@ from lordo_fed.wire.compress import decode, encode
 from lordo_fed.wire.messages import GlobalState, WorkerUpdate, split_moment_key
 from lordo_fed.wire.payload import PayloadCodecs
 from lordo_fed.rounds.outer import MomentumLookAhead, OuterOptimizer
-from lordo_fed.rounds.aggregator import Aggregator, fit_projections
+from lordo_fed.rounds.aggregator import Aggregator
+from lordo_fed.rounds.bases import fit_projections
 from lordo_fed.rounds.screening import delta_problem, tensor_problem
 
 

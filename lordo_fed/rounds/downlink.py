@@ -7,6 +7,8 @@ instead of θ (`GlobalState.params_delta`). Server and workers add the same deco
 same tensors, so they agree on θ_c bit for bit; a worker trains from θ_c and measures its Δ from
 it. A worker that gets a change to a copy it does not hold (it missed a round) refuses it
 (`ResyncNeeded`) and the server sends θ_c whole next time. θ_c is part of the worker's saved state.
+With a relaying payload the state carries the last round's replies instead of a change, and the
+worker replays that round on θ_c (lordo_fed.rounds.relay).
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor
 
+from lordo_fed.rounds.config import RoundConfig
+from lordo_fed.rounds.relay import replay
 from lordo_fed.wire.compress import decoded
 from lordo_fed.wire.messages import GlobalState
+from lordo_fed.wire.payload import PayloadCodecs
 
 
 class ResyncNeeded(ValueError):
@@ -27,9 +32,13 @@ class ResyncNeeded(ValueError):
 class Downlink:
     """θ of each round as a worker receives it, and θ_c when the downlink is compressed."""
 
-    def __init__(self, tracks: bool) -> None:
-        self.tracks = tracks
-        """Whether the downlink is compressed (`PayloadCodecs.down`): the worker keeps θ_c."""
+    def __init__(self, codecs: PayloadCodecs | None = None, rounds: RoundConfig | None = None) -> None:
+        self.tracks = codecs is not None and codecs.tracks_copy
+        """Whether the downlink is compressed (`PayloadCodecs.down` or `relay`): the worker keeps θ_c."""
+        self.codecs = codecs
+        """The run's payload codecs (a relay is replayed with them)."""
+        self.rounds = rounds
+        """The run's round settings (how the server averages: a relay is replayed with them)."""
         self.params: dict[str, Tensor] | None = None
         """θ_c, the copy of θ the server's changes are added to (host fp32); None: none held."""
         self.round = 0
@@ -44,7 +53,8 @@ class Downlink:
     def theta(self, state: GlobalState, names: Iterable[str]) -> dict[str, Tensor]:
         """θ to start round `state.round` from, by name: `state.params`, or θ_c plus the change it
         carries (a state that lacks one of `names`, the worker's parameters, is refused)."""
-        missing = set(names) - set(state.params)
+        relayed = state.params_delta and self.codecs is not None and self.codecs.relay
+        missing = set(names) - set(state.params) if not relayed else set()
         if missing:
             raise ValueError(f"global state lacks parameters {sorted(missing)}")
         if state.params_delta:
@@ -54,6 +64,11 @@ class Downlink:
                                    f"copy, this worker holds {held}: it needs θ whole (sent to a worker whose last "
                                    "reply did not reach the server)")
             self.change = {}
+            if relayed:
+                theta = replay(self.params, state, self.rounds, self.codecs)
+                self.change = {n: theta[n] - self.params[n] for n in self.keep}
+                self.params, self.round = theta, state.round
+                return self.params
             for name, change in decoded(state.params).items():
                 self.params[name].add_(change.float())
                 if name in self.keep:

@@ -194,7 +194,7 @@ def make_aggregator(model: nn.Module, settings: MethodSettings, ranks: dict[str,
     server_projections = inner.name == "lordo" and inner.projection == "global" and bool(ranks)
     payload.check_method(server_projections, asynchronous=settings.loop != "rounds")
     codecs = payload.codecs
-    if settings.rounds.bases_from == "downlink" and (codecs is None or codecs.down is None or codecs.lowrank is not None):
+    if settings.rounds.bases_from == "downlink" and (codecs is None or not codecs.tracks_copy or codecs.lowrank is not None):
         raise ValueError(f"rounds.bases_from='downlink' with payload_dtype={payload.name!r}: the workers fit the bases "
                          "to the compressed downlink's change of their copy θ_c, which needs a compressed preset without "
                          "low-rank Δ (that needs the server's bases); expected e.g. 'topk2bit-both-wide' or 'int8'")

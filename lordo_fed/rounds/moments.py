@@ -25,7 +25,7 @@ from lordo_fed.optim.bias import restep, restep_state
 from lordo_fed.optim.lordo import EF_DTYPES
 from lordo_fed.optim.projection import get_projection_method
 from lordo_fed.optim.sharded import gather
-from lordo_fed.rounds.aggregator import fit_projections
+from lordo_fed.rounds.bases import fit_projections
 from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.rounds.sharding import chunk_state
 from lordo_fed.wire.compress import decoded

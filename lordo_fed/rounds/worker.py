@@ -91,7 +91,7 @@ class Worker:
         """Compressed payloads (lordo_fed.wire.payload): Δ sent with error feedback, moments quantised."""
         self.uplink = Uplink(payload, rounds.wire_ef_decay)
         """What the worker sends, compressed per `payload` (Δ's residual kept for later rounds)."""
-        self.downlink = Downlink(tracks=payload is not None and payload.down is not None)
+        self.downlink = Downlink(payload, rounds)
         """θ of each round as the server sends it (with a compressed downlink, the clients' copy θ_c)."""
         if rounds.bases_from == "downlink" and isinstance(optimizer, LoRDO):  # keeps the change the bases fit
             low_rank = {id(p) for p, _ in optimizer.low_rank_params()}

@@ -22,7 +22,7 @@ from lordo_fed.metrics import optimizer_state_bytes, tensor_bytes
 from lordo_fed.optim import LoRDO
 from lordo_fed.optim.config import resolved_proj_method
 from lordo_fed.optim.projection import get_projection_method
-from lordo_fed.rounds.aggregator import fit_projections, initial_projections
+from lordo_fed.rounds.bases import fit_projections, initial_projections
 from lordo_fed.rounds.async_rounds import AsyncServer, NodeCopies, VirtualClock, async_record
 from lordo_fed.rounds.build import build_run
 from lordo_fed.rounds.methods import MethodSettings, make_worker
@@ -108,9 +108,10 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         started = time.perf_counter()
         updates = [w.train_round(state, progress=bar.worker_step) for w in workers]
         sent = max(tensor_bytes(u.tensors()) for u in updates)  # compressed tensors by their encoded bytes
+        relay = {u.worker_id: u for u in updates}  # as received: what a relaying payload sends on
         updates = [as_received(u) for u in updates]
         aggregation_started = time.perf_counter()
-        result = aggregator.aggregate(updates)
+        result = aggregator.aggregate(updates, relay=relay)
         elapsed = time.perf_counter() - started
         aggregation_seconds = time.perf_counter() - aggregation_started
         tokens += sum(u.tokens for u in updates)

@@ -61,10 +61,19 @@ class GlobalState:
     local_steps: int = 0
     """Asynchronous rounds with speed-matched steps: this round's local steps, chosen by the server
     (lordo_fed.rounds.async_rounds.SpeedMatch); 0: the node's own."""
+    relay: list["WorkerUpdate"] = field(default_factory=list)
+    """A relaying payload (`PayloadCodecs.relay`), with `params_delta` and `params` empty: the replies
+    of round `round` − 1 the server applied, as it received them (Δ compressed, tokens; no moments),
+    in worker order; the worker replays the mean and the outer step on its copy θ_c
+    (lordo_fed.rounds.relay). Empty with `params_delta`: θ did not move (a skipped round)."""
+    outer_lr: float = 0.0
+    """With `relay`: the server's outer lr η of that round's step θ ← θ − η Δ̄."""
 
     def tensors(self) -> dict[str, Tensor]:
         """Everything that crosses the wire downstream, one flat dict (for byte counts)."""
         out = {f"param/{k}": v for k, v in self.params.items()}
+        for reply in self.relay:
+            out.update({f"relay/{reply.worker_id}/{k}": v for k, v in reply.delta.items()})
         out.update({f"proj/{k}": v for k, v in self.projections.items()})
         out.update(self.moments)
         return out

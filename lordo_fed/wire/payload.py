@@ -8,6 +8,7 @@
 | topk2bit    | blocks' matrices: top-k 3% of each 4096, 2-bit values (sign and two magnitudes per chunk), positions Rice-coded; embedding and norms int8 / 64 | int8 / 64 | int8 / 64 change |
 | topk2bit-both | every tensor (embedding and norms too) as topk2bit | int8 / 64 | topk2bit change: the server re-sparsifies θ − θ_c, what it leaves stays in θ − θ_c |
 | topk2bit-all | every tensor as topk2bit | int8 / 64 | int8 / 64 change |
+| topk2bit-relay | every tensor as topk2bit | int8 / 64 | the round's accepted replies, relayed: each worker replays the mean and outer step (θ_c = θ exactly; M x the uplink) |
 | topk2bit-both-wide | every tensor as topk2bit | int8 / 64 | as topk2bit at 12% of each chunk: room for the union of 4 workers' 3% |
 | topk2bit-both-wide-d64 | every tensor top-k 1/64 (SparseLoCo's production density) | int8 / 64 | top-k 4/64 |
 | topk2bit-both-wide-tiles | as topk2bit-both-wide, a 2-D tensor cut into 64×64 tiles (SparseLoCo's cut) | int8 / 64 | as topk2bit-both-wide, tiled |
@@ -59,6 +60,17 @@ class PayloadCodecs:
     matching `DEFAULT_LOWRANK_PATTERN`), when not `delta` (None: `delta`)."""
     rows: CodecSpec | None = None
     """Δ of the 2-D parameters outside the blocks' matrices (the embedding), row-sparse (None: `dense`)."""
+    relay: bool = False
+    """θ downstream as the round's accepted replies, relayed as the server received them (issue 30's
+    option B, SparseLoCo's all-gather): every worker replays the server's mean and outer step on its
+    copy θ_c (lordo_fed.rounds.relay), so θ_c is θ exactly, at M times the uplink's bytes down.
+    Needs the plain-average outer step (`outer.name='average'`: nothing but θ to replay)."""
+
+    @property
+    def tracks_copy(self) -> bool:
+        """Whether θ travels as a change of the clients' copy θ_c (`down` or `relay`), which server and
+        workers then keep."""
+        return self.down is not None or self.relay
 
     def delta_spec(self, name: str, shape: tuple[int, ...]) -> CodecSpec:
         """The codec of Δ (or its residual) of parameter `name` of `shape`: `delta` for the blocks'
@@ -90,8 +102,10 @@ class PayloadCodecs:
                                                  self.lowrank, self.dense, self.rows) if s is not None)
 
     def down_specs(self) -> frozenset[CodecSpec]:
-        """What a worker configures for the server's states (`decode_global_state`'s `codecs`)."""
-        return frozenset(s.canonical() for s in (self.moments, self.moment_spec("exp_avg_sq/"), self.down)
+        """What a worker configures for the server's states (`decode_global_state`'s `codecs`): with
+        `relay` also the replies' specs (the state carries them)."""
+        relayed = (self.delta, self.dense, self.rows) if self.relay else ()
+        return frozenset(s.canonical() for s in (self.moments, self.moment_spec("exp_avg_sq/"), self.down, *relayed)
                          if s is not None)
 
 
@@ -104,6 +118,7 @@ PRESETS: dict[str, PayloadCodecs] = {
     "topk2bit": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8, down=_INT8, dense=_INT8),
     "topk2bit-both": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8, down=_TOPK2BIT),
     "topk2bit-all": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8, down=_INT8),
+    "topk2bit-relay": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8, relay=True),
     "topk2bit-both-wide": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8,
                                         down=dataclasses.replace(_TOPK2BIT, density=0.12)),
     "topk2bit-both-wide-d64": PayloadCodecs(delta=dataclasses.replace(_TOPK2BIT, density=1 / 64), moments=_INT8,
@@ -149,7 +164,10 @@ class Payload:
     def check_method(self, shared_bases: bool, asynchronous: bool = False) -> None:
         """Refuse a `lowrank+` preset (ValueError naming it) where no shared basis exists to send Δ's
         coordinates in: methods other than LoRDO-Global, and asynchronous rounds (a stale reply's
-        basis is not the server's)."""
+        basis is not the server's); and a relaying preset in asynchronous rounds."""
+        if self.codecs is not None and self.codecs.relay and asynchronous:
+            raise ValueError(f"payload_dtype={self.name!r}: relaying a round's replies needs synchronous rounds (an "
+                             "asynchronous pull has no round of replies to replay); use 'topk2bit-both-wide'")
         if self.codecs is None or self.codecs.lowrank is None:
             return
         if asynchronous:

@@ -165,7 +165,7 @@ def test_a_one_rank_node_through_its_wrapper_equals_the_bare_worker_on_the_gpu(t
 def test_the_aggregators_projection_fits_on_the_gpu_match_the_cpu(name):
     """`fit_projections` on the GPU (batched, as a server with a GPU runs it) spans the same
     subspaces as on the CPU, and hands back CPU tensors."""
-    from lordo_fed.rounds.aggregator import fit_projections
+    from lordo_fed.rounds.bases import fit_projections
 
     gen = torch.Generator().manual_seed(0)
     shapes = {"a": (96, 64), "b": (96, 64), "c": (64, 160)}

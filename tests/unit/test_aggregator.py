@@ -28,7 +28,8 @@ from safetensors.torch import load_file, save_file
 
 from lordo_fed.wire.decode import decode_update
 from lordo_fed.wire.encode import encode_update
-from lordo_fed.rounds.aggregator import Aggregator, RoundResult, fit_projections, low_rank_shape
+from lordo_fed.rounds.aggregator import Aggregator, RoundResult
+from lordo_fed.rounds.bases import fit_projections, low_rank_shape
 from lordo_fed.optim.bias import restep
 from lordo_fed.rounds.outer import QHM, Average, Nesterov, OuterConfig
 from lordo_fed.optim.projection import SVDProjection, projection_side

@@ -353,8 +353,9 @@ def test_each_node_gets_its_pull_as_the_change_from_its_own_copy():
     from lordo_fed.wire.payload import resolve_payload
 
     torch.manual_seed(0)
-    copies = NodeCopies(resolve_payload("int8").codecs)
-    nodes = {0: Downlink(tracks=True), 1: Downlink(tracks=True)}
+    codecs = resolve_payload("int8").codecs
+    copies = NodeCopies(codecs)
+    nodes = {0: Downlink(codecs), 1: Downlink(codecs)}
     rounds = {0: 0, 1: 0}
     theta = {"w": torch.randn(32, 64), "b": torch.randn(64)}
 

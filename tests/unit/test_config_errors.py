@@ -70,7 +70,10 @@ RUN_CONFIG_CASES = [
     ("outer-lr", 0.0, "run-config key 'outer-lr': outer.lr=0.0: the outer learning rate must be a finite number > 0"),
     ("outer-lr", math.inf, "run-config key 'outer-lr': outer.lr=inf: the outer learning rate must be a finite number > 0"),
     ("payload-dtype", "fp16", "run-config key 'payload-dtype': payload_dtype='fp16': expected one of ('fp32', 'bf16', "
-                              "'int8', 'int4', 'topk2bit', 'topk2bit-both', 'topk2bit-all', 'topk2bit-both-wide', 'topk2bit-both-wide-d64', 'topk2bit-both-wide-tiles', 'topk2bit-lut', 'lowrank+topk2bit', 'lowrank+topk2bit-wide', 'lowrank+topk2bit+rows')"),
+                              "'int8', 'int4', 'topk2bit', 'topk2bit-both', 'topk2bit-all', 'topk2bit-relay', 'topk2bit-both-wide', 'topk2bit-both-wide-d64', 'topk2bit-both-wide-tiles', 'topk2bit-lut', 'lowrank+topk2bit', 'lowrank+topk2bit-wide', 'lowrank+topk2bit+rows')"),
+    ("payload-dtype", "topk2bit-relay", "run-config key 'payload-dtype': payload_dtype='topk2bit-relay': the relay "
+                                        "(every worker replays the round from the relayed replies) runs in the reference "
+                                        "trainer (lordo-train) only for now"),
     ("data-path", 3, "run-config key 'data-path'=3: expected a string like the default ''"),
     ("val-path", 3, "run-config key 'val-path'=3: expected a string like the default ''"),
     ("text-field", "", "run-config key 'text-field': DataConfig.text_field='': expected the name of the field or column "

@@ -116,7 +116,7 @@ def test_fitting_a_stack_equals_fitting_each_matrix_alone(name, shape):
 
 def test_fit_projections_groups_by_shape_and_keeps_each_parameters_seed():
     """The aggregator's refit: matrices of a shape fitted together, each as the per-name fit with its seed."""
-    from lordo_fed.rounds.aggregator import fit_projections
+    from lordo_fed.rounds.bases import fit_projections
 
     shapes = {"a": (48, 32), "b": (32, 48), "c": (48, 32), "d": (48, 32)}
     deltas = {n: noisy_matrix(*s, seed=i) for i, (n, s) in enumerate(shapes.items())}

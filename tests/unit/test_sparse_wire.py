@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from lordo_fed.rounds.aggregator import contributor_mean
+from lordo_fed.rounds.sparse import contributor_mean
 from lordo_fed.optim.projection import projection_side
 from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.wire.compress import CodecSpec, ErrorFeedback, decode
@@ -168,12 +168,12 @@ def test_a_worker_reports_what_its_wire_residual_holds(tmp_path):
 
 
 # ----------------------------------------------------------------------------- bases fitted from the downlink
-def downlink_bases_run(tmp_path, **rounds):
+def downlink_bases_run(tmp_path, payload="topk2bit-both-wide", **rounds):
     from lordo_fed.data import load_dataset
     from lordo_fed.rounds.build import build_run
     from tests.unit.test_trainer import tiny_config
 
-    cfg = tiny_config(tmp_path, workers=3, payload_dtype="topk2bit-both-wide",
+    cfg = tiny_config(tmp_path, workers=3, payload_dtype=payload,
                       rounds=RoundConfig(local_steps=2, sync_exp_avg_every=0, sync_exp_avg_sq_every=0, **rounds))
     cfg.inner.init_projection = "random"
     data = load_dataset(cfg.data, 3)
@@ -192,7 +192,7 @@ def test_workers_fit_the_bases_to_the_downlink_and_agree(tmp_path, overlap):
     and is sent θ_c whole takes round 1's bases with it and fits the next change again (round 4).
     Overlapped rounds (τ = 1, every worker in every round) fit them when they merge the state."""
     from lordo_fed.optim.projection import get_projection_method
-    from lordo_fed.rounds.aggregator import fit_projections
+    from lordo_fed.rounds.bases import fit_projections
     from lordo_fed.trainer.run import as_received
     from lordo_fed.wire.compress import decoded
 

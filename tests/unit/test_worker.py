@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from lordo_fed.rounds.aggregator import low_rank_shape
+from lordo_fed.rounds.bases import low_rank_shape
 from lordo_fed.data import TokenShard
 from lordo_fed.rounds.methods import lowrank_ranks, make_aggregator, make_worker, resolve_method
 from lordo_fed.model import DEFAULT_LOWRANK_PATTERN, ModelConfig, build_model, lowrank_parameter_names

@@ -1,0 +1,207 @@
+"""Issue 30's option B: the server relays the round's replies and every worker replays the round.
+
+The oracle of a relayed run is the same run with the same uplink and θ sent whole in fp32: the
+replay must give every worker the server's θ bit for bit, so the two runs are one run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lordo_fed.rounds.aggregator import Aggregator
+from lordo_fed.rounds.config import RoundConfig
+from lordo_fed.rounds.downlink import Downlink, ResyncNeeded
+from lordo_fed.rounds.outer import Average, Nesterov
+from lordo_fed.trainer.run import as_received
+from lordo_fed.wire.compress import ErrorFeedback
+from lordo_fed.wire.messages import WorkerUpdate
+from lordo_fed.wire.payload import PRESETS, resolve_payload
+
+RELAY = resolve_payload("topk2bit-relay").codecs
+NAMES = {"layers.0.wq.weight": (64, 96), "embed.weight": (40, 16), "norm.weight": (16,)}
+
+
+def rounds_config(**kw) -> RoundConfig:
+    return RoundConfig(local_steps=1, sync_exp_avg_every=0, sync_exp_avg_sq_every=0, **kw)
+
+
+def replies(round_idx: int, feedback: list[ErrorFeedback], tokens=(300, 100, 200), gen=None) -> list[WorkerUpdate]:
+    """One round of compressed replies as workers send them: heavy-tailed Δ, top-k 2-bit with each
+    worker's error feedback (what `Uplink` does), one reply per worker."""
+    out = []
+    for m, n in enumerate(tokens):
+        delta = {name: torch.distributions.StudentT(3.0).sample(shape) * 1e-2 for name, shape in NAMES.items()}
+        sent = {name: feedback[m].compress(name, d, RELAY.delta_spec(name, d.shape))[0] for name, d in delta.items()}
+        out.append(WorkerUpdate(worker_id=m, round=round_idx, delta=sent, moments={}, tokens=n, opt_step=round_idx))
+    return out
+
+
+@pytest.mark.parametrize("mean,clip", [("all", False), ("contributors", False), ("contributors", True)])
+def test_every_worker_replays_the_servers_theta_bit_for_bit(mean, clip):
+    """Four rounds of mocked compressed replies through the real aggregator (outer average, lr 1.3):
+    from round 2 each state carries the last round's replies, not θ, and a worker's copy after the
+    replay equals the server's θ exactly; a worker that missed a round is refused the relay and
+    gets θ whole (`resync_state`); a skipped round relays nothing and θ stays."""
+    torch.manual_seed(0)
+    rc = rounds_config(sparse_mean=mean, clip_median=clip)
+    theta0 = {name: torch.randn(shape) for name, shape in NAMES.items()}
+    agg = Aggregator(theta0, {}, rc, Average(lr=1.3), None, payload=RELAY)
+    workers = [Downlink(RELAY, rc) for _ in range(3)]
+    feedback = [ErrorFeedback(decay=0.9) for _ in range(3)]
+    for r in range(1, 6):
+        state = agg.global_state()
+        assert state.params_delta == (r > 1) and bool(state.params) == (r == 1)
+        if r == 5:  # round 4 was skipped: nothing to replay
+            assert state.params_delta and state.relay == []
+        elif r > 1:
+            assert [u.worker_id for u in state.relay] == [0, 1, 2] and state.outer_lr == 1.3
+            assert all(not u.moments for u in state.relay)
+        for m, w in enumerate(workers):
+            if r == 3 and m == 2:  # worker 2 missed round 2: it holds round 1's copy
+                with pytest.raises(ResyncNeeded, match="round 3"):
+                    w.theta(state, NAMES)
+                theta = w.theta(agg.resync_state(), NAMES)
+            else:
+                theta = w.theta(state, NAMES)
+            assert all(torch.equal(theta[n], agg.params[n]) for n in NAMES), (r, m)
+            if r == 2 and m == 2:
+                w.round = 0  # forget round 2 (its reply did not arrive)
+        if r == 4:
+            agg.skip_round()
+            continue
+        sent = replies(r, feedback)
+        before = {n: p.clone() for n, p in agg.params.items()}
+        agg.aggregate([as_received(u) for u in sent], relay={u.worker_id: u for u in sent})
+        assert any(not torch.equal(before[n], agg.params[n]) for n in NAMES)  # θ moved
+    assert agg.round == 6
+
+
+def test_a_relayed_state_after_a_skipped_round_carries_nothing_and_theta_stays():
+    rc = rounds_config()
+    agg = Aggregator({n: torch.zeros(s) for n, s in NAMES.items()}, {}, rc, Average(), None, payload=RELAY)
+    w = Downlink(RELAY, rc)
+    w.theta(agg.global_state(), NAMES)
+    sent = replies(1, [ErrorFeedback() for _ in range(3)])
+    agg.aggregate([as_received(u) for u in sent], relay={u.worker_id: u for u in sent})
+    w.theta(agg.global_state(), NAMES)
+    agg.skip_round()
+    state = agg.global_state()
+    assert state.params_delta and state.relay == [] and state.round == 3
+    theta = w.theta(state, NAMES)
+    assert all(torch.equal(theta[n], agg.params[n]) for n in NAMES)
+
+
+def test_after_a_resume_every_worker_gets_theta_whole_once():
+    """The relayed replies are not in the checkpoint: the first state after a resume carries θ whole,
+    the next relays again."""
+    rc = rounds_config()
+    agg = Aggregator({n: torch.zeros(s) for n, s in NAMES.items()}, {}, rc, Average(), None, payload=RELAY)
+    fb = [ErrorFeedback() for _ in range(3)]
+    for r in (1, 2):
+        agg.global_state()
+        sent = replies(r, fb)
+        agg.aggregate([as_received(u) for u in sent], relay={u.worker_id: u for u in sent})
+    resumed = Aggregator({n: torch.zeros(s) for n, s in NAMES.items()}, {}, rc, Average(), None, payload=RELAY)
+    resumed.load_state_dict(agg.state_dict())
+    state = resumed.global_state()
+    assert not state.params_delta and not state.relay
+    assert all(torch.equal(state.params[n], agg.params[n]) for n in NAMES)
+    w = Downlink(RELAY, rc)
+    w.theta(state, NAMES)
+    sent = replies(3, fb)
+    resumed.aggregate([as_received(u) for u in sent], relay={u.worker_id: u for u in sent})
+    state = resumed.global_state()
+    assert state.params_delta and len(state.relay) == 3
+    theta = w.theta(state, NAMES)
+    assert all(torch.equal(theta[n], resumed.params[n]) for n in NAMES)
+
+
+def test_a_relay_needs_every_applied_reply_and_the_plain_average():
+    rc = rounds_config()
+    with pytest.raises(ValueError, match=r"outer='nesterov' with a relaying payload.*outer.name='average'"):
+        Aggregator({"w": torch.zeros(4)}, {}, rc, Nesterov(lr=0.7, momentum=0.9), None, payload=RELAY)
+    agg = Aggregator({n: torch.zeros(s) for n, s in NAMES.items()}, {}, rc, Average(), None, payload=RELAY)
+    sent = replies(1, [ErrorFeedback() for _ in range(3)])
+    with pytest.raises(ValueError, match=r"round 1: a relaying payload needs every applied reply as received; "
+                                         r"none given for worker\(s\) \[2\]"):
+        agg.aggregate([as_received(u) for u in sent], relay={u.worker_id: u for u in sent[:2]})
+    assert agg.round == 1 and all(not p.any() for p in agg.params.values())  # nothing applied
+    with pytest.raises(ValueError, match="relaying a round's replies needs synchronous rounds"):
+        resolve_payload("topk2bit-relay").check_method(False, asynchronous=True)
+
+
+def test_a_relayed_state_with_a_bad_outer_lr_is_refused():
+    rc = rounds_config()
+    agg = Aggregator({n: torch.zeros(s) for n, s in NAMES.items()}, {}, rc, Average(), None, payload=RELAY)
+    w = Downlink(RELAY, rc)
+    w.theta(agg.global_state(), NAMES)
+    sent = replies(1, [ErrorFeedback() for _ in range(3)])
+    agg.aggregate([as_received(u) for u in sent], relay={u.worker_id: u for u in sent})
+    bad = dataclasses.replace(agg.global_state(), outer_lr=float("nan"))
+    with pytest.raises(ValueError, match=r"round 2: a relayed state with outer_lr=nan"):
+        w.theta(bad, NAMES)
+
+
+@pytest.mark.parametrize("method,overrides", [
+    ("diloco", dict(diloco_outer=("average", 1.3), sparse_mean="contributors")),
+    ("lordo_global", dict()),
+])
+def test_a_relayed_run_is_the_run_with_theta_sent_whole(tmp_path, monkeypatch, method, overrides):
+    """The reference trainer, three workers, four rounds: `topk2bit-relay` against the same uplink with
+    θ down fp32 whole (a preset made here: the oracle). Same θ at every evaluation and at the end, bit
+    for bit; the relay's bytes down are the three replies' encoded bytes."""
+    from lordo_fed.rounds.outer import OuterConfig
+    from tests.unit.test_trainer import context, tiny_config
+    from lordo_fed.rounds.methods import resolve_method
+    from lordo_fed.trainer.run import run_rounds
+
+    monkeypatch.setitem(PRESETS, "topk2bit-exact-down", dataclasses.replace(RELAY, relay=False))
+    outer = overrides.pop("diloco_outer", None)
+    rc = RoundConfig(local_steps=2, sync_exp_avg_every=0, sync_exp_avg_sq_every=0, wire_ef_decay=0.9, **overrides)
+    runs = {}
+    for payload in ("topk2bit-relay", "topk2bit-exact-down"):
+        cfg = tiny_config(tmp_path / payload, workers=3, total_steps=8, eval_every=1, payload_dtype=payload, rounds=rc)
+        cfg.inner.init_projection = "random"
+        if outer:
+            cfg.diloco_outer = OuterConfig(name=outer[0], lr=outer[1])
+        records: list = []
+        settings = resolve_method(method, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
+        torch.manual_seed(0)
+        model = run_rounds(context(cfg, records), settings)
+        runs[payload] = ({n: p.detach().clone() for n, p in model.named_parameters()},
+                         [r for r in records if "val_loss" in r])
+    (relayed, curve), (exact, oracle) = runs["topk2bit-relay"], runs["topk2bit-exact-down"]
+    assert all(torch.equal(relayed[n], exact[n]) for n in exact)
+    assert [r["val_loss"] for r in curve] == [r["val_loss"] for r in oracle] and len(curve) == 5
+    assert curve[-1]["val_loss"] < curve[0]["val_loss"]  # it trained
+    down = [r["bytes_received_per_worker"] for r in curve[1:]]
+    dense = [r["bytes_received_per_worker"] for r in oracle[1:]]
+    assert down[0] == dense[0]  # round 1: θ whole either way
+    assert all(0 < d < e for d, e in zip(down[1:], dense[1:]))
+
+
+def test_workers_fit_the_bases_to_the_replayed_change_and_agree(tmp_path):
+    """`bases_from='downlink'` with a relay: every worker fits each low-rank matrix's basis to the change
+    of θ it replayed, which is the server's θ_r − θ_(r−1) exactly (the oracle: that change, taken from
+    the server, fitted here alone); all three workers agree."""
+    from lordo_fed.optim.projection import get_projection_method, projection_side
+    from lordo_fed.rounds.bases import fit_projections
+    from tests.unit.test_sparse_wire import downlink_bases_run
+
+    run, workers, agg = downlink_bases_run(tmp_path, bases_from="downlink", payload="topk2bit-relay")
+    method = get_projection_method("svd")
+    before = None
+    for r in range(1, 4):
+        state = agg.global_state()
+        updates = [w.train_round(state) for w in workers]
+        if r > 1:
+            change = {n: agg.params[n] - before[n] for n in run.ranks}
+            expected = fit_projections(change, run.ranks, method, seed=7919 * (r - 1))
+            for w in workers:
+                for n, stored in expected.items():
+                    basis = method.basis(stored, tuple(w.params[n].shape), projection_side(w.params[n].shape))
+                    assert torch.equal(w.optimizer.basis(w.params[n]), basis), (r, w.worker_id, n)
+        before = {n: p.clone() for n, p in agg.params.items()}
+        agg.aggregate([as_received(u) for u in updates], relay={u.worker_id: u for u in updates})
