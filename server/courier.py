@@ -54,6 +54,8 @@ class Courier:
         self.wire_dtype = payload.wire_dtype
         self.codecs = payload.receiver_specs
         """The compressed codecs replies may use: those of the run's payload preset (none for fp32/bf16)."""
+        self.relay = payload.codecs is not None and payload.codecs.relay
+        """A relaying preset: each usable reply's ref also reads it as received (`ReplyRef.relayed`)."""
         self.max_upload = max_upload
         """The largest reply a node may upload (a bigger upload is refused before it is stored)."""
         self.spool = spool
@@ -226,10 +228,12 @@ class Courier:
             log.warning("no reply from node %s: %s; excluded from this round", ids[mid], reason.rstrip(". "))
         return replies
 
-    def decode(self, payload: bytes | memoryview, adopt: bool = False) -> WorkerUpdate:
+    def decode(self, payload: bytes | memoryview, adopt: bool = False, keep_compressed: bool = False) -> WorkerUpdate:
         """A reply's payload as a WorkerUpdate of this run's model (PayloadError when it is not one);
-        `adopt`: fp32 tensors are views of a writable `payload` instead of copies (lordo_fed.wire.decode)."""
-        return decode_update(payload, expected_model_id=self.model_id, adopt=adopt, codecs=self.codecs)
+        `adopt`: fp32 tensors are views of a writable `payload` instead of copies; `keep_compressed`:
+        compressed tensors as received (lordo_fed.wire.decode)."""
+        return decode_update(payload, expected_model_id=self.model_id, adopt=adopt, codecs=self.codecs,
+                             keep_compressed=keep_compressed)
 
     @contextlib.contextmanager
     def screened(self, replies: Iterable[Message], round_idx: int, phase: str,
@@ -296,7 +300,8 @@ class Courier:
                     load = (lambda index=len(entries): load_kept(index))
                 else:
                     load = (lambda source=source: self.decode(source()))
-                ref = ReplyRef.of(update, load=load, norm=norm)
+                relayed = (lambda source=source: self.decode(source(), keep_compressed=True)) if self.relay else None
+                ref = ReplyRef.of(update, load=load, norm=norm, relayed=relayed)
                 del update
                 entries.append((f"{who} (partition {ref.worker_id})", ref, size, msg.content.get("metrics", MetricRecord()),
                                 reason, norm))

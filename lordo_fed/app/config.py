@@ -146,11 +146,15 @@ class AppConfig(CommonConfig):
         self.data_plane.validate()
         super().validate()
         codecs = resolve_payload(self.payload_dtype).codecs
-        if codecs is not None and codecs.relay:
-            raise ValueError(f"payload_dtype={self.payload_dtype!r}: the relay (every worker replays the round from the "
-                             "relayed replies) runs in the reference trainer (lordo-train) only for now; the Flower "
-                             "app's wire does not carry relayed replies yet. Use 'topk2bit-both-wide' (the server "
-                             "re-sparsifies θ's change)")
+        spec = METHODS[self.variant]
+        outer_name = "diloco_outer" if spec.diloco_outer else "outer"
+        if codecs is not None and codecs.relay and spec.loop != "rounds":
+            resolve_payload(self.payload_dtype).check_method(False, asynchronous=True)  # raises, naming why
+        if codecs is not None and codecs.relay and getattr(self, outer_name).name != "average":
+            raise ValueError(f"payload_dtype={self.payload_dtype!r} with {outer_name}.name="
+                             f"{getattr(self, outer_name).name!r} (variant {self.variant!r}): every client replays the "
+                             f"server's outer step from the relayed replies, which needs {outer_name}.name='average' "
+                             "(the `diloco-sparse` preset's)")
         return self
 
     @property

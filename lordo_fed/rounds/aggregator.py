@@ -277,15 +277,15 @@ class Aggregator:
             reasons, norms = self.screen(updates)
         for u, reason, norm in zip(updates, reasons, norms):
             if reason is None:
-                refs.append(ReplyRef.of(u, norm=norm))
+                kept = relay.get(u.worker_id) if relay is not None else None
+                refs.append(ReplyRef.of(u, norm=norm, relayed=None if kept is None else (lambda kept=kept: kept)))
             else:
                 rejected[u.worker_id] = reason
                 log.warning("round %d: dropped reply of worker %s: %s", self.round, u.worker_id, reason)
-        return self.aggregate_refs(refs, rejected, relay)
+        return self.aggregate_refs(refs, rejected)
 
     @torch.no_grad()
-    def aggregate_refs(self, refs: Sequence[ReplyRef], rejected: Mapping[int, str] | None = None,
-                       relay: Mapping[int, WorkerUpdate] | None = None) -> RoundResult:
+    def aggregate_refs(self, refs: Sequence[ReplyRef], rejected: Mapping[int, str] | None = None) -> RoundResult:
         """Apply one round from screened replies that are loaded one at a time.
 
         Server memory is θ, the outer state, the fp32 accumulators (Δ̄ and the due moments) and
@@ -301,16 +301,16 @@ class Aggregator:
         reply other than the one its ref describes. The state changes only after every reply
         was loaded, so a failed load leaves the aggregator as it was.
 
-        With a relaying payload (`PayloadCodecs.relay`) `relay` holds every accepted reply as received
-        (worker_id -> the update with its Δ still compressed): the next state relays their Δ, without
-        moments or metrics, for the workers to replay this round (lordo_fed.rounds.relay)."""
+        With a relaying payload (`PayloadCodecs.relay`) every ref must give its reply as received
+        (`ReplyRef.relayed`, Δ still compressed): the next state relays their Δ, without moments or
+        metrics, for the workers to replay this round (lordo_fed.rounds.relay)."""
         rejected = dict(rejected or {})
         if not refs:
             log.warning("round %d: no usable reply; global state unchanged", self.round)
             return RoundResult(self.global_state(), [], rejected, {})
         refs = sorted(refs, key=lambda r: r.worker_id)
         screening.check_refs(refs, self.round)
-        relayed = self._relay_of(refs, relay)
+        relayed = self._relay_of(refs)
 
         total = sum(r.tokens for r in refs)
         weights = [r.tokens / total for r in refs]
@@ -363,18 +363,25 @@ class Aggregator:
         self.round += 1
         return RoundResult(self.global_state(), [r.worker_id for r in refs], rejected, metrics)
 
-    def _relay_of(self, refs: Sequence[ReplyRef], relay: Mapping[int, WorkerUpdate] | None) -> list[WorkerUpdate] | None:
+    def _relay_of(self, refs: Sequence[ReplyRef]) -> list[WorkerUpdate] | None:
         """The replies the next state relays (a relaying payload; None otherwise): each ref's reply
-        as received, its Δ only; ValueError if `relay` lacks one or holds another round's."""
+        as received (`ReplyRef.relayed`), its Δ only; ValueError if a ref has none, or another reply."""
         if self.payload is None or not self.payload.relay:
             return None
-        missing = [r.worker_id for r in refs if relay is None or r.worker_id not in relay
-                   or relay[r.worker_id].round != r.round]
+        missing = [r.worker_id for r in refs if r.relayed is None]
         if missing:
             raise ValueError(f"round {self.round}: a relaying payload needs every applied reply as received; "
                              f"none given for worker(s) {missing}")
-        return [WorkerUpdate(worker_id=r.worker_id, round=r.round, delta=dict(relay[r.worker_id].delta), moments={},
-                             tokens=r.tokens, opt_step=r.opt_step) for r in refs]
+        out = []
+        for ref in refs:
+            reply = ref.relayed()
+            problem = ref.matches(reply)
+            if problem is not None:
+                raise ValueError(f"round {self.round}: the reply relayed for worker {ref.worker_id} is not the one "
+                                 f"screened: {problem}")
+            out.append(WorkerUpdate(worker_id=reply.worker_id, round=reply.round, delta=dict(reply.delta), moments={},
+                                    tokens=reply.tokens, opt_step=reply.opt_step))
+        return out
 
     def _accumulate(self, ref: ReplyRef, weight: float, names: Iterable[str], delta_sums: dict[str, Tensor],
                     moment_sums: dict[str, Tensor] | None = None, moment_norms: Mapping[str, float] | None = None,

@@ -57,20 +57,24 @@ class ReplyRef:
     metrics: dict[str, float] = field(default_factory=dict, compare=False)
     norm: float = field(default=math.nan, compare=False)
     """||Δ|| (`delta_norm`), for median clipping (`RoundConfig.clip_median`)."""
+    relayed: Callable[[], WorkerUpdate] | None = field(default=None, repr=False, compare=False)
+    """The reply as received, its compressed tensors still `Encoded` (a relaying payload sends it on,
+    lordo_fed.rounds.relay); None: not kept."""
 
     @classmethod
     def of(cls, update: WorkerUpdate, load: Callable[[], WorkerUpdate] | None = None,
-           norm: float = math.nan) -> "ReplyRef":
+           norm: float = math.nan, relayed: Callable[[], WorkerUpdate] | None = None) -> "ReplyRef":
         """The ref of a decoded `update`. With `load` (e.g. a decode of the payload spooled to a
         file) the ref does not keep `update`, so the caller can drop its tensors; without, it
         loads from memory (the list path, `Aggregator.aggregate`). `norm`: its ||Δ|| as screening
-        computed it (`Aggregator.check_reply`); median clipping needs it."""
+        computed it (`Aggregator.check_reply`); median clipping needs it. `relayed`: the reply as
+        received (a relaying payload)."""
         if load is None:
             def load() -> WorkerUpdate:
                 return update
         return cls(worker_id=update.worker_id, round=update.round, tokens=update.tokens,
                    opt_step=update.opt_step, moment_keys=frozenset(update.moments), load=load,
-                   metrics=dict(update.metrics), norm=norm)
+                   metrics=dict(update.metrics), norm=norm, relayed=relayed)
 
     def matches(self, update: WorkerUpdate) -> str | None:
         """Why `update` (what `load` returned) is not the reply this ref describes, or None: the

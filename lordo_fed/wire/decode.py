@@ -43,7 +43,7 @@ from torch import Tensor
 
 from lordo_fed.v1 import wire_pb2 as pb
 from lordo_fed.wire.codec import GLOBAL_STATE_SCHEMA, SCHEMA, SCHEMA_V2, UPDATE_SCHEMA, WIRE_WORDS, PayloadError
-from lordo_fed.wire.compress import (CodecSpec, CompressionError, decode as decode_compressed, describe,
+from lordo_fed.wire.compress import (CodecSpec, CompressionError, Encoded, decode as decode_compressed, describe,
                                       payload_bounds, split_payload)
 from lordo_fed.wire.messages import GlobalState, WorkerUpdate
 from lordo_fed.wire.protowire import MAX_MESSAGE, WT_LEN, Irregular, key, read_key, read_length, skip_value, varint
@@ -247,14 +247,16 @@ def _check_group(group: Iterable[pb.Tensor], where: str, v2: bool = False,
     return shapes
 
 
-def _build_tensor(t: pb.Tensor, shape: tuple[int, ...], where: str, data=None, adopt: bool = False) -> Tensor:
+def _build_tensor(t: pb.Tensor, shape: tuple[int, ...], where: str, data=None, adopt: bool = False,
+                  keep_compressed: bool = False) -> Tensor | Encoded:
     """The tensor of `t`, from `data` (a zero-copy view of its span in the payload) or, on the
     protobuf path, from `t.data`; one copy (or the bf16 widening) into memory it owns, or with
     `adopt` no copy at all when the span already is what the tensor needs (fp32 or another
     native dtype, in a writable buffer): the tensor is then a view of the payload. Such a view is
     usually not 4-byte aligned (protobuf's length prefixes put the data anywhere); torch's CPU
     kernels read it with unaligned loads (measured: copying 200 MB out of it takes as long as
-    from an aligned one), and a copy to a GPU takes it as any host memory."""
+    from an aligned one), and a copy to a GPU takes it as any host memory. `keep_compressed`: a
+    compressed tensor comes back as its `Encoded` (checked, not decoded: what a relay sends on)."""
     if data is None:
         data = t.data  # the protobuf path: one copy out of the message
     if len(data) != t.nbytes:
@@ -265,7 +267,8 @@ def _build_tensor(t: pb.Tensor, shape: tuple[int, ...], where: str, data=None, a
         label = f"{where}[{t.name!r}]"
         try:
             enc = split_payload(_spec_of(t), math.prod(shape), data, shape)
-            return decode_compressed(enc, label).view(shape)
+            decoded = decode_compressed(enc, label).view(shape)  # validates the positions and values
+            return enc if keep_compressed else decoded
         except CompressionError as err:
             raise PayloadError(str(err) if str(err).startswith(label) else f"{label}: {err}") from None
     wire = np.frombuffer(data, dtype=WIRE_WORDS[(t.dtype, t.codec)])
@@ -282,19 +285,21 @@ def _build_tensor(t: pb.Tensor, shape: tuple[int, ...], where: str, data=None, a
 
 
 def _decode_group(group, shapes: list[tuple[int, ...]], where: str, spans: list[tuple[int, int]] | None = None,
-                  view: memoryview | None = None, adopt: bool = False) -> dict[str, Tensor]:
+                  view: memoryview | None = None, adopt: bool = False,
+                  keep_compressed: bool = False) -> dict[str, Tensor]:
     if spans is None:
-        return {t.name: _build_tensor(t, shape, where) for t, shape in zip(group, shapes)}
-    return {t.name: _build_tensor(t, shape, where, view[start:start + size], adopt)
+        return {t.name: _build_tensor(t, shape, where, keep_compressed=keep_compressed) for t, shape in zip(group, shapes)}
+    return {t.name: _build_tensor(t, shape, where, view[start:start + size], adopt, keep_compressed)
             for t, shape, (start, size) in zip(group, shapes, spans)}
 
 
 def _finish_global_state(msg: pb.GlobalState, expected_model_id: str | None,
                          spans: dict[int, list[tuple[int, int]]] | None = None,
                          view: memoryview | None = None, adopt: bool = False,
-                         codecs: frozenset[CodecSpec] | None = None) -> GlobalState:
+                         codecs: frozenset[CodecSpec] | None = None, keep_compressed: bool = False) -> GlobalState:
     """Validate a parsed GlobalState and build its tensors: from each `data` field (protobuf
-    path) or from the data spans the scanner found in `view` (fast path, keyed by field number)."""
+    path) or from the data spans the scanner found in `view` (fast path, keyed by field number).
+    Each relayed reply is a WorkerUpdate payload of its own, decoded (and refused) as one."""
     kind = "GlobalState"
     v2 = _check_header(msg, kind, GLOBAL_STATE_SCHEMA, expected_model_id)
     _check_counts(kind, round=msg.round, opt_step=msg.opt_step, local_steps=msg.local_steps)
@@ -309,15 +314,51 @@ def _finish_global_state(msg: pb.GlobalState, expected_model_id: str | None,
     if msg.params_delta and (msg.params_from_seed or not v2):
         raise PayloadError(f"{kind}: params_delta is set " + ("with params_from_seed" if msg.params_from_seed else
                                                               f"in a {SCHEMA} payload (a {SCHEMA_V2} field)"))
+    relay = _relayed(msg, expected_model_id, list(msg.relay) if spans is None else
+                     [view[start:start + size] for start, size in spans[_RELAY]], codecs, bool(params))
     return GlobalState(round=int(msg.round), params=params, projections=projections,
                        moments=moments, opt_step=int(msg.opt_step), params_from_seed=bool(msg.params_from_seed),
-                       params_delta=bool(msg.params_delta), local_steps=int(msg.local_steps))
+                       params_delta=bool(msg.params_delta), local_steps=int(msg.local_steps), relay=relay,
+                       outer_lr=float(msg.outer_lr))
+
+
+def _relayed(msg: pb.GlobalState, expected_model_id: str | None, payloads: list, codecs: frozenset[CodecSpec] | None,
+             has_params: bool) -> list[WorkerUpdate]:
+    """The replies a relaying state carries (lordo_fed.rounds.relay), each decoded as a WorkerUpdate payload:
+    only with `params_delta` and no θ, of the previous round, Δ only, one per worker; `outer_lr` finite, > 0
+    with replies."""
+    kind = "GlobalState"
+    if not math.isfinite(msg.outer_lr) or msg.outer_lr < 0 or (payloads and not msg.outer_lr > 0):
+        raise PayloadError(f"{kind}: outer_lr={msg.outer_lr!r}: expected a finite number > 0 with relayed replies "
+                           "(0 without)")
+    if not payloads:
+        return []
+    if not msg.params_delta or has_params:
+        raise PayloadError(f"{kind}: {len(payloads)} relayed replies " + ("with θ's tensors too" if has_params else
+                                                                           "without params_delta"))
+    out: list[WorkerUpdate] = []
+    for i, payload in enumerate(payloads):
+        where = f"{kind}.relay[{i}]"
+        try:
+            reply = decode_update(payload, expected_model_id, codecs=codecs)
+        except PayloadError as err:
+            raise PayloadError(f"{where}: {err}") from None
+        if reply.round != msg.round - 1:
+            raise PayloadError(f"{where}: a reply of round {reply.round} relayed in round {msg.round}'s state "
+                               f"(expected round {msg.round - 1})")
+        if reply.moments or reply.coords:
+            raise PayloadError(f"{where}: a relayed reply carries moments or coordinates (Δ only)")
+        if out and reply.worker_id <= out[-1].worker_id:
+            raise PayloadError(f"{where}: worker {reply.worker_id} after worker {out[-1].worker_id} (expected each "
+                               "worker once, in increasing order)")
+        out.append(reply)
+    return out
 
 
 def _finish_update(msg: pb.WorkerUpdate, expected_model_id: str | None,
                    spans: dict[int, list[tuple[int, int]]] | None = None,
                    view: memoryview | None = None, adopt: bool = False,
-                   codecs: frozenset[CodecSpec] | None = None) -> WorkerUpdate:
+                   codecs: frozenset[CodecSpec] | None = None, keep_compressed: bool = False) -> WorkerUpdate:
     """Validate a parsed WorkerUpdate and build its tensors (see `_finish_global_state`)."""
     kind = "WorkerUpdate"
     v2 = _check_header(msg, kind, UPDATE_SCHEMA, expected_model_id)
@@ -328,25 +369,27 @@ def _finish_update(msg: pb.WorkerUpdate, expected_model_id: str | None,
     groups = [(msg.delta, f"{kind}.delta", 7), (msg.moments, f"{kind}.moments", 8),
               (msg.delta_coords, f"{kind}.delta_coords", 10)]
     shapes = [_check_group(g, where, v2, codecs) for g, where, _ in groups]
-    delta, moments, coords = (_decode_group(g, s, where, None if spans is None else spans[field], view, adopt)
-                              for (g, where, field), s in zip(groups, shapes))
+    delta, moments, coords = (_decode_group(g, s, where, None if spans is None else spans[field], view, adopt,
+                                            keep_compressed) for (g, where, field), s in zip(groups, shapes))
     return WorkerUpdate(worker_id=int(msg.worker_id), round=int(msg.round), delta=delta,
                         moments=moments, tokens=int(msg.tokens), opt_step=int(msg.opt_step),
                         metrics={str(k): float(v) for k, v in msg.metrics.items()}, coords=coords)
 
 
 def decode_global_state_reference(data, expected_model_id: str | None = None,
-                                   codecs: frozenset[CodecSpec] | None = None) -> GlobalState:
+                                   codecs: frozenset[CodecSpec] | None = None, keep_compressed: bool = False) -> GlobalState:
     """The protobuf path: parse the whole payload into a message (a copy of it), then copy each
     tensor out of its `data` field. The oracle of the tests, and the fallback of
     `decode_global_state` for wire forms its scanner leaves to protobuf."""
-    return _finish_global_state(_parse(pb.GlobalState, data, "GlobalState"), expected_model_id, codecs=codecs)
+    return _finish_global_state(_parse(pb.GlobalState, data, "GlobalState"), expected_model_id, codecs=codecs,
+                                keep_compressed=keep_compressed)
 
 
 def decode_update_reference(data, expected_model_id: str | None = None,
-                             codecs: frozenset[CodecSpec] | None = None) -> WorkerUpdate:
+                             codecs: frozenset[CodecSpec] | None = None, keep_compressed: bool = False) -> WorkerUpdate:
     """The protobuf path of `decode_update` (see `decode_global_state_reference`)."""
-    return _finish_update(_parse(pb.WorkerUpdate, data, "WorkerUpdate"), expected_model_id, codecs=codecs)
+    return _finish_update(_parse(pb.WorkerUpdate, data, "WorkerUpdate"), expected_model_id, codecs=codecs,
+                          keep_compressed=keep_compressed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,6 +412,10 @@ def decode_update_reference(data, expected_model_id: str | None = None,
 # skeleton unchanged, so protobuf validates them there. Unknown fields are ignored on both paths.
 
 _TENSOR_FIELDS = {"GlobalState": frozenset({5, 6, 7}), "WorkerUpdate": frozenset({7, 8, 10})}
+_RELAY = 11
+_SPAN_FIELDS = {"GlobalState": frozenset({_RELAY}), "WorkerUpdate": frozenset()}
+"""Bytes fields whose content is itself a payload (a relayed WorkerUpdate): the scanner keeps their spans
+and leaves them out of the skeleton, and each is decoded in place as a payload of its own."""
 _KNOWN_FIELDS = {"GlobalState": frozenset(pb.GlobalState.DESCRIPTOR.fields_by_number),
                  "WorkerUpdate": frozenset(pb.WorkerUpdate.DESCRIPTOR.fields_by_number)}
 _KNOWN_TENSOR_FIELDS = frozenset(pb.Tensor.DESCRIPTOR.fields_by_number)
@@ -402,9 +449,9 @@ def _scan_tensor(view: memoryview, pos: int, end: int) -> tuple[bytes, tuple[int
 
 def _scan(view: memoryview, kind: str) -> tuple[bytes, dict[int, list[tuple[int, int]]]]:
     """The skeleton of a payload and, per tensor field, the data span of each Tensor in order."""
-    tensor_fields, known = _TENSOR_FIELDS[kind], _KNOWN_FIELDS[kind]
+    tensor_fields, known, span_fields = _TENSOR_FIELDS[kind], _KNOWN_FIELDS[kind], _SPAN_FIELDS[kind]
     pieces: list[bytes] = []
-    spans: dict[int, list[tuple[int, int]]] = {field: [] for field in tensor_fields}
+    spans: dict[int, list[tuple[int, int]]] = {field: [] for field in tensor_fields | span_fields}
     header_fields = 0
     pos, end = 0, view.nbytes
     if end > MAX_MESSAGE:
@@ -419,6 +466,13 @@ def _scan(view: memoryview, kind: str) -> tuple[bytes, dict[int, list[tuple[int,
             spans[field].append(span)
             pos += size
             continue
+        if field in span_fields and wire_type == WT_LEN:
+            size, pos = read_length(view, pos, end)
+            if pos + size > end:
+                raise Irregular
+            spans[field].append((pos, size))
+            pos += size
+            continue
         header_fields += 1
         if header_fields > _MAX_HEADER_FIELDS:
             raise Irregular
@@ -429,18 +483,18 @@ def _scan(view: memoryview, kind: str) -> tuple[bytes, dict[int, list[tuple[int,
 
 
 def _decode(data, kind: str, cls, finish, reference, expected_model_id: str | None, adopt: bool = False,
-            codecs: Iterable[CodecSpec] | None = None):
+            codecs: Iterable[CodecSpec] | None = None, keep_compressed: bool = False):
     view = _byte_view(data, kind)
     codecs = None if codecs is None else frozenset(c.canonical() for c in codecs)
     try:
         skeleton, spans = _scan(view, kind)
     except Irregular:
-        return reference(view, expected_model_id, codecs)
+        return reference(view, expected_model_id, codecs, keep_compressed)
     msg = _parse(cls, skeleton, kind, payload_size=view.nbytes)
-    groups = {f.number: getattr(msg, f.name) for f in cls.DESCRIPTOR.fields if f.number in spans}
-    if any(len(groups[field]) != len(found) for field, found in spans.items()):  # pragma: no cover
-        return reference(view, expected_model_id, codecs)  # cannot happen: one element per occurrence
-    return finish(msg, expected_model_id, spans, view, adopt, codecs)
+    groups = {f.number: getattr(msg, f.name) for f in cls.DESCRIPTOR.fields if f.number in _TENSOR_FIELDS[kind]}
+    if any(len(groups[field]) != len(spans[field]) for field in groups):  # pragma: no cover
+        return reference(view, expected_model_id, codecs, keep_compressed)  # cannot happen: one element per occurrence
+    return finish(msg, expected_model_id, spans, view, adopt, codecs, keep_compressed)
 
 
 def _release_views_on_error(decode):
@@ -479,13 +533,14 @@ def decode_global_state(data: Buffer, expected_model_id: str | None = None, adop
 
 @_release_views_on_error
 def decode_update(data: Buffer, expected_model_id: str | None = None, adopt: bool = False,
-                  codecs: Iterable[CodecSpec] | None = None) -> WorkerUpdate:
+                  codecs: Iterable[CodecSpec] | None = None, keep_compressed: bool = False) -> WorkerUpdate:
     """Parse and validate a WorkerUpdate payload; floating tensors come back fp32 on the CPU.
 
     Accepts bytes, bytearray, memoryview or mmap, read in place; `adopt` and `codecs` as in
-    `decode_global_state`."""
+    `decode_global_state`. `keep_compressed`: compressed tensors come back as their `Encoded`
+    (validated, decoded once to check them, and kept as sent: what a relaying server sends on)."""
     return _decode(data, "WorkerUpdate", pb.WorkerUpdate, _finish_update,
-                   decode_update_reference, expected_model_id, adopt, codecs)
+                   decode_update_reference, expected_model_id, adopt, codecs, keep_compressed)
 
 
 @contextlib.contextmanager

@@ -176,6 +176,13 @@ def _global_state_plan(state: GlobalState, model_id: str, payload_dtype: str) ->
         plan.add(key(9, WT_VARINT) + varint(1))
     if state.local_steps:
         plan.add(int64_field(10, int(state.local_steps), "GlobalState.local_steps"))
+    for reply in state.relay:  # each a WorkerUpdate message inside a bytes field: its length, then its plan
+        sub = _update_plan(reply, model_id, payload_dtype)
+        plan.add(key(11, WT_LEN) + varint(sub.size))
+        for piece in sub.pieces:
+            plan.add(piece)
+    if state.outer_lr:
+        plan.add(key(12, WT_FIXED64) + struct.pack("<d", float(state.outer_lr)))
     return _finish_plan(plan, "GlobalState")
 
 
@@ -480,6 +487,8 @@ def encode_global_state_reference(state: GlobalState, model_id: str, payload_dty
     msg.params_from_seed = bool(state.params_from_seed)
     msg.params_delta = bool(state.params_delta)
     msg.local_steps = int(state.local_steps)
+    msg.relay.extend(encode_update_reference(r, model_id, payload_dtype, deterministic) for r in state.relay)
+    msg.outer_lr = float(state.outer_lr)
     return msg.SerializeToString(deterministic=deterministic)
 
 

@@ -76,7 +76,8 @@ EXTENDED = pytest.mark.extended  # in the extended lane: the CI lane runs the ot
                                            pytest.param("lordo_local", {"late-local-steps": 1, "late-from-step": 3},
                                                         marks=EXTENDED),
                                            ("lordo_global", {"preset": "lordo-sparse", "model-preset": "tiny",
-                                                             "rank": 4})])
+                                                             "rank": 4}),
+                                           ("diloco", {"preset": "diloco-sparse", "payload-dtype": "topk2bit-relay"})])
 def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     """Baselines run through the same app by config: DiLoCo (AdamW, Nesterov outer, no state
     sync; here with SparseLoCo's wire: every tensor top-k 2-bit both ways, the server re-sparsifying
@@ -91,7 +92,9 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     from each client's own θ and merges the global state after 2 of its 3 steps (the clients keep
     the round they sent in their state between messages). The `lordo-sparse` preset: every tensor top-k
     2-bit both ways, moments kept on the clients and the bases fitted by each client to the downlink's
-    change (round 2's state carries no bases). Plain LoRDO-Global and the `lowrank+topk2bit+rows`
+    change (round 2's state carries no bases). The relay (`topk2bit-relay`, on `diloco-sparse`'s plain average):
+    round 2's state carries round 1's two top-k replies, and each client replays the round to the server's θ.
+    Plain LoRDO-Global and the `lowrank+topk2bit+rows`
     payload are the deployment test's, bit for bit, below (inside Flower's messages and on the data plane)."""
     run_config = tiny_run_config(tmp_path, variant=variant, **extra)
     env = flower_env(tmp_path)
@@ -122,6 +125,9 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
         plain = 4 * sum(t.numel() for t in reference.values())
         assert all(r["bytes_received_per_client"] < plain / 8 for r in records[1:]), records
         assert records[2]["bytes_sent_per_client"] < plain / 8, records
+    if extra.get("payload-dtype") == "topk2bit-relay":  # the two replies of ~3% x (2 + 7) bits down in round 2
+        plain = 4 * sum(t.numel() for t in reference.values())
+        assert records[2]["bytes_sent_per_client"] < plain / 8 and records[1]["bytes_received_per_client"] < plain / 8
     if extra.get("preset") == "lordo-sparse":  # round 1 sends θ0 by seed and the bases; round 2 only the sparse change
         plain = 4 * sum(t.numel() for t in reference.values())
         assert records[2]["bytes_sent_per_client"] < plain / 8 and records[2]["bytes_received_per_client"] < plain / 8

@@ -71,9 +71,6 @@ RUN_CONFIG_CASES = [
     ("outer-lr", math.inf, "run-config key 'outer-lr': outer.lr=inf: the outer learning rate must be a finite number > 0"),
     ("payload-dtype", "fp16", "run-config key 'payload-dtype': payload_dtype='fp16': expected one of ('fp32', 'bf16', "
                               "'int8', 'int4', 'topk2bit', 'topk2bit-both', 'topk2bit-all', 'topk2bit-relay', 'topk2bit-both-wide', 'topk2bit-both-wide-d64', 'topk2bit-both-wide-tiles', 'topk2bit-lut', 'lowrank+topk2bit', 'lowrank+topk2bit-wide', 'lowrank+topk2bit+rows')"),
-    ("payload-dtype", "topk2bit-relay", "run-config key 'payload-dtype': payload_dtype='topk2bit-relay': the relay "
-                                        "(every worker replays the round from the relayed replies) runs in the reference "
-                                        "trainer (lordo-train) only for now"),
     ("data-path", 3, "run-config key 'data-path'=3: expected a string like the default ''"),
     ("val-path", 3, "run-config key 'val-path'=3: expected a string like the default ''"),
     ("text-field", "", "run-config key 'text-field': DataConfig.text_field='': expected the name of the field or column "
@@ -158,6 +155,17 @@ def test_bad_run_config_value_names_the_key_the_value_and_what_is_allowed(key, v
 def test_every_run_config_key_has_a_bad_value_case():
     assert set(pyproject_config()) == set(FLAT_KEYS) | {"preset"}
     assert {k for k, _, _ in RUN_CONFIG_CASES} == set(pyproject_config())
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"outer": "qhm"}, "run-config key 'payload-dtype': payload_dtype='topk2bit-relay' with outer.name='qhm' (variant 'lordo_global'): every client "
+                       "replays the server's outer step from the relayed replies, which needs outer.name='average'"),
+    ({"variant": "diloco"}, "run-config key 'payload-dtype': payload_dtype='topk2bit-relay' with diloco_outer.name='nesterov' (variant 'diloco')"),
+    ({"variant": "heloco_lordo"}, "run-config key 'payload-dtype': payload_dtype='topk2bit-relay': relaying a round's replies needs synchronous rounds"),
+])
+def test_a_relay_needs_synchronous_rounds_and_the_plain_average(extra, message):
+    raises_with({**pyproject_config(), "payload-dtype": "topk2bit-relay", **extra}, message)
+    assert load_app_config({**pyproject_config(), "payload-dtype": "topk2bit-relay"}).payload_dtype == "topk2bit-relay"
 
 
 def test_good_edge_values_are_accepted():

@@ -66,3 +66,32 @@ def test_replies_load_as_sent_decoded_once_where_in_memory(tmp_path, budget):
             with pytest.raises(RuntimeError, match="loaded after its screening block ended"):
                 refs[0].load()
         courier.data_plane = None
+
+
+@pytest.mark.parametrize("budget", [1 << 30, 0], ids=["in-memory", "spilled"])
+def test_a_relaying_server_reads_each_reply_as_the_node_sent_it(tmp_path, budget):
+    """`topk2bit-relay`: inside the screening block each usable ref also gives its reply with the
+    compressed tensors as received (`ReplyRef.relayed`), which encodes back to the bytes the node
+    uploaded, whether the upload is held in memory or spilled to disk."""
+    from lordo_fed.wire.compress import Encoded, ErrorFeedback
+
+    payload = resolve_payload("topk2bit-relay")
+    cfg = load_app_config({}, tmp_path)
+    courier = Courier(cfg, (), model_id=MODEL, payload=payload, max_upload=1 << 20, spool=tmp_path)
+    ef = ErrorFeedback()
+    raw = {}
+    for i, node in enumerate(NODES):
+        u = update_of(i)
+        delta = {n: ef.compress(f"{i}/{n}", t, payload.codecs.delta_spec(n, tuple(t.shape)))[0] for n, t in u.delta.items()}
+        raw[node] = bytes(encode_update(WorkerUpdate(i, 1, delta, {}, u.tokens, u.opt_step), MODEL))
+    with DataPlaneServer(tmp_path / "spool", memory_budget=budget) as plane:
+        courier.data_plane = plane
+        tickets = plane.publish(1, b"state", NODES, ttl=60, max_upload=1 << 20)
+        replies = [reply(node, client.upload(tickets[node], node, raw[node]).digest) for node in NODES]
+        with courier.screened(replies, 1, "round 1", lambda u: (None, 1.0), lambda ids, norms, reasons: list(reasons),
+                              RoundLog()) as usable:
+            for ref, _, _ in usable:
+                kept = ref.relayed()
+                assert all(isinstance(t, Encoded) for t in kept.delta.values())
+                assert bytes(encode_update(kept, MODEL)) == raw[NODES[ref.worker_id]]
+        courier.data_plane = None

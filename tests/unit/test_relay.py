@@ -205,3 +205,93 @@ def test_workers_fit_the_bases_to_the_replayed_change_and_agree(tmp_path):
                     assert torch.equal(w.optimizer.basis(w.params[n]), basis), (r, w.worker_id, n)
         before = {n: p.clone() for n, p in agg.params.items()}
         agg.aggregate([as_received(u) for u in updates], relay={u.worker_id: u for u in updates})
+
+
+# ----------------------------------------------------------------------------- on the wire
+def relayed_state():
+    """Round 2's state of a relaying run after three compressed replies, and the aggregator."""
+    torch.manual_seed(1)
+    rc = rounds_config(sparse_mean="contributors")
+    agg = Aggregator({n: torch.randn(s) for n, s in NAMES.items()}, {}, rc, Average(lr=1.3), None, payload=RELAY)
+    w = Downlink(RELAY, rc)
+    w.theta(agg.global_state(), NAMES)
+    sent = replies(1, [ErrorFeedback(decay=0.9) for _ in range(3)])
+    for u in sent:
+        u.moments["exp_avg/embed.weight"] = torch.ones(2)  # what the server received; the relay leaves it out
+        u.metrics["train_loss"] = 3.0
+    agg.aggregate([as_received(u) for u in sent], screened=True, relay={u.worker_id: u for u in sent})
+    return agg, w, rc
+
+
+def test_a_relayed_state_crosses_the_wire_and_the_worker_replays_it_exactly():
+    """Encoded directly and by protobuf, the same bytes; decoded in place and by protobuf, the same
+    replies, Δ only, whose values are what the server decoded; the worker's replay of the decoded state
+    is the server's θ bit for bit. A server that reads a reply with `keep_compressed` sends on the
+    bytes it received."""
+    from lordo_fed.wire.decode import decode_global_state, decode_global_state_reference, decode_update
+    from lordo_fed.wire.encode import encode_global_state, encode_global_state_reference, encode_update
+
+    agg, w, _ = relayed_state()
+    state = agg.global_state()
+    data = encode_global_state(state, "m")
+    assert bytes(data) == encode_global_state_reference(state, "m")
+    specs = resolve_payload("topk2bit-relay").downlink_specs
+    for got in (decode_global_state(data, "m", codecs=specs), decode_global_state_reference(bytes(data), "m", specs)):
+        assert got.params == {} and got.params_delta and got.outer_lr == 1.3
+        assert [(u.worker_id, u.round, u.tokens, u.moments, u.metrics) for u in got.relay] == [
+            (m, 1, n, {}, {}) for m, n in enumerate((300, 100, 200))]
+        for u, sent in zip(got.relay, state.relay):
+            assert all(torch.equal(u.delta[n], as_received(sent).delta[n]) for n in NAMES)
+        theta = Downlink(RELAY, w.rounds)
+        theta.params, theta.round = {n: t.clone() for n, t in w.params.items()}, 1
+        replayed = theta.theta(got, NAMES)
+        assert all(torch.equal(replayed[n], agg.params[n]) for n in NAMES)
+    reply = state.relay[0]
+    raw = encode_update(reply, "m")
+    kept = decode_update(raw, "m", codecs=RELAY.specs(), keep_compressed=True)
+    assert bytes(encode_update(kept, "m")) == bytes(raw)
+
+
+def hostile(state, **change):
+    return dataclasses.replace(state, **change)
+
+
+@pytest.mark.parametrize("case,message", [
+    ("stale", r"GlobalState.relay\[0\]: a reply of round 0 relayed in round 2's state \(expected round 1\)"),
+    ("moments", r"GlobalState.relay\[1\]: a relayed reply carries moments or coordinates"),
+    ("twice", r"GlobalState.relay\[1\]: worker 0 after worker 0"),
+    ("lr", r"GlobalState: outer_lr=nan: expected a finite number > 0 with relayed replies"),
+    ("no-lr", r"GlobalState: outer_lr=0.0: expected a finite number > 0 with relayed replies"),
+    ("with-theta", r"GlobalState: 3 relayed replies with θ's tensors too"),
+    ("codec", r"GlobalState.relay\[0\]: WorkerUpdate.delta\['layers.0.wq.weight'\]: codec top-k 123/4096 2-bit sign rice is not "
+              r"one this receiver configured"),
+    ("model", r"GlobalState.relay\[0\]: WorkerUpdate: model_id 'other'"),
+])
+def test_a_hostile_relay_is_refused_with_a_reason(case, message):
+    from lordo_fed.wire.decode import decode_global_state
+    from lordo_fed.wire.encode import encode_global_state, encode_update
+    from lordo_fed.v1 import wire_pb2 as pb
+    from lordo_fed.wire.codec import PayloadError
+
+    agg, _, _ = relayed_state()
+    state = agg.global_state()
+    relay = list(state.relay)
+    specs = resolve_payload("topk2bit-relay").downlink_specs
+    if case == "stale":
+        relay[0] = dataclasses.replace(relay[0], round=0)
+    elif case == "moments":
+        relay[1] = dataclasses.replace(relay[1], moments={"exp_avg/norm.weight": torch.ones(16)})
+    elif case == "twice":
+        relay[1] = dataclasses.replace(relay[1], worker_id=0)
+    elif case == "with-theta":
+        state = hostile(state, params={n: torch.zeros(s) for n, s in NAMES.items()})
+    elif case == "codec":
+        specs = resolve_payload("topk2bit-both-wide").downlink_specs
+    state = hostile(state, relay=relay, outer_lr={"lr": float("nan"), "no-lr": 0.0}.get(case, state.outer_lr))
+    data = encode_global_state(state, "m")
+    if case == "model":  # one relayed reply for another model, put in by protobuf
+        msg = pb.GlobalState.FromString(bytes(data))
+        msg.relay[0] = bytes(encode_update(relay[0], "other"))
+        data = msg.SerializeToString()
+    with pytest.raises(PayloadError, match=message):
+        decode_global_state(data, "m", codecs=specs)
