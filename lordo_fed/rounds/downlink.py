@@ -51,8 +51,9 @@ class Downlink:
         a state with θ whole)."""
 
     def theta(self, state: GlobalState, names: Iterable[str]) -> dict[str, Tensor]:
-        """θ to start round `state.round` from, by name: `state.params`, or θ_c plus the change it
-        carries (a state that lacks one of `names`, the worker's parameters, is refused)."""
+        """θ to start round `state.round` from, by name: `state.params`, θ_c plus the change it
+        carries, or (a relaying payload) θ_c after the replay of the replies it relays (a state that
+        lacks one of `names`, the worker's parameters, is refused)."""
         relayed = state.params_delta and self.codecs is not None and self.codecs.relay
         missing = set(names) - set(state.params) if not relayed else set()
         if missing:

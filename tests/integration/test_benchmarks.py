@@ -441,11 +441,12 @@ def test_compression_quick(tmp_path):
     by = {r["payload"]: r for r in result["bytes"]}
     from lordo_fed.wire.payload import PAYLOADS
 
-    assert set(by) == {*PAYLOADS, "relay:topk2bit-all"}
-    # option B counted: the same uplink, the other 3 workers' replies down
-    relay = by["relay:topk2bit-all"]
-    assert relay["up_bytes_per_round"] == by["topk2bit-all"]["up_bytes_per_round"]
-    assert relay["down_bytes_per_round"] == 3 * relay["up_bytes_per_round"]
+    assert set(by) == set(PAYLOADS)
+    # option B: the same uplink, the state's own fields and the 4 workers' replies (Δ only) down: more than θ's
+    # change at 3%, far less than θ's change int8
+    relay = by["topk2bit-relay"]
+    assert relay["up_bytes_per_round"] == by["topk2bit-all"]["up_bytes_per_round"] and relay["M"] == 4
+    assert by["topk2bit-both"]["down_bytes_per_round"] < relay["down_bytes_per_round"] < by["topk2bit-all"]["down_bytes_per_round"]
     assert round(by["fp32"]["reduction_vs_ddp_fp32"]) == 12
     assert by["fp32"]["reduction_vs_ddp_fp32"] < by["bf16"]["reduction_vs_ddp_fp32"] < by["int8"]["reduction_vs_ddp_fp32"]
     up = {p: r["up_bytes_per_round"] for p, r in by.items()}

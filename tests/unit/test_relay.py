@@ -147,6 +147,7 @@ def test_a_relayed_state_with_a_bad_outer_lr_is_refused():
 @pytest.mark.parametrize("method,overrides", [
     ("diloco", dict(diloco_outer=("average", 1.3), sparse_mean="contributors")),
     ("lordo_global", dict()),
+    ("lordo_global", dict(overlap_delay=1)),
 ])
 def test_a_relayed_run_is_the_run_with_theta_sent_whole(tmp_path, monkeypatch, method, overrides):
     """The reference trainer, three workers, four rounds: `topk2bit-relay` against the same uplink with
