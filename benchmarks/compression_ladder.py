@@ -66,6 +66,7 @@ RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "wide-dct": ("topk2bit-both-wide", ("rounds.wire_ef_decay=0.95", LEAN[0])),
     "wide-lean": ("topk2bit-both-wide", ("rounds.wire_ef_decay=0.95", *LEAN)),
     "wide-clientfit": ("topk2bit-both-wide", ("rounds.wire_ef_decay=0.95", *LEAN[1:], "rounds.bases_from=downlink")),
+    "relay-clientfit": ("topk2bit-relay", ("rounds.wire_ef_decay=0.95", *LEAN[1:], "rounds.bases_from=downlink")),
     "wide-d64": ("topk2bit-both-wide-d64", ("rounds.wire_ef_decay=0.95",)),
     "wide-tiles": ("topk2bit-both-wide-tiles", ("rounds.wire_ef_decay=0.95",)),
     "lowrank-wide": ("lowrank+topk2bit-wide", ("rounds.wire_ef_decay=0.95",)),
