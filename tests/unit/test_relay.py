@@ -78,13 +78,19 @@ def test_every_worker_replays_the_servers_theta_bit_for_bit(mean, clip):
     assert agg.round == 6
 
 
-def test_a_relayed_state_after_a_skipped_round_carries_nothing_and_theta_stays():
+def after_one_round() -> tuple[Aggregator, Downlink]:
+    """A relaying aggregator after round 1's three replies, and a worker that applied round 1's state."""
     rc = rounds_config()
     agg = Aggregator({n: torch.zeros(s) for n, s in NAMES.items()}, {}, rc, Average(), None, payload=RELAY)
     w = Downlink(RELAY, rc)
     w.theta(agg.global_state(), NAMES)
     sent = replies(1, [ErrorFeedback() for _ in range(3)])
     agg.aggregate([as_received(u) for u in sent], relay={u.worker_id: u for u in sent})
+    return agg, w
+
+
+def test_a_relayed_state_after_a_skipped_round_carries_nothing_and_theta_stays():
+    agg, w = after_one_round()
     w.theta(agg.global_state(), NAMES)
     agg.skip_round()
     state = agg.global_state()
@@ -133,12 +139,7 @@ def test_a_relay_needs_every_applied_reply_and_the_plain_average():
 
 
 def test_a_relayed_state_with_a_bad_outer_lr_is_refused():
-    rc = rounds_config()
-    agg = Aggregator({n: torch.zeros(s) for n, s in NAMES.items()}, {}, rc, Average(), None, payload=RELAY)
-    w = Downlink(RELAY, rc)
-    w.theta(agg.global_state(), NAMES)
-    sent = replies(1, [ErrorFeedback() for _ in range(3)])
-    agg.aggregate([as_received(u) for u in sent], relay={u.worker_id: u for u in sent})
+    agg, w = after_one_round()
     bad = dataclasses.replace(agg.global_state(), outer_lr=float("nan"))
     with pytest.raises(ValueError, match=r"round 2: a relayed state with outer_lr=nan"):
         w.theta(bad, NAMES)
