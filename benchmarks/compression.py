@@ -178,8 +178,9 @@ def bytes_table(presets: list[str], ks: list[int], factors: list[int], payloads:
 RELAY_M = 4
 """Workers whose replies a relaying preset's state carries (`topk2bit-relay`, issue 30's option B: each
 worker replays the round, lordo_fed.rounds.relay). Its state carries all M replies, the worker's own too
-(one state for every worker); the Flower app does not carry a relay yet, so each relayed reply is counted
-as its own serialized message (Δ only: no moments, no metrics)."""
+(one state for every worker). Each relayed reply is counted as its own serialized message (Δ only: no
+moments, no metrics), as the state's `relay` field carries it; at M workers the downlink is the state's
+own fields plus M of them (docs/results.md, section 12, part nine, counts M = 8 that way)."""
 
 
 def relayed(update: WorkerUpdate) -> WorkerUpdate:

@@ -35,6 +35,7 @@ Needs root (network namespaces).
     sudo python benchmarks/wan_rounds.py --hetero --scenario link --out benchmarks/results/wan_hetero_link.json  # ~20 min
     sudo python benchmarks/wan_rounds.py --compression --rounds 3 --out benchmarks/results/wan_compression.json  # ~10 min
     sudo python benchmarks/wan_rounds.py --presets --rounds 3 --out benchmarks/results/wan_presets.json
+    sudo python benchmarks/wan_rounds.py --relay --rounds 3 --out benchmarks/results/wan_relay.json  # ~15 min
     sudo python benchmarks/wan_rounds.py --quick    # tiny model, 2 nodes at 8 Mbit/s, overlapped, seconds
 Writes benchmarks/results/wan_rounds.json and .png.
 """
@@ -119,6 +120,13 @@ PRESET_CASES = [(2, "100mbit", "grpc", 4, 0, {"preset": "diloco-sparse"}),
 """--presets: the app presets that carry the wire (issue 30) on the 125m-size model (FULL_MODEL, K = 4):
 `diloco-sparse` at 100 Mb/s and LoRDO-Global's `lordo-sparse` (every worker fits the round's bases to
 the downlink, nothing dense on the wire) at 100 and 10 Mb/s, synchronous."""
+RELAY = {"preset": "diloco-sparse", "payload-dtype": "topk2bit-relay"}
+"""--relay: `diloco-sparse`'s outer step and uplink with the relay downlink (option B of issue 30)."""
+RELAY_CASES = [(2, "100mbit", "grpc", 4, 0, RELAY), (2, "100mbit", "grpc", 4, 3, RELAY),
+               (2, "10mbit", "grpc", 4, 0, RELAY), (2, "10mbit", "grpc", 4, 3, RELAY),
+               (2, "10mbit", "grpc", 4, 0, {"preset": "diloco-sparse"})]
+"""--relay: the relay on the 125m-size model (FULL_MODEL, K = 4) at 100 and 10 Mb/s, synchronous and
+overlapped (τ = 3), and `diloco-sparse` (option A, the server's re-sparsified change) at 10 Mb/s beside it."""
 QUICK_CASES = [(2, "8mbit", "grpc", 3, 2)]
 """--quick: one overlapped case (the synchronous path is tests/integration/test_wan.py's deployment)."""
 
@@ -393,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
                         "Mb/s, synchronous and overlapped (COMPRESSION_CASES)")
     parser.add_argument("--presets", action="store_true", help="the app presets diloco-sparse and lordo-sparse at 100 "
                         "and 10 Mb/s (PRESET_CASES)")
+    parser.add_argument("--relay", action="store_true", help="the relay downlink (topk2bit-relay) at 100 and 10 Mb/s, "
+                        "synchronous and overlapped, and diloco-sparse at 10 Mb/s (RELAY_CASES)")
     parser.add_argument("--hetero", action="store_true", help="unequal nodes (--scenario): synchronous, overlapped and "
                         "asynchronous rounds (HETERO_CASES), non-IID data by source")
     parser.add_argument("--scenario", default="", help="--hetero: 'link' (4 nodes, one on 10 Mbit/s; default), "
@@ -404,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.hetero:
         return main_hetero(args)
     cases = (QUICK_CASES if args.quick else OVERLAP_CASES if args.overlap else COMPRESSION_CASES if args.compression
-             else PRESET_CASES if args.presets else FULL_CASES)
+             else PRESET_CASES if args.presets else RELAY_CASES if args.relay else FULL_CASES)
     if args.cases:
         cases = [(int(n), link, plane, *map(int, rest)) for n, link, plane, *rest in (c.split(":") for c in args.cases.split(","))]
     model = QUICK_MODEL if args.quick else FULL_MODEL
@@ -415,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     result["title"] = ("16m- and 125m-size DiLoCo: synchronous and overlapped rounds vs their bounds" if args.overlap
                        else "125m-size DiLoCo, fp32 and top-k 2-bit both ways: rounds vs their bounds" if args.compression
                        else "125m-size model, the presets diloco-sparse and lordo-sparse: rounds vs their bounds" if args.presets
+                       else "125m-size DiLoCo, the relay downlink against diloco-sparse's: rounds vs their bounds" if args.relay
                        else f"{'tiny' if args.quick else '125m-size'} {model['preset']}: rounds over shaped links "
                        "vs their link-bound ideal")
     result["cases"] = []
