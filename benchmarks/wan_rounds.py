@@ -19,7 +19,8 @@ Unequal nodes (`--hetero`, `--scenario`, `HETERO_SCENARIOS`): 4 nodes, one on 10
 others at 1 Gbit/s (`link`), or all at 1 Gbit/s and one four times slower (`compute`); non-IID data,
 one source per node (verse, verse, code, code). DiLoCo and LoRDO-Global synchronous, LoRDO-Global
 overlapped, and the asynchronous methods (each node's rounds a session on the data plane) on the same
-tokens (`HETERO_CASES`; `--cases a,b`: a subset by name; `--seed`: another θ0 and data order): the
+tokens (`HETERO_CASES`; `--cases a,b`: a subset by name; `--seed`: another θ0 and data order;
+`--async-rounds N`: the asynchronous cases train N rounds' tokens, their own schedule that long): the
 validation loss against wall-clock, each run's wall-clock to reach the synchronous LoRDO-Global final
 loss and its final loss at equal tokens, the staleness histograms and pushes per node against the
 virtual clock's prediction for the speeds the deployment showed.
@@ -99,6 +100,11 @@ HETERO_CASES = {  # name -> run config on top of HETERO_MODEL; asynchronous ones
     "async-grace-staleness": {"variant": "async_lordo", "async-grace": 1.0, "async-staleness-exponent": 0.5},
     "heloco-lordo-grace-staleness": {"variant": "heloco_lordo", "async-grace": 1.0, "async-staleness-exponent": 0.5},
     "heloco-lordo-match": {"variant": "heloco_lordo", "async-match-speed": True},  # steps from measured speed
+    # int8 both ways (the slow link's transfers 3.3x shorter; asynchronous: each pull the change from the node's copy)
+    "synchronous-int8": {"variant": "lordo_global", "payload-dtype": "int8"},
+    "heloco-lordo-grace-int8": {"variant": "heloco_lordo", "async-grace": 2.0, "payload-dtype": "int8"},
+    "async-grace-staleness-int8": {"variant": "async_lordo", "async-grace": 1.0, "async-staleness-exponent": 0.5,
+                                   "payload-dtype": "int8"},
     # async LoRDO inside Flower's messages (a message per round: the SuperNode's 3 s poll, a ClientApp per message)
     "async-flower": {"variant": "async_lordo", "data-plane": "flower"},
 }
@@ -200,11 +206,15 @@ def run_case(nodes: int, link: str, plane: str, model: dict[str, Any], rounds: i
             "wall_seconds": time.perf_counter() - started}
 
 
-def hetero_config(name: str, scenario: dict[str, Any], rounds: int, data: dict[str, Any]) -> dict[str, Any]:
-    """The run config of `HETERO_CASES[name]` in `scenario` (asynchronous: ρ = 1/√M unless set)."""
+def hetero_config(name: str, scenario: dict[str, Any], rounds: int, data: dict[str, Any],
+                  async_rounds: int = 0) -> dict[str, Any]:
+    """The run config of `HETERO_CASES[name]` in `scenario` (asynchronous: ρ = 1/√M unless set, and
+    `async_rounds` rounds' tokens instead of `rounds` where given)."""
     cfg = {**HETERO_MODEL, **data, **HETERO_CASES[name], "num-server-rounds": rounds, "min-clients": scenario["nodes"]}
     if cfg["variant"] in ASYNC_VARIANTS:
         cfg.setdefault("async-weight", round(scenario["nodes"] ** -0.5, 3))
+        if async_rounds:
+            cfg["num-server-rounds"] = async_rounds
     return cfg
 
 
@@ -287,7 +297,8 @@ def main_hetero(args) -> int:
     if unknown:
         raise SystemExit(f"--hetero --cases {args.cases!r}: unknown {unknown}; expected names of {sorted(HETERO_CASES)}")
     result = result_header("wan_hetero", False, {"model": HETERO_MODEL, "scenario": scenario_name, **scenario,
-                                                 "rounds": rounds, "threads_per_process": 1,
+                                                 "rounds": rounds, "async_rounds": args.async_rounds or rounds,
+                                                 "threads_per_process": 1,
                                                  "data": "iid" if args.iid else "by_source", "seed": args.seed})
     result["cases"] = {}
     with tempfile.TemporaryDirectory(prefix="wan_hetero_") as tmp:
@@ -296,7 +307,7 @@ def main_hetero(args) -> int:
         data = {} if args.iid else {"data-path": str(non_iid_corpus(work / "corpus")), "partition": "by_source"}
         data["seed"] = args.seed
         for name in names:
-            cfg = hetero_config(name, scenario, rounds, data)
+            cfg = hetero_config(name, scenario, rounds, data, args.async_rounds)
             try:
                 case = run_hetero(name, scenario, cfg, work / name, 1200.0)
             except RuntimeError as err:  # one failed deployment: recorded, the other cases still run
@@ -328,6 +339,8 @@ def summarise_hetero(result: dict[str, Any]) -> None:
         c["seconds_to_reference_loss"] = reach
         c["time_ratio_to_reference"] = None if reach is None else reach / ref["elapsed_seconds"]
         c["final_loss_vs_reference_pct"] = 100 * (c["final_val_loss"] / ref["final_val_loss"] - 1)
+        # with --async-rounds a run goes past the reference's tokens: its loss where it had trained as many
+        c["val_loss_at_reference_tokens"] = [x["val_loss"] for x in c["curve"] if x["tokens"] <= ref["tokens"]][-1]
     result["equal_clock_seconds"] = clock
     result["reference"] = ref_name
     print_rows(f"{'case':>24} {'tokens':>9} {'seconds':>8} {'tok/s':>7} {'loss(end)':>9} {'vs ref':>7} "
@@ -408,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenario", default="", help="--hetero: 'link' (4 nodes, one on 10 Mbit/s; default), "
                         "'compute' (4 nodes, one 4x slower) or 'link3' (3 nodes, one on 10 of 100 Mbit/s)")
     parser.add_argument("--iid", action="store_true", help="--hetero: IID data instead of one source per node")
+    parser.add_argument("--async-rounds", type=int, default=0,
+                        help="--hetero: the asynchronous cases train this many rounds' tokens (default --rounds): "
+                             "more tokens than the synchronous run, to read the wall-clock to its final loss")
     parser.add_argument("--seed", type=int, default=0, help="--hetero: the run's seed (θ0, data order; default 0)")
     parser.add_argument("--work", default="", help="keep each case's logs and outputs here (default: a temporary folder)")
     args = parser.parse_args(argv)

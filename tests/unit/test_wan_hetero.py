@@ -44,3 +44,27 @@ def test_asynchronous_cases_get_one_over_root_m_unless_they_say():
     cfg = hetero_config("heloco-lordo-staleness", HETERO_SCENARIOS["link3"], 6, {"partition": "by_source"})
     assert cfg["async-weight"] == 0.577 and cfg["num-server-rounds"] == 6 and cfg["min-clients"] == 3
     assert cfg["partition"] == "by_source" and cfg["async-staleness-exponent"] == 0.5
+
+
+def test_async_rounds_lengthen_only_the_asynchronous_cases():
+    """--async-rounds: asynchronous cases train that many rounds' tokens, synchronous ones --rounds."""
+    link = HETERO_SCENARIOS["link"]
+    assert hetero_config("heloco-lordo-grace", link, 6, {}, async_rounds=9)["num-server-rounds"] == 9
+    assert hetero_config("synchronous", link, 6, {}, async_rounds=9)["num-server-rounds"] == 6
+    assert hetero_config("heloco-lordo-grace", link, 6, {})["num-server-rounds"] == 6
+
+
+def test_a_longer_run_is_read_at_the_reference_tokens():
+    """A run past the synchronous run's tokens: its loss at the last evaluation within them."""
+    pts = lambda *p: [{"elapsed_seconds": t, "tokens": n, "val_loss": v} for t, n, v in p]  # noqa: E731
+    result = {"cases": {
+        "synchronous": {"curve": pts((50, 5, 3.0), (100, 10, 2.0)), "elapsed_seconds": 100.0,
+                        "final_val_loss": 2.0, "tokens": 10, "tokens_per_second": 0.1},
+        "long": {"curve": pts((20, 4, 3.5), (40, 9, 2.4), (45, 11, 2.1), (60, 15, 1.9)), "elapsed_seconds": 60.0,
+                 "final_val_loss": 1.9, "tokens": 15, "tokens_per_second": 0.25},
+    }}
+    summarise_hetero(result)
+    long = result["cases"]["long"]
+    assert long["val_loss_at_reference_tokens"] == 2.4  # 9 tokens: the last evaluation within 10
+    assert long["time_ratio_to_reference"] == pytest.approx(0.6)  # 1.9 <= 2.0 first at 60 s
+    assert result["cases"]["synchronous"]["val_loss_at_reference_tokens"] == 2.0
