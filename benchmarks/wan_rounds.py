@@ -246,9 +246,10 @@ def run_hetero(name: str, scenario: dict[str, Any], run_config: dict[str, Any], 
             "wall_seconds": time.perf_counter() - started}
 
 
-def loss_at(curve: list[dict[str, float]], seconds: float) -> float:
-    """The validation loss of the last evaluation at or before `seconds` of wall-clock."""
-    return [c["val_loss"] for c in curve if c["elapsed_seconds"] <= seconds + 1e-9][-1]
+def loss_at(curve: list[dict[str, float]], value: float, key: str = "elapsed_seconds") -> float:
+    """The validation loss of the last evaluation at or before `value` of `key` (wall-clock seconds, or
+    "tokens")."""
+    return [c["val_loss"] for c in curve if c[key] <= value + 1e-9][-1]
 
 
 def seconds_to(curve: list[dict[str, float]], loss: float) -> float | None:
@@ -327,8 +328,9 @@ def main_hetero(args) -> int:
 
 def summarise_hetero(result: dict[str, Any]) -> None:
     """Each case against the synchronous LoRDO-Global run (`synchronous`, else the first case): its
-    wall-clock to reach the synchronous final loss (as a ratio), its final loss at equal tokens (as a
-    difference in percent) and every case's loss at the shortest run's wall-clock."""
+    wall-clock to reach the synchronous final loss (as a ratio), its final loss against the synchronous
+    one (as a difference in percent: at equal tokens unless --async-rounds gave it more), its loss at the
+    synchronous run's tokens and every case's loss at the shortest run's wall-clock."""
     cases = result["cases"]
     clock = min(c["elapsed_seconds"] for c in cases.values())
     ref_name = "synchronous" if "synchronous" in cases else next(iter(cases))
@@ -340,7 +342,7 @@ def summarise_hetero(result: dict[str, Any]) -> None:
         c["time_ratio_to_reference"] = None if reach is None else reach / ref["elapsed_seconds"]
         c["final_loss_vs_reference_pct"] = 100 * (c["final_val_loss"] / ref["final_val_loss"] - 1)
         # with --async-rounds a run goes past the reference's tokens: its loss where it had trained as many
-        c["val_loss_at_reference_tokens"] = [x["val_loss"] for x in c["curve"] if x["tokens"] <= ref["tokens"]][-1]
+        c["val_loss_at_reference_tokens"] = loss_at(c["curve"], ref["tokens"], "tokens")
     result["equal_clock_seconds"] = clock
     result["reference"] = ref_name
     print_rows(f"{'case':>24} {'tokens':>9} {'seconds':>8} {'tok/s':>7} {'loss(end)':>9} {'vs ref':>7} "
