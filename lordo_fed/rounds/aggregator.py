@@ -323,13 +323,15 @@ class Aggregator:
         delta_sums: dict[str, Tensor] = {}
         moment_sums: dict[str, Tensor] = {}
         bases = self._bases()
-        support = {n: None for n in self._sparse_names(bases)}  # contributor-mean: Σ w of the senders per index
-        senders: dict[str, Tensor] = {}  # and how many sent it
+        topk = self._topk_names(bases)
+        # contributor mean: Σ w of the senders per index; any top-k Δ: how many sent it (0, 1, 2 = more)
+        support = {n: None for n in topk} if self.rounds.sparse_mean == "contributors" else {}
+        senders: dict[str, Tensor | None] = {n: None for n in topk}
         lengths: list[float] | None = [] if self.diagnostics else None  # each reply's ||Δ_m|| (delta_retention)
         for ref, w, c in zip(refs, weights, clip):
             self._accumulate(ref, w, self.params, delta_sums, moment_sums, moment_norms, opt_step, bases, support,
                              senders, clip=c, lengths=lengths)
-        overlap = support_overlap(senders) if support else {}
+        overlap = support_overlap({n: s for n, s in senders.items() if s is not None})
         delta = {n: contributor_mean(delta_sums[n], support[n]) if n in support else delta_sums[n]
                  for n in self.params}
         moments = {k: moment_sums[k] for k in moment_norms}
@@ -386,7 +388,7 @@ class Aggregator:
     def _accumulate(self, ref: ReplyRef, weight: float, names: Iterable[str], delta_sums: dict[str, Tensor],
                     moment_sums: dict[str, Tensor] | None = None, moment_norms: Mapping[str, float] | None = None,
                     opt_step: int = 0, bases: Mapping[str, tuple[Tensor, str]] | None = None,
-                    support: dict[str, Tensor | None] | None = None, senders: dict[str, Tensor] | None = None,
+                    support: dict[str, Tensor | None] | None = None, senders: dict[str, Tensor | None] | None = None,
                     clip: float = 1.0, lengths: list[float] | None = None) -> None:
         """Load one reply and add it into the accumulators: Δ of each of `names` with weight w_m
         (times `clip`, its median-clipping factor; the contributor mean's weights stay w_m; its
@@ -409,11 +411,13 @@ class Aggregator:
             if bases and name in update.coords:
                 d = lowrank.join(d, update.coords[name], *bases[name])
             _add_weighted(delta_sums, name, d, weight * clip)
-            if support is not None and name in support:  # the indices this reply sent (top-k: its non-zeros)
-                sent = (d != 0).float()
-                _add_weighted(support, name, sent, weight)
-                if senders is not None:
-                    _add_weighted(senders, name, sent, 1.0)
+            if senders is not None and name in senders:  # the indices this reply sent (top-k: its non-zeros)
+                sent = d != 0
+                if support is not None and name in support:
+                    _add_weighted(support, name, sent, weight)
+                # one byte an index, saturated at 2: all support_overlap reads is "none, one, more"
+                count = senders[name]
+                senders[name] = sent.to(torch.uint8) if count is None else torch.clamp_max(count + sent, 2)
         if lengths is not None:
             lengths.append(clip * screening.delta_norm(update))
         if moment_sums is None:  # round-0 gradients: Δ only
@@ -425,10 +429,11 @@ class Aggregator:
                 value = restep(value, kind, update.opt_step, opt_step, betas, self.bias_correction)
             _add_weighted(moment_sums, key, value, weight / moment_norms[key])
 
-    def _sparse_names(self, bases: Mapping[str, tuple[Tensor, str]]) -> list[str]:
-        """The parameters whose Δ̄ is a contributor mean (`rounds.sparse_mean='contributors'`): those
-        whose Δ travels top-k alone (not rebuilt from coordinates in a shared basis, which is dense)."""
-        if self.rounds.sparse_mean != "contributors" or self.payload is None:
+    def _topk_names(self, bases: Mapping[str, tuple[Tensor, str]]) -> list[str]:
+        """The parameters whose Δ travels top-k alone (not rebuilt from coordinates in a shared basis,
+        which is dense): their Δ̄ is a contributor mean with `rounds.sparse_mean='contributors'`, and
+        their supports give `sparse_support_shared` whatever the mean."""
+        if self.payload is None:
             return []
         return [n for n, p in self.params.items()
                 if self.payload.delta_spec(n, tuple(p.shape)).kind == "topk" and n not in bases]
