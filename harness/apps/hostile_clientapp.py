@@ -4,12 +4,17 @@ float of its first pseudo-gradient tensor becomes NaN (the payload stays well-fo
 so the server's finiteness check is what must catch it). Query (round-0 gradient) replies and
 every other node's replies pass through unchanged.
 
+In an asynchronous session on the gRPC data plane the replies never travel in a Flower message:
+there the node poisons each upload of its session the same way (the session's `run_job` wrapped for
+the message's duration, the reply encoded whole instead of streamed).
+
 Not part of the app: `test_simulation_drops_a_hostile_client` builds a throwaway app directory
 whose pyproject names `harness.apps.hostile_clientapp:app` as the ClientApp.
 """
 
 from __future__ import annotations
 
+import contextlib
 import struct
 
 from flwr.app import Context, Message, RecordDict
@@ -34,10 +39,32 @@ def poison(data: bytes) -> bytes:
     return msg.SerializeToString()
 
 
+@contextlib.contextmanager
+def poisoned_sessions():
+    """Every reply a data-plane session of this process uploads meanwhile, poisoned."""
+    from lordo_fed.node import session
+
+    real_run_job = session.run_job
+
+    def run_job(job, receive, **kwargs):
+        sent, metrics = real_run_job(job, receive, **{**kwargs, "stream_reply": False})
+        return poison(sent), metrics
+
+    session.run_job = run_job
+    try:
+        yield
+    finally:
+        session.run_job = real_run_job
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    reply = real_train(msg, context)
     if int(context.node_config.get("partition-id", 0)) != HOSTILE_PARTITION:
+        return real_train(msg, context)
+    with poisoned_sessions():
+        reply = real_train(msg, context)
+    if "update" not in reply.content:  # a session's closing reply (its uploads were poisoned above)
+        assert "upload" not in reply.content, "a synchronous upload on the data plane is not poisoned by this app"
         return reply
     bad = poison(payload_bytes(reply.content["update"]))
     content = RecordDict({"update": payload_record(bad), "metrics": reply.content["metrics"]})

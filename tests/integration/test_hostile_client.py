@@ -62,20 +62,27 @@ def test_simulation_drops_a_hostile_client(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # the CI lane drops a hostile client in synchronous rounds (above)
-def test_asynchronous_rounds_drop_a_hostile_client(tmp_path):
+@pytest.mark.parametrize("sessions", [
+    pytest.param(False, marks=pytest.mark.extended),  # the CI lane runs the data plane's sessions
+    True,
+], ids=["flower-messages", "data-plane-sessions"])
+def test_asynchronous_rounds_drop_a_hostile_client(tmp_path, sessions):
     """The same poisoned node under asynchronous rounds (HeLoCo, replies in the virtual clock's
     order, both partitions at one speed: they alternate): each of its replies is refused on arrival
     with the reason, nothing of it reaches θ, the other node's replies are applied, and the run
-    ends with every round of the budget accounted for."""
+    ends with every round of the budget accounted for. Its replies travel in Flower messages, or
+    as the uploads of its session on the gRPC data plane (no Flower message between its rounds)."""
     from harness.flower import flower_env, run_simulation
 
     out = tmp_path / "out"
     run_config = {"preset": "quickstart", "variant": "heloco", "num-server-rounds": 2, "local-steps": 2,
                   "batch-size": 2, "seq-len": 16, "eval-batches": 1, "threads": 1, "min-clients": 2,
-                  "async-order": "virtual", "async-weight": 0.5, "output-dir": str(out)}
+                  "async-order": "virtual", "async-weight": 0.5, "output-dir": str(out),
+                  **({"data-plane": "grpc", "data-plane-insecure": True} if sessions else {})}
+    # A session holds its simulated node (a Ray actor) for the whole run: one actor per node.
     proc = run_simulation(hostile_app(tmp_path), flower_env(tmp_path), num_supernodes=2, run_config=run_config,
-                          timeout=240, check=True, log_path=tmp_path / "sim.log")
+                          timeout=240, check=True, log_path=tmp_path / "sim.log",
+                          federation_config={"init-args-num-cpus": 2} if sessions else None)
     found = re.findall(r"push (\d+): dropped reply of node (\d+) \(partition 1\): (\S+): contains NaN or Inf",
                        proc.stdout)
     records = [json.loads(line) for line in (out / "server.jsonl").read_text().splitlines()]
@@ -86,5 +93,7 @@ def test_asynchronous_rounds_drop_a_hostile_client(tmp_path):
     assert records[-1]["outer_steps"] == 2  # partition 0's replies alone moved θ
     assert records[-1]["tokens"] == 2 * 2 * 2 * 16  # partition 0's two rounds of 2 steps of 2 x 16 tokens
     assert records[-1]["val_loss"] < records[0]["val_loss"]
+    # one Flower message per node opens its session; without sessions, one per round
+    assert records[-1]["train_messages"] == (2 if sessions else 4), records[-1]
     tensors, _ = load_checkpoint(out / "checkpoints")
     assert all(torch.isfinite(t).all() for k, t in tensors.items() if k.startswith("param/"))

@@ -94,6 +94,18 @@ def test_tls_run_with_registered_supernodes_and_intruders_refused(tmp_path):
         assert all(r["clients_ok"] == 2 and r["clients_missing"] == 0 for r in records[1:])
         assert records[-1]["val_loss"] < records[0]["val_loss"]
 
+        # Asynchronous rounds over the same TLS data plane: each node's rounds are one session there,
+        # opened by one Flower message, then uploads and start points on the data plane alone.
+        t_async = time.monotonic()
+        run = dep.run(APP, tiny_run_config(tmp_path, variant="heloco_lordo", **tls,
+                                           **{"output-dir": str(tmp_path / "out-async")}), timeout=240, check=True)
+        t_async = time.monotonic() - t_async
+        assert re.search(r"data plane: serving on 127\.0\.0\.1:\d+ \(TLS\)", run.stdout or "")
+        records = server_records(tmp_path / "out-async")
+        assert records[-1]["pushes"] == 4 and records[-1]["train_messages"] == 2, records[-1]
+        assert all(sum(r["pushes_by_worker"][p] for r in records[1:]) >= 1 for p in (0, 1)), records
+        assert records[-1]["val_loss"] < records[0]["val_loss"]
+
         # A key the operator did not register: activation refused, the SuperNode exits.
         assert wait_exit(unregistered) != 0
         log = unregistered.log_path.read_text(errors="replace")
@@ -127,7 +139,7 @@ def test_tls_run_with_registered_supernodes_and_intruders_refused(tmp_path):
         pids = dep.all_pids()
     assert not alive(pids)
     print(f"secure deployment: startup {dep.timings['startup_s']:.1f} s (registration included), "
-          f"2-round run {t_run:.1f} s, all {time.monotonic() - t0:.1f} s")
+          f"2-round run {t_run:.1f} s, asynchronous sessions {t_async:.1f} s, all {time.monotonic() - t0:.1f} s")
 
 
 def free_port_pair() -> int:
