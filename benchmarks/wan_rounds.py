@@ -257,16 +257,45 @@ def seconds_to(curve: list[dict[str, float]], loss: float) -> float | None:
     return next((c["elapsed_seconds"] for c in curve if c["val_loss"] <= loss), None)
 
 
-def virtual_staleness(case: dict[str, Any], nodes: int) -> dict[str, Any]:
-    """What the virtual clock predicts for the speeds the deployment showed: each node's seconds per
-    round taken as the run's wall-clock over its pushes (a slow link or slow compute alike), the
-    schedule of the reference trainer's `run_async` (lordo_fed.rounds.async_rounds.VirtualClock,
-    arrival order, no grace window) on the same budget of rounds; its staleness histogram and
-    pushes per node."""
+def measured_seconds(case: dict[str, Any], nodes: int) -> list[float]:
+    """Each node's seconds per round in the deployment: the run's wall-clock over its pushes (a slow
+    link or slow compute alike)."""
+    pushes = case["pushes_by_worker"]
+    return [case["elapsed_seconds"] / max(pushes.get(str(w), 0), 1) for w in range(nodes)]
+
+
+def nominal_seconds(case: dict[str, Any], scenario: dict[str, Any]) -> list[float]:
+    """Each node's seconds per round from the scenario's nominal handicaps alone: a round of an
+    unhandicapped node (the median of the measured rounds of the nodes at the most common link rate
+    without a slowdown), times a node's `slowdown`, plus its extra link time, one state down and one
+    reply up (the run's last push's sizes) at its rate in place of the common one."""
+    from lordo_fed.wan.links import parse_links
+
+    nodes = scenario["nodes"]
+    rates = parse_links(scenario["link"], nodes)
+    slowdown = [1.0] * nodes
+    for entry in scenario["node_config"]:  # "0:slowdown=4"
+        node, _, setting = entry.partition(":")
+        key, _, value = setting.partition("=")
+        if key == "slowdown":
+            slowdown[int(node)] = float(value)
+    common = max(set(rates), key=rates.count)
+    plain = [w for w in range(nodes) if rates[w] == common and slowdown[w] == 1.0]
+    measured = measured_seconds(case, nodes)
+    fast = sorted(measured[w] for w in plain)[len(plain) // 2]
+    nbytes = (case.get("bytes_sent_per_client") or 0) + (case.get("bytes_received_per_client") or 0)
+    return [fast * slowdown[w] + nbytes / rates[w] - nbytes / common for w in range(nodes)]
+
+
+def virtual_staleness(case: dict[str, Any], nodes: int, seconds: list[float] | None = None) -> dict[str, Any]:
+    """What the virtual clock predicts for the nodes' seconds per round (default `measured_seconds`:
+    the speeds the deployment showed; `nominal_seconds`: the scenario's handicaps): the schedule of
+    the reference trainer's `run_async` (lordo_fed.rounds.async_rounds.VirtualClock, arrival order,
+    no grace window) on the same budget of rounds; its staleness histogram and pushes per node."""
     from lordo_fed.rounds.async_rounds import VirtualClock
 
     pushes = case["pushes_by_worker"]
-    seconds = [case["elapsed_seconds"] / max(pushes.get(str(w), 0), 1) for w in range(nodes)]
+    seconds = seconds or measured_seconds(case, nodes)
     budget = sum(pushes.values())  # rounds sent in all (the same tokens: every round has K steps)
     clock, version, pulled, staleness, predicted = VirtualClock(), 0, {}, {}, {}
     for w in range(nodes):
@@ -285,6 +314,21 @@ def virtual_staleness(case: dict[str, Any], nodes: int) -> dict[str, Any]:
                 clock.start(w, t, seconds[w])
                 sent += 1
     return {"seconds_per_round": [round(x, 2) for x in seconds], "staleness": staleness, "pushes_by_worker": predicted}
+
+
+def predict_nominal(paths: list[str]) -> int:
+    """`--predict`: the nominal-speed prediction of stored --hetero results, written into each file."""
+    for path in paths:
+        result = json.loads(Path(path).read_text())
+        scenario = HETERO_SCENARIOS[result["config"]["scenario"]]
+        for name, case in result["cases"].items():
+            if "virtual_clock" in case:
+                case["virtual_clock_nominal"] = virtual_staleness(case, scenario["nodes"], nominal_seconds(case, scenario))
+                pred = case["virtual_clock_nominal"]
+                print(f"{path} {name}: pushes {case['pushes_by_worker']} predicted {pred['pushes_by_worker']}, "
+                      f"staleness {case['staleness']} predicted {pred['staleness']}")
+        write_json(result, path)
+    return 0
 
 
 def main_hetero(args) -> int:
@@ -318,6 +362,8 @@ def main_hetero(args) -> int:
                 continue
             if cfg["variant"] in ASYNC_VARIANTS and not cfg.get("async-match-speed") and not cfg.get("async-grace"):
                 case["virtual_clock"] = virtual_staleness(case, scenario["nodes"])
+                case["virtual_clock_nominal"] = virtual_staleness(case, scenario["nodes"],
+                                                                  nominal_seconds(case, scenario))
             result["cases"][name] = case
             write_json(result, args.out)  # a cut-short run keeps what it measured
     summarise_hetero(result)
@@ -428,7 +474,12 @@ def main(argv: list[str] | None = None) -> int:
                              "more tokens than the synchronous run, to read the wall-clock to its final loss")
     parser.add_argument("--seed", type=int, default=0, help="--hetero: the run's seed (θ0, data order; default 0)")
     parser.add_argument("--work", default="", help="keep each case's logs and outputs here (default: a temporary folder)")
+    parser.add_argument("--predict", nargs="+", default=[], metavar="RESULT",
+                        help="no run: add the virtual clock's prediction from the scenario's nominal speeds "
+                             "(`virtual_clock_nominal`) to each asynchronous case of these --hetero results")
     args = parser.parse_args(argv)
+    if args.predict:
+        return predict_nominal(args.predict)
     if args.hetero:
         return main_hetero(args)
     cases = (QUICK_CASES if args.quick else OVERLAP_CASES if args.overlap else COMPRESSION_CASES if args.compression

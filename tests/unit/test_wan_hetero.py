@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.wan_rounds import HETERO_SCENARIOS, hetero_config, summarise_hetero, virtual_staleness
+from benchmarks.wan_rounds import HETERO_SCENARIOS, hetero_config, nominal_seconds, summarise_hetero, virtual_staleness
 
 
 def test_the_virtual_clock_predicts_staleness_from_the_measured_speeds():
@@ -16,6 +16,24 @@ def test_the_virtual_clock_predicts_staleness_from_the_measured_speeds():
     assert got["seconds_per_round"] == [6.0, 3.0]
     assert got["staleness"] == {"0": 2, "1": 3, "2": 1}
     assert got["pushes_by_worker"] == {"0": 2, "1": 4}
+
+
+def test_the_nominal_speeds_come_from_the_scenario_not_from_the_slow_nodes_pushes():
+    """Nodes 1-3 pushed 3 times each in 30 s (10 s a round); node 0 once, which `measured_seconds`
+    would read as 30 s a round. `link`: a push moves 5 MB down and 7.5 MB up, 12.5 MB = 10 s at
+    10 Mbit/s and 0.1 s at 1 Gbit/s, so node 0's round is 10 + 10 - 0.1 s. `compute`: 4 x 10 s.
+    On [40, 10, 10, 10] with the budget of 10 rounds, by hand: at t = 10, 20 and 30 nodes 1, 2, 3
+    push in turn (staleness 0, 1, 2 at t = 10, then 2 each: two versions since their pulls), the
+    last three of them with no round left to start; node 0 at t = 40, 9 versions after its pull."""
+    case = {"elapsed_seconds": 30.0, "pushes_by_worker": {"0": 1, "1": 3, "2": 3, "3": 3},
+            "bytes_sent_per_client": 5_000_000, "bytes_received_per_client": 7_500_000}
+    assert nominal_seconds(case, HETERO_SCENARIOS["link"]) == pytest.approx([19.9, 10.0, 10.0, 10.0])
+    seconds = nominal_seconds(case, HETERO_SCENARIOS["compute"])
+    assert seconds == pytest.approx([40.0, 10.0, 10.0, 10.0])
+    got = virtual_staleness(case, 4, seconds)
+    assert got["staleness"] == {"0": 1, "1": 1, "2": 7, "9": 1}
+    assert got["pushes_by_worker"] == {"0": 1, "1": 3, "2": 3, "3": 3}
+    assert virtual_staleness(case, 4)["seconds_per_round"] == [30.0, 10.0, 10.0, 10.0]  # the measured speeds
 
 
 def test_each_case_against_the_synchronous_run():
