@@ -27,6 +27,7 @@ from lordo_fed.app.records import (EXPLICIT_KEYS, IDENTIFY, ROUND_TIMEOUT, SESSI
                                    is_simulation, payload_bytes, payload_record, shorten_pull_backoff)
 from lordo_fed.transport.server import DataPlaneServer, Upload
 from lordo_fed.wire.codec import PayloadError
+from lordo_fed.wire.compress import SparseValues
 from lordo_fed.wire.decode import decode_update
 from lordo_fed.wire.encode import encode_global_state, encode_global_state_into, encoded_size
 from lordo_fed.wire.protowire import new_buffer
@@ -228,12 +229,14 @@ class Courier:
             log.warning("no reply from node %s: %s; excluded from this round", ids[mid], reason.rstrip(". "))
         return replies
 
-    def decode(self, payload: bytes | memoryview, adopt: bool = False, keep_compressed: bool = False) -> WorkerUpdate:
+    def decode(self, payload: bytes | memoryview, adopt: bool = False, keep_compressed: bool = False,
+               sparse: bool = False) -> WorkerUpdate:
         """A reply's payload as a WorkerUpdate of this run's model (PayloadError when it is not one);
         `adopt`: fp32 tensors are views of a writable `payload` instead of copies; `keep_compressed`:
-        compressed tensors as received (lordo_fed.wire.decode)."""
+        compressed tensors as received; `sparse`: Δ's top-k tensors as `SparseValues`
+        (lordo_fed.wire.decode)."""
         return decode_update(payload, expected_model_id=self.model_id, adopt=adopt, codecs=self.codecs,
-                             keep_compressed=keep_compressed)
+                             keep_compressed=keep_compressed, sparse=sparse)
 
     @contextlib.contextmanager
     def screened(self, replies: Iterable[Message], round_idx: int, phase: str,
@@ -244,20 +247,25 @@ class Courier:
         in partition order (sums in a fixed order are reproducible, whatever the arrival order).
 
         Each reply is decoded on arrival for `check` (its tensors' names, shapes, finiteness, and
-        its ||Δ|| for the outlier rule). Decoded once where holding it costs no memory: an upload
-        held in the data plane's memory decodes in place (`adopt`: its fp32 tensors are views of
-        the upload's buffer), and the ref keeps that decode for the aggregator. Otherwise (a
-        compressed reply, whose decode is dense fp32 of its own; a reply spilled to disk; Flower's
-        path) the decode is dropped and the ref decodes the payload again when the aggregator asks,
-        one reply at a time (`Aggregator.aggregate_refs`), so the server's memory stays bounded
-        whatever the number of replies. The payloads stay where they arrived until the block ends:
+        its ||Δ|| for the outlier rule). Decoded once where holding the decode costs little memory,
+        and the ref keeps it for the aggregator: an upload held in the data plane's memory decodes
+        in place (`adopt`: its fp32 tensors are views of the upload's buffer), and a top-k Δ stays
+        sparse (`SparseValues`: 12 bytes a sent value, about 5x its payload and 1/30 of its dense
+        decode at 3% density), the sparse decodes held together within the data plane's memory
+        budget (`data-plane-memory-mb`, on either path). Otherwise (a reply with a dense compressed
+        tensor, e.g. an int8 embedding, decoded into fp32 of its own; a spilled fp32 reply;
+        Flower's path at fp32; sparse decodes past the budget) the decode is dropped and the ref
+        decodes the payload again when the aggregator asks, one reply at a time
+        (`Aggregator.aggregate_refs`), so the server's memory stays bounded whatever the number of
+        replies. The payloads stay where they arrived until the block ends:
         on the data plane, in its memory budget or spilled to disk; on Flower's path, in the
         messages. A ref must not be loaded after the block: the upload buffers its kept decodes
         view are then released for later uploads. Each refused reply is logged as `<phase>: dropped reply of node <id>[
         (partition <p>)]: <reason>` (`<phase>: node <id> failed: ...` for an error reply) and
         recorded in `rl.dropped`; decoding time goes to `rl.decode_seconds`."""
         held = []  # data-plane uploads, discarded when the block ends
-        kept: dict[int, WorkerUpdate] = {}  # decodes that are views of those uploads, dropped with them
+        kept: dict[int, WorkerUpdate] = {}  # decodes that are views of those uploads or sparse, dropped with them
+        sparse_budget = self.cfg.data_plane.memory_mb << 20  # bytes of kept sparse decodes
 
         def load_kept(index: int) -> WorkerUpdate:
             if index not in kept:
@@ -285,8 +293,9 @@ class Courier:
                         source = upload.buffer
                     payload = source()
                     size = len(payload)
-                    update = self.decode(payload, adopt=self.data_plane is not None)
-                    in_place = _views_of(update, payload)
+                    update = self.decode(payload, adopt=self.data_plane is not None, sparse=True)
+                    extra = _held_bytes(update, payload)
+                    in_place = extra is not None and extra <= sparse_budget
                     del payload
                     reason, norm = check(update)
                 except (PayloadError, ValueError, KeyError) as err:
@@ -296,10 +305,11 @@ class Courier:
                 finally:
                     rl.decode_seconds += time.perf_counter() - decode_started
                 if in_place:
+                    sparse_budget -= extra
                     kept[len(entries)] = update
                     load = (lambda index=len(entries): load_kept(index))
                 else:
-                    load = (lambda source=source: self.decode(source()))
+                    load = (lambda source=source: self.decode(source(), sparse=True))
                 relayed = (lambda source=source: self.decode(source(), keep_compressed=True)) if self.relay else None
                 ref = ReplyRef.of(update, load=load, norm=norm, relayed=relayed)
                 del update
@@ -337,9 +347,16 @@ class Courier:
         return upload
 
 
-def _views_of(update: WorkerUpdate, payload) -> bool:
-    """Whether every tensor of `update` is a view of `payload` (decoded in place: keeping the
-    decode costs no memory beyond the payload, which is held anyway)."""
+def _held_bytes(update: WorkerUpdate, payload) -> int | None:
+    """What keeping the decode `update` costs beyond `payload`, which is held anyway: the bytes of its
+    `SparseValues`, when every other tensor is a view of `payload` (decoded in place); None when
+    one owns dense memory of its own."""
     buf = np.frombuffer(payload, dtype=np.uint8)
     start = buf.ctypes.data
-    return all(start <= t.data_ptr() < start + buf.nbytes for t in update.tensors().values())
+    held = 0
+    for t in update.tensors().values():
+        if isinstance(t, SparseValues):
+            held += t.nbytes
+        elif not start <= t.data_ptr() < start + buf.nbytes:
+            return None
+    return held

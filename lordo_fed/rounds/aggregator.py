@@ -43,7 +43,7 @@ from lordo_fed.rounds.outer import Average, OuterOptimizer
 from lordo_fed.rounds.sparse import contributor_mean, support_overlap
 from lordo_fed.rounds.screening import ReplyRef
 from lordo_fed.wire import lowrank
-from lordo_fed.wire.compress import Encoded, decode, encode
+from lordo_fed.wire.compress import Encoded, SparseValues, encode, plus_decoded
 from lordo_fed.wire.messages import (
     DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, WorkerUpdate, moment_key, split_moment_key)
 from lordo_fed.wire.payload import PayloadCodecs
@@ -169,7 +169,7 @@ class Aggregator:
         if not self.downlink_due() or self.payload.relay:  # a relay's replay gives θ itself
             return {n: p.clone() for n, p in self.params.items()}
         change = self.global_state().params
-        return {n: self.client_params[n] + decode(e, n).view(e.shape) for n, e in change.items()}
+        return {n: plus_decoded(self.client_params[n], e, n) for n, e in change.items()}
 
     def downlink_due(self) -> bool:
         """Whether this round's state carries θ as the compressed change of the clients' copy."""
@@ -339,7 +339,7 @@ class Aggregator:
         self._commit_downlink()  # before θ moves: the change the workers applied this round
         self.outer.step(self.params, delta)
         diagnostics = self._diagnostics(delta) if self.diagnostics else {}
-        delta_norm = math.sqrt(sum(float(d.float().square().sum()) for d in delta.values()))
+        delta_norm = screening.norm_of(delta.values())
         if lengths:  # the length of Δ̄ against the replies'
             diagnostics["delta_retention"] = delta_norm / max(sum(w * n for w, n in zip(weights, lengths)), 1e-30)
         self.opt_step = opt_step
@@ -409,10 +409,10 @@ class Aggregator:
         for name in names:
             d = update.delta[name]
             if bases and name in update.coords:
-                d = lowrank.join(d, update.coords[name], *bases[name])
+                d = lowrank.join(d.dense() if isinstance(d, SparseValues) else d, update.coords[name], *bases[name])
             _add_weighted(delta_sums, name, d, weight * clip)
             if senders is not None and name in senders:  # the indices this reply sent (top-k: its non-zeros)
-                sent = d != 0
+                sent = d.sent() if isinstance(d, SparseValues) else d != 0
                 if support is not None and name in support:
                     _add_weighted(support, name, sent, weight)
                 # one byte an index, saturated at 2: all support_overlap reads is "none, one, more"
@@ -578,13 +578,18 @@ class Aggregator:
             self._relayed = None  # a relay's replies are not in the checkpoint: θ whole once
 
 
-def _add_weighted(sums: dict[str, Tensor], key: str, t: Tensor, weight: float) -> None:
+def _add_weighted(sums: dict[str, Tensor], key: str, t: Tensor | SparseValues, weight: float) -> None:
     """sums[key] += weight · t in fp32 (created as zeros on first use). Every average of the
     aggregator is a sequence of these additions, so its result depends only on the order of the
-    terms, not on whether they were held in memory together."""
+    terms, not on whether they were held in memory together, or a top-k term kept sparse
+    (`SparseValues.add_to`: the same additions, bit for bit)."""
     acc = sums.get(key)
     if acc is None:
-        acc = sums[key] = torch.zeros_like(t, dtype=torch.float32)
-    elif acc.shape != t.shape:
+        device = t.values.device if isinstance(t, SparseValues) else t.device
+        acc = sums[key] = torch.zeros(tuple(t.shape), dtype=torch.float32, device=device)
+    elif tuple(acc.shape) != tuple(t.shape):
         raise ValueError(f"{key}: shape {tuple(t.shape)} added to a sum of shape {tuple(acc.shape)}")
-    acc.add_(t.float(), alpha=weight)
+    if isinstance(t, SparseValues):
+        t.add_to(acc, weight)
+    else:
+        acc.add_(t.float(), alpha=weight)

@@ -43,8 +43,8 @@ from torch import Tensor
 
 from lordo_fed.v1 import wire_pb2 as pb
 from lordo_fed.wire.codec import GLOBAL_STATE_SCHEMA, SCHEMA, SCHEMA_V2, UPDATE_SCHEMA, WIRE_WORDS, PayloadError
-from lordo_fed.wire.compress import (CodecSpec, CompressionError, Encoded, decode as decode_compressed, describe,
-                                      payload_bounds, split_payload)
+from lordo_fed.wire.compress import (CodecSpec, CompressionError, Encoded, SparseValues, decode as decode_compressed,
+                                      decode_sparse, describe, payload_bounds, split_payload)
 from lordo_fed.wire.messages import GlobalState, WorkerUpdate
 from lordo_fed.wire.protowire import MAX_MESSAGE, WT_LEN, Irregular, key, read_key, read_length, skip_value, varint
 
@@ -248,15 +248,16 @@ def _check_group(group: Iterable[pb.Tensor], where: str, v2: bool = False,
 
 
 def _build_tensor(t: pb.Tensor, shape: tuple[int, ...], where: str, data=None, adopt: bool = False,
-                  keep_compressed: bool = False) -> Tensor | Encoded:
+                  compressed: str = "dense") -> Tensor | Encoded | SparseValues:
     """The tensor of `t`, from `data` (a zero-copy view of its span in the payload) or, on the
     protobuf path, from `t.data`; one copy (or the bf16 widening) into memory it owns, or with
     `adopt` no copy at all when the span already is what the tensor needs (fp32 or another
     native dtype, in a writable buffer): the tensor is then a view of the payload. Such a view is
     usually not 4-byte aligned (protobuf's length prefixes put the data anywhere); torch's CPU
     kernels read it with unaligned loads (measured: copying 200 MB out of it takes as long as
-    from an aligned one), and a copy to a GPU takes it as any host memory. `keep_compressed`: a
-    compressed tensor comes back as its `Encoded` (checked, not decoded: what a relay sends on)."""
+    from an aligned one), and a copy to a GPU takes it as any host memory. `compressed='encoded'`: a
+    compressed tensor comes back as its `Encoded` (checked, not densified: what a relay sends on);
+    `compressed='sparse'`: a top-k one as `SparseValues` (decoded, not densified; `decode_sparse`)."""
     if data is None:
         data = t.data  # the protobuf path: one copy out of the message
     if len(data) != t.nbytes:
@@ -267,8 +268,10 @@ def _build_tensor(t: pb.Tensor, shape: tuple[int, ...], where: str, data=None, a
         label = f"{where}[{t.name!r}]"
         try:
             enc = split_payload(_spec_of(t), math.prod(shape), data, shape)
-            decoded = decode_compressed(enc, label).view(shape)  # validates the positions and values
-            return enc if keep_compressed else decoded
+            if compressed == "dense":
+                return decode_compressed(enc, label).view(shape)
+            decoded = decode_sparse(enc, label)  # validates the positions and values
+            return enc if compressed == "encoded" else decoded
         except CompressionError as err:
             raise PayloadError(str(err) if str(err).startswith(label) else f"{label}: {err}") from None
     wire = np.frombuffer(data, dtype=WIRE_WORDS[(t.dtype, t.codec)])
@@ -286,17 +289,17 @@ def _build_tensor(t: pb.Tensor, shape: tuple[int, ...], where: str, data=None, a
 
 def _decode_group(group, shapes: list[tuple[int, ...]], where: str, spans: list[tuple[int, int]] | None = None,
                   view: memoryview | None = None, adopt: bool = False,
-                  keep_compressed: bool = False) -> dict[str, Tensor]:
+                  compressed: str = "dense") -> dict[str, Tensor]:
     if spans is None:
-        return {t.name: _build_tensor(t, shape, where, keep_compressed=keep_compressed) for t, shape in zip(group, shapes)}
-    return {t.name: _build_tensor(t, shape, where, view[start:start + size], adopt, keep_compressed)
+        return {t.name: _build_tensor(t, shape, where, compressed=compressed) for t, shape in zip(group, shapes)}
+    return {t.name: _build_tensor(t, shape, where, view[start:start + size], adopt, compressed)
             for t, shape, (start, size) in zip(group, shapes, spans)}
 
 
 def _finish_global_state(msg: pb.GlobalState, expected_model_id: str | None,
                          spans: dict[int, list[tuple[int, int]]] | None = None,
                          view: memoryview | None = None, adopt: bool = False,
-                         codecs: frozenset[CodecSpec] | None = None, keep_compressed: bool = False) -> GlobalState:
+                         codecs: frozenset[CodecSpec] | None = None, compressed: str = "dense") -> GlobalState:
     """Validate a parsed GlobalState and build its tensors: from each `data` field (protobuf
     path) or from the data spans the scanner found in `view` (fast path, keyed by field number).
     Each relayed reply is a WorkerUpdate payload of its own, decoded (and refused) as one."""
@@ -358,7 +361,7 @@ def _relayed(msg: pb.GlobalState, expected_model_id: str | None, payloads: list,
 def _finish_update(msg: pb.WorkerUpdate, expected_model_id: str | None,
                    spans: dict[int, list[tuple[int, int]]] | None = None,
                    view: memoryview | None = None, adopt: bool = False,
-                   codecs: frozenset[CodecSpec] | None = None, keep_compressed: bool = False) -> WorkerUpdate:
+                   codecs: frozenset[CodecSpec] | None = None, compressed: str = "dense") -> WorkerUpdate:
     """Validate a parsed WorkerUpdate and build its tensors (see `_finish_global_state`)."""
     kind = "WorkerUpdate"
     v2 = _check_header(msg, kind, UPDATE_SCHEMA, expected_model_id)
@@ -369,27 +372,29 @@ def _finish_update(msg: pb.WorkerUpdate, expected_model_id: str | None,
     groups = [(msg.delta, f"{kind}.delta", 7), (msg.moments, f"{kind}.moments", 8),
               (msg.delta_coords, f"{kind}.delta_coords", 10)]
     shapes = [_check_group(g, where, v2, codecs) for g, where, _ in groups]
-    delta, moments, coords = (_decode_group(g, s, where, None if spans is None else spans[field], view, adopt,
-                                            keep_compressed) for (g, where, field), s in zip(groups, shapes))
+    # 'sparse' keeps Δ's top-k tensors sparse; moments and coordinates are dense whatever their codec
+    modes = [compressed] + [("dense" if compressed == "sparse" else compressed)] * 2
+    delta, moments, coords = (_decode_group(g, s, where, None if spans is None else spans[field], view, adopt, mode)
+                              for (g, where, field), s, mode in zip(groups, shapes, modes))
     return WorkerUpdate(worker_id=int(msg.worker_id), round=int(msg.round), delta=delta,
                         moments=moments, tokens=int(msg.tokens), opt_step=int(msg.opt_step),
                         metrics={str(k): float(v) for k, v in msg.metrics.items()}, coords=coords)
 
 
 def decode_global_state_reference(data, expected_model_id: str | None = None,
-                                   codecs: frozenset[CodecSpec] | None = None, keep_compressed: bool = False) -> GlobalState:
+                                   codecs: frozenset[CodecSpec] | None = None, compressed: str = "dense") -> GlobalState:
     """The protobuf path: parse the whole payload into a message (a copy of it), then copy each
     tensor out of its `data` field. The oracle of the tests, and the fallback of
     `decode_global_state` for wire forms its scanner leaves to protobuf."""
     return _finish_global_state(_parse(pb.GlobalState, data, "GlobalState"), expected_model_id, codecs=codecs,
-                                keep_compressed=keep_compressed)
+                                compressed=compressed)
 
 
 def decode_update_reference(data, expected_model_id: str | None = None,
-                             codecs: frozenset[CodecSpec] | None = None, keep_compressed: bool = False) -> WorkerUpdate:
+                             codecs: frozenset[CodecSpec] | None = None, compressed: str = "dense") -> WorkerUpdate:
     """The protobuf path of `decode_update` (see `decode_global_state_reference`)."""
     return _finish_update(_parse(pb.WorkerUpdate, data, "WorkerUpdate"), expected_model_id, codecs=codecs,
-                          keep_compressed=keep_compressed)
+                          compressed=compressed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -483,18 +488,18 @@ def _scan(view: memoryview, kind: str) -> tuple[bytes, dict[int, list[tuple[int,
 
 
 def _decode(data, kind: str, cls, finish, reference, expected_model_id: str | None, adopt: bool = False,
-            codecs: Iterable[CodecSpec] | None = None, keep_compressed: bool = False):
+            codecs: Iterable[CodecSpec] | None = None, compressed: str = "dense"):
     view = _byte_view(data, kind)
     codecs = None if codecs is None else frozenset(c.canonical() for c in codecs)
     try:
         skeleton, spans = _scan(view, kind)
     except Irregular:
-        return reference(view, expected_model_id, codecs, keep_compressed)
+        return reference(view, expected_model_id, codecs, compressed)
     msg = _parse(cls, skeleton, kind, payload_size=view.nbytes)
     groups = {f.number: getattr(msg, f.name) for f in cls.DESCRIPTOR.fields if f.number in _TENSOR_FIELDS[kind]}
     if any(len(groups[field]) != len(spans[field]) for field in groups):  # pragma: no cover
-        return reference(view, expected_model_id, codecs, keep_compressed)  # cannot happen: one element per occurrence
-    return finish(msg, expected_model_id, spans, view, adopt, codecs, keep_compressed)
+        return reference(view, expected_model_id, codecs, compressed)  # cannot happen: one element per occurrence
+    return finish(msg, expected_model_id, spans, view, adopt, codecs, compressed)
 
 
 def _release_views_on_error(decode):
@@ -533,14 +538,19 @@ def decode_global_state(data: Buffer, expected_model_id: str | None = None, adop
 
 @_release_views_on_error
 def decode_update(data: Buffer, expected_model_id: str | None = None, adopt: bool = False,
-                  codecs: Iterable[CodecSpec] | None = None, keep_compressed: bool = False) -> WorkerUpdate:
+                  codecs: Iterable[CodecSpec] | None = None, keep_compressed: bool = False,
+                  sparse: bool = False) -> WorkerUpdate:
     """Parse and validate a WorkerUpdate payload; floating tensors come back fp32 on the CPU.
 
     Accepts bytes, bytearray, memoryview or mmap, read in place; `adopt` and `codecs` as in
     `decode_global_state`. `keep_compressed`: compressed tensors come back as their `Encoded`
-    (validated, decoded once to check them, and kept as sent: what a relaying server sends on)."""
-    return _decode(data, "WorkerUpdate", pb.WorkerUpdate, _finish_update,
-                   decode_update_reference, expected_model_id, adopt, codecs, keep_compressed)
+    (their positions and values decoded to check them, not densified, and kept as sent: what a
+    relaying server sends on). `sparse`: a top-k tensor comes back as `SparseValues` (what the server
+    keeps of a reply between screening and aggregating it), any other compressed one decoded."""
+    if keep_compressed and sparse:
+        raise ValueError("decode_update: keep_compressed and sparse exclude each other")
+    return _decode(data, "WorkerUpdate", pb.WorkerUpdate, _finish_update, decode_update_reference, expected_model_id,
+                   adopt, codecs, "encoded" if keep_compressed else "sparse" if sparse else "dense")
 
 
 @contextlib.contextmanager

@@ -903,8 +903,16 @@ class Spool:
                 {r.worker_id: why for r, why in zip(refs, reasons) if why is not None})
 
 
+NORM_METRICS = ("delta_norm", "delta_retention")
+"""Lengths the oracle sums as Σ d² and the aggregator as one `vector_norm` per tensor: the same value up to
+the order of fp32 additions (θ, the bases and the moments are compared bit for bit)."""
+
+
 def assert_same_result(a: RoundResult, b: RoundResult) -> None:
-    assert (a.accepted, a.rejected, a.metrics) == (b.accepted, b.rejected, b.metrics)
+    assert (a.accepted, a.rejected) == (b.accepted, b.rejected)
+    assert a.metrics.keys() == b.metrics.keys()
+    for key, value in a.metrics.items():
+        assert value == (pytest.approx(b.metrics[key], rel=1e-6) if key in NORM_METRICS else b.metrics[key]), key
     assert a.state.round == b.state.round and a.state.opt_step == b.state.opt_step
     for name in ("params", "projections", "moments"):
         x, y = getattr(a.state, name), getattr(b.state, name)
@@ -1038,3 +1046,22 @@ def test_initial_projections_from_refs_equal_the_list_path_one_gradient_at_a_tim
     assert result.accepted == expected.accepted == [0, 1, 2]
     assert all(torch.equal(streamed.projections[n], listed.projections[n]) for n in ("w", "v"))
     assert spool.peak_alive == 1 and spool.loads == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_finite_agrees_with_testing_every_value(dtype):
+    """The one-reduction finiteness test against `torch.isfinite` on every value: NaN and ±Inf anywhere,
+    and finite values whose squares overflow (the norm is Inf, every value is finite)."""
+    from lordo_fed.rounds.screening import all_finite, norm_of
+
+    cases = [torch.randn(1000), torch.zeros(7), torch.full((64,), 3e38), torch.tensor([1e30, -1e30, 2.0])]
+    for bad in (math.nan, math.inf, -math.inf):
+        for where in (0, 500, 999):
+            t = torch.randn(1000)
+            t[where] = bad
+            cases.append(t)
+    for t in cases:
+        t = t.to(dtype)
+        assert all_finite(t) == bool(torch.isfinite(t).all()), t
+    parts = [torch.randn(3, 5), torch.randn(17)]
+    assert norm_of(parts) == pytest.approx(math.sqrt(sum(float((p.double() ** 2).sum()) for p in parts)), rel=1e-6)

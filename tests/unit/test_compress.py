@@ -174,12 +174,57 @@ def hostile_cases() -> list[tuple[str, Encoded, str]]:
     ]
 
 
+@pytest.mark.parametrize("decoder", ["dense", "sparse"])
 @pytest.mark.parametrize("case", hostile_cases(), ids=lambda c: c[0])
-def test_hostile_encodings_are_refused_with_a_reason(case):
+def test_hostile_encodings_are_refused_with_a_reason(case, decoder):
+    """`decode` and `decode_sparse` (a top-k kept sparse on the server) refuse the same encodings."""
+    import dataclasses
+
+    from lordo_fed.wire.compress import decode_sparse
+
     _, enc, reason = case
     with pytest.raises(CompressionError, match=reason) as err:
-        decode(enc, label="delta/w")
+        if decoder == "dense":
+            decode(enc, label="delta/w")
+        else:
+            decode_sparse(dataclasses.replace(enc, shape=(enc.numel,)), label="delta/w")
     assert str(err.value).startswith("delta/w: ")
+
+
+@pytest.mark.parametrize("spec", [
+    CodecSpec("topk", chunk=64, density=0.1), CodecSpec("topk", bits=2, chunk=64, density=0.1, levels="lut"),
+    CodecSpec("topk", bits=2, chunk=64, density=0.1, levels="sign"), CodecSpec("topk", bits=8, chunk=64, density=0.1),
+    CodecSpec("topk", bits=2, chunk=64, density=0.1, levels="lut", index_coding="rice"),
+    CodecSpec("topk", bits=2, chunk=64, density=0.1, levels="lut", tile=64), CodecSpec("quant", bits=8, block=64)],
+    ids=lambda s: s.kind + (f"-{s.bits}-{s.levels}" if s.kind == "topk" else "") + ("-rice" if s.index_coding == "rice" else "")
+    + ("-tiled" if s.tile else ""))
+def test_sparse_values_stand_for_the_dense_decode_bit_for_bit(spec):
+    """What the server does with a top-k reply kept sparse, against the same with its dense decode:
+    `dense()` is `decode`, `add_to` is `acc.add_(decode, alpha=w)` and `sent()` is `decode != 0`, bit for
+    bit, with a zero among the kept values, a tail chunk, and a sum that already holds values; a tiled top-k
+    and a dense codec come back decoded."""
+    from lordo_fed.wire.compress import SparseValues, decode_sparse, plus_decoded
+
+    g = torch.Generator().manual_seed(3)
+    shape = (128, 192) if spec.tile else (150, 77)  # 64x64 tiles; otherwise a tail chunk
+    x = torch.randn(shape, generator=g) * torch.rand(shape, generator=g) ** 4
+    x[0, :10] = 0.0  # a chunk whose kept values include zeros
+    enc = encode(x, spec)
+    dense = decode(enc).view(x.shape)
+    got = decode_sparse(enc)
+    base = torch.randn(x.shape, generator=g)
+    if spec.kind != "topk" or spec.tile:
+        assert isinstance(got, torch.Tensor) and torch.equal(got, dense)
+    else:
+        assert isinstance(got, SparseValues) and got.shape == tuple(x.shape)
+        assert torch.equal(got.dense(), dense)
+        assert torch.equal(got.sent(), dense != 0)
+        for w in (1.0, 0.3141592653, 1 / 3):
+            acc, want = base.clone(), base.clone()
+            got.add_to(acc, w)
+            want.add_(dense, alpha=w)
+            assert torch.equal(acc, want), w
+    assert torch.equal(plus_decoded(base, enc), base + dense)
 
 
 def test_error_feedback_sends_everything_eventually():

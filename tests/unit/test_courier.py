@@ -1,7 +1,8 @@
 """The server's screening of data-plane replies (server/courier.py `Courier.screened`): a reply held
 in the data plane's memory is decoded once, in place, and what the aggregator loads equals what the
-node sent; a spilled reply is decoded again on load, to the same values; nothing is loaded after
-the block releases the upload buffers."""
+node sent; a spilled reply is decoded again on load, to the same values; a top-k reply is decoded
+once into its sparse values, within the memory budget; nothing is loaded after the block releases
+the upload buffers."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def test_replies_load_as_sent_decoded_once_where_in_memory(tmp_path, budget):
     sent = {node: update_of(i) for i, node in enumerate(NODES)}
     decodes = []
     decode = courier.decode
-    courier.decode = lambda payload, adopt=False: decodes.append(adopt) or decode(payload, adopt)
+    courier.decode = lambda payload, adopt=False, **kw: decodes.append(adopt) or decode(payload, adopt, **kw)
     with DataPlaneServer(tmp_path / "spool", memory_budget=budget) as plane:
         courier.data_plane = plane
         tickets = plane.publish(1, b"state", NODES, ttl=60, max_upload=1 << 20)
@@ -94,4 +95,44 @@ def test_a_relaying_server_reads_each_reply_as_the_node_sent_it(tmp_path, budget
                 kept = ref.relayed()
                 assert all(isinstance(t, Encoded) for t in kept.delta.values())
                 assert bytes(encode_update(kept, MODEL)) == raw[NODES[ref.worker_id]]
+        courier.data_plane = None
+
+
+@pytest.mark.parametrize("memory_mb", [1024, 0], ids=["kept", "past-the-budget"])
+def test_top_k_replies_are_decoded_once_and_load_as_their_dense_decode(tmp_path, memory_mb):
+    """`diloco-sparse`'s wire (every tensor top-k): each reply is decoded once, on arrival, into
+    `SparseValues` the ref keeps; with no room for them (`data-plane-memory-mb=0`) each load decodes
+    again. Either way, what a load gives, densified, is the dense decode of the bytes the node sent."""
+    from lordo_fed.wire.compress import ErrorFeedback, SparseValues
+    from lordo_fed.wire.decode import decode_update
+
+    payload = resolve_payload("topk2bit-both-wide")
+    cfg = load_app_config({"data-plane-memory-mb": memory_mb}, tmp_path)
+    courier = Courier(cfg, (), model_id=MODEL, payload=payload, max_upload=1 << 20, spool=tmp_path)
+    raw = {}
+    for i, node in enumerate(NODES):
+        u = update_of(i)
+        delta = {n: ErrorFeedback().compress(n, t, payload.codecs.delta_spec(n, tuple(t.shape)))[0]
+                 for n, t in u.delta.items()}
+        raw[node] = bytes(encode_update(WorkerUpdate(i, 1, delta, {}, u.tokens, u.opt_step), MODEL))
+    decodes = []
+    decode = courier.decode
+    courier.decode = lambda payload, adopt=False, **kw: decodes.append(kw) or decode(payload, adopt, **kw)
+    with DataPlaneServer(tmp_path / "spool") as plane:
+        courier.data_plane = plane
+        tickets = plane.publish(1, b"state", NODES, ttl=60, max_upload=1 << 20)
+        replies = [reply(node, client.upload(tickets[node], node, raw[node]).digest) for node in NODES]
+        with courier.screened(replies, 1, "round 1", lambda u: (None, 1.0), lambda ids, norms, reasons: list(reasons),
+                              RoundLog()) as usable:
+            assert len(usable) == len(NODES)
+            for ref, _, _ in usable:
+                dense = decode_update(raw[NODES[ref.worker_id]], MODEL, codecs=payload.receiver_specs)
+                got = ref.load()
+                assert all(isinstance(t, SparseValues) for t in got.delta.values())
+                assert got.delta.keys() == dense.delta.keys()
+                for name, t in dense.delta.items():
+                    assert torch.equal(got.delta[name].dense(), t), name
+                assert (ref.load() is got) == (memory_mb > 0)
+        assert all(kw == {"sparse": True} for kw in decodes)
+        assert len(decodes) == len(NODES) * (1 if memory_mb else 3)
         courier.data_plane = None
