@@ -16,11 +16,15 @@ pay for their encoding time.
    and the state a compressed preset adds to a worker (Δ's residual, the clients' copy θ_c).
    **refit**: the server's refit of LoRDO-Global's bases at 125m (exact SVD, randomized SVD, DCT
    columns) against the link time of a lean top-k round at 1 Gb/s and 100 Mb/s.
+   **server**: the server's side of one top-k round at 125m with M = 2, 4, 8 replies (`diloco-sparse`,
+   `sparseloco`): screening (decode, check) and aggregation (the sums, the outer step, θ's compressed
+   change and the clients' copy), each reply decoded once into `SparseValues` against decoded to
+   dense fp32 on arrival and again when the sums load it, side by side, on one CPU thread.
 3. **quality**: LoRDO-Global on `examples/reference/quality_cpu.yaml` (small preset, M = 4,
    rank 16) at K = 8 for 32 rounds, each compressed preset against fp32, seeds 0 and 1; fp32 and
    int8 also with the full-size moments synced every 4th round (`dense_sync_factor` = 4).
 
-    python benchmarks/compression.py                 # all three (~35 min on 2 cores)
+    python benchmarks/compression.py                 # all of them (~40 min on 2 cores)
     python benchmarks/compression.py --parts bytes,time
     python benchmarks/compression.py --quick         # 16m bytes at K = 32, tiny time and quality
 Writes benchmarks/results/compression.json and compression.png.
@@ -50,6 +54,7 @@ from lordo_fed.rounds.outer import OuterConfig
 from lordo_fed.wire.messages import GlobalState, WorkerUpdate
 from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.rounds.relay import replay
+from lordo_fed.rounds.screening import ReplyRef
 from lordo_fed.optim.projection import projection_side
 from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import Encoded, ErrorFeedback, encode, part_sizes
@@ -181,6 +186,73 @@ worker replays the round, lordo_fed.rounds.relay). Its state carries all M repli
 (one state for every worker). Each relayed reply is counted as its own serialized message (Δ only: no
 moments, no metrics), as the state's `relay` field carries it; at M workers the downlink is the state's
 own fields plus M of them (docs/results.md, section 12, part nine, counts M = 8 that way)."""
+
+
+SERVER_PRESETS = ("diloco-sparse", "sparseloco")
+"""The presets the server part times: every tensor top-k up, θ's change top-k down; the mean over all
+workers against SparseLoCo's contributor mean."""
+SERVER_PATHS = ("sparse-once", "dense-twice")
+"""How the server reads a top-k reply: decoded once into its kept values and positions (`SparseValues`,
+server/courier.py), or to dense fp32 on arrival (screening) and again when the sums load it."""
+
+
+def server_times(model: str, workers: tuple[int, ...], repeats: int = 3) -> list[dict]:
+    """The server's side of one round per preset, M and reading (`SERVER_PATHS`), the readings
+    interleaved `repeats` times and each phase's fastest pass kept; one CPU thread."""
+    from lordo_fed.app.config import load_app_config
+    from lordo_fed.rounds.build import build_run
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = []
+    try:
+        for name in SERVER_PRESETS:
+            cfg = load_app_config({"preset": name, "model-preset": model})
+            run = build_run(cfg, "diloco", vocab_size=GPT2_VOCAB, device=torch.device("cpu"))
+            codecs, specs = run.payload.codecs, run.payload.receiver_specs
+            params = {n: p.detach() for n, p in run.model.named_parameters()}
+            g = torch.Generator().manual_seed(0)
+            deltas = [{n: ErrorFeedback().compress(n, torch.randn(p.shape, generator=g) * 1e-3,
+                                                   codecs.delta_spec(n, tuple(p.shape)))[0] for n, p in params.items()}
+                      for _ in range(max(workers))]
+            for m in workers:
+                best: dict[str, dict[str, float]] = {}
+                theta: dict[str, dict[str, torch.Tensor]] = {}
+                for _ in range(repeats):
+                    for path in SERVER_PATHS:
+                        agg = run.aggregator()
+                        for _round in range(2):  # round 2 sends θ's change (round 1 sends θ whole)
+                            times = _server_round(agg, deltas[:m], run.model_id, specs, path)
+                        best[path] = {k: min(v, best.get(path, {}).get(k, math.inf)) for k, v in times.items()}
+                        theta[path] = agg.params
+                same = all(torch.equal(theta[SERVER_PATHS[0]][n], t) for n, t in theta[SERVER_PATHS[1]].items())
+                for path in SERVER_PATHS:
+                    rows.append({"preset": name, "model": model, "M": m, "path": path, "same_theta": same, **best[path],
+                                 "server_s": best[path]["screen_s"] + best[path]["aggregate_s"],
+                                 "reply_bytes": len(encode_update(WorkerUpdate(0, 1, deltas[0], {}, 1, 1), run.model_id))})
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
+def _server_round(agg, deltas: list[dict[str, Encoded]], model_id: str, specs, path: str) -> dict[str, float]:
+    """One round of `server_times`: the replies encoded as nodes send them (not timed), then screened and
+    aggregated as server/courier.py and the aggregator do."""
+    payloads = [bytes(encode_update(WorkerUpdate(m, agg.round, d, {}, 4096, 4), model_id)) for m, d in enumerate(deltas)]
+    t0 = time.perf_counter()
+    refs = []
+    for data in payloads:
+        update = decode_update(data, model_id, codecs=specs, sparse=path == "sparse-once")
+        reason, norm = agg.check_reply(update)
+        if reason is not None:
+            raise RuntimeError(reason)
+        load = None if path == "sparse-once" else (lambda data=data: decode_update(data, model_id, codecs=specs))
+        refs.append(ReplyRef.of(update, load=load, norm=norm))
+        del update
+    t1 = time.perf_counter()
+    agg.aggregate_refs(refs)
+    agg.client_copy()  # what the next round's resync and commit need: θ_c after this round's change
+    return {"screen_s": t1 - t0, "aggregate_s": time.perf_counter() - t1}
 
 
 def relayed(update: WorkerUpdate) -> WorkerUpdate:
@@ -400,7 +472,8 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     global ROW_SHARE
     parser = make_parser("compression", __doc__, "16m bytes at K = 32, tiny time and quality (seconds)")
-    parser.add_argument("--parts", default="bytes,time,refit,quality", help="comma-separated: bytes, time, refit, quality")
+    parser.add_argument("--parts", default="bytes,time,refit,server,quality",
+                        help="comma-separated: bytes, time, refit, server, quality")
     parser.add_argument("--payloads", default="", help="comma-separated presets (default: all; quality needs fp32 in it)")
     parser.add_argument("--overrides", default="", help="quality part: extra trainer overrides, space-separated "
                         "(e.g. 'inner.ef_decay=0.9')")
@@ -428,6 +501,10 @@ def main() -> None:
     if "refit" in parts:
         result["refit"] = refit_times("tiny" if args.quick else "125m")
         write_json({**result, "seconds": time.perf_counter() - started}, args.out)
+    if "server" in parts:
+        result["server"] = server_times("tiny" if args.quick else "125m", (2,) if args.quick else (2, 4, 8),
+                                        repeats=1 if args.quick else 3)
+        write_json({**result, "seconds": time.perf_counter() - started}, args.out)
     if "quality" in parts:
         with tempfile.TemporaryDirectory() as tmp:
             result["quality"] = quality(payloads if not args.quick else ["fp32", "int8"], [0] if args.quick else [0, 1],
@@ -442,6 +519,9 @@ def main() -> None:
     for r in result.get("time", []):
         print(f"time {r['preset']} {r['payload']:16} codec {r['codec_s']:6.2f} s (extra {r['extra_codec_s']:+6.2f} s), "
               f"1 Gb/s link time saved {r['link_seconds_saved_1gbps']:6.2f} s")
+    for r in result.get("server", []):
+        print(f"server {r['model']} {r['preset']:13} M={r['M']} {r['path']:11}: screen {r['screen_s']:5.2f} s, "
+              f"aggregate {r['aggregate_s']:5.2f} s, together {r['server_s']:5.2f} s")
     for r in result.get("quality", []):
         print(f"quality {r['payload']:16} F={r['dense_sync_factor']} seed {r['seed']}: val ppl {r['val_ppl']:.3f} ({r['ppl_vs_fp32']:+.2%} vs fp32), "
               f"{r['bytes_vs_fp32']:.1f}x fewer bytes")

@@ -436,7 +436,8 @@ def test_async_rounds_quick(tmp_path):
 def test_compression_quick(tmp_path):
     """Structure of benchmarks/compression.py --quick: the presets' serialized bytes at 16m against
     fp32 DDP (fp32 LoRDO-Global equal to communication.py's 12x, every compressed preset fewer
-    bytes than bf16), encode/decode time and a tiny quality run (not its figures' quality)."""
+    bytes than bf16), encode/decode time, the server's two readings of top-k replies (the same θ) and a
+    tiny quality run (not its figures' quality)."""
     result = run_quick("compression.py", tmp_path)
     by = {r["payload"]: r for r in result["bytes"]}
     from lordo_fed.wire.payload import PAYLOADS
@@ -463,6 +464,11 @@ def test_compression_quick(tmp_path):
     refit = {r["method"]: r for r in result["refit"]}
     assert set(refit) == {"svd", "rsvd", "dct"} and all(r["refit_s"] > 0 and r["link_s_100mbps"] > r["link_s_1gbps"] > 0
                                                         for r in refit.values())
+    server = result["server"]
+    assert {(r["preset"], r["path"]) for r in server} == {(p, q) for p in ("diloco-sparse", "sparseloco")
+                                                         for q in ("sparse-once", "dense-twice")}
+    # both readings of the replies end at the same θ, bit for bit
+    assert all(r["same_theta"] and r["screen_s"] > 0 and r["aggregate_s"] > 0 for r in server)
     quality = {r["payload"]: r for r in result["quality"]}
     assert set(quality) == {"fp32", "int8"} and quality["int8"]["bytes_vs_fp32"] > 1.5
     assert (tmp_path / "compression.png").exists()
