@@ -324,7 +324,8 @@ def main() -> None:
                         "early: the early-round probes (`EARLY`), first horizon, seed 0; late: the late-round "
                         "probes (`LATE`), likewise (e.g. --horizons 64); workers: what four workers cost (`WORKERS`), likewise")
     parser.add_argument("--corpora", default=",".join(CORPORA),
-                        help=f"comma-separated, of {', '.join(CORPORA)} (early, late and workers parts only)")
+                        help=f"comma-separated, of {', '.join(CORPORA)}: the early, late and workers parts' and "
+                        "the table's (the tuning always runs on every corpus)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     parser.add_argument("--seeds", default="0,1", help="comma-separated seeds of the table")
     parser.add_argument("--horizons", default=",".join(map(str, HORIZONS)),
@@ -379,10 +380,10 @@ def main() -> None:
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             return list(pool.map(_train, specs))
 
+    corpora = tuple(c for c in args.corpora.split(",") if c)
+    if not corpora or any(c not in CORPORA for c in corpora):
+        parser.error(f"--corpora {args.corpora!r}: expected some of {list(CORPORA)}")
     if args.part in ("early", "late", "workers"):
-        corpora = tuple(c for c in args.corpora.split(",") if c)
-        if not corpora or any(c not in CORPORA for c in corpora):
-            parser.error(f"--corpora {args.corpora!r}: expected some of {list(CORPORA)}")
         default = str(Path(parser.get_default("out")))
         out = args.out.replace(".json", f"_{args.part}.json") if args.out == default else args.out
         early(train, horizons[0], out, args.quick, args.part, corpora)
@@ -394,7 +395,8 @@ def main() -> None:
     best = given or best_trials(tuned, methods)
     result = result_header("corpora_quality", args.quick, {
         "base": f"examples/reference/{CONFIG}.yaml" + (" + " + " ".join(QUICK_OVERRIDES) if args.quick else ""),
-        "corpora": {k: str(p.relative_to(ROOT)) for k, p in CORPORA.items()}, "methods": methods,
+        "corpora": {k: str(p.relative_to(ROOT)) for k, p in CORPORA.items() if k in corpora or not given},
+        "methods": methods,
         "horizons": list(horizons), "seeds": seeds,
         "trials": {m: [{"name": t.name, "overrides": list(t.overrides)} for t in trials[m]] for m in methods}})
     result.update(tuning=[{k: v for k, v in r.items() if k != "curve"} for r in tuned], best=best,
@@ -405,7 +407,7 @@ def main() -> None:
     rows = []
     if args.part != "tune":
         by_name = {m: {t.name: t for t in trials[m]} for m in methods}
-        rows = train([(c, m, by_name[m][best[m]], h, s) for h in horizons for s in seeds for m in methods for c in CORPORA])
+        rows = train([(c, m, by_name[m][best[m]], h, s) for h in horizons for s in seeds for m in methods for c in corpora])
         gaps(rows)
         result.update(rows=rows, goal=goal(rows, horizons))
         print(table_text(rows, horizons))

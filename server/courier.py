@@ -247,25 +247,23 @@ class Courier:
         in partition order (sums in a fixed order are reproducible, whatever the arrival order).
 
         Each reply is decoded on arrival for `check` (its tensors' names, shapes, finiteness, and
-        its ||Δ|| for the outlier rule). Decoded once where holding the decode costs little memory,
-        and the ref keeps it for the aggregator: an upload held in the data plane's memory decodes
-        in place (`adopt`: its fp32 tensors are views of the upload's buffer), and a top-k Δ stays
-        sparse (`SparseValues`: 12 bytes a sent value, about 5x its payload and 1/30 of its dense
-        decode at 3% density), the sparse decodes held together within the data plane's memory
-        budget (`data-plane-memory-mb`, on either path). Otherwise (a reply with a dense compressed
-        tensor, e.g. an int8 embedding, decoded into fp32 of its own; a spilled fp32 reply;
-        Flower's path at fp32; sparse decodes past the budget) the decode is dropped and the ref
-        decodes the payload again when the aggregator asks, one reply at a time
-        (`Aggregator.aggregate_refs`), so the server's memory stays bounded whatever the number of
-        replies. The payloads stay where they arrived until the block ends:
-        on the data plane, in its memory budget or spilled to disk; on Flower's path, in the
-        messages. A ref must not be loaded after the block: the upload buffers its kept decodes
+        its ||Δ|| for the outlier rule), and the ref keeps that decode for the aggregator, so each
+        reply is decoded once, while the kept decodes fit in `data-plane-memory-mb` beyond their
+        payloads (on either path): an upload held in the data plane's memory decodes in place
+        (`adopt`: its fp32 tensors are views of the upload's buffer, nothing beyond it), a top-k Δ
+        stays sparse (`SparseValues`: 12 bytes a sent value, 1/30 of its dense decode at 3%
+        density), and any other tensor (an int8 one decoded to fp32, a spilled or Flower-path
+        reply's copy) counts its dense bytes. A reply past that budget is decoded again when the
+        aggregator asks, one at a time (`Aggregator.aggregate_refs`), so the server's memory stays
+        bounded whatever the number of replies. The payloads stay where they arrived until the
+        block ends: on the data plane, in its memory budget or spilled to disk; on Flower's path, in
+        the messages. A ref must not be loaded after the block: the upload buffers its kept decodes
         view are then released for later uploads. Each refused reply is logged as `<phase>: dropped reply of node <id>[
         (partition <p>)]: <reason>` (`<phase>: node <id> failed: ...` for an error reply) and
         recorded in `rl.dropped`; decoding time goes to `rl.decode_seconds`."""
         held = []  # data-plane uploads, discarded when the block ends
-        kept: dict[int, WorkerUpdate] = {}  # decodes that are views of those uploads or sparse, dropped with them
-        sparse_budget = self.cfg.data_plane.memory_mb << 20  # bytes of kept sparse decodes
+        kept: dict[int, WorkerUpdate] = {}  # decodes kept for the aggregator, dropped when the block ends
+        kept_budget = self.cfg.data_plane.memory_mb << 20  # bytes they may hold beyond their payloads
 
         def load_kept(index: int) -> WorkerUpdate:
             if index not in kept:
@@ -295,17 +293,17 @@ class Courier:
                     size = len(payload)
                     update = self.decode(payload, adopt=self.data_plane is not None, sparse=True)
                     extra = _held_bytes(update, payload)
-                    in_place = extra is not None and extra <= sparse_budget
                     del payload
                     reason, norm = check(update)
+                    keep = reason is None and extra <= kept_budget  # a refused reply is never loaded
                 except (PayloadError, ValueError, KeyError) as err:
                     rl.dropped[who] = str(err)
                     log.warning("%s: dropped reply of %s: %s", phase, who, err)
                     continue
                 finally:
                     rl.decode_seconds += time.perf_counter() - decode_started
-                if in_place:
-                    sparse_budget -= extra
+                if keep:
+                    kept_budget -= extra
                     kept[len(entries)] = update
                     load = (lambda index=len(entries): load_kept(index))
                 else:
@@ -347,10 +345,9 @@ class Courier:
         return upload
 
 
-def _held_bytes(update: WorkerUpdate, payload) -> int | None:
+def _held_bytes(update: WorkerUpdate, payload) -> int:
     """What keeping the decode `update` costs beyond `payload`, which is held anyway: the bytes of its
-    `SparseValues`, when every other tensor is a view of `payload` (decoded in place); None when
-    one owns dense memory of its own."""
+    `SparseValues` and of its tensors that own memory; nothing for a view of `payload` (decoded in place)."""
     buf = np.frombuffer(payload, dtype=np.uint8)
     start = buf.ctypes.data
     held = 0
@@ -358,5 +355,5 @@ def _held_bytes(update: WorkerUpdate, payload) -> int | None:
         if isinstance(t, SparseValues):
             held += t.nbytes
         elif not start <= t.data_ptr() < start + buf.nbytes:
-            return None
+            held += t.numel() * t.element_size()
     return held

@@ -1,8 +1,8 @@
 """The server's screening of data-plane replies (server/courier.py `Courier.screened`): a reply held
 in the data plane's memory is decoded once, in place, and what the aggregator loads equals what the
-node sent; a spilled reply is decoded again on load, to the same values; a top-k reply is decoded
-once into its sparse values, within the memory budget; nothing is loaded after the block releases
-the upload buffers."""
+node sent; a spilled reply is decoded once into a copy kept within `data-plane-memory-mb`, and past it
+again on load, to the same values; a top-k reply is decoded once into its sparse values; nothing is
+loaded after the block releases the upload buffers."""
 
 from __future__ import annotations
 
@@ -38,14 +38,18 @@ def reply(node: int, digest: str) -> Message:
     return Message(metadata=meta, content=RecordDict({"upload": ConfigRecord({UPLOAD_DIGEST: digest})}))
 
 
-@pytest.mark.parametrize("budget", [1 << 30, 0], ids=["in-memory", "spilled"])
-def test_replies_load_as_sent_decoded_once_where_in_memory(tmp_path, budget):
-    cfg = load_app_config({}, tmp_path)
+@pytest.mark.parametrize("budget,memory_mb", [(1 << 30, 1024), (0, 1024), (0, 0)],
+                         ids=["in-memory", "spilled", "spilled-no-room-to-keep"])
+def test_replies_load_as_sent_decoded_once_within_the_budget(tmp_path, budget, memory_mb):
+    """fp32 replies: held in the data plane's memory, each decodes once, in place; spilled to disk, once
+    into a copy the ref keeps while `data-plane-memory-mb` has room for it, else again at each load."""
+    cfg = load_app_config({"data-plane-memory-mb": memory_mb}, tmp_path)
     courier = Courier(cfg, (), model_id=MODEL, payload=resolve_payload("fp32"), max_upload=1 << 20, spool=tmp_path)
     sent = {node: update_of(i) for i, node in enumerate(NODES)}
     decodes = []
     decode = courier.decode
     courier.decode = lambda payload, adopt=False, **kw: decodes.append(adopt) or decode(payload, adopt, **kw)
+    once = budget > 0 or memory_mb > 0
     with DataPlaneServer(tmp_path / "spool", memory_budget=budget) as plane:
         courier.data_plane = plane
         tickets = plane.publish(1, b"state", NODES, ttl=60, max_upload=1 << 20)
@@ -60,10 +64,10 @@ def test_replies_load_as_sent_decoded_once_where_in_memory(tmp_path, budget):
                 assert got.tensors().keys() == want.tensors().keys()
                 for name, t in want.tensors().items():
                     assert torch.equal(got.tensors()[name], t), name
-                assert (ref.load() is got) == (budget > 0)  # in memory: the screening's own decode
-            # in memory: one decode per reply, on arrival; spilled: again at each load
-            assert len(decodes) == len(NODES) * (1 if budget else 3)
-        if budget:
+                assert (ref.load() is got) == once  # the screening's own decode
+            # one decode per reply, on arrival; with no room to keep it, again at each load
+            assert len(decodes) == len(NODES) * (1 if once else 3)
+        if once:
             with pytest.raises(RuntimeError, match="loaded after its screening block ended"):
                 refs[0].load()
         courier.data_plane = None
