@@ -1,12 +1,16 @@
 """Run-config strings as `flwr run --run-config` reads them, for the scripts (not installed).
 
-    python scripts/run_config.py check APP STR...   # exit 2 naming each unknown key, with the keys meant
+    python scripts/run_config.py check APP STR...   # exit 2 naming each unknown key, with the keys meant,
+                                                    # or the first bad value (as the ServerApp would)
     python scripts/run_config.py get KEY STR...     # the merged value of KEY ('' when unset)
 
 Each STR is one `--run-config` value ('k=v k2="x"'); later strings win, as in `flwr run`, which
 merges them with Flower's own parser (`flwr.common.config.parse_config_args`, used here too). Why
 `check`: Flower refuses an unknown key with only "[code: 15] Invalid run configuration" on the
-screen and names the key in the SuperLink's log alone; the scripts check first and name it.
+screen and names the key in the SuperLink's log alone; the scripts check first and name it. A bad
+value (`rank=-1`) the ServerApp would refuse only once Flower and its simulation engine had started;
+`check` composes the settings as the app does (`lordo_fed.app.config.load_app_config`, when the package
+is installed here) and refuses it in a second.
 """
 
 from __future__ import annotations
@@ -54,7 +58,30 @@ def main(argv: list[str]) -> int:
         hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         print(f"error: unknown run-config key {key!r}{hint} (the keys are in [tool.flwr.app.config] of "
               f"{Path(argv[1]).resolve() / 'pyproject.toml'}; docs/operations.md lists them)", file=sys.stderr)
-    return 2 if unknown else 0
+    if unknown:
+        return 2
+    return check_values(Path(argv[1]), config)
+
+
+def check_values(app: Path, config: dict) -> int:
+    """Compose the run's settings as the ServerApp does (pyproject.toml's defaults, then `config`,
+    the keys given winning over the preset): exit status 2 with the app's own message for a bad value,
+    0 when they compose, or when the app is not lordo-fed's or lordo_fed is not installed here (a
+    submit host needs Flower only)."""
+    doc = tomllib.loads((app / "pyproject.toml").read_text())
+    if doc.get("project", {}).get("name") != "lordo-fed":
+        return 0
+    try:
+        from lordo_fed.app.config import load_app_config
+    except ImportError:
+        return 0
+    defaults = flatten_dict(doc["tool"]["flwr"]["app"]["config"])
+    try:
+        load_app_config({**defaults, **config}, explicit=config)
+    except ValueError as err:
+        print(f"error: run-config: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

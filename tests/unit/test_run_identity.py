@@ -111,7 +111,8 @@ def test_settings_differ_skips_what_a_resume_may_change():
 
 def test_the_scripts_name_an_unknown_run_config_key_with_the_keys_meant(capsys):
     """scripts/run_config.py, which submit_run.sh runs before `flwr run` (Flower's own refusal
-    shows only "[code: 15] Invalid run configuration"); and the merge simulate.sh relies on."""
+    shows only "[code: 15] Invalid run configuration"; a bad value the ServerApp refuses only once
+    Flower has started); and the merge simulate.sh relies on."""
     spec = importlib.util.spec_from_file_location("run_config", ROOT / "scripts" / "run_config.py")
     run_config = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run_config)
@@ -122,3 +123,19 @@ def test_the_scripts_name_an_unknown_run_config_key_with_the_keys_meant(capsys):
     assert run_config.main(["check", str(ROOT), "num-server-rounds=2 rank=16 resume='/x y'"]) == 0
     assert run_config.main(["get", "output-dir", "preset='q' output-dir='/a b'", "output-dir='/c'"]) == 0
     assert capsys.readouterr().out.strip() == "/c"  # a later string wins, as in flwr run
+    # a bad value is refused as the ServerApp would refuse it, before Flower starts
+    assert run_config.main(["check", str(ROOT), "num-server-rounds=2", "rank=-1"]) == 2
+    assert "run-config key 'rank': inner.rank=-1: expected an integer > 0" in capsys.readouterr().err
+    assert run_config.main(["check", str(ROOT), "preset='diloco-sparse'", "payload-dtype='int7'"]) == 2
+    assert "run-config key 'payload-dtype'" in capsys.readouterr().err
+
+
+def test_the_scripts_check_another_apps_keys_only(tmp_path):
+    """submit_run.sh also submits other Flower apps (the harness's echo app): their values are theirs."""
+    spec = importlib.util.spec_from_file_location("run_config", ROOT / "scripts" / "run_config.py")
+    run_config = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_config)
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "echo"\n[tool.flwr.app.config]\n'
+                                             'num-server-rounds = 1\nrank = "x"\n')
+    assert run_config.main(["check", str(tmp_path), "num-server-rounds=2 rank=-1"]) == 0
+    assert run_config.main(["check", str(tmp_path), "ranks=1"]) == 2
