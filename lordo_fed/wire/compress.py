@@ -30,7 +30,8 @@ composition, and the error feedback that carries each compression's residual int
 - **Composition**: a `CodecSpec` names a raw, a quantised, a top-k, a top-k-with-quantised-
   values or a row-sparse encoding; `encode` returns an `Encoded` whose byte fields are what a wire tensor
   carries, `decode` rebuilds the fp32 tensor and refuses what cannot have come from `encode`
-  (`CompressionError`, naming the tensor and the problem).
+  (`CompressionError`, naming the tensor and the problem); `decode_sparse` gives a top-k as its values at
+  their positions (`SparseValues`), which the server adds into its sums without the dense tensor.
 - **Error feedback** (`ErrorFeedback`): e ← β·e + x; c = C(e); e ← e − D(c): what a compression
   leaves out of one round is sent in a later one (Seide et al. 2014; Karimireddy et al. 2019);
   β < 1 lets old residue fade (SparseLoCo's 0.95).
@@ -344,19 +345,20 @@ class SparseValues:
 
     def dense(self) -> Tensor:
         """The tensor as `decode` gives it."""
-        out = torch.zeros(math.prod(self.shape), dtype=torch.float32)
+        out = torch.zeros(math.prod(self.shape), dtype=torch.float32, device=self.values.device)
         out[self.positions] = self.values
         return out.view(self.shape)
 
     def add_to(self, acc: Tensor, alpha: float) -> None:
         """acc += alpha · self, bit for bit what `acc.add_(self.dense(), alpha=alpha)` gives: the same
-        add_ on the sent positions (gathered, added, scattered back), and x + alpha·0 = x elsewhere."""
+        add_ on the sent positions (gathered, added, scattered back), and x + alpha·0 = x elsewhere
+        (where x is −0.0 the dense add gives +0.0: equal, as torch.equal and every later sum see it)."""
         flat, positions = acc.view(-1), self.positions.to(acc.device)
         flat[positions] = flat[positions].add_(self.values.to(acc.device), alpha=alpha)
 
     def sent(self) -> Tensor:
         """The bool mask of non-zero values, as `self.dense() != 0` gives it."""
-        mask = torch.zeros(math.prod(self.shape), dtype=torch.bool)
+        mask = torch.zeros(math.prod(self.shape), dtype=torch.bool, device=self.values.device)
         mask[self.positions[self.values != 0]] = True
         return mask.view(self.shape)
 
