@@ -269,7 +269,8 @@ def plot(rows: list[dict], path: Path, rounds: int) -> None:
                     ax_bytes.plot(*zip(*sent), marker=".", label=r["method"])
         ax_tok.set(xlabel="tokens", ylabel="validation loss", title=f"{corpus}, {rounds} rounds, seed 0")
         ax_bytes.set(xscale="log", xlabel="bytes sent + received per worker", ylabel="validation loss")
-        ax_tok.legend(fontsize=7)
+        if ax_tok.lines:  # a table of some corpora leaves the others' panels empty
+            ax_tok.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
