@@ -257,9 +257,10 @@ def table_text(rows: list[dict], horizons: tuple[int, ...]) -> str:
 
 
 def plot(rows: list[dict], path: Path, rounds: int) -> None:
-    fig = new_figure(15, 8.5)
-    for i, corpus in enumerate(CORPORA):
-        ax_tok, ax_bytes = fig.add_subplot(2, 3, i + 1), fig.add_subplot(2, 3, i + 4)
+    corpora = [c for c in CORPORA if any(r["corpus"] == c for r in rows)]  # a table of some corpora: theirs
+    fig = new_figure(5 * len(corpora), 8.5)
+    for i, corpus in enumerate(corpora):
+        ax_tok, ax_bytes = fig.add_subplot(2, len(corpora), i + 1), fig.add_subplot(2, len(corpora), i + 1 + len(corpora))
         for r in rows:
             if r["corpus"] == corpus and r["rounds"] == rounds and r["seed"] == 0:
                 c = r["curve"]
@@ -269,8 +270,7 @@ def plot(rows: list[dict], path: Path, rounds: int) -> None:
                     ax_bytes.plot(*zip(*sent), marker=".", label=r["method"])
         ax_tok.set(xlabel="tokens", ylabel="validation loss", title=f"{corpus}, {rounds} rounds, seed 0")
         ax_bytes.set(xscale="log", xlabel="bytes sent + received per worker", ylabel="validation loss")
-        if ax_tok.lines:  # a table of some corpora leaves the others' panels empty
-            ax_tok.legend(fontsize=7)
+        ax_tok.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
