@@ -215,6 +215,7 @@ def server_times(model: str, workers: tuple[int, ...], repeats: int = 3) -> list
             deltas = [{n: ErrorFeedback().compress(n, torch.randn(p.shape, generator=g) * 1e-3,
                                                    codecs.delta_spec(n, tuple(p.shape)))[0] for n, p in params.items()}
                       for _ in range(max(workers))]
+            reply_bytes = len(encode_update(WorkerUpdate(0, 1, deltas[0], {}, 1, 1), run.model_id))
             for m in workers:
                 best: dict[str, dict[str, float]] = {}
                 theta: dict[str, dict[str, torch.Tensor]] = {}
@@ -229,7 +230,7 @@ def server_times(model: str, workers: tuple[int, ...], repeats: int = 3) -> list
                 for path in SERVER_PATHS:
                     rows.append({"preset": name, "model": model, "M": m, "path": path, "same_theta": same, **best[path],
                                  "server_s": best[path]["screen_s"] + best[path]["aggregate_s"],
-                                 "reply_bytes": len(encode_update(WorkerUpdate(0, 1, deltas[0], {}, 1, 1), run.model_id))})
+                                 "reply_bytes": reply_bytes})
     finally:
         torch.set_num_threads(threads)
     return rows

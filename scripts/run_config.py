@@ -27,10 +27,11 @@ except ImportError:  # Python 3.10
 from flwr.common.config import flatten_dict, parse_config_args
 
 
-def app_keys(app: Path) -> set[str]:
-    """The run-config keys the app declares (`[tool.flwr.app.config]`: what Flower accepts)."""
+def app_project(app: Path) -> tuple[str, dict]:
+    """(the app's project name, its run-config keys with their defaults: `[tool.flwr.app.config]`,
+    what Flower accepts and merges the given strings over)."""
     doc = tomllib.loads((app / "pyproject.toml").read_text())
-    return set(flatten_dict(doc["tool"]["flwr"]["app"]["config"]))
+    return doc.get("project", {}).get("name", ""), flatten_dict(doc["tool"]["flwr"]["app"]["config"])
 
 
 def merged(strings: list[str]) -> dict:
@@ -51,7 +52,8 @@ def main(argv: list[str]) -> int:
         value = config.get(argv[1], "")
         print(str(value).lower() if isinstance(value, bool) else value)
         return 0
-    known = app_keys(Path(argv[1]))
+    name, defaults = app_project(Path(argv[1]))
+    known = set(defaults)
     unknown = sorted(set(config) - known)
     for key in unknown:
         close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.6)
@@ -60,22 +62,20 @@ def main(argv: list[str]) -> int:
               f"{Path(argv[1]).resolve() / 'pyproject.toml'}; docs/operations.md lists them)", file=sys.stderr)
     if unknown:
         return 2
-    return check_values(Path(argv[1]), config)
+    return check_values(name, defaults, config)
 
 
-def check_values(app: Path, config: dict) -> int:
+def check_values(name: str, defaults: dict, config: dict) -> int:
     """Compose the run's settings as the ServerApp does (pyproject.toml's defaults, then `config`,
     the keys given winning over the preset): exit status 2 with the app's own message for a bad value,
     0 when they compose, or when the app is not lordo-fed's or lordo_fed is not installed here (a
     submit host needs Flower only)."""
-    doc = tomllib.loads((app / "pyproject.toml").read_text())
-    if doc.get("project", {}).get("name") != "lordo-fed":
+    if name != "lordo-fed":
         return 0
     try:
         from lordo_fed.app.config import load_app_config
     except ImportError:
         return 0
-    defaults = flatten_dict(doc["tool"]["flwr"]["app"]["config"])
     try:
         load_app_config({**defaults, **config}, explicit=config)
     except ValueError as err:
