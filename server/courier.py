@@ -29,8 +29,7 @@ from lordo_fed.transport.server import DataPlaneServer, Upload
 from lordo_fed.wire.codec import PayloadError
 from lordo_fed.wire.compress import SparseValues
 from lordo_fed.wire.decode import decode_update
-from lordo_fed.wire.encode import encode_global_state, encode_global_state_into, encoded_size
-from lordo_fed.wire.protowire import new_buffer
+from lordo_fed.wire.encode import encode_global_state
 from lordo_fed.rounds.screening import ReplyRef
 from lordo_fed.wire.messages import GlobalState, WorkerUpdate
 from lordo_fed.wire.payload import Payload
@@ -85,19 +84,10 @@ class Courier:
         return None if self.data_plane is None else self.data_plane.take_refusals()
 
     # ----------------------------------------------------------------------------- state out
-    def encode(self, state: GlobalState) -> bytes:
-        """`state` as one `lordo_fed.v1` payload."""
+    def encode(self, state: GlobalState) -> memoryview:
+        """`state` as one `lordo_fed.v1` payload, in a buffer the data plane may publish as it is
+        (`encode_global_state`: not zero-filled first, no memset on the round's critical path)."""
         return encode_global_state(state, self.model_id, self.wire_dtype)
-
-    def encode_round(self, state: GlobalState) -> bytes | bytearray:
-        """A round's state, encoded once for every node: on the data plane straight into a
-        buffer it may publish (no memset of a fresh buffer on the round's critical path:
-        protowire.new_buffer)."""
-        if self.data_plane is None:
-            return self.encode(state)
-        data = new_buffer(encoded_size(state, self.model_id, self.wire_dtype))
-        encode_global_state_into(state, self.model_id, data, self.wire_dtype)
-        return data
 
     def message_config(self, round_idx: int) -> dict[str, Any]:
         """What every message of a round says besides its payload: the round, the run-config keys

@@ -109,13 +109,13 @@ class LoRDOStrategy(Strategy):
             messages += self.courier.flower_messages(server_round, whole, resync, MessageType.TRAIN)
         return messages
 
-    def _encode_round(self, server_round: int) -> bytes | bytearray:
+    def _encode_round(self, server_round: int) -> memoryview:
         """The round's global state, encoded once for every node; starts the round's log."""
         state = self.without_theta0(self.aggregator.global_state())
         if state.round != server_round:
             raise RuntimeError(f"aggregator is at round {state.round}, asked to configure {server_round}")
         encode_started = time.perf_counter()
-        data = self.courier.encode_round(state)
+        data = self.courier.encode(state)
         self.round_log = RoundLog(sent_bytes=len(data), encode_seconds=time.perf_counter() - encode_started,
                                   marks={"published": time.perf_counter()})
         return data

@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lordo_fed.wire.decode import adoptable
+
 WRAPPERS = ("ddp", "fsdp")
 """Intra-node wrappers: PyTorch DDP (state replicated on every rank) and FSDP2 `fully_shard`
 (θ, gradients and optimizer state sharded across the ranks; the bases replicated)."""
@@ -158,7 +160,7 @@ class LocalRanks:
         dist.broadcast(size, src=0, group=self.control)
         if not self.lead:
             buf = bytearray(int(size.item()))
-        elif isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly):
+        elif adoptable(data):
             buf = data  # the lead's own writable buffer (a download): sent from where it is
         else:
             buf = bytearray(data)

@@ -34,7 +34,7 @@ from lordo_fed.node.store import DiskStore, StateStore
 from lordo_fed.rounds.build import Run, build_run
 from lordo_fed.rounds.methods import MethodSettings
 from lordo_fed.rounds.worker import Worker
-from lordo_fed.wire.decode import decode_global_state
+from lordo_fed.wire.decode import adoptable, decode_global_state
 from lordo_fed.wire.encode import StreamingEncode, encode_update
 
 log = logging.getLogger("lordo_fed.client")
@@ -300,8 +300,7 @@ def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
     received = receive(rt.cfg.round_timeout)
     decode_started = time.perf_counter()
     # A download is a writable buffer of our own: its fp32 tensors are used in place (no copy).
-    own = isinstance(received, bytearray) or (isinstance(received, memoryview) and not received.readonly)
-    state = decode_global_state(received, expected_model_id=rt.model_id, adopt=own,
+    state = decode_global_state(received, expected_model_id=rt.model_id, adopt=adoptable(received),
                                 codecs=rt.run.payload.downlink_specs)
     received_bytes = len(received)
     del received

@@ -518,6 +518,13 @@ def _release_views_on_error(decode):
     return wrapper
 
 
+def adoptable(data: Buffer) -> bool:
+    """Whether `data` is a writable buffer the receiver may hand to `decode_*(adopt=True)`: a
+    bytearray, or a writable memoryview such as a node's download (lordo_fed.transport.client
+    `download`). Bytes, read-only views and mmaps are copied from instead."""
+    return isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
+
+
 @_release_views_on_error
 def decode_global_state(data: Buffer, expected_model_id: str | None = None, adopt: bool = False,
                         codecs: Iterable[CodecSpec] | None = None) -> GlobalState:

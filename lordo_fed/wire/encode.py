@@ -1,13 +1,13 @@
 """Encoding a round's payload: `GlobalState` / `WorkerUpdate` -> `lordo_fed.v1` protobuf bytes.
 
-`encode_global_state` and `encode_update` return the payload as one bytearray; `encode_into` /
+`encode_global_state` and `encode_update` return the payload as one writable buffer; `encode_into` /
 `encode_*_into` write it into a given buffer or file; `encoded_size` gives its length upfront;
 `StreamingEncode` encodes on a thread into a buffer that is readable as it fills. How tensors
 travel (fp32 or bf16, integers as they are) is described in lordo_fed.wire.codec.
 
 Why the wire format is written directly, without a protobuf message: the exact size is computed
-from names and shapes, one `bytearray` of that size is allocated (or the caller's buffer is
-used), the few header bytes of each tensor are written, and the tensor is copied in once by torch
+from names and shapes, one buffer of that size is allocated (`new_buffer`: not zero-filled first;
+or the caller's buffer is used), the few header bytes of each tensor are written, and the tensor is copied in once by torch
 through a view of the output, the fp32 cast or bf16 rounding happening in that copy. Encoding a
 payload of N bytes thus needs N bytes (the output) instead of ~4N (tensor -> `tobytes` -> message
 field -> `SerializeToString`, plus the cast); into a file, it needs a 4 MiB staging buffer at
@@ -344,25 +344,27 @@ def encode_into(msg: GlobalState | WorkerUpdate, model_id: str, out: Sink, paylo
     return _write_plan_into(plan, out)
 
 
-def encode_global_state(state: GlobalState, model_id: str, payload_dtype: str = "fp32") -> bytearray:
+def encode_global_state(state: GlobalState, model_id: str, payload_dtype: str = "fp32") -> memoryview:
     """Serialize the aggregator's round state (fp32 exact, or floats rounded to bf16).
 
-    One allocation of the exact encoded size; each tensor is copied into it once. The result is a
-    `bytearray` (bytes-like: `len`, slicing, `bytes(...)`, `write`, protobuf parsing all accept it)
-    holding exactly what `SerializeToString` of the equivalent protobuf message would."""
+    One allocation of the exact encoded size (`new_buffer`: a `bytearray` of it would zero-fill it
+    first, 0.13 s of a 200 MB encoding's 0.18 s in a fresh process); each tensor is copied into it
+    once. The result is a writable, byte-format memoryview (bytes-like: `len`, slicing, `bytes(...)`,
+    `write`, protobuf parsing and `decode_*(adopt=True)` all accept it) holding exactly what
+    `SerializeToString` of the equivalent protobuf message would."""
     plan = _global_state_plan(state, model_id, payload_dtype)
-    out = bytearray(plan.size)
+    out = new_buffer(plan.size)
     _write_plan_into(plan, out)
     return out
 
 
-def encode_update(update: WorkerUpdate, model_id: str, payload_dtype: str = "fp32") -> bytearray:
+def encode_update(update: WorkerUpdate, model_id: str, payload_dtype: str = "fp32") -> memoryview:
     """Serialize a worker's reply (fp32 exact, or floats rounded to bf16).
 
     One allocation of the exact encoded size, each tensor copied into it once (see
     `encode_global_state`); metrics entries are written sorted by key."""
     plan = _update_plan(update, model_id, payload_dtype)
-    out = bytearray(plan.size)
+    out = new_buffer(plan.size)
     _write_plan_into(plan, out)
     return out
 

@@ -91,7 +91,8 @@ def _assert_same(got: dict, want: dict, bf16: bool):
 def test_global_state_round_trip(payload_dtype):
     s = _state()
     data = encode_global_state(s, MID, payload_dtype)
-    assert isinstance(data, (bytes, bytearray)) and payload_nbytes(data) == len(data)
+    assert isinstance(data, memoryview) and not data.readonly and data.format == "B"  # a buffer of its own
+    assert payload_nbytes(data) == len(data)
     got = decode_global_state(data, expected_model_id=MID)
     assert (got.round, got.opt_step, got.local_steps) == (3, 96, 0)
     assert decode_global_state(encode_global_state(dataclasses.replace(s, local_steps=7), MID, payload_dtype),
@@ -577,7 +578,8 @@ def _check_against_reference(msg, mid, pd, tmp_path=None):
     the metrics map: same entries, byte for byte, written sorted by key)."""
     want = _reference(msg, mid, pd, deterministic=False)
     got = _encode(msg, mid, pd)
-    assert isinstance(got, bytearray) and encoded_size(msg, mid, pd) == len(got) == len(want)
+    assert isinstance(got, memoryview) and not got.readonly and got.format == "B"
+    assert encoded_size(msg, mid, pd) == len(got) == len(want)
     if isinstance(msg, WorkerUpdate) and len({str(k) for k in msg.metrics}) > 1:
         head = len(_reference(dataclasses.replace(msg, metrics={}), mid, pd))
         assert bytes(got[:head]) == want[:head]
@@ -808,6 +810,30 @@ def test_adopt_uses_a_writable_buffers_fp32_tensors_in_place(payload_dtype, tmp_
         from_map = decode_global_state(mm, MID, adopt=True)
         del from_map
     assert mm.closed  # nothing kept a view of the read-only mapping
+
+
+def test_adoptable_takes_a_download_buffer_and_nothing_read_only(tmp_path):
+    """What a node hands to `adopt`: the data plane's download buffer (a writable memoryview of its
+    own, `new_buffer`) and a bytearray are decoded in place; bytes, a read-only view and an mmap are
+    copied from. (The benchmark harness once tested `isinstance(data, bytearray)` and so copied every
+    download the product adopts.)"""
+    from lordo_fed.wire.decode import adoptable
+    from lordo_fed.wire.protowire import new_buffer
+
+    data = bytes(encode_global_state(_state(), MID, "fp32"))
+    download = new_buffer(len(data))
+    download[:] = data
+    assert adoptable(download) and adoptable(bytearray(data))
+    assert not adoptable(data) and not adoptable(memoryview(data)) and not adoptable(memoryview(bytearray(data)).toreadonly())
+    got = decode_global_state(download, MID, adopt=adoptable(download))
+    base = np.frombuffer(download, dtype=np.uint8).ctypes.data
+    emb = got.params["emb.weight"]
+    assert base <= emb.data_ptr() < base + len(download)  # a view of the download, not a copy
+    assert torch.equal(emb, decode_global_state(data, MID).params["emb.weight"])
+    path = tmp_path / "state.bin"
+    path.write_bytes(data)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        assert not adoptable(mm)
 
 
 def _field(number: int, wire_type: int, payload: bytes) -> bytes:

@@ -7,7 +7,7 @@ import time
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from lordo_fed.wire.decode import decode_global_state
+from lordo_fed.wire.decode import adoptable, decode_global_state
 from lordo_fed.wire.encode import encode_update
 from lordo_fed.app.records import TICKET, UPLOAD_DIGEST, payload_bytes, payload_record
 from lordo_fed.metrics import peak_rss_bytes
@@ -32,7 +32,7 @@ def train(msg: Message, context: Context) -> Message:
     # client/app.py `receive_state`
     data = download(ticket, context.node_id, root, timeout=timeout) if ticket else payload_bytes(msg.content["state"])
     h2, c2 = time.time(), time.process_time()
-    state = decode_global_state(data, expected_model_id="dpbench", adopt=isinstance(data, bytearray))  # as run_job
+    state = decode_global_state(data, expected_model_id="dpbench", adopt=adoptable(data))  # as run_job
     h3, c3 = time.time(), time.process_time()
     theta = state.params["w"]
     down_ok = theta.numel() == n and samples(theta) == [float(x) for x in cfg["samples"]]
