@@ -53,8 +53,8 @@ from torch import Tensor
 
 from lordo_fed.wire.positions import (chunk_layout, chunk_offsets, densify, pack_positions, position_bytes, tile_order,
                                       tiled, topk, unpack_positions, untile)
-from lordo_fed.wire.values import (LUT_BINS, CompressionError, dequantize, lut_quantize, pack, packed_size, quantize,
-                                   row_index_bits, sign_dequantize, sign_quantize, unpack)
+from lordo_fed.wire.values import (LUT_BINS, CompressionError, all_finite, dequantize, lut_quantize, pack, packed_size,
+                                   quantize, row_index_bits, sign_dequantize, sign_quantize, unpack)
 
 QUANT_BITS = (8, 4)
 """Dense blockwise quantisation."""
@@ -454,13 +454,13 @@ def _floats(data: bytes, count: int, what: str) -> Tensor:
 
 def _scales(data: bytes, count: int) -> Tensor:
     scales = _floats(data, count, "scales")
-    if not bool(torch.isfinite(scales).all()) or bool((scales <= 0).any()):
+    if not all_finite(scales) or bool((scales <= 0).any()):
         raise CompressionError("a block scale is NaN, infinite, zero or negative")
     return scales
 
 
 def _finite(t: Tensor, label: str) -> Tensor:
-    if not bool(torch.isfinite(t).all()):
+    if not all_finite(t):
         raise CompressionError(f"{label}: contains NaN or Inf")
     return t
 
@@ -499,12 +499,12 @@ def _dequantize_groups(codes: Tensor, data: bytes, spec: CodecSpec, groups: tupl
     nchunks = full + (1 if k_tail else 0)
     if spec.levels == "lut":
         table = _floats(data, LUT_BINS, "a 2-bit lookup table")
-        if not bool(torch.isfinite(table).all()):
+        if not all_finite(table):
             raise CompressionError("a 2-bit lookup table holds NaN or Inf")
         return table[codes.long()]
     if spec.levels == "sign":
         mags = _floats(data, 2 * nchunks, "2-bit magnitudes")
-        if not bool(torch.isfinite(mags).all()) or bool((mags < 0).any()):
+        if not all_finite(mags) or bool((mags < 0).any()):
             raise CompressionError("a NaN, infinite or negative magnitude of 2-bit sign codes")
         if not nchunks:
             return torch.zeros(0)

@@ -7,10 +7,10 @@ travel (fp32 or bf16, integers as they are) is described in lordo_fed.wire.codec
 
 Why the wire format is written directly, without a protobuf message: the exact size is computed
 from names and shapes, one buffer of that size is allocated (`new_buffer`: not zero-filled first;
-or the caller's buffer is used), the few header bytes of each tensor are written, and the tensor is copied in once by torch
-through a view of the output, the fp32 cast or bf16 rounding happening in that copy. Encoding a
-payload of N bytes thus needs N bytes (the output) instead of ~4N (tensor -> `tobytes` -> message
-field -> `SerializeToString`, plus the cast); into a file, it needs a 4 MiB staging buffer at
+or the caller's buffer is used), the few header bytes of each tensor are written, and the tensor is
+copied in once by torch through a view of the output, the fp32 cast or bf16 rounding happening in
+that copy. Encoding a payload of N bytes thus needs N bytes (the output) instead of ~4N (tensor ->
+`tobytes` -> message field -> `SerializeToString`, plus the cast); into a file, it needs a 4 MiB staging buffer at
 most. The bytes are those `SerializeToString` writes for the same message (tests/unit/test_codec.py
 compares them with the protobuf-message encoders kept here as `encode_*_reference`), except for
 the order of the metrics map entries, written sorted by key where `SerializeToString` follows

@@ -43,6 +43,15 @@ _SIGN_REFINE = 2
 """Lloyd steps of the 'sign' levels' split after its geometric-mean start."""
 
 
+def all_finite(t: Tensor) -> bool:
+    """Whether every value of `t` is finite. One reduction decides in the common case: a norm of
+    finite values is finite unless its squares overflow, and a NaN or an Inf makes it non-finite;
+    only then is each value tested (`torch.isfinite` writes a bool per value: 37x slower than the
+    norm on 40 M fp32 values on one CPU thread, and it ran for every reply on arrival). The server's
+    screening and the codecs' value checks both use it."""
+    return math.isfinite(float(torch.linalg.vector_norm(t))) or bool(torch.isfinite(t).all())
+
+
 # ----------------------------------------------------------------------------- bit packing
 def pack(codes: Tensor, bits: int) -> bytes:
     """Non-negative integer codes (< 2**bits) packed little-endian, 8 / bits per byte for 2, 4 and

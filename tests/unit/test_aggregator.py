@@ -1052,7 +1052,8 @@ def test_initial_projections_from_refs_equal_the_list_path_one_gradient_at_a_tim
 def test_all_finite_agrees_with_testing_every_value(dtype):
     """The one-reduction finiteness test against `torch.isfinite` on every value: NaN and ±Inf anywhere,
     and finite values whose squares overflow (the norm is Inf, every value is finite)."""
-    from lordo_fed.rounds.screening import all_finite, norm_of
+    from lordo_fed.rounds.screening import norm_of
+    from lordo_fed.wire.values import all_finite
 
     cases = [torch.randn(1000), torch.zeros(7), torch.full((64,), 3e38), torch.tensor([1e30, -1e30, 2.0])]
     for bad in (math.nan, math.inf, -math.inf):
