@@ -18,6 +18,16 @@ Variants (each moves `size` MB down to each of 2 nodes and `size` MB up from eac
 - `dp transport, sha256` / `... sha256 TLS`: the same with `checksum="sha256"` (the
   `data-plane-checksum` option, and what every payload carried before xxh3 became the default):
   what a cryptographic digest of each byte, by its sender and its receiver, costs against xxh3.
+- `whole path, announced` / `... TLS`: the whole payload path without Flower, as a round runs
+  when its tickets were announced before its state existed (`DataPlaneServer.announce`: node
+  workers, overlapped rounds), so that no Flower message sits between the server's encode and its
+  decode: the nodes (processes started before the timed part, their Δ drawn) wait on their
+  announced downloads; on 'go' the server encodes one random fp32 GlobalState and publishes it;
+  each node downloads and decodes it in place (as `run_job`) and uploads a WorkerUpdate of the same
+  size while it is encoded (`StreamingEncode`, as lordo_fed.node.session `data_plane_round`); the
+  server waits for both uploads and decodes them in place (as `Courier.screened`). Seconds: 'go' ->
+  the server's last decode. Checked after the timed part: each side's decoded tensor against the
+  sender's draw.
 - `data plane` / `data plane TLS`: a minimal Flower app (harness/apps/dataplane_bench/, copied to a
   temporary directory) on a real SuperLink + 2 SuperNodes (harness/deployment.Deployment; with
   tls_dir for TLS). The ServerApp hosts a DataPlaneServer and, per exchange, encodes one random
@@ -27,7 +37,7 @@ Variants (each moves `size` MB down to each of 2 nodes and `size` MB up from eac
   ClientApp downloads and decodes it, encodes a random fp32 WorkerUpdate of the same size,
   uploads it and replies with its digest (as client/app.py `receive_state` / `send_reply`); the
   server takes both uploads, checks the digest each reply vouches for (as `Courier._upload_of`) and
-  decodes them. The node's random Δ is drawn before its timed part; the draw's seconds are
+  decodes them in place (as `Courier.screened`; they are discarded once checked). The node's random Δ is drawn before its timed part; the draw's seconds are
   subtracted from the exchange.
 - `flower`: the same app with the payloads inside the messages (lordo_fed.app.records.payload_record /
   payload_bytes), same plaintext deployment, same exchanges.
@@ -259,6 +269,93 @@ def _dp_client(args: argparse.Namespace) -> int:
     return 0
 
 
+def _codec_server(args: argparse.Namespace) -> int:
+    """The whole payload path without Flower, as a round runs when its tickets were announced
+    (`DataPlaneServer.announce`: node workers, overlapped rounds): tickets first; on 'go' the
+    server encodes a random fp32 GlobalState, publishes it (the nodes' waiting downloads start),
+    waits for both uploads and decodes them in place (as `Courier.screened`); then reports its
+    timestamps and checks each reply against the node's draw."""
+    import torch
+
+    from harness.apps.dataplane_bench.dpbench.common import draw
+    from lordo_fed.transport.server import DataPlaneServer
+    from lordo_fed.wire.decode import decode_update
+    from lordo_fed.wire.encode import encode_global_state
+    from lordo_fed.wire.messages import GlobalState
+
+    tls = None
+    if args.tls:
+        tls = ((Path(args.tls) / "server.pem").read_bytes(), (Path(args.tls) / "server.key").read_bytes())
+    n = args.bytes // 4
+    plane = DataPlaneServer(args.spool, tls=tls, checksum=args.checksum).start()
+    nodes = range(1, NODES + 1)
+    tickets = plane.announce(1, nodes, ttl=600, max_upload=args.bytes + (1 << 20))
+    theta = draw(7, n)
+    print(json.dumps({"tickets": {str(k): t.SerializeToString().hex() for k, t in tickets.items()}}), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "cpu":
+            print(json.dumps({"cpu_s": _cpu()}), flush=True)
+        if line.strip() != "go":
+            continue
+        t0 = time.time()
+        data = encode_global_state(GlobalState(round=1, params={"w": theta}), "dpbench", "fp32")
+        t1 = time.time()
+        plane.publish(1, data)
+        t2 = time.time()
+        if not plane.wait_for_uploads(1, nodes, timeout=600):
+            raise RuntimeError("the nodes' uploads did not all arrive")
+        t3 = time.time()
+        held = [plane.upload(k, 1) for k in nodes]
+        updates = [decode_update(u.buffer(), expected_model_id="dpbench", adopt=True) for u in held]
+        t4 = time.time()
+        ok = [bool(torch.equal(upd.delta["w"], draw(100 + k, n))) for k, upd in zip(nodes, updates)]
+        sizes = [u.size for u in held]
+        del updates
+        for u in held:
+            u.discard()
+        print(json.dumps({"t_encode": t0, "t_publish": t1, "t_published": t2, "t_uploads": t3, "t_decoded": t4,
+                          "down_bytes": len(data), "up_ok": ok, "up_bytes": sizes}), flush=True)
+    plane.stop()
+    return 0
+
+
+def _codec_client(args: argparse.Namespace) -> int:
+    """A node of `_codec_server`, as a node worker runs a data-plane round (lordo_fed.node.session
+    `data_plane_round`): its download waits on the announced ticket; it decodes the state in place
+    (as `run_job`) and uploads a WorkerUpdate of its Δ (drawn before 'go') while it is encoded
+    (`StreamingEncode`). `t_encoded`: when the upload started."""
+    from harness.apps.dataplane_bench.dpbench.common import draw
+    from lordo_fed.transport.client import download, parse_ticket, upload
+    from lordo_fed.wire.decode import adoptable, decode_global_state
+    from lordo_fed.wire.encode import StreamingEncode
+    from lordo_fed.wire.messages import WorkerUpdate
+
+    ticket = parse_ticket(bytes.fromhex(args.ticket))
+    n = args.bytes // 4
+    delta = draw(100 + args.index, n)
+    root = str(Path(args.tls) / "ca.crt") if args.tls else None
+    print("ready", flush=True)
+    sys.stdin.readline()
+    c0 = _cpu()
+    t0 = time.time()
+    data = download(ticket, args.index, root, timeout=600)
+    t1 = time.time()
+    state = decode_global_state(data, expected_model_id="dpbench", adopt=adoptable(data))
+    t2 = time.time()
+    sent = StreamingEncode(WorkerUpdate(worker_id=args.index, round=1, delta={"w": delta}, moments={}, tokens=1,
+                                        opt_step=0), "dpbench", "fp32")
+    t3 = time.time()
+    upload(ticket, args.index, sent.buffer, root, timeout=600, ready=sent.wait_for)
+    sent.result()
+    t4 = time.time()
+    cpu = _cpu() - c0
+    down_ok = bool(state.params["w"].equal(draw(7, n)))  # after the timed part
+    print(json.dumps({"t_start": t0, "t_down_end": t1, "t_decoded": t2, "t_encoded": t3, "t_end": t4, "cpu_s": cpu,
+                      "down_bytes": len(data), "up_bytes": len(sent.buffer), "encode_s": sent.seconds,
+                      "down_sha256_ok": down_ok, "up_sha256_ok": True}), flush=True)
+    return 0
+
+
 def server_decode(mb: float, repeats: int) -> dict[str, float]:
     """Seconds the server spends decoding one reply of `mb` MB (module docstring): once in place
     (now) against twice with a copy (before); medians of `repeats`."""
@@ -328,17 +425,19 @@ def stream_run(kind: str, nbytes: int, tls_dir: Path | None, spool: Path) -> dic
             clients = [_spawn("bare-client", "--bytes", str(nbytes), "--port", str(info["port"]), "--index", str(i),
                               "--sha256", info["sha256"], *tls) for i in range(NODES)]
         else:
-            clients = [_spawn("dataplane-client", "--bytes", str(nbytes), "--ticket", info["tickets"][str(i + 1)],
-                              "--index", str(i + 1), "--sha256", info["sha256"], *tls) for i in range(NODES)]
+            clients = [_spawn(f"{kind}-client", "--bytes", str(nbytes), "--ticket", info["tickets"][str(i + 1)],
+                              "--index", str(i + 1), "--sha256", info.get("sha256", ""), *tls) for i in range(NODES)]
         for i, c in enumerate(clients):
             if _line(c, f"{kind} client {i}") != "ready":
                 raise RuntimeError(f"{kind} client {i}: unexpected first line")
         server_cpu = _ask_cpu(server, kind)
         t_go = time.time()
-        for c in clients:
+        for c in clients + ([server] if kind == "codec" else []):
             c.stdin.write("go\n")
             c.stdin.flush()
         reports = [json.loads(_line(c, f"{kind} client {i}")) for i, c in enumerate(clients)]
+        if kind == "codec":  # the server's decode of both replies ends the exchange
+            server_view = json.loads(_line(server, "codec server"))
         server_cpu = _ask_cpu(server, kind) - server_cpu
         for c in clients:
             c.wait(timeout=60)
@@ -363,7 +462,18 @@ def stream_run(kind: str, nbytes: int, tls_dir: Path | None, spool: Path) -> dic
             u = uploads[str(i + 1)]
             r["up_sha256_ok"] = bool(r["up_sha256_ok"] and u and u["sha256"] == r.pop("up_sha256")
                                      and u["bytes"] == nbytes)
-    seconds = max(r["t_end"] for r in reports) - t_go
+    extra: dict[str, Any] = {}
+    size = nbytes
+    if kind == "codec":  # the encoded payloads: the tensor plus a small header
+        size = server_view["down_bytes"]
+        for i, r in enumerate(reports):
+            r["up_sha256_ok"] = bool(server_view["up_ok"][i] and server_view["up_bytes"][i] == r["up_bytes"])
+        t_end = server_view["t_decoded"]
+        extra["server"] = {k: round(v - t_go, 4) for k, v in server_view.items() if k.startswith("t_")}
+        extra["payload_bytes"] = size
+    else:
+        t_end = max(r["t_end"] for r in reports)
+    seconds = t_end - t_go
     moved = sum(r["down_bytes"] + r["up_bytes"] for r in reports)
     return {
         "seconds": round(seconds, 4), "bytes_moved": moved, "mb_per_s": round(moved / 1e6 / seconds, 1),
@@ -371,9 +481,10 @@ def stream_run(kind: str, nbytes: int, tls_dir: Path | None, spool: Path) -> dic
         "upload_window_s": round(max(r["t_end"] for r in reports) - min(r["t_down_end"] for r in reports), 4),
         "start_skew_s": round(max(r["t_start"] for r in reports) - t_go, 4),
         "cpu_s": {"server": round(server_cpu, 3), "clients": round(sum(r["cpu_s"] for r in reports), 3)},
-        "verified": all(r["down_sha256_ok"] and r["up_sha256_ok"] and r["down_bytes"] == nbytes
-                        and r["up_bytes"] == nbytes for r in reports),
+        "verified": all(r["down_sha256_ok"] and r["up_sha256_ok"] and r["down_bytes"] == size
+                        and (kind == "codec" or r["up_bytes"] == nbytes) for r in reports),
         "clients": [{k: (round(v - t_go, 4) if k.startswith("t_") else v) for k, v in r.items()} for r in reports],
+        **extra,
     }
 
 
@@ -514,13 +625,31 @@ def summarize_stream(runs: list[dict]) -> dict[str, Any]:
             "download_window_s": _r(_med(r["download_window_s"] for r in runs), 4),
             "upload_window_s": _r(_med(r["upload_window_s"] for r in runs), 4),
             "cpu_s": {side: _r(_med(r["cpu_s"][side] for r in runs)) for side in ("server", "clients")},
+            **({"breakdown": path_breakdown(runs)} if "server" in runs[0] else {}),
             "verified": all(r["verified"] for r in runs)}
+
+
+def path_breakdown(runs: list[dict]) -> dict[str, float]:
+    """The announced whole path's steps (seconds from 'go', medians; the nodes': the slower one)."""
+    def node(a: str, b: str) -> float:
+        return _r(_med(max(c[b] - c[a] for c in r["clients"]) for r in runs))
+
+    def server(a: str, b: str) -> float:
+        return _r(_med(r["server"][b] - r["server"][a] for r in runs))
+
+    return {"server_encode_s": server("t_encode", "t_publish"), "publish_digest_s": server("t_publish", "t_published"),
+            "first_byte_wait_s": _r(_med(r["server"]["t_published"] for r in runs)),
+            "download_s": node("t_start", "t_down_end"), "client_decode_s": node("t_down_end", "t_decoded"),
+            "client_encode_start_s": node("t_decoded", "t_encoded"),
+            "client_encode_s (during the upload)": _r(_med(max(c["encode_s"] for c in r["clients"]) for r in runs)),
+            "upload_s": node("t_encoded", "t_end"),
+            "server_decode_s": server("t_uploads", "t_decoded")}
 
 
 def table(variants: dict[str, dict]) -> str:
     """MB/s: bytes moved / seconds (the deployment variants: big - tiny exchange); e2e: the big
     exchange itself; path: the data plane's timestamped path without Flower's control latency."""
-    head = (f"{'variant':<22} {'security':<9} {'MB':>5} {'seconds':>8} {'MB/s':>7} {'ratio':>6}"
+    head = (f"{'variant':<26} {'security':<9} {'MB':>5} {'seconds':>8} {'MB/s':>7} {'ratio':>6}"
             f" | {'e2e s':>6} {'MB/s':>6} {'ratio':>6} | {'path s':>6} {'MB/s':>6} {'ratio':>6} | verified")
     lines = [head, "-" * len(head)]
 
@@ -531,7 +660,7 @@ def table(variants: dict[str, dict]) -> str:
 
     for name, v in variants.items():
         lines.append(
-            f"{name:<22} {v['security']:<9} {v['bytes_moved'] / 1e6:>5.0f} {v['seconds']:>8.3f} {v['mb_per_s']:>7.1f} "
+            f"{name:<26} {v['security']:<9} {v['bytes_moved'] / 1e6:>5.0f} {v['seconds']:>8.3f} {v['mb_per_s']:>7.1f} "
             f"{v['ratio_to_bare']:>6.2f} | {cols(v, 'end_to_end_s', 'end_to_end_mb_per_s', 'end_to_end_ratio_to_bare')}"
             f" | {cols(v, 'critical_path_s', 'critical_path_mb_per_s', 'critical_path_ratio_to_bare')} | {v['verified']}")
     return "\n".join(lines)
@@ -587,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[dataplane_throughput] {size_mb:g} MB each way x {NODES} nodes, {repeats} repeat(s)", flush=True)
     streams: dict[tuple[str, str], list[dict]] = {(k, sec): [] for k in ("bare", "dataplane")
                                                   for sec in ("plaintext", "tls")}
-    streams.update({("dataplane-sha256", sec): [] for sec in ("plaintext", "tls")})
+    streams.update({(k, sec): [] for k in ("dataplane-sha256", "codec") for sec in ("plaintext", "tls")})
 
     with tempfile.TemporaryDirectory(prefix="dpbench-") as tmp:
         tmp_path = Path(tmp)
@@ -634,7 +763,9 @@ def main(argv: list[str] | None = None) -> int:
                       ("dp transport only", ("dataplane", "plaintext")),
                       ("dp transport only TLS", ("dataplane", "tls")),
                       ("dp transport, sha256", ("dataplane-sha256", "plaintext")),
-                      ("dp transport, sha256 TLS", ("dataplane-sha256", "tls"))):
+                      ("dp transport, sha256 TLS", ("dataplane-sha256", "tls")),
+                      ("whole path, announced", ("codec", "plaintext")),
+                      ("whole path, announced TLS", ("codec", "tls"))):
         s = summaries[key]
         variants[name] = {"security": key[1], "bytes_moved": s["bytes_moved"], "seconds": s["seconds"],
                           "mb_per_s": s["mb_per_s"], "ratio_to_bare": round(s["mb_per_s"] / bare_mbs[key[1]], 3),
@@ -676,7 +807,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _WORKERS = {"bare-server": _bare_server, "bare-client": _bare_client,
-            "dataplane-server": _dp_server, "dataplane-client": _dp_client}
+            "dataplane-server": _dp_server, "dataplane-client": _dp_client,
+            "codec-server": _codec_server, "codec-client": _codec_client}
 
 
 def _round_floats(obj: Any) -> Any:

@@ -50,6 +50,7 @@ from lordo_fed.transport.checksum import CHECKSUMS, check_kind, digest_of
 from lordo_fed.transport.framing import unframe
 from lordo_fed.transport.tokens import DOWNLOAD, UPLOAD, TokenError, TokenIssuer
 from lordo_fed.v1 import dataplane_pb2 as pb
+from lordo_fed.wire.protowire import new_buffer
 
 log = logging.getLogger("lordo_fed.dataplane")
 
@@ -106,8 +107,8 @@ class Upload:
     """The bytes, when held in memory: the first `size` bytes of a buffer the data plane reuses
     for later uploads once this one is discarded (no view of it may outlive `discard()`)."""
     path: Path | None = None
-    _base: bytearray | None = None
-    _release: Callable[[bytearray], None] | None = None
+    _base: memoryview | None = None
+    _release: Callable[[memoryview], None] | None = None
 
     def buffer(self) -> memoryview:
         if self.data is not None:
@@ -176,7 +177,7 @@ class DataPlaneServer:
         self.chunk_bytes = chunk_bytes
         self.memory_budget = int(memory_budget)
         self._memory_used = 0
-        self._spare: list[bytearray] = []
+        self._spare: list[memoryview] = []
         """Buffers of discarded uploads, kept for the next ones within the budget: a new 200 MB
         buffer costs ~50,000 first-touch page faults on its first write (0.1-0.4 s here)."""
         self.issuer = issuer or TokenIssuer()
@@ -395,24 +396,30 @@ class DataPlaneServer:
             self._session_events[node] = asyncio.Event()
         return self._session_events[node]
 
-    def _take_buffer(self, nbytes: int) -> bytearray | None:
+    def _take_buffer(self, nbytes: int) -> memoryview | None:
         """A buffer of at least `nbytes` for an upload (a spare one when one fits), counted against
-        the memory budget with the spares; None when the budget cannot hold it (the upload spills)."""
+        the memory budget with the spares; None when the budget cannot hold it (the upload spills).
+        A new one is `new_buffer`'s: not zero-filled (a `bytearray`'s memset of 200 MB ran on the
+        event loop, every stream waiting). Spares are told apart by identity, never by `==`, which
+        would compare their contents."""
         with self._lock:
             fits = [b for b in self._spare if len(b) >= nbytes]
             if fits:
                 buf = min(fits, key=len)
-                self._spare.remove(buf)
+                self._drop_spare(buf)
                 self._memory_used += len(buf)
                 return buf
             while self._spare and self._memory_used + sum(map(len, self._spare)) + nbytes > self.memory_budget:
-                self._spare.remove(min(self._spare, key=len))  # make room: smallest spares first
+                self._drop_spare(min(self._spare, key=len))  # make room: smallest spares first
             if self._memory_used + sum(map(len, self._spare)) + nbytes > self.memory_budget:
                 return None
             self._memory_used += nbytes
-        return bytearray(nbytes)
+        return new_buffer(nbytes)
 
-    def _release(self, buf: bytearray) -> None:
+    def _drop_spare(self, buf: memoryview) -> None:
+        self._spare = [b for b in self._spare if b is not buf]
+
+    def _release(self, buf: memoryview) -> None:
         """An upload's buffer is free: kept as a spare while the budget holds it."""
         with self._lock:
             self._memory_used -= len(buf)

@@ -836,6 +836,36 @@ def test_adoptable_takes_a_download_buffer_and_nothing_read_only(tmp_path):
         assert not adoptable(mm)
 
 
+def test_new_buffer_holds_what_is_written_small_and_mapped():
+    """`new_buffer`, the download's and the encoders' memory: a bytearray under a MiB, its own
+    anonymous mapping from a MiB on; either way exactly `n` writable bytes that give back what was
+    written, and a state decoded in place from a mapped one stays valid after the buffer's name is
+    gone (the tensors keep the mapping alive)."""
+    import gc
+
+    from lordo_fed.wire.protowire import new_buffer
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 1000, (1 << 20) - 1, 1 << 20, (3 << 20) + 7):
+        buf = new_buffer(n)
+        assert isinstance(buf, memoryview) and not buf.readonly and len(buf) == n and buf.format == "B"
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        buf[:] = data
+        assert bytes(buf) == data
+    big = _state()
+    big.params["big"] = torch.randn(1 << 19)  # 2 MiB: a mapped buffer
+    data = bytes(encode_global_state(big, MID, "fp32"))
+    download = new_buffer(len(data))
+    download[:] = data
+    got = decode_global_state(download, MID, adopt=True)
+    base = np.frombuffer(download, dtype=np.uint8).ctypes.data
+    assert base <= got.params["big"].data_ptr() < base + len(download)  # adopted, not copied
+    del download, base
+    gc.collect()
+    assert torch.equal(got.params["big"], big.params["big"])
+    assert torch.equal(got.params["emb.weight"], big.params["emb.weight"])
+
+
 def _field(number: int, wire_type: int, payload: bytes) -> bytes:
     key = varint((number << 3) | wire_type)
     return key + (varint(len(payload)) + payload if wire_type == 2 else payload)

@@ -95,7 +95,7 @@ def exchange(grid, plane, nodes, rnd, mode, mb, timeout):
         if len(replies) < len(ids):
             time.sleep(0.02)
     t5 = time.time()
-    updates, decode_s, decode_cpu, checks = {}, {}, {}, {}
+    updates, decode_s, decode_cpu, checks, held = {}, {}, {}, {}, []
     for reply in replies.values():
         nd = reply.metadata.src_node_id
         if reply.has_error():
@@ -110,13 +110,15 @@ def exchange(grid, plane, nodes, rnd, mode, mb, timeout):
             buf = upload.buffer()
         else:
             buf = payload_bytes(reply.content["update"])
-        updates[nd] = decode_update(buf, expected_model_id="dpbench")
+        # as `Courier.screened`: a data-plane upload is decoded in place (its tensors are views of
+        # the upload's buffer, which stays held until the round is done with them: `held` below)
+        updates[nd] = decode_update(buf, expected_model_id="dpbench", adopt=upload is not None)
         # the data plane hashed the bytes as they arrived and matched the node's digest (and the
         # reply vouches for the same): checked above; the Flower path has no digest of its own
         checks[nd] = {"up_bytes_received": len(buf), "up_digest_ok": True if upload is not None else None}
         del buf
         if upload is not None:
-            upload.discard()
+            held.append(upload)
         decode_s[nd], decode_cpu[nd] = time.time() - td, time.process_time() - cd
     t_end = time.time()
     rows = {}
@@ -141,6 +143,9 @@ def exchange(grid, plane, nodes, rnd, mode, mb, timeout):
         rows[str(nd)]["verified"] = bool(
             rows[str(nd)]["down_ok"] and rows[str(nd)]["up_content_ok"] and rows[str(nd)]["down_bytes"] == nbytes
             and rows[str(nd)]["up_bytes"] == rows[str(nd)]["up_bytes_received"] and rows[str(nd)]["up_digest_ok"] is not False)
+    del updates, delta
+    for upload in held:  # the round is done with the replies (Courier: after aggregation)
+        upload.discard()
     gen = max(r["gen_s"] for r in rows.values())
     return {
         "round": rnd, "mode": mode, "size_mb": mb, "payload_bytes_down": nbytes,
