@@ -267,10 +267,10 @@ def _train_early(worker: Worker, save: Future | None) -> float:
     return time.perf_counter() - started
 
 
-def run_job(job: Job, receive: Callable[[float], bytes | bytearray],
+def run_job(job: Job, receive: Callable[[float], bytes | bytearray | memoryview],
             store_for: Callable[[AppConfig, int], StateStore] = disk_store,
             save_in_background: bool = False, stream_reply: bool = False, encode_reply: bool = True
-            ) -> tuple[bytes | StreamingEncode, dict[str, float]]:
+            ) -> tuple[bytes | memoryview | StreamingEncode, dict[str, float]]:
     """One server message: the received state in, the encoded reply and its metrics out.
 
     `receive(timeout)` returns the encoded state (from the message, or downloaded from the data

@@ -32,11 +32,15 @@ from lordo_fed.node import runtime
 from lordo_fed.node.ranks import LocalRanks
 from lordo_fed.node.runtime import Job, ReadOnlyStore, disk_store, run_job
 from lordo_fed.node.session import data_plane_round, run_session
-from lordo_fed.transport.client import parse_ticket
+from lordo_fed.transport.client import SessionEnded, parse_ticket
 from lordo_fed.v1 import node_pb2 as pb
 from lordo_fed.v1 import node_pb2_grpc as pb_grpc
 
 log = logging.getLogger("lordo_fed.node")
+
+SESSION_ENDED = b"lordo-fed: session ended"
+"""What the lead hands on, in place of a round's state, when its asynchronous session has no
+further round (an empty one means its download failed). No encoded GlobalState is this short."""
 
 
 class NodeWorkerServicer(pb_grpc.NodeWorkerServicer):
@@ -95,6 +99,9 @@ class NodeWorkerServicer(pb_grpc.NodeWorkerServicer):
         def handed_on(timeout: float):
             try:
                 data = receive(timeout)
+            except SessionEnded:  # the session's normal end: the others leave the job quietly
+                ranks.broadcast_bytes(SESSION_ENDED)
+                raise
             except BaseException:
                 ranks.broadcast_bytes(b"")
                 raise
@@ -120,11 +127,15 @@ def follow(ranks: LocalRanks) -> None:
             data = ranks.broadcast_bytes(None)
             if not data:
                 raise RuntimeError("the lead rank could not get the round's state (its download failed)")
+            if len(data) == len(SESSION_ENDED) and bytes(data) == SESSION_ENDED:
+                raise SessionEnded("the lead's asynchronous session has no further round")
             return data
         try:
             run_job(job, receive, store_for=lambda cfg, pid: ReadOnlyStore(disk_store(cfg, pid)),
                     save_in_background=True, encode_reply=False)
             jobs += 1
+        except SessionEnded:  # not a failure: the session's rounds were run as its jobs
+            log.info("rank %d: the lead's session of run %d ended", ranks.rank, job.run_id)
         except Exception:  # noqa: BLE001 (the lead reports the job's failure to the server)
             log.exception("rank %d: job %s of run %d failed", ranks.rank, job.kind, job.run_id)
 

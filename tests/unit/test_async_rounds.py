@@ -398,3 +398,56 @@ def test_each_node_gets_its_pull_as_the_change_from_its_own_copy():
     assert not state.params_delta and all(torch.equal(got[n], theta[n]) for n in theta)
     assert copies.start_point(0, GlobalState(round=9, params=theta), Pull(theta, 0)).params_delta
     assert NodeCopies(None).start_point(0, GlobalState(round=1, params=theta), Pull(theta, 0)).params is theta
+
+
+class _Ranks:
+    """A node's control group as one rank sees it: what the lead hands on (`incoming`, for a
+    follower), what this rank broadcast (`sent`, for the lead)."""
+
+    def __init__(self, rank: int, incoming=()):
+        self.rank, self.lead, self.world = rank, rank == 0, 2
+        self.incoming, self.sent = list(incoming), []
+
+    def broadcast_bytes(self, data):
+        if data is not None:
+            self.sent.append(bytes(data))
+            return data
+        return bytearray(self.incoming.pop(0))
+
+
+def test_a_nodes_other_ranks_leave_an_ended_session_quietly(tmp_path, caplog):
+    """A node of several ranks in an asynchronous session: when the server has no further round,
+    the lead hands on the session's end (not the empty state of a failed download), and the other
+    ranks leave that job with one info line, where a failed download is still logged as a failure."""
+    import json
+    import logging
+
+    from lordo_fed.node.service import SESSION_ENDED, NodeWorkerServicer, follow
+    from lordo_fed.transport.client import DataPlaneError, SessionEnded
+    from lordo_fed.v1 import node_pb2
+
+    run = {"model-preset": "tiny", "output-dir": str(tmp_path), "seq-len": 16, "variant": "lordo_global"}
+    request = node_pb2.NodeJob(kind="train", run_id=9, run_config_json=json.dumps(run),
+                               node_config_json=json.dumps({"partition-id": 0, "num-partitions": 2}))
+    for cause, handed in ((SessionEnded("no round"), SESSION_ENDED), (DataPlaneError("refused"), b"")):
+        lead = _Ranks(0)
+
+        def receive(timeout, cause=cause):
+            raise cause
+        with pytest.raises(type(cause)):
+            NodeWorkerServicer(ranks=lead)._hand_on(request, receive)(60.0)
+        assert json.loads(lead.sent[0])["run_id"] == 9 and lead.sent[1:] == [handed]
+    lead = _Ranks(0)
+    assert bytes(NodeWorkerServicer(ranks=lead)._hand_on(request, lambda timeout: b"state")(60.0)) == b"state"
+    assert lead.sent[1:] == [b"state"]
+
+    spec = lead.sent[0]
+    follower = _Ranks(1, [spec, SESSION_ENDED, spec, b"", b""])  # session end, failed download, shutdown
+    with caplog.at_level(logging.INFO, logger="lordo_fed.node"):
+        follow(follower)
+    assert follower.incoming == []
+    ended = [r for r in caplog.records if "session of run 9 ended" in r.getMessage()]
+    failed = [r for r in caplog.records if "job train of run 9 failed" in r.getMessage()]
+    assert len(ended) == 1 and ended[0].levelno == logging.INFO and ended[0].exc_info is None
+    assert len(failed) == 1 and failed[0].levelno == logging.ERROR
+    assert "its download failed" in str(failed[0].exc_info[1])
