@@ -23,7 +23,7 @@ continues where it stopped; --fresh reruns):
     python benchmarks/corpora_quality.py --part tune      # the trials only
     python benchmarks/corpora_quality.py --quick          # tiny runs: two methods, two trials, every corpus
 Writes benchmarks/results/corpora_quality.json and .png (validation loss against tokens and against
-bytes sent, per corpus, 64 rounds, seed 0).
+bytes sent, per corpus, 64 rounds, the lowest seed of the table).
 """
 
 from __future__ import annotations
@@ -258,17 +258,18 @@ def table_text(rows: list[dict], horizons: tuple[int, ...]) -> str:
 
 def plot(rows: list[dict], path: Path, rounds: int) -> None:
     corpora = [c for c in CORPORA if any(r["corpus"] == c for r in rows)]  # a table of some corpora: theirs
+    seed = min((r["seed"] for r in rows if r["rounds"] == rounds), default=0)  # a table of seed 1 alone: seed 1
     fig = new_figure(5 * len(corpora), 8.5)
     for i, corpus in enumerate(corpora):
         ax_tok, ax_bytes = fig.add_subplot(2, len(corpora), i + 1), fig.add_subplot(2, len(corpora), i + 1 + len(corpora))
         for r in rows:
-            if r["corpus"] == corpus and r["rounds"] == rounds and r["seed"] == 0:
+            if r["corpus"] == corpus and r["rounds"] == rounds and r["seed"] == seed:
                 c = r["curve"]
                 ax_tok.plot(c["tokens"], c["val_loss"], label=f"{r['method']} ({r['trial']})")
                 sent = [(b, v) for b, v in zip(c["bytes"], c["val_loss"]) if b > 0]  # log axis: no point at 0 bytes
                 if sent:
                     ax_bytes.plot(*zip(*sent), marker=".", label=r["method"])
-        ax_tok.set(xlabel="tokens", ylabel="validation loss", title=f"{corpus}, {rounds} rounds, seed 0")
+        ax_tok.set(xlabel="tokens", ylabel="validation loss", title=f"{corpus}, {rounds} rounds, seed {seed}")
         ax_bytes.set(xscale="log", xlabel="bytes sent + received per worker", ylabel="validation loss")
         ax_tok.legend(fontsize=7)
     fig.tight_layout()

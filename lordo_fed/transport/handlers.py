@@ -220,7 +220,7 @@ class _Sink:
     def write(self, offset: int, chunk: memoryview) -> None:
         self.digest.update(chunk)
         if self.data is not None:
-            # through a memoryview: bytearray slice assignment runs ~9x slower than memcpy here
+            # a memoryview slice assignment is a memcpy (a bytearray's ran ~9x slower here)
             self.data[offset:offset + len(chunk)] = chunk
         else:
             self.file.write(chunk)
