@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import mmap
 
-
 WT_VARINT, WT_FIXED64, WT_LEN, WT_FIXED32 = 0, 1, 2, 5
 """The wire types the writers use and the readers handle (3 and 4, groups, are `Irregular`)."""
 _INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -132,8 +131,9 @@ def new_buffer(nbytes: int) -> memoryview:
     An anonymous private mapping, not `np.empty`: numpy asks for transparent huge pages on large
     arrays (madvise), and where the kernel defragments on such a fault (THP `defrag=madvise`, a
     common default) a fault waits for memory compaction once free huge pages run out. Measured
-    (docs/results.md section 18): a 200 MB encode 0.2-0.45 s with numpy's huge pages against
-    0.05-0.08 s with 4 KiB pages, and a round's whole payload path 1.6-1.95 s against 1.1 s.
+    (docs/results.md section 18): a 200 MB encode up to 0.23 s (server) and 0.41-0.45 s (node) with
+    numpy's huge pages against 0.05 s and 0.10-0.11 s with 4 KiB pages, and a round's whole payload
+    path 1.62-1.96 s against 1.08-1.58 s (three pairs).
     Buffers under a MiB are bytearrays (the memset is negligible; a mapping costs a syscall)."""
     n = int(nbytes)
     if n < _MAPPED_MIN:
