@@ -446,27 +446,63 @@ def quality(payloads: list[str], seeds: list[int], quick: bool, work: Path, fact
     return rows
 
 
+GOAL_X = 2000
+"""Issue 30's goal: at least 2,000x fewer bytes per step than fp32 DDP (125m, K = 32), at parity."""
+
+
 def plot(result: dict, path: Path) -> None:
-    fig = new_figure(13, 4.5)
-    ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    rows = [r for r in result.get("bytes", []) if r["dense_sync_factor"] == 1 and r.get("states", "synced") == "synced"]
-    for (preset, payload) in sorted({(r["preset"], r["payload"]) for r in rows}):
-        pts = sorted((r["K"], r["reduction_vs_ddp_fp32"]) for r in rows if (r["preset"], r["payload"]) == (preset, payload))
-        ax1.plot([k for k, _ in pts], [x for _, x in pts], marker=".", label=f"{preset} {payload}")
-    ax1.axhline(200, color="grey", lw=0.8, ls="--")
-    ax1.set(xscale="log", yscale="log", xlabel="K", ylabel="x fewer bytes than fp32 DDP per step",
-            title="LoRDO-Global payload presets (GPT-2 vocabulary, F = 1)")
+    """The figure of a result: bytes (x fewer than fp32 DDP against K, one panel per model, every
+    payload x state at F = 1, the goal's line), then the codec's time against the link time it saves
+    (`time`), then quality (`quality`); only the panels the result has data for."""
+    import matplotlib
+
+    rows = [r for r in result.get("bytes", []) if r["dense_sync_factor"] == 1]
+    models = sorted({r["preset"] for r in rows}, key=lambda m: rows[[x["preset"] for x in rows].index(m)]["params"])
+    panels = len(models) + bool(result.get("time")) + bool(result.get("quality"))
+    if not panels:
+        return
+    fig = new_figure(4.6 * panels + (2.2 if rows else 0), 4.5)
+    axes = [fig.add_subplot(1, panels, i + 1) for i in range(panels)]
+    states = sorted({r.get("states", "synced") for r in rows})
+    lines = sorted({(r["payload"], r.get("states", "synced")) for r in rows})
+    payloads = sorted({payload for payload, _ in lines})  # a colour per payload, a line style per state
+    palette = "tab10" if len(payloads) <= 10 else "tab20"
+    colors = {payload: matplotlib.colormaps[palette](i) for i, payload in enumerate(payloads)}
+    for ax, model in zip(axes, models):
+        for payload, state in lines:
+            pts = sorted((r["K"], r["reduction_vs_ddp_fp32"]) for r in rows
+                         if (r["preset"], r["payload"], r.get("states", "synced")) == (model, payload, state))
+            label = payload if len(states) == 1 else f"{payload} ({state})"
+            ax.plot([k for k, _ in pts], [x for _, x in pts], marker=".", color=colors[payload],
+                    ls="-" if state == states[0] else "--", label=label if ax is axes[0] else None)
+        ax.axhline(GOAL_X, color="grey", lw=0.8, ls=":")
+        ax.text(min(r["K"] for r in rows), GOAL_X * 1.1, "2,000x (issue 30)",
+                fontsize=7, color="grey")
+        ax.set(xscale="log", yscale="log", xlabel="K (local steps a round)", ylabel="x fewer bytes than fp32 DDP per step",
+               title=f"{model}, GPT-2 vocabulary, both directions")
     if rows:
-        ax1.legend(fontsize=7)
-    for r in result.get("quality", []):
-        if r["dense_sync_factor"] != 1:
-            continue
-        ax2.plot([p["tokens"] / 1e6 for p in r["curve"]], [p["val_loss"] for p in r["curve"]],
-                 ls="-" if r["seed"] == 0 else ":", label=f"{r['payload']} seed {r['seed']}")
-    ax2.set(xlabel="tokens (M)", ylabel="validation loss", title="quality (small preset, K = 8, 32 rounds)")
+        fig.legend(loc="center right", fontsize=6.5, frameon=False)
+    rest = axes[len(models):]
+    if result.get("time"):
+        ax, rest = rest[0], rest[1:]
+        t = result["time"]
+        xs = range(len(t))
+        ax.bar([x - 0.2 for x in xs], [r["codec_s"] for r in t], width=0.4, label="encode + decode, both ends")
+        ax.bar([x + 0.2 for x in xs], [r.get("link_seconds_saved_1gbps", 0.0) for r in t], width=0.4,
+               label="link time saved at 1 Gb/s")
+        ax.set_xticks(list(xs), [r["payload"] for r in t], rotation=30, ha="right", fontsize=7)
+        ax.set(ylabel="seconds a round", title=f"codec time, {t[0]['preset']}")
+        ax.legend(fontsize=7)
     if result.get("quality"):
-        ax2.legend(fontsize=7)
-    fig.tight_layout()
+        ax = rest[0]
+        for r in result["quality"]:
+            if r["dense_sync_factor"] != 1:
+                continue
+            ax.plot([p["tokens"] / 1e6 for p in r["curve"]], [p["val_loss"] for p in r["curve"]],
+                    ls="-" if r["seed"] == 0 else ":", label=f"{r['payload']} seed {r['seed']}")
+        ax.set(xlabel="tokens (M)", ylabel="validation loss", title="quality (small preset, K = 8, 32 rounds)")
+        ax.legend(fontsize=7)
+    fig.tight_layout(rect=(0, 0, 1 - (2.2 / (4.6 * panels + 2.2) if rows else 0), 1))
     fig.savefig(path)
 
 
@@ -484,7 +520,13 @@ def main() -> None:
                         "16m,125m,720m; --quick 16m)")
     parser.add_argument("--row-share", type=float, default=ROW_SHARE,
                         help="row-sparse presets, bytes part: the share of the embedding's rows sent per round")
+    parser.add_argument("--plot", default="", metavar="JSON", help="measure nothing: redraw the figure of a "
+                        "result file next to it")
     args = parser.parse_args()
+    if args.plot:
+        plot(json.loads(Path(args.plot).read_text()), png_path(args.plot))
+        print(f"wrote {png_path(args.plot)}")
+        return
     parts = set(args.parts.split(","))
     started = time.perf_counter()
     payloads = args.payloads.split(",") if args.payloads else list(PAYLOADS)

@@ -425,11 +425,14 @@ def _bound(seconds: float, links: dict[str, dict]) -> dict[str, float | None]:
 
 def plot(result: dict[str, Any], out: Path) -> None:
     cases = result["cases"]
-    fig = new_figure(7.5, 3.6)
+    fig = new_figure(max(7.5, 1.6 * len(cases)), 4.2)
     ax = fig.add_subplot(1, 1, 1)
+    def payload(rc: dict[str, Any]) -> str:  # a preset without payload-dtype travels with its own payload
+        return rc.get("payload-dtype") or (f"{rc['preset']}'s" if "preset" in rc else "fp32")
+
     labels = [f"{c['nodes']} nodes\n{c['link']}\n{c['data_plane']}"
-              + (f"\n{c['run_config'].get('model-preset', '125m')} {c['run_config'].get('payload-dtype', 'fp32')} K={c['run_config']['local-steps']} "
-                 f"τ={c['run_config']['overlap-delay']}" if c["run_config"] else "")
+              + (f"\n{c['run_config'].get('model-preset', '125m')}\n{payload(c['run_config'])}\n"
+                 f"K={c['run_config']['local-steps']} τ={c['run_config']['overlap-delay']}" if c["run_config"] else "")
               for c in cases]
     med = [c["median_rounds_2_to_n"] for c in cases]
     ideal = [m.get("ideal_seconds", 0) for m in med]
@@ -443,7 +446,7 @@ def plot(result: dict[str, Any], out: Path) -> None:
         if b:
             ax.text(i + 0.27, a, f"{a / b:.2f}x\n{a / c:.2f}x" if c else f"{a / b:.2f}x", ha="center", va="bottom",
                     fontsize=7)
-    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_xticks(list(x), labels, fontsize=7)
     ax.set_ylabel("seconds per round (median, rounds 2..N)")
     ax.set_title(result["title"], fontsize=9)
     ax.legend(fontsize=8)

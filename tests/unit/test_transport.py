@@ -446,3 +446,39 @@ def test_a_session_download_is_not_taken_for_a_synchronous_ticket(plane):
     ticket = plane._ticket(NODE, 1, 60, MB, 0, "")  # not marked as a session
     with pytest.raises(client.DataPlaneError, match="the server ended a session, and this ticket is not one"):
         client.download(ticket, NODE)
+
+
+def test_a_session_upload_is_checked_as_a_rounds(plane, caplog):
+    """An asynchronous session's upload meets the checks of a synchronous round's (issue 32: "size and
+    stall checks ... as in synchronous rounds"): too large, longer or shorter than declared, a digest that
+    does not match, a stalled stream, each refused with its reason, nothing kept; the token is spent only
+    by the accepted upload, whose receipt carries the next ticket."""
+    caplog.set_level(logging.WARNING, "lordo_fed.dataplane")
+    t = plane.open_session(NODE, 2, ttl=60, max_upload=4 * MB)
+    body = os.urandom(1000)
+    digest = DIGESTS["xxh3"](body)
+
+    def refused(messages, reason: str) -> None:
+        assert_refused(plane, caplog, raw_upload(plane, messages), "upload", reason)
+        assert plane.session_uploads(0.0) == []
+
+    refused([header(t, 5 * MB)], f"declares {5 * MB} bytes; expected 1..{4 * MB}")
+    refused([header(t, 1000, body), pb.UploadChunk(data=b"more")], "sent more than the 1000 bytes it declared")
+    refused([header(t, 2000, body), pb.UploadChunk(digest=digest)],
+            "stream ended after 1000 of the 2000 declared bytes (truncated)")
+    refused([header(t, 1000, bytes([body[0] ^ 1]) + body[1:]), pb.UploadChunk(digest=digest)], "xxh3 digest mismatch")
+
+    def stalling():
+        yield header(t, 1000, body[:10])
+        time.sleep(3.0)  # the server's stall_timeout is 1 s
+        yield pb.UploadChunk(data=body[10:])
+
+    started = time.monotonic()
+    refused(stalling(), "stream stalled for more than 1s after 10 of 1000 bytes")
+    assert time.monotonic() - started < 3.0
+    receipt = raw_upload(plane, [header(t, 1000, body), pb.UploadChunk(digest=digest)])
+    assert receipt.digest == digest and receipt.next.session and receipt.next.round == 3
+    (got,) = plane.session_uploads(1.0)
+    assert (got.node_id, got.round, bytes(got.buffer())) == (NODE, 2, body)
+    got.discard()
+    assert len(plane.take_refusals()) == 5
