@@ -145,6 +145,22 @@ same tokens per step, nothing averaged): if it gains in the decay what low-rank 
 lacks there is moments of the whole batch's gradient, not exchanges."""
 
 
+EXCHANGES: list[tuple[str, Trial]] = [
+    ("lowrank_ddp", TRIALS["lowrank_ddp"][4]), ("lordo_global", TRIALS["lordo_global"][4]),
+    ("lordo_global", Trial("ef0.9-lr0.5x-k8-int8", (*TRIALS["lordo_global"][4].overrides, "rounds.local_steps=8",
+                                                    "payload_dtype=int8"))),
+    ("lordo_global", Trial("ef0.9-lr0.5x-k16-int8", (*TRIALS["lordo_global"][4].overrides, "rounds.local_steps=16",
+                                                     "payload_dtype=int8"))),
+    ("lordo_local", TRIALS["lordo_local"][4]),
+    ("lordo_local", Trial("ef1-switch-lr0.5x-k8-int8", (*TRIALS["lordo_local"][4].overrides, "rounds.local_steps=8",
+                                                        "payload_dtype=int8"))),
+]
+"""`--part exchanges`: the early-round gap against the bytes it is allowed, at today's defaults. Section 16
+closed it with more exchanges (K = 8: 4x the bytes); the int8 payload (within 1% of fp32, section 12)
+sends each exchange in about a third of fp32's bytes, so K = 8 with int8 costs about what K = 32 with fp32
+does, and K = 16 with int8 less. The first two are the table's own trials (its cache); the gaps are to
+low-rank DDP, the bytes to LoRDO-Global's K = 32 run (LoRDO-Local's own K = 32 run is the fifth)."""
+
 def horizon_overrides(rounds: int, quick: bool) -> tuple[str, ...]:
     """`rounds` rounds of small_cpu's K = 32, eight evaluations (quick: rounds of QUICK_OVERRIDES' K = 4)."""
     k = 4 if quick else 32
@@ -299,9 +315,9 @@ low-rank DDP too; and the sixth trial's lr (0.002, with diagnostics). The first 
 
 def early(train, rounds: int, out: str, quick: bool, part: str = "early", corpora: tuple[str, ...] = tuple(CORPORA)
           ) -> None:
-    """The `EARLY` (or `LATE`, `WORKERS`) probes on every corpus: validation perplexity and the gap to low-rank DDP
+    """The `EARLY` (or `LATE`, `WORKERS`, `EXCHANGES`) probes on every corpus: validation perplexity and the gap to low-rank DDP
     (its ef0.9 trial) on the same corpus, and the bytes against LoRDO-Global's own K = 32 run."""
-    probes = {"early": EARLY, "late": LATE, "workers": WORKERS}[part]
+    probes = {"early": EARLY, "late": LATE, "workers": WORKERS, "exchanges": EXCHANGES}[part]
     if quick:  # quick rounds are too short for K = 8
         probes = [EARLY[0], EARLY[1], EARLY[6]] if part == "early" else probes[:2]
     rows = train([(c, m, t, rounds, 0) for m, t in probes for c in corpora])
@@ -321,10 +337,11 @@ def early(train, rounds: int, out: str, quick: bool, part: str = "early", corpor
 
 def main() -> None:
     parser = make_parser("corpora_quality", __doc__, "tiny runs: two methods, two trials each, every corpus (seconds)")
-    parser.add_argument("--part", default="all", choices=("all", "tune", "table", "early", "late", "workers"),
+    parser.add_argument("--part", default="all", choices=("all", "tune", "table", "early", "late", "workers", "exchanges"),
                         help="tune: the trials at the first horizon, seed 0; table: each method's best everywhere; "
                         "early: the early-round probes (`EARLY`), first horizon, seed 0; late: the late-round "
-                        "probes (`LATE`), likewise (e.g. --horizons 64); workers: what four workers cost (`WORKERS`), likewise")
+                        "probes (`LATE`), likewise (e.g. --horizons 64); workers: what four workers cost (`WORKERS`), likewise; "
+                        "exchanges: more exchanges at the bytes of K = 32 (`EXCHANGES`), likewise")
     parser.add_argument("--corpora", default=",".join(CORPORA),
                         help=f"comma-separated, of {', '.join(CORPORA)}: the early, late and workers parts' and "
                         "the table's (the tuning always runs on every corpus)")
@@ -385,7 +402,7 @@ def main() -> None:
     corpora = tuple(c for c in args.corpora.split(",") if c)
     if not corpora or any(c not in CORPORA for c in corpora):
         parser.error(f"--corpora {args.corpora!r}: expected some of {list(CORPORA)}")
-    if args.part in ("early", "late", "workers"):
+    if args.part in ("early", "late", "workers", "exchanges"):
         default = str(Path(parser.get_default("out")))
         out = args.out.replace(".json", f"_{args.part}.json") if args.out == default else args.out
         early(train, horizons[0], out, args.quick, args.part, corpora)
