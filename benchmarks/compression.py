@@ -17,12 +17,14 @@ pay for their encoding time.
    **refit**: the server's refit of LoRDO-Global's bases at 125m (exact SVD, randomized SVD, DCT
    columns) against the link time of a lean top-k round at 1 Gb/s and 100 Mb/s.
    **server**: the server's side of one top-k round at 125m with M = 2, 4, 8 replies (`diloco-sparse`,
-   `sparseloco`): screening (decode, check) and aggregation (the sums, the outer step, θ's compressed
-   change and the clients' copy), each reply decoded once into `SparseValues` against decoded to
-   dense fp32 on arrival and again when the sums load it, side by side, on one CPU thread.
+   `sparseloco`, and `diloco-sparse` with the relay down): screening (decode, check), aggregation (the
+   sums, the outer step, θ's compressed change and the clients' copy) and the next state's encoding, each
+   reply decoded once into `SparseValues` against decoded to dense fp32 on arrival and again when the
+   sums load it, side by side, on one CPU thread.
 3. **quality**: LoRDO-Global on `examples/reference/quality_cpu.yaml` (small preset, M = 4,
    rank 16) at K = 8 for 32 rounds, each compressed preset against fp32, seeds 0 and 1; fp32 and
    int8 also with the full-size moments synced every 4th round (`dense_sync_factor` = 4).
+4. `--plot RESULT.json` redraws a result's figure and measures nothing.
 
     python benchmarks/compression.py                 # all of them (~40 min on 2 cores)
     python benchmarks/compression.py --parts bytes,time
@@ -188,9 +190,12 @@ moments, no metrics), as the state's `relay` field carries it; at M workers the 
 own fields plus M of them (docs/results.md, section 12, part nine, counts M = 8 that way)."""
 
 
-SERVER_PRESETS = ("diloco-sparse", "sparseloco")
-"""The presets the server part times: every tensor top-k up, θ's change top-k down; the mean over all
-workers against SparseLoCo's contributor mean."""
+SERVER_PRESETS: dict[str, dict[str, str]] = {
+    "diloco-sparse": {"preset": "diloco-sparse"}, "sparseloco": {"preset": "sparseloco"},
+    "relay": {"preset": "diloco-sparse", "payload-dtype": "topk2bit-relay"}}
+"""The setups the server part times (run config): every tensor top-k up, θ's change top-k down, the mean
+over all workers, against SparseLoCo's contributor mean; and `diloco-sparse` with the relay down (option
+B: no re-sparsification; the state carries the M replies as received, read the sparse way only)."""
 SERVER_PATHS = ("sparse-once", "dense-twice")
 """How the server reads a top-k reply: decoded once into its kept values and positions (`SparseValues`,
 server/courier.py), or to dense fp32 on arrival (screening) and again when the sums load it."""
@@ -206,8 +211,8 @@ def server_times(model: str, workers: tuple[int, ...], repeats: int = 3) -> list
     torch.set_num_threads(1)
     rows = []
     try:
-        for name in SERVER_PRESETS:
-            cfg = load_app_config({"preset": name, "model-preset": model})
+        for name, setup in SERVER_PRESETS.items():
+            cfg = load_app_config({**setup, "model-preset": model})
             run = build_run(cfg, "diloco", vocab_size=GPT2_VOCAB, device=torch.device("cpu"))
             codecs, specs = run.payload.codecs, run.payload.receiver_specs
             params = {n: p.detach() for n, p in run.model.named_parameters()}
@@ -219,27 +224,33 @@ def server_times(model: str, workers: tuple[int, ...], repeats: int = 3) -> list
             for m in workers:
                 best: dict[str, dict[str, float]] = {}
                 theta: dict[str, dict[str, torch.Tensor]] = {}
+                paths = SERVER_PATHS[:1] if codecs.relay else SERVER_PATHS  # a relay reads replies the sparse way
                 for _ in range(repeats):
-                    for path in SERVER_PATHS:
+                    for path in paths:
                         agg = run.aggregator()
                         for _round in range(2):  # round 2 sends θ's change (round 1 sends θ whole)
-                            times = _server_round(agg, deltas[:m], run.model_id, specs, path)
+                            times = _server_round(agg, deltas[:m], run.model_id, specs, path, run.payload.wire_dtype)
                         best[path] = {k: min(v, best.get(path, {}).get(k, math.inf)) for k, v in times.items()}
                         theta[path] = agg.params
-                same = all(torch.equal(theta[SERVER_PATHS[0]][n], t) for n, t in theta[SERVER_PATHS[1]].items())
-                for path in SERVER_PATHS:
+                same = (all(torch.equal(theta[paths[0]][n], t) for n, t in theta[paths[-1]].items())
+                        if len(paths) > 1 else None)  # one reading: nothing to compare
+                for path in paths:
                     rows.append({"preset": name, "model": model, "M": m, "path": path, "same_theta": same, **best[path],
                                  "server_s": best[path]["screen_s"] + best[path]["aggregate_s"],
-                                 "reply_bytes": reply_bytes})
+                                 "server_with_encode_s": best[path]["screen_s"] + best[path]["aggregate_s"]
+                                 + best[path]["encode_s"], "reply_bytes": reply_bytes})
     finally:
         torch.set_num_threads(threads)
     return rows
 
 
-def _server_round(agg, deltas: list[dict[str, Encoded]], model_id: str, specs, path: str) -> dict[str, float]:
+def _server_round(agg, deltas: list[dict[str, Encoded]], model_id: str, specs, path: str,
+                  wire_dtype: str) -> dict[str, float]:
     """One round of `server_times`: the replies encoded as nodes send them (not timed), then screened and
-    aggregated as server/courier.py and the aggregator do."""
+    aggregated as server/courier.py and the aggregator do (a relay keeps each reply as received, as
+    `Courier.screened` does), then the next state encoded once for every node (`encode_s`)."""
     payloads = [bytes(encode_update(WorkerUpdate(m, agg.round, d, {}, 4096, 4), model_id)) for m, d in enumerate(deltas)]
+    relay = agg.payload is not None and agg.payload.relay
     t0 = time.perf_counter()
     refs = []
     for data in payloads:
@@ -248,12 +259,17 @@ def _server_round(agg, deltas: list[dict[str, Encoded]], model_id: str, specs, p
         if reason is not None:
             raise RuntimeError(reason)
         load = None if path == "sparse-once" else (lambda data=data: decode_update(data, model_id, codecs=specs))
-        refs.append(ReplyRef.of(update, load=load, norm=norm))
+        relayed = (lambda data=data: decode_update(data, model_id, codecs=specs, keep_compressed=True)) if relay else None
+        refs.append(ReplyRef.of(update, load=load, norm=norm, relayed=relayed))
         del update
     t1 = time.perf_counter()
     agg.aggregate_refs(refs)
     agg.client_copy()  # what the next round's resync and commit need: θ_c after this round's change
-    return {"screen_s": t1 - t0, "aggregate_s": time.perf_counter() - t1}
+    t2 = time.perf_counter()
+    state = encode_global_state(agg.global_state(), model_id, wire_dtype)
+    t3 = time.perf_counter()
+    del state
+    return {"screen_s": t1 - t0, "aggregate_s": t2 - t1, "encode_s": t3 - t2}
 
 
 def relayed(update: WorkerUpdate) -> WorkerUpdate:
@@ -564,7 +580,8 @@ def main() -> None:
               f"1 Gb/s link time saved {r['link_seconds_saved_1gbps']:6.2f} s")
     for r in result.get("server", []):
         print(f"server {r['model']} {r['preset']:13} M={r['M']} {r['path']:11}: screen {r['screen_s']:5.2f} s, "
-              f"aggregate {r['aggregate_s']:5.2f} s, together {r['server_s']:5.2f} s")
+              f"aggregate {r['aggregate_s']:5.2f} s, together {r['server_s']:5.2f} s, the state encoded "
+              f"{r['encode_s']:5.2f} s")
     for r in result.get("quality", []):
         print(f"quality {r['payload']:16} F={r['dense_sync_factor']} seed {r['seed']}: val ppl {r['val_ppl']:.3f} ({r['ppl_vs_fp32']:+.2%} vs fp32), "
               f"{r['bytes_vs_fp32']:.1f}x fewer bytes")
