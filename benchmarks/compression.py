@@ -585,7 +585,7 @@ def main() -> None:
     for r in result.get("quality", []):
         print(f"quality {r['payload']:16} F={r['dense_sync_factor']} seed {r['seed']}: val ppl {r['val_ppl']:.3f} ({r['ppl_vs_fp32']:+.2%} vs fp32), "
               f"{r['bytes_vs_fp32']:.1f}x fewer bytes")
-    print(f"wrote {out} and {png_path(out)}")
+    print(f"wrote {out}" + (f" and {png_path(out)}" if png_path(out).exists() else " (no figure: nothing to draw)"))
 
 
 if __name__ == "__main__":

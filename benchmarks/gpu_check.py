@@ -38,7 +38,7 @@ the references cached; and `--horizons 16`), then the 64-round table at the tuni
 what four workers cost on every corpus (`--part workers --horizons 16`: 7 runs a corpus; the CPU ran prose).
 Since (2026-11-29): the 64-round table at today's lrs needs code seed 1 only (`--part table --best ...
 --corpora code --seeds 1 --horizons 64`, the CPU ran the other five pairs), and the early-round gap at
-the bytes of K = 32 (`--part exchanges --horizons 16 --corpora <c>`: K = 8 and 16 with int8, 6 runs a
+the bytes of K = 32 (`--part exchanges --horizons 16 --corpora <c>`: K = 8 and 16 with int8 and K = 8 in fp32, 7 runs a
 corpus, seed 0; the CPU ran prose and verse) wants code.
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
