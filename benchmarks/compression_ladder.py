@@ -108,9 +108,11 @@ blocks' matrices top-k (the embedding and norms int8, θ down int8)."""
 LOCAL_RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "wide": ("topk2bit-both-wide", ("rounds.wire_ef_decay=0.95",)),
     "wide-d64": ("topk2bit-both-wide-d64", ("rounds.wire_ef_decay=0.95",)),
+    "relay": ("topk2bit-relay", ("rounds.wire_ef_decay=0.95",)),
 }
 """`--method lordo_local`: LoRDO with each worker's own bases and moments is lean by construction (no
-bases, no moments on the wire): the wide downlink at 3% and 1/64 up."""
+bases, no moments on the wire): the wide downlink at 3% and 1/64 up, and the relay (the M replies down,
+θ exact)."""
 
 
 def decoder_gains(seeds: int = 10) -> list[dict]:
