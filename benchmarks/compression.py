@@ -20,7 +20,7 @@ pay for their encoding time.
    `sparseloco`, and `diloco-sparse` with the relay down): screening (decode, check), aggregation (the
    sums, the outer step, θ's compressed change and the clients' copy) and the next state's encoding, each
    reply decoded once into `SparseValues` against decoded to dense fp32 on arrival and again when the
-   sums load it, side by side, on one CPU thread.
+   sums load it, side by side, on one CPU thread (`--server-threads 1,2`: thread counts interleaved).
 3. **quality**: LoRDO-Global on `examples/reference/quality_cpu.yaml` (small preset, M = 4,
    rank 16) at K = 8 for 32 rounds, each compressed preset against fp32, seeds 0 and 1; fp32 and
    int8 also with the full-size moments synced every 4th round (`dense_sync_factor` = 4).
@@ -28,6 +28,7 @@ pay for their encoding time.
 
     python benchmarks/compression.py                 # all of them (~40 min on 2 cores)
     python benchmarks/compression.py --parts bytes,time
+    python benchmarks/compression.py --parts server --server-presets relay --server-threads 1,2
     python benchmarks/compression.py --quick         # 16m bytes at K = 32, tiny time and quality
 Writes benchmarks/results/compression.json and compression.png.
 """
@@ -201,17 +202,22 @@ SERVER_PATHS = ("sparse-once", "dense-twice")
 server/courier.py), or to dense fp32 on arrival (screening) and again when the sums load it."""
 
 
-def server_times(model: str, workers: tuple[int, ...], repeats: int = 3) -> list[dict]:
-    """The server's side of one round per preset, M and reading (`SERVER_PATHS`), the readings
-    interleaved `repeats` times and each phase's fastest pass kept; one CPU thread."""
+def server_times(model: str, workers: tuple[int, ...], repeats: int = 3, presets: tuple[str, ...] = tuple(SERVER_PRESETS),
+                 threads: tuple[int, ...] = (1,)) -> list[dict]:
+    """The server's side of one round per preset, M, reading (`SERVER_PATHS`) and CPU thread count, the
+    readings and thread counts interleaved `repeats` times and each phase's fastest pass kept."""
     from lordo_fed.app.config import load_app_config
     from lordo_fed.rounds.build import build_run
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    unknown = [p for p in presets if p not in SERVER_PRESETS]
+    if unknown or not presets or min(threads, default=0) < 1:
+        raise ValueError(f"server part: presets {list(presets)} and threads {list(threads)}: expected some of "
+                         f"{list(SERVER_PRESETS)} and thread counts >= 1")
+    before = torch.get_num_threads()
     rows = []
     try:
-        for name, setup in SERVER_PRESETS.items():
+        for name in presets:
+            setup = SERVER_PRESETS[name]
             cfg = load_app_config({**setup, "model-preset": model})
             run = build_run(cfg, "diloco", vocab_size=GPT2_VOCAB, device=torch.device("cpu"))
             codecs, specs = run.payload.codecs, run.payload.receiver_specs
@@ -222,25 +228,29 @@ def server_times(model: str, workers: tuple[int, ...], repeats: int = 3) -> list
                       for _ in range(max(workers))]
             reply_bytes = len(encode_update(WorkerUpdate(0, 1, deltas[0], {}, 1, 1), run.model_id))
             for m in workers:
-                best: dict[str, dict[str, float]] = {}
-                theta: dict[str, dict[str, torch.Tensor]] = {}
+                best: dict[tuple[str, int], dict[str, float]] = {}
+                theta: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
                 paths = SERVER_PATHS[:1] if codecs.relay else SERVER_PATHS  # a relay reads replies the sparse way
+                cases = [(path, t) for t in threads for path in paths]
                 for _ in range(repeats):
-                    for path in paths:
+                    for case in cases:
+                        torch.set_num_threads(case[1])
                         agg = run.aggregator()
                         for _round in range(2):  # round 2 sends θ's change (round 1 sends θ whole)
-                            times = _server_round(agg, deltas[:m], run.model_id, specs, path, run.payload.wire_dtype)
-                        best[path] = {k: min(v, best.get(path, {}).get(k, math.inf)) for k, v in times.items()}
-                        theta[path] = agg.params
-                same = (all(torch.equal(theta[paths[0]][n], t) for n, t in theta[paths[-1]].items())
-                        if len(paths) > 1 else None)  # one reading: nothing to compare
-                for path in paths:
-                    rows.append({"preset": name, "model": model, "M": m, "path": path, "same_theta": same, **best[path],
-                                 "server_s": best[path]["screen_s"] + best[path]["aggregate_s"],
-                                 "server_with_encode_s": best[path]["screen_s"] + best[path]["aggregate_s"]
-                                 + best[path]["encode_s"], "reply_bytes": reply_bytes})
+                            times = _server_round(agg, deltas[:m], run.model_id, specs, case[0], run.payload.wire_dtype)
+                        best[case] = {k: min(v, best.get(case, {}).get(k, math.inf)) for k, v in times.items()}
+                        theta[case] = agg.params
+                for path, t in cases:
+                    # both readings at the same thread count end at the same θ (one reading: nothing to compare)
+                    same = (all(torch.equal(theta[(paths[0], t)][n], x) for n, x in theta[(paths[-1], t)].items())
+                            if len(paths) > 1 else None)
+                    b = best[(path, t)]
+                    rows.append({"preset": name, "model": model, "M": m, "path": path, "threads": t, "same_theta": same,
+                                 **b, "server_s": b["screen_s"] + b["aggregate_s"],
+                                 "server_with_encode_s": b["screen_s"] + b["aggregate_s"] + b["encode_s"],
+                                 "reply_bytes": reply_bytes})
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
     return rows
 
 
@@ -536,6 +546,10 @@ def main() -> None:
                         "16m,125m,720m; --quick 16m)")
     parser.add_argument("--row-share", type=float, default=ROW_SHARE,
                         help="row-sparse presets, bytes part: the share of the embedding's rows sent per round")
+    parser.add_argument("--server-presets", default=",".join(SERVER_PRESETS),
+                        help=f"server part: comma-separated, of {', '.join(SERVER_PRESETS)}")
+    parser.add_argument("--server-threads", default="1", help="server part: comma-separated CPU thread counts, "
+                        "interleaved in one run (e.g. 1,2: a coordinator with more cores)")
     parser.add_argument("--plot", default="", metavar="JSON", help="measure nothing: redraw the figure of a "
                         "result file next to it")
     args = parser.parse_args()
@@ -561,8 +575,13 @@ def main() -> None:
         result["refit"] = refit_times("tiny" if args.quick else "125m")
         write_json({**result, "seconds": time.perf_counter() - started}, args.out)
     if "server" in parts:
-        result["server"] = server_times("tiny" if args.quick else "125m", (2,) if args.quick else (2, 4, 8),
-                                        repeats=1 if args.quick else 3)
+        try:
+            threads = tuple(int(t) for t in args.server_threads.split(","))
+            result["server"] = server_times("tiny" if args.quick else "125m", (2,) if args.quick else (2, 4, 8),
+                                            repeats=1 if args.quick else 3,
+                                            presets=tuple(args.server_presets.split(",")), threads=threads)
+        except ValueError as e:
+            parser.error(f"--server-presets {args.server_presets!r} --server-threads {args.server_threads!r}: {e}")
         write_json({**result, "seconds": time.perf_counter() - started}, args.out)
     if "quality" in parts:
         with tempfile.TemporaryDirectory() as tmp:
@@ -579,7 +598,7 @@ def main() -> None:
         print(f"time {r['preset']} {r['payload']:16} codec {r['codec_s']:6.2f} s (extra {r['extra_codec_s']:+6.2f} s), "
               f"1 Gb/s link time saved {r['link_seconds_saved_1gbps']:6.2f} s")
     for r in result.get("server", []):
-        print(f"server {r['model']} {r['preset']:13} M={r['M']} {r['path']:11}: screen {r['screen_s']:5.2f} s, "
+        print(f"server {r['model']} {r['preset']:13} M={r['M']} {r['path']:11} {r.get('threads', 1)} thread(s): screen {r['screen_s']:5.2f} s, "
               f"aggregate {r['aggregate_s']:5.2f} s, together {r['server_s']:5.2f} s, the state encoded "
               f"{r['encode_s']:5.2f} s")
     for r in result.get("quality", []):

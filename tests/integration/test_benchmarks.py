@@ -446,9 +446,9 @@ def test_async_rounds_quick(tmp_path):
 def test_compression_quick(tmp_path):
     """Structure of benchmarks/compression.py --quick: the presets' serialized bytes at 16m against
     fp32 DDP (fp32 LoRDO-Global equal to communication.py's 12x, every compressed preset fewer
-    bytes than bf16), encode/decode time, the server's two readings of top-k replies (the same θ) and a
-    tiny quality run (not its figures' quality)."""
-    result = run_quick("compression.py", tmp_path)
+    bytes than bf16), encode/decode time, the server's two readings of top-k replies (the same θ) at one
+    and two threads, and a tiny quality run (not its figures' quality)."""
+    result = run_quick("compression.py", tmp_path, "--server-threads", "1,2")
     by = {r["payload"]: r for r in result["bytes"]}
     from lordo_fed.wire.payload import PAYLOADS
 
@@ -475,8 +475,9 @@ def test_compression_quick(tmp_path):
     assert set(refit) == {"svd", "rsvd", "dct"} and all(r["refit_s"] > 0 and r["link_s_100mbps"] > r["link_s_1gbps"] > 0
                                                         for r in refit.values())
     server = result["server"]
-    assert {(r["preset"], r["path"]) for r in server} == {(p, q) for p in ("diloco-sparse", "sparseloco")
-                                                         for q in ("sparse-once", "dense-twice")} | {("relay", "sparse-once")}
+    assert sorted((r["preset"], r["path"], r["threads"]) for r in server) == sorted(
+        [(p, q, t) for p in ("diloco-sparse", "sparseloco") for q in ("sparse-once", "dense-twice") for t in (1, 2)]
+        + [("relay", "sparse-once", t) for t in (1, 2)])
     # both readings of the replies end at the same θ, bit for bit (the relay reads them one way)
     assert all(r["same_theta"] is (None if r["preset"] == "relay" else True) and r["screen_s"] > 0
                and r["aggregate_s"] > 0 and r["encode_s"] > 0 for r in server)
