@@ -562,7 +562,9 @@ def main() -> None:
     payloads = args.payloads.split(",") if args.payloads else list(PAYLOADS)
     ROW_SHARE = args.row_share
     result = {**result_header("compression", args.quick, {"payloads": payloads, "parts": sorted(parts),
-                                                          "row_share": ROW_SHARE, "overrides": args.overrides})}
+                                                          "row_share": ROW_SHARE, "overrides": args.overrides,
+                                                          "server_presets": args.server_presets,
+                                                          "server_threads": args.server_threads})}
     if "bytes" in parts:
         presets, ks, factors = (["16m"], [32], [1]) if args.quick else (["16m", "125m", "720m"], [8, 32, 128], [1, 4])
         presets = args.presets.split(",") if args.presets else presets
