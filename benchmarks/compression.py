@@ -600,7 +600,7 @@ def main() -> None:
         print(f"time {r['preset']} {r['payload']:16} codec {r['codec_s']:6.2f} s (extra {r['extra_codec_s']:+6.2f} s), "
               f"1 Gb/s link time saved {r['link_seconds_saved_1gbps']:6.2f} s")
     for r in result.get("server", []):
-        print(f"server {r['model']} {r['preset']:13} M={r['M']} {r['path']:11} {r.get('threads', 1)} thread(s): screen {r['screen_s']:5.2f} s, "
+        print(f"server {r['model']} {r['preset']:13} M={r['M']} {r['path']:11} {r['threads']} thread(s): screen {r['screen_s']:5.2f} s, "
               f"aggregate {r['aggregate_s']:5.2f} s, together {r['server_s']:5.2f} s, the state encoded "
               f"{r['encode_s']:5.2f} s")
     for r in result.get("quality", []):
