@@ -21,6 +21,8 @@ continues where it stopped; --fresh reruns):
 
     python benchmarks/corpora_quality.py --jobs 2         # tune, then the table (hours on 2 cores)
     python benchmarks/corpora_quality.py --part tune      # the trials only
+    python benchmarks/corpora_quality.py --part exchanges --seeds 1 --horizons 64 --corpora code
+                                                          # a probe part on another seed and horizon
     python benchmarks/corpora_quality.py --quick          # tiny runs: two methods, two trials, every corpus
 Writes benchmarks/results/corpora_quality.json and .png (validation loss against tokens and against
 bytes sent, per corpus, 64 rounds, the lowest seed of the table).
@@ -315,22 +317,25 @@ of the `iid` partition's contiguous pieces (are the workers' pieces of one file 
 low-rank DDP too; and the sixth trial's lr (0.002, with diagnostics). The first two are the tune's fifth trials."""
 
 
-def early(train, rounds: int, out: str, quick: bool, part: str = "early", corpora: tuple[str, ...] = tuple(CORPORA)
-          ) -> None:
-    """The `EARLY` (or `LATE`, `WORKERS`, `EXCHANGES`) probes on every corpus: validation perplexity and the gap to low-rank DDP
-    (its ef0.9 trial) on the same corpus, and the bytes against LoRDO-Global's own K = 32 run."""
+def early(train, rounds: int, out: str, quick: bool, part: str = "early", corpora: tuple[str, ...] = tuple(CORPORA),
+          seeds: tuple[int, ...] = (0,)) -> None:
+    """The `EARLY` (or `LATE`, `WORKERS`, `EXCHANGES`) probes on every corpus and seed: validation perplexity and the
+    gap to low-rank DDP (the probes' first run) on the same corpus and seed, and the bytes against LoRDO-Global's
+    own K = 32 run (the second)."""
     probes = {"early": EARLY, "late": LATE, "workers": WORKERS, "exchanges": EXCHANGES}[part]
     if quick:  # quick rounds are too short for K = 8
         probes = [EARLY[0], EARLY[1], EARLY[6]] if part == "early" else probes[:2]
-    rows = train([(c, m, t, rounds, 0) for m, t in probes for c in corpora])
-    ref = {(r["corpus"], r["method"], r["trial"]): r for r in rows}
+    rows = train([(c, m, t, rounds, s) for s in seeds for m, t in probes for c in corpora])
+    ref = {(r["corpus"], r["seed"], r["method"], r["trial"]): r for r in rows}
     for r in rows:
-        base, k32 = ref[(r["corpus"], "lowrank_ddp", probes[0][1].name)], ref[(r["corpus"], "lordo_global", probes[1][1].name)]
+        at = (r["corpus"], r["seed"])
+        base, k32 = ref[(*at, "lowrank_ddp", probes[0][1].name)], ref[(*at, "lordo_global", probes[1][1].name)]
         r["gap_lowrank_ddp"] = r["val_ppl"] / base["val_ppl"] - 1.0
         r["bytes_vs_k32"] = r["bytes_per_worker"] / k32["bytes_per_worker"]
-        print(f"{r['corpus']:6} {r['method']:12} {r['trial']:16} val ppl {r['val_ppl']:7.3f}  vs low-rank DDP "
-              f"{r['gap_lowrank_ddp']:+6.1%}  bytes x{r['bytes_vs_k32']:.2f} of K = 32")
-    result = result_header("corpora_quality", quick, {"part": part, "rounds": rounds, "seed": 0, "corpora": list(corpora),
+        print(f"{r['corpus']:6} s{r['seed']} {r['method']:12} {r['trial']:16} val ppl {r['val_ppl']:7.3f}  vs low-rank "
+              f"DDP {r['gap_lowrank_ddp']:+6.1%}  bytes x{r['bytes_vs_k32']:.2f} of K = 32")
+    result = result_header("corpora_quality", quick, {"part": part, "rounds": rounds, "seeds": list(seeds),
+                                                      "corpora": list(corpora),
                                                       "probes": [{"method": m, "name": t.name, "overrides": list(t.overrides)}
                                                                  for m, t in probes]})
     result["rows"] = [{k: v for k, v in r.items() if k != "curve"} for r in rows]
@@ -341,14 +346,15 @@ def main() -> None:
     parser = make_parser("corpora_quality", __doc__, "tiny runs: two methods, two trials each, every corpus (seconds)")
     parser.add_argument("--part", default="all", choices=("all", "tune", "table", "early", "late", "workers", "exchanges"),
                         help="tune: the trials at the first horizon, seed 0; table: each method's best everywhere; "
-                        "early: the early-round probes (`EARLY`), first horizon, seed 0; late: the late-round "
+                        "early: the early-round probes (`EARLY`), first horizon, seed 0 (or --seeds); late: the late-round "
                         "probes (`LATE`), likewise (e.g. --horizons 64); workers: what four workers cost (`WORKERS`), likewise; "
                         "exchanges: more exchanges at the bytes of K = 32 (`EXCHANGES`), likewise")
     parser.add_argument("--corpora", default=",".join(CORPORA),
                         help=f"comma-separated, of {', '.join(CORPORA)}: the early, late and workers parts' and "
                         "the table's (the tuning always runs on every corpus)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
-    parser.add_argument("--seeds", default="0,1", help="comma-separated seeds of the table")
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds of the table (default 0,1) or of the "
+                        "early, late, workers and exchanges parts (default 0)")
     parser.add_argument("--horizons", default=",".join(map(str, HORIZONS)),
                         help="comma-separated rounds of K = 32, the first the tuning horizon (e.g. 16: the table at the "
                         "first horizon only, from a device session cut short)")
@@ -375,15 +381,22 @@ def main() -> None:
     missing = [str(p) for p in CORPORA.values() if not p.is_file()]
     if missing:
         parser.error(f"missing shipped corpora {missing}: reinstall the package (lordo_fed/corpora)")
-    seeds = [int(s) for s in args.seeds.split(",")]
+    probing = args.part in ("early", "late", "workers", "exchanges")
+    try:
+        seeds = [int(s) for s in (args.seeds or ("0" if probing else "0,1")).split(",")]
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        parser.error(f"--seeds {args.seeds!r}: expected distinct comma-separated ints >= 0, e.g. 0,1")
     try:
         horizons = tuple(int(h) for h in args.horizons.split(","))
     except ValueError:
         horizons = ()
     if not horizons or min(horizons) < 1 or list(horizons) != sorted(set(horizons)):
         parser.error(f"--horizons {args.horizons!r}: expected increasing comma-separated rounds >= 1, e.g. 16,64")
-    if args.quick:
-        methods, seeds = [m for m in methods if m in ("lowrank_ddp", "lordo_global")] or methods[:1], [0]
+    if args.quick:  # one seed unless asked for more
+        methods = [m for m in methods if m in ("lowrank_ddp", "lordo_global")] or methods[:1]
+        seeds = seeds if args.seeds else [0]
     horizons = (1, 2) if args.quick else horizons
     trials = {m: TRIALS[m][:2] if args.quick else TRIALS[m] for m in methods}
     work = Path(args.work) if args.work else (Path(tempfile.mkdtemp(prefix="corpora-")) if args.quick
@@ -404,10 +417,10 @@ def main() -> None:
     corpora = tuple(c for c in args.corpora.split(",") if c)
     if not corpora or any(c not in CORPORA for c in corpora):
         parser.error(f"--corpora {args.corpora!r}: expected some of {list(CORPORA)}")
-    if args.part in ("early", "late", "workers", "exchanges"):
+    if probing:
         default = str(Path(parser.get_default("out")))
         out = args.out.replace(".json", f"_{args.part}.json") if args.out == default else args.out
-        early(train, horizons[0], out, args.quick, args.part, corpora)
+        early(train, horizons[0], out, args.quick, args.part, corpora, tuple(seeds))
         return
     given = parse_best(args.best, methods, trials) if args.best else None
     if isinstance(given, str):

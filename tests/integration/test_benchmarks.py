@@ -97,16 +97,25 @@ def test_corpora_quality_quick(tmp_path):
     alone = _train(("prose", "lordo_global", trial, 1, 0, True, tmp_path / "alone", False, (*QUICK_OVERRIDES, "threads=1")))
     pooled = next(r for r in tuning if (r["method"], r["trial"], r["corpus"]) == ("lordo_global", trial.name, "prose"))
     assert alone["val_loss"] == pooled["val_loss"] and alone["bytes_per_worker"] == pooled["bytes_per_worker"]
-    # --part early: the probes on every corpus, the tune's own runs taken from the cache, gaps to low-rank DDP
-    early = run_quick("corpora_quality.py", tmp_path, "--part", "early", "--work", str(tmp_path / "work"))["rows"]
-    assert {(r["method"], r["trial"], r["corpus"]) for r in early} == {
-        (m, t, c) for m, t in (("lowrank_ddp", "ef0.9"), ("lordo_global", "ef0.9"), ("lordo_global", "ef0.9-wu128"))
-        for c in corpora}
+    # --part early on two seeds: the probes on every corpus and seed, the tune's own runs (seed 0) taken from the
+    # cache, each gap to low-rank DDP of the same corpus and seed
+    early = run_quick("corpora_quality.py", tmp_path, "--part", "early", "--seeds", "0,1",
+                      "--work", str(tmp_path / "work"))["rows"]
+    assert sorted((r["method"], r["trial"], r["corpus"], r["seed"]) for r in early) == sorted(
+        (m, t, c, s) for m, t in (("lowrank_ddp", "ef0.9"), ("lordo_global", "ef0.9"), ("lordo_global", "ef0.9-wu128"))
+        for c in corpora for s in (0, 1))
     for r in early:
-        ref = next(o for o in early if (o["method"], o["trial"], o["corpus"]) == ("lowrank_ddp", "ef0.9", r["corpus"]))
+        ref = next(o for o in early if (o["method"], o["trial"], o["corpus"], o["seed"]) ==
+                   ("lowrank_ddp", "ef0.9", r["corpus"], r["seed"]))
         assert r["gap_lowrank_ddp"] == pytest.approx(r["val_ppl"] / ref["val_ppl"] - 1)
-        if r["trial"] == "ef0.9":
+        if r["trial"] == "ef0.9" and r["seed"] == 0:
             assert r["val_ppl"] == tuned[(r["method"], r["trial"], r["corpus"])]
+    other = {(r["method"], r["trial"], r["corpus"]): r["val_ppl"] for r in early if r["seed"] == 1}
+    assert all(other[(r["method"], r["trial"], r["corpus"])] != r["val_ppl"] for r in early if r["seed"] == 0)
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "corpora_quality.py"), "--part", "early",
+                          "--seeds", "0,x"], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "--seeds '0,x': expected distinct comma-separated ints >= 0" in bad.stderr
 
 
 def test_corpora_quality_trials_and_goal():
