@@ -318,22 +318,26 @@ low-rank DDP too; and the sixth trial's lr (0.002, with diagnostics). The first 
 
 
 def early(train, rounds: int, out: str, quick: bool, part: str = "early", corpora: tuple[str, ...] = tuple(CORPORA),
-          seeds: tuple[int, ...] = (0,)) -> None:
-    """The `EARLY` (or `LATE`, `WORKERS`, `EXCHANGES`) probes on every corpus and seed: validation perplexity and the
-    gap to low-rank DDP (the probes' first run) on the same corpus and seed, and the bytes against LoRDO-Global's
-    own K = 32 run (the second)."""
+          seeds: tuple[int, ...] = (0,), methods: tuple[str, ...] = tuple(METHODS)) -> None:
+    """The `EARLY` (or `LATE`, `WORKERS`, `EXCHANGES`) probes of `methods` on every corpus and seed: validation
+    perplexity and the gap to low-rank DDP (the probes' first run, always run) on the same corpus and seed, and the
+    bytes against LoRDO-Global's own K = 32 run (the second; None when LoRDO-Global is not among `methods`)."""
     probes = {"early": EARLY, "late": LATE, "workers": WORKERS, "exchanges": EXCHANGES}[part]
     if quick:  # quick rounds are too short for K = 8
         probes = [EARLY[0], EARLY[1], EARLY[6]] if part == "early" else probes[:2]
+    k32_probe = probes[1] if probes[1][0] in methods else None
+    probes = [probes[0], *(p for p in probes[1:] if p[0] in methods)]  # low-rank DDP: every gap's reference
     rows = train([(c, m, t, rounds, s) for s in seeds for m, t in probes for c in corpora])
     ref = {(r["corpus"], r["seed"], r["method"], r["trial"]): r for r in rows}
     for r in rows:
         at = (r["corpus"], r["seed"])
-        base, k32 = ref[(*at, "lowrank_ddp", probes[0][1].name)], ref[(*at, "lordo_global", probes[1][1].name)]
+        base = ref[(*at, "lowrank_ddp", probes[0][1].name)]
         r["gap_lowrank_ddp"] = r["val_ppl"] / base["val_ppl"] - 1.0
-        r["bytes_vs_k32"] = r["bytes_per_worker"] / k32["bytes_per_worker"]
+        r["bytes_vs_k32"] = (r["bytes_per_worker"] / ref[(*at, k32_probe[0], k32_probe[1].name)]["bytes_per_worker"]
+                             if k32_probe else None)
+        times = f"x{r['bytes_vs_k32']:.2f} of K = 32" if k32_probe else f"{r['bytes_per_worker'] / 1e6:,.1f} MB"
         print(f"{r['corpus']:6} s{r['seed']} {r['method']:12} {r['trial']:16} val ppl {r['val_ppl']:7.3f}  vs low-rank "
-              f"DDP {r['gap_lowrank_ddp']:+6.1%}  bytes x{r['bytes_vs_k32']:.2f} of K = 32")
+              f"DDP {r['gap_lowrank_ddp']:+6.1%}  bytes {times}")
     result = result_header("corpora_quality", quick, {"part": part, "rounds": rounds, "seeds": list(seeds),
                                                       "corpora": list(corpora),
                                                       "probes": [{"method": m, "name": t.name, "overrides": list(t.overrides)}
@@ -352,7 +356,8 @@ def main() -> None:
     parser.add_argument("--corpora", default=",".join(CORPORA),
                         help=f"comma-separated, of {', '.join(CORPORA)}: the early, late and workers parts' and "
                         "the table's (the tuning always runs on every corpus)")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)} "
+                        "(a probe part runs these methods' probes, and low-rank DDP's, every gap's reference)")
     parser.add_argument("--seeds", default=None, help="comma-separated seeds of the table (default 0,1) or of the "
                         "early, late, workers and exchanges parts (default 0)")
     parser.add_argument("--horizons", default=",".join(map(str, HORIZONS)),
@@ -420,7 +425,7 @@ def main() -> None:
     if probing:
         default = str(Path(parser.get_default("out")))
         out = args.out.replace(".json", f"_{args.part}.json") if args.out == default else args.out
-        early(train, horizons[0], out, args.quick, args.part, corpora, tuple(seeds))
+        early(train, horizons[0], out, args.quick, args.part, corpora, tuple(seeds), tuple(methods))
         return
     given = parse_best(args.best, methods, trials) if args.best else None
     if isinstance(given, str):

@@ -162,6 +162,34 @@ def test_corpora_quality_trials_and_goal():
     assert "no trial for ['lordo_global']" in parse_best("lowrank_ddp=ef0.9", methods, TRIALS)
 
 
+
+def test_corpora_quality_probe_part_runs_the_given_methods(tmp_path):
+    """--methods narrows a probe part to those methods' probes, low-rank DDP (every gap's reference) always kept;
+    without LoRDO-Global's K = 32 run there is no bytes ratio to it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from corpora_quality import EXCHANGES, early
+
+    asked: list[tuple] = []
+
+    def train(runs):  # a fake trainer: perplexity and bytes made from the run's place in EXCHANGES
+        asked.extend(runs)
+        order = [(m, t.name) for m, t in EXCHANGES]
+        return [{"corpus": c, "seed": s, "method": m, "trial": t.name, "val_ppl": 4.0 + order.index((m, t.name)) / 10 + s,
+                 "bytes_per_worker": 100 * (1 + order.index((m, t.name)))} for c, m, t, _, s in runs]
+
+    early(train, 16, str(tmp_path / "x.json"), False, "exchanges", ("code",), (0, 1), ("lordo_local",))
+    assert [(m, t.name, s) for _, m, t, _, s in asked] == [(m, t.name, s) for s in (0, 1) for m, t in EXCHANGES
+                                                           if m in ("lowrank_ddp", "lordo_local")]
+    rows = json.loads((tmp_path / "x.json").read_text())["rows"]
+    local_k8 = next(r for r in rows if r["trial"] == "ef1-switch-lr0.5x-k8-int8" and r["seed"] == 1)
+    assert local_k8["gap_lowrank_ddp"] == pytest.approx(5.6 / 5.0 - 1) and local_k8["bytes_vs_k32"] is None
+    asked.clear()  # every method: the bytes against LoRDO-Global's K = 32 run (EXCHANGES' second)
+    early(train, 16, str(tmp_path / "y.json"), False, "exchanges", ("code",), (0,))
+    assert len(asked) == len(EXCHANGES)
+    rows = json.loads((tmp_path / "y.json").read_text())["rows"]
+    assert next(r for r in rows if r["trial"] == "ef1-switch-lr0.5x-k8-int8")["bytes_vs_k32"] == pytest.approx(7 / 2)
+
+
 @pytest.mark.extended
 def test_long_horizon_quick(tmp_path):
     result = run_quick("long_horizon.py", tmp_path)
