@@ -317,12 +317,16 @@ of the `iid` partition's contiguous pieces (are the workers' pieces of one file 
 low-rank DDP too; and the sixth trial's lr (0.002, with diagnostics). The first two are the tune's fifth trials."""
 
 
+PROBES: dict[str, list[tuple[str, Trial]]] = {"early": EARLY, "late": LATE, "workers": WORKERS, "exchanges": EXCHANGES}
+"""The probe parts by name (`--part`): each a list of (method, trial), low-rank DDP's first."""
+
+
 def early(train, rounds: int, out: str, quick: bool, part: str = "early", corpora: tuple[str, ...] = tuple(CORPORA),
           seeds: tuple[int, ...] = (0,), methods: tuple[str, ...] = tuple(METHODS)) -> None:
     """The `EARLY` (or `LATE`, `WORKERS`, `EXCHANGES`) probes of `methods` on every corpus and seed: validation
     perplexity and the gap to low-rank DDP (the probes' first run, always run) on the same corpus and seed, and the
     bytes against LoRDO-Global's own K = 32 run (the second; None when LoRDO-Global is not among `methods`)."""
-    probes = {"early": EARLY, "late": LATE, "workers": WORKERS, "exchanges": EXCHANGES}[part]
+    probes = PROBES[part]
     if quick:  # quick rounds are too short for K = 8
         probes = [EARLY[0], EARLY[1], EARLY[6]] if part == "early" else probes[:2]
     k32_probe = probes[1] if probes[1][0] in methods else None
@@ -348,7 +352,7 @@ def early(train, rounds: int, out: str, quick: bool, part: str = "early", corpor
 
 def main() -> None:
     parser = make_parser("corpora_quality", __doc__, "tiny runs: two methods, two trials each, every corpus (seconds)")
-    parser.add_argument("--part", default="all", choices=("all", "tune", "table", "early", "late", "workers", "exchanges"),
+    parser.add_argument("--part", default="all", choices=("all", "tune", "table", *PROBES),
                         help="tune: the trials at the first horizon, seed 0; table: each method's best everywhere; "
                         "early: the early-round probes (`EARLY`), first horizon, seed 0 (or --seeds); late: the late-round "
                         "probes (`LATE`), likewise (e.g. --horizons 64); workers: what four workers cost (`WORKERS`), likewise; "
@@ -386,7 +390,7 @@ def main() -> None:
     missing = [str(p) for p in CORPORA.values() if not p.is_file()]
     if missing:
         parser.error(f"missing shipped corpora {missing}: reinstall the package (lordo_fed/corpora)")
-    probing = args.part in ("early", "late", "workers", "exchanges")
+    probing = args.part in PROBES
     try:
         seeds = [int(s) for s in (args.seeds or ("0" if probing else "0,1")).split(",")]
     except ValueError:

@@ -120,14 +120,14 @@ def test_corpora_quality_quick(tmp_path):
 
 def test_corpora_quality_trials_and_goal():
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from corpora_quality import EARLY, LATE, TRIALS, WORKERS, Trial, gaps, goal, parse_best
+    from corpora_quality import PROBES, TRIALS, Trial, gaps, goal, parse_best
 
     assert len({len(t) for t in TRIALS.values()}) == 1, "every method gets the same budget of trials"
-    for probes in (EARLY, LATE, WORKERS):  # a run is cached by method and trial name: one name, one setting
+    for probes in PROBES.values():  # a run is cached by method and trial name: one name, one setting
         settings = {(m, t.name): t.overrides for m, t in probes}
         assert len(settings) == len(probes)
         assert all(settings[(m, t.name)] == t.overrides for m in TRIALS for t in TRIALS[m] if (m, t.name) in settings)
-    assert WORKERS[0][0] == "lowrank_ddp" and WORKERS[1][0] == "lordo_global"  # the gaps' references
+        assert probes[0][0] == "lowrank_ddp" and probes[1][0] == "lordo_global"  # the gaps' references
     assert Trial("s", ("inner.switch_step={half}", "inner.lr=0.01")).resolved(512) == ("inner.switch_step=256", "inner.lr=0.01")
     rows = [{"corpus": c, "rounds": h, "seed": 0, "method": m, "val_ppl": p, "bytes_per_worker": b}
             for c, h, m, p, b in [("verse", 16, "lowrank_ddp", 10.0, 1000), ("verse", 16, "lordo_global", 10.25, 100),
