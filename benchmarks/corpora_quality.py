@@ -21,8 +21,9 @@ continues where it stopped; --fresh reruns):
 
     python benchmarks/corpora_quality.py --jobs 2         # tune, then the table (hours on 2 cores)
     python benchmarks/corpora_quality.py --part tune      # the trials only
-    python benchmarks/corpora_quality.py --part exchanges --seeds 1 --horizons 64 --corpora code
-                                                          # a probe part on another seed and horizon
+    python benchmarks/corpora_quality.py --part exchanges --seeds 1 --horizons 64 --corpora code --methods lordo_local
+                                                          # a probe part on another seed and horizon, one
+                                                          # method's probes (and low-rank DDP's)
     python benchmarks/corpora_quality.py --quick          # tiny runs: two methods, two trials, every corpus
 Writes benchmarks/results/corpora_quality.json and .png (validation loss against tokens and against
 bytes sent, per corpus, 64 rounds, the lowest seed of the table).
