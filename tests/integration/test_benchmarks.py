@@ -161,8 +161,6 @@ def test_corpora_quality_trials_and_goal():
     assert "expected a method among" in parse_best("adam=lr1", methods, {m: TRIALS[m] for m in methods})
     assert "no trial for ['lordo_global']" in parse_best("lowrank_ddp=ef0.9", methods, TRIALS)
 
-
-
 def test_corpora_quality_probe_part_runs_the_given_methods(tmp_path):
     """--methods narrows a probe part to those methods' probes, low-rank DDP (every gap's reference) always kept;
     without LoRDO-Global's K = 32 run there is no bytes ratio to it."""
