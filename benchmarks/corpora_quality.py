@@ -159,14 +159,18 @@ EXCHANGES: list[tuple[str, Trial]] = [
     ("lordo_local", Trial("ef1-switch-lr0.5x-k8-int8", (*TRIALS["lordo_local"][4].overrides, "rounds.local_steps=8",
                                                         "payload_dtype=int8"))),
     ("lordo_local", Trial("ef1-switch-lr0.5x-k8", (*TRIALS["lordo_local"][4].overrides, "rounds.local_steps=8"))),
+    ("lordo_local", Trial("ef1-switch-lr0.5x-k8-int8-p32", (*TRIALS["lordo_local"][4].overrides, "rounds.local_steps=8",
+                                                            "payload_dtype=int8", "inner.proj_interval=32"))),
 ]
 """`--part exchanges`: the early-round gap against the bytes it is allowed, at today's defaults. Section 16
 closed it with more exchanges (K = 8: 4x the bytes); the int8 payload (within 1% of fp32, section 12)
 sends each exchange in about a third of fp32's bytes, so K = 8 with int8 costs about what K = 32 with fp32
 does, and K = 16 with int8 less; K = 8 in fp32 (4x the bytes) tells what int8 costs. The first two are the
 table's own trials (its cache); the gaps are to low-rank DDP, the bytes to LoRDO-Global's K = 32 run
-(LoRDO-Local's own K = 32 run is the sixth). The last, LoRDO-Local with K = 8 in fp32, tells which of its two changes
-(more exchanges, int8) costs LoRDO-Local at 64 rounds (docs/results.md, section 17, part eight)."""
+(LoRDO-Local's own K = 32 run is the sixth). The eighth, LoRDO-Local with K = 8 in fp32, tells which of the
+seventh's two changes (more exchanges, int8) costs LoRDO-Local at 64 rounds; the ninth, the seventh with each
+worker's bases refitted every 32 steps as at K = 32 (`inner.proj_interval`; 0, the default, refits every K
+steps), whether the cost is the refits (docs/results.md, section 17, part eight)."""
 
 def horizon_overrides(rounds: int, quick: bool) -> tuple[str, ...]:
     """`rounds` rounds of small_cpu's K = 32, eight evaluations (quick: rounds of QUICK_OVERRIDES' K = 4)."""
