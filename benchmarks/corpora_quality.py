@@ -218,13 +218,16 @@ def parse_best(text: str, methods: list[str], trials: dict[str, list[Trial]]) ->
 
 def gaps(rows: list[dict]) -> None:
     """Add `gap_lowrank_ddp` and `gap_diloco` (ppl / ppl of that method on the same corpus, horizon and
-    seed − 1) and `bytes_vs_diloco` (DiLoCo's bytes / the run's), in place, where the reference ran."""
+    seed − 1), `best_gap_lowrank_ddp` (the same with each run's `best_point`, where both rows have one) and
+    `bytes_vs_diloco` (DiLoCo's bytes / the run's), in place, where the reference ran."""
     index = {(r["corpus"], r["rounds"], r["seed"], r["method"]): r for r in rows}
     for r in rows:
         for ref, key in (("lowrank_ddp", "gap_lowrank_ddp"), ("diloco", "gap_diloco")):
             other = index.get((r["corpus"], r["rounds"], r["seed"], ref))
             if other is not None and other is not r:
                 r[key] = r["val_ppl"] / other["val_ppl"] - 1.0
+                if ref == "lowrank_ddp" and "best_val_ppl" in r and "best_val_ppl" in other:
+                    r["best_gap_lowrank_ddp"] = r["best_val_ppl"] / other["best_val_ppl"] - 1.0
         d = index.get((r["corpus"], r["rounds"], r["seed"], "diloco"))
         if d is not None and r["bytes_per_worker"]:
             r["bytes_vs_diloco"] = d["bytes_per_worker"] / r["bytes_per_worker"]
@@ -252,10 +255,23 @@ def goal(rows: list[dict], horizons: tuple[int, ...]) -> dict[str, bool]:
     return out
 
 
+def best_point(curve: dict) -> tuple[float, int]:
+    """The lowest validation perplexity of a run and its tokens, among its evaluations at each eighth of its tokens
+    (`horizon_overrides`' eight; a probe with a smaller K evaluates more often, and a finer grid would favour it).
+    On the shipped corpora (about 1 M training tokens each) 64 rounds are 16 epochs, and a run's validation
+    perplexity can pass its lowest before the end (docs/results.md, section 17, part eight)."""
+    eighth = curve["tokens"][-1] // 8
+    points = [(math.exp(v), t) for t, v in zip(curve["tokens"], curve["val_loss"])
+              if v is not None and t > 0 and eighth and t % eighth == 0]
+    return min(points, default=(math.inf, 0))
+
+
 def row_of(result: dict, corpus: str, trial: str, rounds: int, seed: int) -> dict:
+    best_ppl, best_tokens = best_point(result["curve"])
+    best = {"best_val_ppl": best_ppl, "best_tokens": best_tokens} if math.isfinite(best_ppl) else {}
     return {"corpus": corpus, "method": result["method"], "trial": trial, "rounds": rounds, "seed": seed,
             "val_loss": result["val_loss"], "val_ppl": result["val_ppl"], "bytes_per_worker": result["curve"]["bytes"][-1],
-            "tokens": result["curve"]["tokens"][-1], "wall_seconds": result["wall_seconds"], "curve": result["curve"]}
+            "tokens": result["curve"]["tokens"][-1], **best, "wall_seconds": result["wall_seconds"], "curve": result["curve"]}
 
 
 def _train(spec: tuple) -> dict:
@@ -277,8 +293,10 @@ def table_text(rows: list[dict], horizons: tuple[int, ...]) -> str:
             for r in sorted((r for r in rows if r["rounds"] == rounds and r["corpus"] == corpus),
                             key=lambda r: (r["seed"], METHODS.index(r["method"]))):
                 gap = f"{r['gap_lowrank_ddp']:+.1%}" if "gap_lowrank_ddp" in r else "-"
+                best = f"{r['best_gap_lowrank_ddp']:+.1%}" if "best_gap_lowrank_ddp" in r else "-"
                 lines.append(f"R{rounds:<3} {corpus:6} s{r['seed']} {r['method']:13} {r['trial']:12} "
                              f"val ppl {r['val_ppl']:8.3f}  vs low-rank DDP {gap:>7}  "
+                             f"best {r.get('best_val_ppl', math.nan):8.3f} ({best:>7})  "
                              f"{r['bytes_per_worker'] / 1e6:9.1f} MB/worker")
     return "\n".join(lines)
 
@@ -344,6 +362,8 @@ def early(train, rounds: int, out: str, quick: bool, part: str = "early", corpor
         at = (r["corpus"], r["seed"])
         base = ref[(*at, "lowrank_ddp", probes[0][1].name)]
         r["gap_lowrank_ddp"] = r["val_ppl"] / base["val_ppl"] - 1.0
+        if "best_val_ppl" in r and "best_val_ppl" in base:
+            r["best_gap_lowrank_ddp"] = r["best_val_ppl"] / base["best_val_ppl"] - 1.0
         r["bytes_vs_k32"] = (r["bytes_per_worker"] / ref[(*at, k32_probe[0], k32_probe[1].name)]["bytes_per_worker"]
                              if k32_probe else None)
         times = f"x{r['bytes_vs_k32']:.2f} of K = 32" if k32_probe else f"{r['bytes_per_worker'] / 1e6:,.1f} MB"

@@ -2,6 +2,7 @@
 (`-m extended`, run it when you change a benchmark), the cheap ones in the CI lane too."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -143,6 +144,7 @@ def test_corpora_quality_trials_and_goal():
     g64["val_ppl"] = 5.06  # 1.2% behind low-rank DDP
     gaps(rows)
     assert goal(rows, (16, 64))["lordo_global_within_1pct_long"] is False
+    assert "best_gap_lowrank_ddp" not in g64  # rows without a best point (no curve): no gap at it
     # the first horizon alone (--horizons 16): the long-horizon goals were not measured, so not reported
     assert goal(rows, (16,)) == {"lordo_global_within_3pct_short": True}
     # the long horizon alone (--horizons 64): its goals only, never the short one's bound
@@ -160,6 +162,31 @@ def test_corpora_quality_trials_and_goal():
     assert "expected one of lowrank_ddp's trials" in parse_best("lowrank_ddp=ef2,lordo_global=ef1", methods, TRIALS)
     assert "expected a method among" in parse_best("adam=lr1", methods, {m: TRIALS[m] for m in methods})
     assert "no trial for ['lordo_global']" in parse_best("lowrank_ddp=ef0.9", methods, TRIALS)
+
+
+def test_corpora_quality_best_point_and_its_gap():
+    """A run's lowest validation perplexity among its evaluations at each eighth of its tokens (a finer
+    evaluation grid does not count), and the gap at each run's own best point beside the gap at the end."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from corpora_quality import best_point, gaps, row_of
+
+    def curve(tokens, ppls):
+        return {"tokens": tokens, "val_loss": [math.log(p) for p in ppls], "bytes": [0] * len(tokens)}
+
+    ref = curve([0, 100, 200, 300, 400, 500, 600, 700, 800], [50, 9, 7, 6, 5.5, 5.0, 5.2, 5.4, 5.6])
+    assert best_point(ref) == (pytest.approx(5.0), 500)
+    # evaluated every 50 tokens: its 4.0 at token 450 is off the eighths' grid and does not count
+    fine = curve([0, *range(50, 801, 50)], [50, *([6.0] * 8), 4.0, 5.25, *([6.0] * 6)])
+    assert best_point(fine) == (pytest.approx(5.25), 500)
+    assert best_point(curve([0, 3], [9.0, 8.0])) == (math.inf, 0)  # no eighth of 3 tokens: no best point
+    rows = [row_of({"method": m, "val_loss": c["val_loss"][-1], "val_ppl": math.exp(c["val_loss"][-1]), "curve": c,
+                    "wall_seconds": 1.0}, "code", "t", 64, 0)
+            for m, c in (("lowrank_ddp", ref), ("lordo_local", fine))]
+    assert rows[1]["best_val_ppl"] == pytest.approx(5.25) and rows[1]["best_tokens"] == 500
+    gaps(rows)
+    assert rows[1]["gap_lowrank_ddp"] == pytest.approx(6.0 / 5.6 - 1)  # at the end
+    assert rows[1]["best_gap_lowrank_ddp"] == pytest.approx(5.25 / 5.0 - 1)  # each at its own best
+
 
 def test_corpora_quality_probe_part_runs_the_given_methods(tmp_path):
     """--methods narrows a probe part to those methods' probes, low-rank DDP (every gap's reference) always kept;
