@@ -18,6 +18,8 @@ continues where it stopped; --fresh reruns):
   method to low-rank DDP (the paper's comparison) and to DiLoCo, and the bytes each worker sent and
   received. The goal (the issue): LoRDO-Global and LoRDO-Local within 1% of low-rank DDP at 64 rounds
   and within 3% at 16, on every corpus; at 64 rounds at or below DiLoCo with at least 10x fewer bytes.
+  Each row also has its run's best point (`best_point`) and the gap at it: 64 rounds pass over these
+  corpora about 17 times, and a run that fits faster can pass its best before the end.
 
     python benchmarks/corpora_quality.py --jobs 2         # tune, then the table (hours on 2 cores)
     python benchmarks/corpora_quality.py --part tune      # the trials only
