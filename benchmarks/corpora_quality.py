@@ -218,6 +218,14 @@ def parse_best(text: str, methods: list[str], trials: dict[str, list[Trial]]) ->
     return f"--best {text!r}: no trial for {missing}" if missing else best
 
 
+def set_gap(r: dict, ref: dict, key: str, best: bool = True) -> None:
+    """r[key] = r's perplexity / ref's − 1 at the end of the runs; with `best`, also `best_<key>` at each run's
+    `best_point`, where both rows have one."""
+    r[key] = r["val_ppl"] / ref["val_ppl"] - 1.0
+    if best and "best_val_ppl" in r and "best_val_ppl" in ref:
+        r[f"best_{key}"] = r["best_val_ppl"] / ref["best_val_ppl"] - 1.0
+
+
 def gaps(rows: list[dict]) -> None:
     """Add `gap_lowrank_ddp` and `gap_diloco` (ppl / ppl of that method on the same corpus, horizon and
     seed − 1), `best_gap_lowrank_ddp` (the same with each run's `best_point`, where both rows have one) and
@@ -227,9 +235,7 @@ def gaps(rows: list[dict]) -> None:
         for ref, key in (("lowrank_ddp", "gap_lowrank_ddp"), ("diloco", "gap_diloco")):
             other = index.get((r["corpus"], r["rounds"], r["seed"], ref))
             if other is not None and other is not r:
-                r[key] = r["val_ppl"] / other["val_ppl"] - 1.0
-                if ref == "lowrank_ddp" and "best_val_ppl" in r and "best_val_ppl" in other:
-                    r["best_gap_lowrank_ddp"] = r["best_val_ppl"] / other["best_val_ppl"] - 1.0
+                set_gap(r, other, key, best=ref == "lowrank_ddp")
         d = index.get((r["corpus"], r["rounds"], r["seed"], "diloco"))
         if d is not None and r["bytes_per_worker"]:
             r["bytes_vs_diloco"] = d["bytes_per_worker"] / r["bytes_per_worker"]
@@ -363,9 +369,7 @@ def early(train, rounds: int, out: str, quick: bool, part: str = "early", corpor
     for r in rows:
         at = (r["corpus"], r["seed"])
         base = ref[(*at, "lowrank_ddp", probes[0][1].name)]
-        r["gap_lowrank_ddp"] = r["val_ppl"] / base["val_ppl"] - 1.0
-        if "best_val_ppl" in r and "best_val_ppl" in base:
-            r["best_gap_lowrank_ddp"] = r["best_val_ppl"] / base["best_val_ppl"] - 1.0
+        set_gap(r, base, "gap_lowrank_ddp")
         r["bytes_vs_k32"] = (r["bytes_per_worker"] / ref[(*at, k32_probe[0], k32_probe[1].name)]["bytes_per_worker"]
                              if k32_probe else None)
         times = f"x{r['bytes_vs_k32']:.2f} of K = 32" if k32_probe else f"{r['bytes_per_worker'] / 1e6:,.1f} MB"
