@@ -11,8 +11,8 @@
 3. **Memory per rank.** Two gloo ranks of one node, 16m, after two LoRDO-Local steps: the bytes each
    rank holds of θ, its gradients and the optimizer state (E, moments, bases), DDP against FSDP2.
 
-    sudo python benchmarks/node_ranks.py          # ~4 min on 2 cores
-    sudo python benchmarks/node_ranks.py --quick  # tiny preset: the overhead part only (the tests run it)
+    sudo .venv/bin/python benchmarks/node_ranks.py          # ~4 min on 2 cores
+    sudo .venv/bin/python benchmarks/node_ranks.py --quick  # tiny preset: the overhead part only (the tests run it)
     python benchmarks/node_ranks.py --overhead-only --device cuda --preset 125m --out benchmarks/results/gpu_node_ranks.json
 Writes benchmarks/results/node_ranks.json.
 """

@@ -31,13 +31,13 @@ Full run (the issue's table): 125m-size model (byte vocabulary, 85 M parameters,
 100 Mb/s on the gRPC data plane, and the 2-node 1 Gb/s case on Flower's own path for contrast.
 Needs root (network namespaces).
 
-    sudo python benchmarks/wan_rounds.py            # ~25 min on 2 cores
-    sudo python benchmarks/wan_rounds.py --overlap --out benchmarks/results/wan_overlap.json  # ~10 min
-    sudo python benchmarks/wan_rounds.py --hetero --scenario link --out benchmarks/results/wan_hetero_link.json  # ~20 min
-    sudo python benchmarks/wan_rounds.py --compression --rounds 3 --out benchmarks/results/wan_compression.json  # ~10 min
-    sudo python benchmarks/wan_rounds.py --presets --rounds 3 --out benchmarks/results/wan_presets.json
-    sudo python benchmarks/wan_rounds.py --relay --rounds 3 --out benchmarks/results/wan_relay.json  # ~15 min
-    sudo python benchmarks/wan_rounds.py --quick    # tiny model, 2 nodes at 8 Mbit/s, overlapped, seconds
+    sudo .venv/bin/python benchmarks/wan_rounds.py            # ~25 min on 2 cores
+    sudo .venv/bin/python benchmarks/wan_rounds.py --overlap --out benchmarks/results/wan_overlap.json  # ~10 min
+    sudo .venv/bin/python benchmarks/wan_rounds.py --hetero --scenario link --out benchmarks/results/wan_hetero_link.json  # ~20 min
+    sudo .venv/bin/python benchmarks/wan_rounds.py --compression --rounds 3 --out benchmarks/results/wan_compression.json  # ~10 min
+    sudo .venv/bin/python benchmarks/wan_rounds.py --presets --rounds 3 --out benchmarks/results/wan_presets.json
+    sudo .venv/bin/python benchmarks/wan_rounds.py --relay --rounds 3 --out benchmarks/results/wan_relay.json  # ~15 min
+    sudo .venv/bin/python benchmarks/wan_rounds.py --quick    # tiny model, 2 nodes at 8 Mbit/s, overlapped, seconds
 Writes benchmarks/results/wan_rounds.json and .png.
 """
 

@@ -46,6 +46,7 @@ except ImportError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from harness.processes import OWNER_VAR, child_preexec, descendants, find_pids, free_port, port_open, terminate
+from lordo_fed.wan.emulate import tool_path
 
 #: Set by `flower_env`; identifies one environment (and its FLWR_HOME).
 ENV_ID_VAR = "LORDO_FED_HARNESS_ENV"
@@ -284,10 +285,7 @@ def flower_env(
     env["RAY_TMPDIR"] = _short_ray_tmpdir(tmp_path)
     env[LOCAL_SUPERLINK_PORT_VAR] = str(local_superlink_port or free_port())
     env[LOCAL_CONTROL_PORT_VAR] = str(free_port())
-    bin_dir = str(Path(sys.executable).parent)
-    path_parts = env.get("PATH", "").split(os.pathsep)
-    if bin_dir not in path_parts:
-        env["PATH"] = os.pathsep.join([bin_dir, *[p for p in path_parts if p]])
+    env["PATH"] = tool_path(env.get("PATH", ""))
     env[ENV_ID_VAR] = uuid.uuid4().hex
     connections: dict[str, str | None] = {"local": ":local:"}
     if deployment_port is not None:

@@ -7,9 +7,9 @@ it would cost across sites with those links, and the server's `round_over_ideal`
 says how far the framework is from the link's own limit. The run's log streams to the terminal;
 every process, namespace and link is removed at the end, on Ctrl-C and on failure.
 
-    sudo lordo-emulate --nodes 2 --link 1gbit -- preset=\\"quickstart\\" num-server-rounds=3
-    sudo lordo-emulate --nodes 3 --link node0=1gbit,node1=1gbit,node2=100mbit
-    sudo lordo-emulate --cleanup          # what a SIGKILLed emulation left behind
+    sudo .venv/bin/lordo-emulate --nodes 2 --link 1gbit -- preset=\\"quickstart\\" num-server-rounds=3
+    sudo .venv/bin/lordo-emulate --nodes 3 --link node0=1gbit,node1=1gbit,node2=100mbit
+    sudo .venv/bin/lordo-emulate --cleanup          # what a SIGKILLed emulation left behind
 
 Emulated nodes share this machine's cores: each node's processes get `--threads` torch threads
 (default: the cores split evenly between the nodes and the coordinator), so training is not
@@ -43,6 +43,15 @@ FLOWER_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
 _PROBE = ("import sys, urllib.request\n"
           "try:\n    sys.exit(0 if urllib.request.urlopen(sys.argv[1], timeout=1).status < 300 else 1)\n"
           "except Exception:\n    sys.exit(1)\n")
+
+
+def tool_path(path: str | None = None) -> str:
+    """PATH for processes that start Flower's CLIs by name: this interpreter's bin folder (not
+    resolved: a virtual environment's python is a link out of it) first, then `path` (default: this
+    process's PATH)."""
+    here = str(Path(sys.executable).parent)
+    rest = os.environ.get("PATH", "") if path is None else path
+    return os.pathsep.join([here, *(p for p in rest.split(os.pathsep) if p and p != here)])
 
 
 @dataclass
@@ -123,8 +132,12 @@ class Emulation:
 
     # ------------------------------------------------------------------ processes
     def _env(self, home: str) -> dict[str, str]:
-        env = {**os.environ, **FLOWER_ENV, "FLWR_HOME": str(self.dir / home), "OMP_NUM_THREADS": str(self.threads)}
-        return env
+        """Every spawned process's environment. PATH starts with this interpreter's bin folder:
+        `sudo .venv/bin/lordo-emulate` runs with sudo's own PATH, without the environment's, and
+        Flower's CLIs and the processes they start (flower-superexec, flwr-serverapp) are found by
+        name there."""
+        return {**os.environ, **FLOWER_ENV, "FLWR_HOME": str(self.dir / home), "OMP_NUM_THREADS": str(self.threads),
+                "PATH": tool_path()}
 
     def _node_launcher(self) -> list[str]:
         """How a node worker starts: python, or torchrun for a node of several ranks."""
@@ -156,9 +169,10 @@ class Emulation:
     def start(self) -> "Emulation":
         check_host()
         for tool in ("flower-superlink", "flower-supernode", "flwr"):
-            if shutil.which(tool) is None:
-                raise EmulationError(f"'{tool}' not found on PATH: install lordo-fed (pip install -e .) and "
-                                     "activate its environment")
+            if shutil.which(tool, path=tool_path()) is None:
+                raise EmulationError(f"'{tool}' not found beside {sys.executable} nor on PATH: install lordo-fed "
+                                     "(pip install -e .) and run lordo-emulate from that environment "
+                                     "(sudo .venv/bin/lordo-emulate ...)")
         self.dir.mkdir(parents=True, exist_ok=True)
         self.topology.create()
         topo, port = self.topology, self.cfg.port

@@ -175,6 +175,10 @@ def _running(pid: int) -> bool:
         return False
 
 
+SUDO_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+"""sudo's `secure_path` (Debian's and Ubuntu's sudoers): the caller's PATH is not kept."""
+
+
 def _emulate(tmp_path: Path, *args: str, **popen) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "lordo_fed.wan.emulate", "--app", str(ROOT), "--dir",
                              str(tmp_path / "emu"), "--tag", _tag(), *args], stdout=subprocess.PIPE,
@@ -185,14 +189,17 @@ def _emulate(tmp_path: Path, *args: str, **popen) -> subprocess.Popen:
 @pytest.mark.slow
 def test_a_deployment_over_shaped_links_is_link_bound_and_exact(tmp_path):
     """Two nodes at 8 Mbit/s (1 MB/s): each ~0.75 MB transfer takes at least (bytes - burst) / rate,
-    the run ends at the reference trainer's θ bit for bit, and nothing of the emulation remains."""
+    the run ends at the reference trainer's θ bit for bit, and nothing of the emulation remains.
+    Started as `sudo .venv/bin/lordo-emulate` starts it (docs/deployment.md): with sudo's PATH, which
+    holds neither the environment's Flower CLIs nor what Flower starts by name."""
     from lordo_fed.checkpoint import load_checkpoint
     from tests.integration.test_flower_app import reference_theta, server_records, tiny_run_config
 
     cfg = tiny_run_config(tmp_path, **{"num-server-rounds": 3})
     overrides = [f"{k}={json.dumps(v)}" for k, v in cfg.items() if k not in ("output-dir", "threads")]
     before = set(stale_namespaces())
-    proc = _emulate(tmp_path, "--nodes", "2", "--link", "8mbit", "--threads", "1", "--timeout", "300", "--", *overrides)
+    proc = _emulate(tmp_path, "--nodes", "2", "--link", "8mbit", "--threads", "1", "--timeout", "300", "--", *overrides,
+                    env={**os.environ, "PATH": SUDO_PATH})
     out, _ = proc.communicate(timeout=420)
     assert proc.returncode == 0, out[-4000:]
     assert "round/ideal" in out
