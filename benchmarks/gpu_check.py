@@ -42,8 +42,7 @@ the bytes of K = 32 (`--part exchanges --horizons 16 --corpora code --methods lo
 and 16 with int8 and K = 8 in fp32; the CPU ran prose and verse, and LoRDO-Local's probe everywhere). Since
 (2026-11-29, later): the CPU ran LoRDO-Local with K = 8 and int8 at 64 rounds on every corpus and seed
 (results.md section 17, parts seven and eight) and, later, prose seed 0's references with curves and code seed 1's
-low-rank DDP and LoRDO-Local (part nine); code seed 1's DiLoCo and LoRDO-Global are what is left of that table
-(`--part table --best ... --methods diloco,lordo_global --corpora code --seeds 1 --horizons 64`).
+whole table (part nine): the 64-round table at today's lrs is complete on the CPU.
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH && python3 benchmarks/gpu_check.py --only tests,step16m,step125m
