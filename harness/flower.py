@@ -33,7 +33,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import uuid
 from collections.abc import Mapping, Sequence
@@ -296,10 +295,7 @@ def flower_env(
 
 def flwr_executable(env: Mapping[str, str], name: str = "flwr") -> str:
     """Absolute path of a Flower console script (this interpreter's bin dir first)."""
-    candidate = Path(sys.executable).parent / name
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which(name, path=env.get("PATH"))
+    found = shutil.which(name, path=tool_path(env.get("PATH", "")))
     if not found:
         raise FileNotFoundError(f"{name} not found on PATH")
     return found
