@@ -27,12 +27,17 @@ continues where it stopped; --fresh reruns):
                                                           # a probe part on another seed and horizon, one
                                                           # method's probes (and low-rank DDP's)
     python benchmarks/corpora_quality.py --quick          # tiny runs: two methods, two trials, every corpus
+    python benchmarks/corpora_quality.py --part best-points --out benchmarks/results/cpu_corpora_best_points_r64.json
+                                                          # no run: every 64-round run in the committed files,
+                                                          # its end and best point (`best_points`)
 Writes benchmarks/results/corpora_quality.json and .png (validation loss against tokens and against
 bytes sent, per corpus, 64 rounds, the lowest seed of the table).
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import math
 import statistics
 import time
@@ -383,13 +388,58 @@ def early(train, rounds: int, out: str, quick: bool, part: str = "early", corpor
     print(f"wrote {write_json(result, out)}")
 
 
+READ = ("benchmarks/results/cpu_corpora_quality_r64_*_lr0.5x*.json,"
+        "benchmarks/results/cpu_corpora_exchanges_local_r64_probes.json")
+"""`--part best-points`' default `--read`: the 64-round table's files and LoRDO-Local's K = 8 probes at 64 rounds."""
+
+
+def _host(result: dict) -> str:
+    """The machine a result file ran on, as docs/results.md names hosts (CPU model, torch's kernels, the platform)."""
+    m = result.get("machine", {})
+    return f"{m.get('cpu_model', '?')} {m.get('torch_cpu_capability', '?')} {m.get('platform', '?')}"
+
+
+def best_points(files: list[Path], rounds: int, reference: str | None = None) -> list[dict]:
+    """`--part best-points` (read, not run): every run of `rounds` rounds with a validation curve in `files` (result
+    files of this benchmark: tables and probe parts), its end and best point (`best_point`) and both gaps to low-rank
+    DDP of the same corpus and seed (its trial `reference`, or its only trial in `files`), with the file, commit and
+    host each came from. A run found in several files is taken from the last one read (`files` in order: a rerun
+    after the file it replaces). Raises ValueError when low-rank DDP has several trials and `reference` is None."""
+    runs: dict[tuple, dict] = {}
+    for path in files:
+        result = json.loads(path.read_text())
+        if result.get("benchmark") != "corpora_quality":
+            raise ValueError(f"{path}: a {result.get('benchmark')!r} result; expected a corpora_quality one")
+        for r in result.get("rows", []):
+            if r["rounds"] == rounds and r.get("curve", {}).get("val_loss"):
+                best, at = best_point(r["curve"])
+                runs[(r["corpus"], r["seed"], r["method"], r["trial"])] = {
+                    "corpus": r["corpus"], "seed": r["seed"], "method": r["method"], "trial": r["trial"],
+                    "rounds": rounds, "val_ppl": r["val_ppl"], "best_val_ppl": best, "best_tokens": at,
+                    "file": str(path), "commit": result["code"]["commit"], "host": _host(result)}
+    trials = sorted({k[3] for k in runs if k[2] == "lowrank_ddp"})
+    if reference is None and len(trials) > 1:
+        raise ValueError(f"low-rank DDP ran with trials {trials} in the files read; name the reference with "
+                         "--best lowrank_ddp=TRIAL")
+    reference = reference or (trials[0] if trials else None)
+    rows = [runs[k] for k in sorted(runs)]
+    for r in rows:
+        ref = runs.get((r["corpus"], r["seed"], "lowrank_ddp", reference))
+        if ref is not None:
+            set_gap(r, ref, "gap_lowrank_ddp")
+    return rows
+
+
 def main() -> None:
     parser = make_parser("corpora_quality", __doc__, "tiny runs: two methods, two trials each, every corpus (seconds)")
-    parser.add_argument("--part", default="all", choices=("all", "tune", "table", *PROBES),
+    parser.add_argument("--part", default="all", choices=("all", "tune", "table", *PROBES, "best-points"),
                         help="tune: the trials at the first horizon, seed 0; table: each method's best everywhere; "
                         "early: the early-round probes (`EARLY`), first horizon, seed 0 (or --seeds); late: the late-round "
                         "probes (`LATE`), likewise (e.g. --horizons 64); workers: what four workers cost (`WORKERS`), likewise; "
-                        "exchanges: more exchanges at the bytes of K = 32 (`EXCHANGES`), likewise")
+                        "exchanges: more exchanges at the bytes of K = 32 (`EXCHANGES`), likewise; best-points: no run, "
+                        "every run of the last horizon in --read, its end and best point and the gaps to low-rank DDP")
+    parser.add_argument("--read", default=READ, help="best-points: comma-separated result files or glob patterns, read "
+                        "in order (a run in several files is taken from the last), relative to the repository root")
     parser.add_argument("--corpora", default=",".join(CORPORA),
                         help=f"comma-separated, of {', '.join(CORPORA)}: the early, late and workers parts' and "
                         "the table's (the tuning always runs on every corpus)")
@@ -423,6 +473,32 @@ def main() -> None:
     missing = [str(p) for p in CORPORA.values() if not p.is_file()]
     if missing:
         parser.error(f"missing shipped corpora {missing}: reinstall the package (lordo_fed/corpora)")
+    if args.part == "best-points":
+        files = [Path(f) for pattern in args.read.split(",") if pattern
+                 for f in (sorted(glob.glob(str(ROOT / pattern))) or [ROOT / pattern])]
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent:
+            parser.error(f"--read {args.read!r}: no result file at {absent}")
+        reference = dict(kv.split("=", 1) for kv in args.best.split(",") if "=" in kv).get("lowrank_ddp")
+        rounds = int(args.horizons.split(",")[-1])
+        try:
+            rows = best_points(files, rounds, reference)
+        except ValueError as err:
+            parser.error(str(err))
+        for r in rows:
+            print(f"{r['corpus']:6} s{r['seed']} {r['method']:12} {r['trial']:32} end {r['val_ppl']:.3f} "
+                  f"{r.get('gap_lowrank_ddp', math.nan):+6.1%}  best {r['best_val_ppl']:.3f} at "
+                  f"{r['best_tokens'] / 2**20:4.0f} Mi {r.get('best_gap_lowrank_ddp', math.nan):+6.1%}  {r['host']}")
+        result = result_header("corpora_quality", False, {
+            "part": "best points", "rounds": rounds, "read": [str(f.relative_to(ROOT)) if f.is_relative_to(ROOT) else
+                                                              str(f) for f in files],
+            "how": "read, not run: every run of these rounds with a validation curve in the files read; best: "
+                   "corpora_quality.best_point; the gaps against low-rank DDP of the same corpus and seed"})
+        for r in rows:
+            r["file"] = str(Path(r["file"]).relative_to(ROOT)) if Path(r["file"]).is_relative_to(ROOT) else r["file"]
+        result["rows"] = rows
+        print(f"wrote {write_json(result, args.out)}")
+        return
     probing = args.part in PROBES
     try:
         seeds = [int(s) for s in (args.seeds or ("0" if probing else "0,1")).split(",")]

@@ -188,6 +188,49 @@ def test_corpora_quality_best_point_and_its_gap():
     assert rows[1]["best_gap_lowrank_ddp"] == pytest.approx(5.25 / 5.0 - 1)  # each at its own best
 
 
+def test_corpora_quality_best_points_reads_result_files(tmp_path):
+    """`--part best-points` runs nothing: it reads the runs of one horizon from result files, takes a run found twice
+    from the later file, and gives each its end and best-point gaps to low-rank DDP of the same corpus and seed."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from corpora_quality import best_points
+
+    def curve(ppls):  # evaluated at each eighth of 800 tokens
+        return {"tokens": list(range(0, 801, 100)), "val_loss": [math.log(p) for p in ppls], "bytes": [0] * 9}
+
+    def row(method, trial, seed, ppls, rounds=64):
+        return {"corpus": "code", "method": method, "trial": trial, "rounds": rounds, "seed": seed,
+                "val_ppl": ppls[-1], "curve": curve(ppls)}
+
+    def write(name, rows, commit):
+        path = tmp_path / name
+        path.write_text(json.dumps({"benchmark": "corpora_quality", "code": {"commit": commit},
+                                    "machine": {"cpu_model": "cpu", "torch_cpu_capability": "AVX2"}, "rows": rows}))
+        return path
+
+    ref = [50, 9, 7, 6, 5.5, 5.0, 5.2, 5.4, 5.6]  # best 5.0 at 500 tokens, end 5.6
+    first = write("a.json", [row("lowrank_ddp", "ref", 0, ref), row("lordo_local", "k32", 0, [50, *[6.0] * 8]),
+                             row("lordo_local", "k32", 0, [50, *[9.0] * 8], rounds=16)], "aaa")
+    rerun = write("b.json", [row("lordo_local", "k32", 0, [50, 8, 7, 6, 5.5, 5.25, 5.5, 5.8, 6.16])], "bbb")
+    rows = {r["method"]: r for r in best_points([first, rerun], 64)}
+    assert len(rows) == 2  # the 16-round run is another horizon
+    local = rows["lordo_local"]
+    assert (local["file"], local["commit"], local["host"]) == (str(rerun), "bbb", "cpu AVX2 ?")  # the later file's run
+    assert local["gap_lowrank_ddp"] == pytest.approx(6.16 / 5.6 - 1)
+    assert local["best_val_ppl"] == pytest.approx(5.25) and local["best_tokens"] == 500
+    assert local["best_gap_lowrank_ddp"] == pytest.approx(5.25 / 5.0 - 1)
+    assert rows["lowrank_ddp"]["gap_lowrank_ddp"] == 0.0
+    # two low-rank DDP trials: the reference must be named
+    other = write("c.json", [row("lowrank_ddp", "other", 0, [50, *[4.0] * 8])], "ccc")
+    with pytest.raises(ValueError, match=r"trials \['other', 'ref'\]"):
+        best_points([first, other], 64)
+    named = {r["trial"]: r for r in best_points([first, other], 64, reference="other")}
+    assert named["k32"]["gap_lowrank_ddp"] == pytest.approx(6.0 / 4.0 - 1)
+    foreign = tmp_path / "d.json"
+    foreign.write_text(json.dumps({"benchmark": "quality", "rows": []}))
+    with pytest.raises(ValueError, match="a 'quality' result; expected a corpora_quality one"):
+        best_points([foreign], 64)
+
+
 def test_corpora_quality_probe_part_runs_the_given_methods(tmp_path):
     """--methods narrows a probe part to those methods' probes, low-rank DDP (every gap's reference) always kept;
     without LoRDO-Global's K = 32 run there is no bytes ratio to it."""
