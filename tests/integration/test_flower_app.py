@@ -158,6 +158,30 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     assert load_checkpoint(out / "checkpoints")[1]["round"] == 3
 
 
+@pytest.mark.extended
+def test_a_resumed_relay_run_relays_on_and_ends_as_the_uninterrupted_one(tmp_path):
+    """The relay (`topk2bit-relay` on `diloco-sparse`) resumed after round 2: round 3's state carries round 2's
+    two top-k replies, as in the uninterrupted run (the checkpoint keeps them; the clients keep θ_c), not θ whole,
+    and the resumed run ends at the uninterrupted run's θ bit for bit."""
+    env = flower_env(tmp_path)
+    relay = {"variant": "diloco", "preset": "diloco-sparse", "payload-dtype": "topk2bit-relay"}
+    whole, out = tmp_path / "whole", tmp_path / "out"
+    run_simulation(APP, env, 2, tiny_run_config(tmp_path, **relay, **{"num-server-rounds": 3, "output-dir": str(whole)}),
+                   timeout=240, check=True)
+    run_simulation(APP, env, 2, tiny_run_config(tmp_path, **relay), timeout=240, check=True)
+    run_simulation(APP, env, 2, tiny_run_config(tmp_path, **relay, **{"num-server-rounds": 3,
+                                                                      "resume": str(out / "checkpoints")}),
+                   timeout=240, check=True)
+    records, uninterrupted = server_records(out), server_records(whole)
+    assert [r["round"] for r in records] == [0, 1, 2, 3] and records[3]["clients_fresh_state"] == 0
+    ended, expected = (load_checkpoint(d / "checkpoints")[0] for d in (out, whole))
+    params = [k for k in expected if k.startswith("param/")]
+    theta_bytes = 4 * sum(expected[k].numel() for k in params)
+    # round 3 relays round 2's two top-k replies (~3% x (2 + 7) bits each), not θ whole
+    assert records[3]["bytes_sent_per_client"] == uninterrupted[3]["bytes_sent_per_client"] < theta_bytes / 10
+    assert params and all(torch.equal(ended[k], expected[k]) for k in params)
+
+
 def test_deployment_on_both_data_planes_matches_the_reference_and_bad_configs_stop(tmp_path):
     """A real SuperLink and two SuperNodes: the payloads over the gRPC data plane (plaintext,
     explicitly insecure) and inside Flower's messages end at the same θ as the reference trainer,

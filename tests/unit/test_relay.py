@@ -10,12 +10,15 @@ import dataclasses
 import pytest
 import torch
 
+from lordo_fed.checkpoint import load_checkpoint, save_checkpoint
 from lordo_fed.rounds.aggregator import Aggregator
 from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.rounds.downlink import Downlink, ResyncNeeded
 from lordo_fed.rounds.outer import Average, Nesterov
 from lordo_fed.trainer.run import as_received
 from lordo_fed.wire.compress import ErrorFeedback
+from lordo_fed.wire.decode import decode_global_state
+from lordo_fed.wire.encode import encode_global_state
 from lordo_fed.wire.messages import WorkerUpdate
 from lordo_fed.wire.payload import PRESETS, resolve_payload
 
@@ -99,9 +102,56 @@ def test_a_relayed_state_after_a_skipped_round_carries_nothing_and_theta_stays()
     assert all(torch.equal(theta[n], agg.params[n]) for n in NAMES)
 
 
-def test_after_a_resume_every_worker_gets_theta_whole_once():
-    """The relayed replies are not in the checkpoint: the first state after a resume carries θ whole,
-    the next relays again."""
+def run_relayed(agg: Aggregator, rounds: dict[int, list[WorkerUpdate]], which, skip: int = 4):
+    """Rounds `which` of a relayed run on `agg` (round `skip` given up): {round: (its state as sent, θ after it)}."""
+    out = {}
+    for r in which:
+        data = bytes(encode_global_state(agg.global_state(), "m", "fp32"))
+        if r == skip:
+            agg.skip_round()
+        else:
+            agg.aggregate([as_received(u) for u in rounds[r]], relay={u.worker_id: u for u in rounds[r]})
+        out[r] = (data, {n: p.clone() for n, p in agg.params.items()})
+    return out
+
+
+def test_a_resumed_run_relays_on_as_the_uninterrupted_one(tmp_path):
+    """The checkpoint keeps the replies the next state relays: a run resumed after round 2, or after the
+    skipped round 4 (through the checkpoint's files), sends the uninterrupted run's states byte for byte,
+    relayed, not θ whole, and ends at its θ bit for bit; a worker that held θ_c replays them to it."""
+    rc = rounds_config()
+    fresh = lambda: Aggregator({n: torch.zeros(s) for n, s in NAMES.items()}, {}, rc, Average(lr=1.3), None,
+                               payload=RELAY)
+    torch.manual_seed(0)
+    fb = [ErrorFeedback(decay=0.9) for _ in range(3)]
+    rounds = {r: replies(r, fb) for r in range(1, 7)}  # mocked replies: the same for every run
+    agg = fresh()
+    golden = {}
+    for at in (2, 4):
+        golden.update(run_relayed(agg, rounds, range(len(golden) + 1, at + 1)))
+        save_checkpoint(tmp_path / f"r{at}", at, agg.state_dict(), {"round": at})
+    golden.update(run_relayed(agg, rounds, range(5, 7)))
+    for at, relayed in ((2, 3), (4, 0)):
+        tensors, _ = load_checkpoint(tmp_path / f"r{at}")
+        assert int(tensors["counter/relayed"]) == relayed
+        resumed = fresh()
+        resumed.load_state_dict(tensors)
+        worker = Downlink(RELAY, rc)
+        for r in range(1, at + 1):  # the worker applied every state before the server stopped
+            worker.theta(decode_global_state(golden[r][0], "m", codecs=RELAY.down_specs()), NAMES)
+        for r, (data, theta) in run_relayed(resumed, rounds, range(at + 1, 7)).items():
+            assert data == golden[r][0], r
+            state = decode_global_state(data, "m", codecs=RELAY.down_specs())
+            assert state.params_delta and not state.params and len(state.relay) == (0 if r == 5 else 3), r
+            assert all(torch.equal(theta[n], golden[r][1][n]) for n in NAMES), r
+            replayed = worker.theta(state, NAMES)
+            before = golden[r - 1][1]  # the state of round r carries θ after round r - 1
+            assert all(torch.equal(replayed[n], before[n]) for n in NAMES), r
+
+
+def test_a_checkpoint_without_relayed_replies_sends_theta_whole_once_and_a_bad_one_is_refused():
+    """A checkpoint of an older version (no relayed replies in it): the first state after the resume carries
+    θ whole, the next relays again. A checkpoint whose relayed bytes are damaged is refused, naming them."""
     rc = rounds_config()
     agg = Aggregator({n: torch.zeros(s) for n, s in NAMES.items()}, {}, rc, Average(), None, payload=RELAY)
     fb = [ErrorFeedback() for _ in range(3)]
@@ -109,8 +159,10 @@ def test_after_a_resume_every_worker_gets_theta_whole_once():
         agg.global_state()
         sent = replies(r, fb)
         agg.aggregate([as_received(u) for u in sent], relay={u.worker_id: u for u in sent})
+    sd = agg.state_dict()
+    old = {k: v for k, v in sd.items() if not k.startswith("relay/") and k != "counter/relayed"}
     resumed = Aggregator({n: torch.zeros(s) for n, s in NAMES.items()}, {}, rc, Average(), None, payload=RELAY)
-    resumed.load_state_dict(agg.state_dict())
+    resumed.load_state_dict(old)
     state = resumed.global_state()
     assert not state.params_delta and not state.relay
     assert all(torch.equal(state.params[n], agg.params[n]) for n in NAMES)
@@ -122,6 +174,15 @@ def test_after_a_resume_every_worker_gets_theta_whole_once():
     assert state.params_delta and len(state.relay) == 3
     theta = w.theta(state, NAMES)
     assert all(torch.equal(theta[n], resumed.params[n]) for n in NAMES)
+    damaged = dict(sd)
+    damaged["relay/1"] = sd["relay/1"][:-7].clone()
+    with pytest.raises(ValueError, match=r"checkpoint: relay/1: "):
+        resumed.load_state_dict(damaged)
+    with pytest.raises(ValueError, match=r"relay/2 is missing; expected the bytes of relayed reply 2 of 3"):
+        resumed.load_state_dict({k: v for k, v in sd.items() if k != "relay/2"})
+    swapped = {**sd, "relay/0": sd["relay/1"], "relay/1": sd["relay/0"]}
+    with pytest.raises(ValueError, match=r"relay/1 is worker 0's reply of round 2; expected .* each worker once"):
+        resumed.load_state_dict(swapped)
 
 
 def test_a_relay_needs_every_applied_reply_and_the_plain_average():
