@@ -113,6 +113,13 @@ lr (DDP: half its best lr), won for every method in the next tuning and chose to
 section 17). Since the lowest lr tried won everywhere, the sixth halves it again: the next tuning runs it."""
 
 
+def derived(method: str, suffix: str, *overrides: str) -> tuple[str, Trial]:
+    """A probe of `method`: its table trial (the fifth of `TRIALS`, today's default) with `overrides` added,
+    named after it with `-suffix`."""
+    base = TRIALS[method][4]
+    return method, Trial(f"{base.name}-{suffix}", (*base.overrides, *overrides))
+
+
 EARLY: list[tuple[str, Trial]] = [
     ("lowrank_ddp", TRIALS["lowrank_ddp"][1]), ("lordo_global", TRIALS["lordo_global"][1]),
     ("lordo_global", Trial("ef0.9-k8", ("inner.ef_decay=0.9", "rounds.local_steps=8"))),
@@ -157,17 +164,13 @@ lacks there is moments of the whole batch's gradient, not exchanges."""
 
 EXCHANGES: list[tuple[str, Trial]] = [
     ("lowrank_ddp", TRIALS["lowrank_ddp"][4]), ("lordo_global", TRIALS["lordo_global"][4]),
-    ("lordo_global", Trial("ef0.9-lr0.5x-k8-int8", (*TRIALS["lordo_global"][4].overrides, "rounds.local_steps=8",
-                                                    "payload_dtype=int8"))),
-    ("lordo_global", Trial("ef0.9-lr0.5x-k8", (*TRIALS["lordo_global"][4].overrides, "rounds.local_steps=8"))),
-    ("lordo_global", Trial("ef0.9-lr0.5x-k16-int8", (*TRIALS["lordo_global"][4].overrides, "rounds.local_steps=16",
-                                                     "payload_dtype=int8"))),
+    derived("lordo_global", "k8-int8", "rounds.local_steps=8", "payload_dtype=int8"),
+    derived("lordo_global", "k8", "rounds.local_steps=8"),
+    derived("lordo_global", "k16-int8", "rounds.local_steps=16", "payload_dtype=int8"),
     ("lordo_local", TRIALS["lordo_local"][4]),
-    ("lordo_local", Trial("ef1-switch-lr0.5x-k8-int8", (*TRIALS["lordo_local"][4].overrides, "rounds.local_steps=8",
-                                                        "payload_dtype=int8"))),
-    ("lordo_local", Trial("ef1-switch-lr0.5x-k8", (*TRIALS["lordo_local"][4].overrides, "rounds.local_steps=8"))),
-    ("lordo_local", Trial("ef1-switch-lr0.5x-k8-int8-p32", (*TRIALS["lordo_local"][4].overrides, "rounds.local_steps=8",
-                                                            "payload_dtype=int8", "inner.proj_interval=32"))),
+    derived("lordo_local", "k8-int8", "rounds.local_steps=8", "payload_dtype=int8"),
+    derived("lordo_local", "k8", "rounds.local_steps=8"),
+    derived("lordo_local", "k8-int8-p32", "rounds.local_steps=8", "payload_dtype=int8", "inner.proj_interval=32"),
 ]
 """`--part exchanges`: the early-round gap against the bytes it is allowed, at today's defaults. Section 16
 closed it with more exchanges (K = 8: 4x the bytes); the int8 payload (within 1% of fp32, section 12)
@@ -336,15 +339,12 @@ def plot(rows: list[dict], path: Path, rounds: int) -> None:
 
 WORKERS: list[tuple[str, Trial]] = [
     ("lowrank_ddp", TRIALS["lowrank_ddp"][4]), ("lordo_global", TRIALS["lordo_global"][4]),
-    ("lordo_global", Trial("ef0.9-lr0.5x-M1xB64", (*TRIALS["lordo_global"][4].overrides, "workers=1",
-                                                   "data.batch_size=64", "diagnostics=true"))),
-    ("lordo_global", Trial("ef0.9-lr0.5x-M1xB16", (*TRIALS["lordo_global"][4].overrides, "workers=1", "diagnostics=true"))),
-    ("lordo_global", Trial("ef0.9-lr0.5x-outer2", (*TRIALS["lordo_global"][4].overrides, "outer.lr=2.0", "diagnostics=true"))),
-    ("lordo_global", Trial("ef0.9-lr0.5x-outer3", (*TRIALS["lordo_global"][4].overrides, "outer.lr=3.0", "diagnostics=true"))),
-    ("lowrank_ddp", Trial("ef0.9-lr0.5x-shuffled", (*TRIALS["lowrank_ddp"][4].overrides, "data.partition=dirichlet",
-                                                    "data.dirichlet_alpha=1000"))),
-    ("lordo_global", Trial("ef0.9-lr0.5x-shuffled", (*TRIALS["lordo_global"][4].overrides, "data.partition=dirichlet",
-                                                     "data.dirichlet_alpha=1000", "diagnostics=true"))),
+    derived("lordo_global", "M1xB64", "workers=1", "data.batch_size=64", "diagnostics=true"),
+    derived("lordo_global", "M1xB16", "workers=1", "diagnostics=true"),
+    derived("lordo_global", "outer2", "outer.lr=2.0", "diagnostics=true"),
+    derived("lordo_global", "outer3", "outer.lr=3.0", "diagnostics=true"),
+    derived("lowrank_ddp", "shuffled", "data.partition=dirichlet", "data.dirichlet_alpha=1000"),
+    derived("lordo_global", "shuffled", "data.partition=dirichlet", "data.dirichlet_alpha=1000", "diagnostics=true"),
     ("lordo_global", Trial("ef0.9-lr0.25x-diag", (*TRIALS["lordo_global"][5].overrides, "diagnostics=true"))),
 ]
 """`--part workers`: what four workers cost LoRDO-Global at 16 rounds, at today's defaults (lr 0.004, γ 0.9;
