@@ -22,7 +22,10 @@ Variants (each moves `size` MB down to each of 2 nodes and `size` MB up from eac
   when its tickets were announced before its state existed (`DataPlaneServer.announce`: node
   workers, overlapped rounds), so that no Flower message sits between the server's encode and its
   decode: the nodes (processes started before the timed part, their Δ drawn) wait on their
-  announced downloads; on 'go' the server encodes one random fp32 GlobalState and publishes it;
+  announced downloads; on 'go' the server encodes one random fp32 GlobalState and publishes it
+  while it is encoded (`StreamingEncode` + `DataPlaneServer.publish_encoding`, as
+  server/courier.py `publish_announced`: the downloads start on its first bytes, its digest follows
+  the data; `--publish-whole` encodes it whole first and publishes it, as before);
   each node downloads and decodes it in place (as `run_job`) and uploads a WorkerUpdate of the same
   size while it is encoded (`StreamingEncode`, as lordo_fed.node.session `data_plane_round`); the
   server waits for both uploads and decodes them in place (as `Courier.screened`). Seconds: 'go' ->
@@ -280,7 +283,7 @@ def _codec_server(args: argparse.Namespace) -> int:
     from harness.apps.dataplane_bench.dpbench.common import draw
     from lordo_fed.transport.server import DataPlaneServer
     from lordo_fed.wire.decode import decode_update
-    from lordo_fed.wire.encode import encode_global_state
+    from lordo_fed.wire.encode import StreamingEncode, encode_global_state
     from lordo_fed.wire.messages import GlobalState
 
     tls = None
@@ -298,9 +301,17 @@ def _codec_server(args: argparse.Namespace) -> int:
         if line.strip() != "go":
             continue
         t0 = time.time()
-        data = encode_global_state(GlobalState(round=1, params={"w": theta}), "dpbench", "fp32")
-        t1 = time.time()
-        plane.publish(1, data)
+        state = GlobalState(round=1, params={"w": theta})
+        if args.publish_whole:
+            data = encode_global_state(state, "dpbench", "fp32")
+            encode_s = time.time() - t0
+            t1 = time.time()
+            plane.publish(1, data)
+        else:  # as the product: served while it is encoded, the digest after the data
+            encoding = StreamingEncode(state, "dpbench", "fp32")
+            t1 = time.time()
+            plane.publish_encoding(1, encoding)
+            data, encode_s = encoding.buffer, encoding.seconds
         t2 = time.time()
         if not plane.wait_for_uploads(1, nodes, timeout=600):
             raise RuntimeError("the nodes' uploads did not all arrive")
@@ -314,6 +325,7 @@ def _codec_server(args: argparse.Namespace) -> int:
         for u in held:
             u.discard()
         print(json.dumps({"t_encode": t0, "t_publish": t1, "t_published": t2, "t_uploads": t3, "t_decoded": t4,
+                          "encode_s": encode_s,
                           "down_bytes": len(data), "up_ok": ok, "up_bytes": sizes}), flush=True)
     plane.stop()
     return 0
@@ -337,8 +349,8 @@ def _codec_client(args: argparse.Namespace) -> int:
     print("ready", flush=True)
     sys.stdin.readline()
     c0 = _cpu()
-    t0 = time.time()
-    data = download(ticket, args.index, root, timeout=600)
+    t0, p0, stats = time.time(), time.perf_counter(), {}
+    data = download(ticket, args.index, root, timeout=600, stats=stats)
     t1 = time.time()
     state = decode_global_state(data, expected_model_id="dpbench", adopt=adoptable(data))
     t2 = time.time()
@@ -350,7 +362,8 @@ def _codec_client(args: argparse.Namespace) -> int:
     t4 = time.time()
     cpu = _cpu() - c0
     down_ok = bool(state.params["w"].equal(draw(7, n)))  # after the timed part
-    print(json.dumps({"t_start": t0, "t_down_end": t1, "t_decoded": t2, "t_encoded": t3, "t_end": t4, "cpu_s": cpu,
+    print(json.dumps({"t_start": t0, "t_first_byte": t0 + stats["first_byte"] - p0, "t_down_end": t1, "t_decoded": t2,
+                      "t_encoded": t3, "t_end": t4, "cpu_s": cpu,
                       "down_bytes": len(data), "up_bytes": len(sent.buffer), "encode_s": sent.seconds,
                       "down_sha256_ok": down_ok, "up_sha256_ok": True}), flush=True)
     return 0
@@ -413,10 +426,13 @@ def stream_run(kind: str, nbytes: int, tls_dir: Path | None, spool: Path) -> dic
     uploading `nbytes`; wall seconds from 'go' to the last client done. 'dataplane-sha256': the
     data plane with checksum sha256 (the default is xxh3)."""
     tls = ["--tls", str(tls_dir)] if tls_dir else []
-    checksum = "xxh3"
+    checksum, whole = "xxh3", []
     if kind == "dataplane-sha256":
         kind, checksum = "dataplane", "sha256"
-    server = _spawn(f"{kind}-server", "--bytes", str(nbytes), "--spool", str(spool), "--checksum", checksum, *tls)
+    if kind == "codec-whole":
+        kind, whole = "codec", ["--publish-whole"]
+    server = _spawn(f"{kind}-server", "--bytes", str(nbytes), "--spool", str(spool), "--checksum", checksum, *tls,
+                    *whole)
     clients: list[subprocess.Popen] = []
     uploads = None
     try:
@@ -470,6 +486,7 @@ def stream_run(kind: str, nbytes: int, tls_dir: Path | None, spool: Path) -> dic
             r["up_sha256_ok"] = bool(server_view["up_ok"][i] and server_view["up_bytes"][i] == r["up_bytes"])
         t_end = server_view["t_decoded"]
         extra["server"] = {k: round(v - t_go, 4) for k, v in server_view.items() if k.startswith("t_")}
+        extra["server"]["encode_s"] = round(server_view["encode_s"], 4)
         extra["payload_bytes"] = size
     else:
         t_end = max(r["t_end"] for r in reports)
@@ -637,8 +654,10 @@ def path_breakdown(runs: list[dict]) -> dict[str, float]:
     def server(a: str, b: str) -> float:
         return _r(_med(r["server"][b] - r["server"][a] for r in runs))
 
-    return {"server_encode_s": server("t_encode", "t_publish"), "publish_digest_s": server("t_publish", "t_published"),
-            "first_byte_wait_s": _r(_med(r["server"]["t_published"] for r in runs)),
+    return {"server_encode_s": _r(_med(r["server"]["encode_s"] for r in runs)),
+            "server_before_publish_s": server("t_encode", "t_publish"),
+            "publish_s (encode and digest, with the downloads when streamed)": server("t_publish", "t_published"),
+            "first_byte_wait_s": node("t_start", "t_first_byte"),
             "download_s": node("t_start", "t_down_end"), "client_decode_s": node("t_down_end", "t_decoded"),
             "client_encode_start_s": node("t_decoded", "t_encoded"),
             "client_encode_s (during the upload)": _r(_med(max(c["encode_s"] for c in r["clients"]) for r in runs)),
@@ -681,6 +700,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--ticket", default="")
         p.add_argument("--spool", default="")
         p.add_argument("--checksum", default="xxh3")
+        p.add_argument("--publish-whole", action="store_true")
         return _WORKERS[argv[0]](p.parse_args(argv[1:]))
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -716,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[dataplane_throughput] {size_mb:g} MB each way x {NODES} nodes, {repeats} repeat(s)", flush=True)
     streams: dict[tuple[str, str], list[dict]] = {(k, sec): [] for k in ("bare", "dataplane")
                                                   for sec in ("plaintext", "tls")}
-    streams.update({(k, sec): [] for k in ("dataplane-sha256", "codec") for sec in ("plaintext", "tls")})
+    streams.update({(k, sec): [] for k in ("dataplane-sha256", "codec", "codec-whole") for sec in ("plaintext", "tls")})
 
     with tempfile.TemporaryDirectory(prefix="dpbench-") as tmp:
         tmp_path = Path(tmp)
@@ -765,7 +785,9 @@ def main(argv: list[str] | None = None) -> int:
                       ("dp transport, sha256", ("dataplane-sha256", "plaintext")),
                       ("dp transport, sha256 TLS", ("dataplane-sha256", "tls")),
                       ("whole path, announced", ("codec", "plaintext")),
-                      ("whole path, announced TLS", ("codec", "tls"))):
+                      ("whole path, announced TLS", ("codec", "tls")),
+                      ("whole path, announced, encoded whole before publishing", ("codec-whole", "plaintext")),
+                      ("whole path, announced, encoded whole before publishing TLS", ("codec-whole", "tls"))):
         s = summaries[key]
         variants[name] = {"security": key[1], "bytes_moved": s["bytes_moved"], "seconds": s["seconds"],
                           "mb_per_s": s["mb_per_s"], "ratio_to_bare": round(s["mb_per_s"] / bare_mbs[key[1]], 3),

@@ -29,7 +29,7 @@ from lordo_fed.transport.server import DataPlaneServer, Upload
 from lordo_fed.wire.codec import PayloadError
 from lordo_fed.wire.compress import SparseValues
 from lordo_fed.wire.decode import decode_update
-from lordo_fed.wire.encode import encode_global_state
+from lordo_fed.wire.encode import StreamingEncode, encode_global_state
 from lordo_fed.rounds.screening import ReplyRef
 from lordo_fed.wire.messages import GlobalState, WorkerUpdate
 from lordo_fed.wire.payload import Payload
@@ -145,16 +145,22 @@ class Courier:
     def is_announced(self, round_idx: int) -> bool:
         return round_idx in self._announced
 
-    def publish_announced(self, grid: Grid, round_idx: int, data: bytes | bytearray) -> dict[str, int]:
-        """Publish the state of an announced round; nodes that connected since the announcement
-        get their message now. Returns message id -> node id of all the round's messages."""
+    def start_encoding(self, state: GlobalState) -> StreamingEncode:
+        """`encode` on a thread, readable as it fills (what `publish_announced` serves)."""
+        return StreamingEncode(state, self.model_id, self.wire_dtype)
+
+    def publish_announced(self, grid: Grid, round_idx: int, encoding: StreamingEncode) -> dict[str, int]:
+        """Publish the state of an announced round while it is encoded (`DataPlaneServer.publish_encoding`:
+        the nodes' waiting downloads start on its first bytes; returns once it is encoded); nodes that
+        connected since the announcement get their message now, once the state is whole. Returns
+        message id -> node id of all the round's messages."""
         ids = self._announced.pop(round_idx)
         announced = set(ids.values())
         late = [n for n in grid.get_node_ids() if n not in announced]
-        if late:  # publishes too
-            ids.update(self.push(grid, self.outgoing(round_idx, data, late, MessageType.TRAIN)))
+        if late:  # publishes too, with the digest in the late nodes' tickets
+            ids.update(self.push(grid, self.outgoing(round_idx, encoding.result(), late, MessageType.TRAIN)))
         else:
-            self.data_plane.publish(round_idx, data)
+            self.data_plane.publish_encoding(round_idx, encoding)
         return ids
 
     @staticmethod

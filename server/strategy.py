@@ -111,14 +111,28 @@ class LoRDOStrategy(Strategy):
 
     def _encode_round(self, server_round: int) -> memoryview:
         """The round's global state, encoded once for every node; starts the round's log."""
-        state = self.without_theta0(self.aggregator.global_state())
-        if state.round != server_round:
-            raise RuntimeError(f"aggregator is at round {state.round}, asked to configure {server_round}")
+        state = self._round_state(server_round)
         encode_started = time.perf_counter()
         data = self.courier.encode(state)
         self.round_log = RoundLog(sent_bytes=len(data), encode_seconds=time.perf_counter() - encode_started,
                                   marks={"published": time.perf_counter()})
         return data
+
+    def _round_state(self, server_round: int) -> GlobalState:
+        state = self.without_theta0(self.aggregator.global_state())
+        if state.round != server_round:
+            raise RuntimeError(f"aggregator is at round {state.round}, asked to configure {server_round}")
+        return state
+
+    def _publish_announced(self, grid: Grid, r: int) -> dict[str, int]:
+        """Publish announced round `r`'s state while it is encoded (`Courier.publish_announced`: the
+        nodes' downloads start on its first bytes); starts the round's log."""
+        started = time.perf_counter()
+        encoding = self.courier.start_encoding(self._round_state(r))
+        self.round_log = RoundLog(sent_bytes=len(encoding.buffer), marks={"published": started})
+        ids = self.courier.publish_announced(grid, r, encoding)
+        self.round_log.encode_seconds = encoding.seconds
+        return ids
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Decode and check every reply, drop bad ones with a reason, aggregate the rest.
@@ -216,7 +230,7 @@ class LoRDOStrategy(Strategy):
         courier = self.courier
         courier.wait_for_nodes(grid, timeout)
         if courier.is_announced(r):  # the nodes hold this round's tickets already: publish its state
-            ids = courier.publish_announced(grid, r, self._encode_round(r))
+            ids = self._publish_announced(grid, r)
         else:
             ids = courier.push(grid, list(self.configure_train(r, ArrayRecord(), ConfigRecord(), grid)))
         if courier.data_plane is not None and r < num_rounds and self.aggregator.client_params is None:

@@ -40,22 +40,16 @@ from lordo_fed.rounds import screening
 from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.rounds.bases import fit_projections, initial_projections, low_rank_shape
 from lordo_fed.rounds.outer import Average, OuterOptimizer
+from lordo_fed.rounds.relay import relay_checkpoint, relayed_from_checkpoint
 from lordo_fed.rounds.sparse import contributor_mean, support_overlap
 from lordo_fed.rounds.screening import ReplyRef
 from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import Encoded, SparseValues, encode, plus_decoded
-from lordo_fed.wire.codec import PayloadError
-from lordo_fed.wire.decode import decode_update
-from lordo_fed.wire.encode import encode_update
 from lordo_fed.wire.messages import (
     DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, WorkerUpdate, moment_key, split_moment_key)
 from lordo_fed.wire.payload import PayloadCodecs
 
 log = logging.getLogger(__name__)
-
-RELAY_CHECKPOINT_ID = "relay-checkpoint"
-"""The model id a checkpoint's relayed replies are stored under (`Aggregator.state_dict`): the checkpoint's own
-metadata names the run's model."""
 
 
 @dataclass
@@ -553,9 +547,7 @@ class Aggregator:
         if self.client_params is not None:
             sd.update({f"client/{k}": v for k, v in self.client_params.items()})
         if self._relayed is not None:  # the replies the next state relays: the run resumes relaying
-            sd["counter/relayed"] = torch.tensor(len(self._relayed))
-            sd.update({f"relay/{i}": torch.frombuffer(bytearray(encode_update(u, RELAY_CHECKPOINT_ID)), dtype=torch.uint8)
-                       for i, u in enumerate(self._relayed)})
+            sd.update(relay_checkpoint(self._relayed))
         sd["counter/round"] = torch.tensor(self.round)
         sd["counter/opt_step"] = torch.tensor(self.opt_step)
         return sd
@@ -586,30 +578,7 @@ class Aggregator:
             else:  # a checkpoint of a run without the compressed downlink: every worker gets θ whole once
                 self.client_params = {n: p.clone() for n, p in self.params.items()}
                 self._resync_all = True
-            self._relayed = self._relayed_of(sd) if self.payload.relay else None
-
-    def _relayed_of(self, sd: Mapping[str, Tensor]) -> list[WorkerUpdate] | None:
-        """The relayed replies a checkpoint holds (`state_dict`), decoded and screened as the workers will
-        (the preset's codecs, Δ only, the last round's, each worker once); None without them (a checkpoint of
-        an older version or of another payload: every worker gets θ whole once). ValueError names a bad one."""
-        if "counter/relayed" not in sd:
-            return None
-        replies: list[WorkerUpdate] = []
-        for i in range(int(sd["counter/relayed"])):
-            raw = sd.get(f"relay/{i}")
-            if raw is None or raw.dtype != torch.uint8 or raw.dim() != 1:
-                raise ValueError(f"checkpoint: relay/{i} is {'missing' if raw is None else f'a {raw.dtype} tensor'}; "
-                                 f"expected the bytes of relayed reply {i} of {int(sd['counter/relayed'])}")
-            try:
-                u = decode_update(raw.numpy().tobytes(), RELAY_CHECKPOINT_ID, codecs=self.payload.specs(),
-                                  keep_compressed=True)
-            except PayloadError as err:
-                raise ValueError(f"checkpoint: relay/{i}: {err}") from None
-            if u.round != self.round - 1 or u.moments or u.coords or (replies and u.worker_id <= replies[-1].worker_id):
-                raise ValueError(f"checkpoint: relay/{i} is worker {u.worker_id}'s reply of round {u.round}; expected Δ "
-                                 f"only, of round {self.round - 1}, each worker once in increasing order")
-            replies.append(u)
-        return replies
+            self._relayed = relayed_from_checkpoint(sd, self.round, self.payload) if self.payload.relay else None
 
 
 def _add_weighted(sums: dict[str, Tensor], key: str, t: Tensor | SparseValues, weight: float) -> None:

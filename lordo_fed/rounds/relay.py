@@ -14,15 +14,23 @@ the downlink delivers the exact aggregate at M times the uplink's bytes.
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
 
+import torch
 from torch import Tensor
 
-from lordo_fed.rounds.aggregator import Aggregator
 from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.rounds.outer import Average
+from lordo_fed.wire.codec import PayloadError
 from lordo_fed.wire.compress import decoded
-from lordo_fed.wire.messages import GlobalState
+from lordo_fed.wire.decode import decode_update
+from lordo_fed.wire.encode import encode_update
+from lordo_fed.wire.messages import GlobalState, WorkerUpdate
 from lordo_fed.wire.payload import PayloadCodecs
+
+CHECKPOINT_ID = "relay-checkpoint"
+"""The model id a checkpoint's relayed replies are stored under (`relay_checkpoint`): the checkpoint's own
+metadata names the run's model."""
 
 
 def replay(theta_c: dict[str, Tensor], state: GlobalState, rounds: RoundConfig,
@@ -32,6 +40,8 @@ def replay(theta_c: dict[str, Tensor], state: GlobalState, rounds: RoundConfig,
     here on a copy (θ_c is not changed). No replies: θ did not move (a skipped round)."""
     if not state.relay:
         return {n: t.clone() for n, t in theta_c.items()}
+    from lordo_fed.rounds.aggregator import Aggregator  # (it imports this module)
+
     if not state.outer_lr > 0:
         raise ValueError(f"round {state.round}: a relayed state with outer_lr={state.outer_lr!r}; expected the "
                          "server's outer lr, a number > 0")
@@ -41,3 +51,35 @@ def replay(theta_c: dict[str, Tensor], state: GlobalState, rounds: RoundConfig,
     replies = [dataclasses.replace(u, delta=decoded(u.delta)) for u in state.relay]
     replica.aggregate(replies, screened=True)
     return replica.params
+
+
+def relay_checkpoint(relayed: list[WorkerUpdate]) -> dict[str, Tensor]:
+    """The replies the next state relays, as checkpoint tensors (`Aggregator.state_dict`): their count, and
+    each serialized (`encode_update`) as bytes, so that a resumed run relays on (`relayed_from_checkpoint`)."""
+    out = {"counter/relayed": torch.tensor(len(relayed))}
+    out.update({f"relay/{i}": torch.frombuffer(bytearray(encode_update(u, CHECKPOINT_ID)), dtype=torch.uint8)
+                for i, u in enumerate(relayed)})
+    return out
+
+
+def relayed_from_checkpoint(sd: Mapping[str, Tensor], round_idx: int, codecs: PayloadCodecs) -> list[WorkerUpdate] | None:
+    """The relayed replies a checkpoint at round `round_idx` holds (`relay_checkpoint`), decoded and screened as
+    the workers will (the preset's codecs, Δ only, round `round_idx` − 1's, each worker once, in order); None
+    without them (a checkpoint of an older version: every worker gets θ whole once). ValueError names a bad one."""
+    if "counter/relayed" not in sd:
+        return None
+    count, replies = int(sd["counter/relayed"]), []
+    for i in range(count):
+        raw = sd.get(f"relay/{i}")
+        if raw is None or raw.dtype != torch.uint8 or raw.dim() != 1:
+            raise ValueError(f"checkpoint: relay/{i} is {'missing' if raw is None else f'a {raw.dtype} tensor'}; "
+                             f"expected the bytes of relayed reply {i} of {count}")
+        try:
+            u = decode_update(raw.numpy().tobytes(), CHECKPOINT_ID, codecs=codecs.specs(), keep_compressed=True)
+        except PayloadError as err:
+            raise ValueError(f"checkpoint: relay/{i}: {err}") from None
+        if u.round != round_idx - 1 or u.moments or u.coords or (replies and u.worker_id <= replies[-1].worker_id):
+            raise ValueError(f"checkpoint: relay/{i} is worker {u.worker_id}'s reply of round {u.round}; expected Δ "
+                             f"only, of round {round_idx - 1}, each worker once in increasing order")
+        replies.append(u)
+    return replies

@@ -75,8 +75,9 @@ def open_channel(ticket: pb.Ticket, root_certificates: bytes | str | Path | None
 def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: float | None = None,
              stats: dict[str, float] | None = None) -> memoryview:
     """The round's encoded GlobalState, checked against the size and digest that the ticket
-    names or, for a round announced before its state existed, that the stream's first chunk
-    declares (the call then waits for the server to publish the round). Returns a writable buffer
+    names or, for a round announced before its state existed, that the stream declares: the size
+    in its first chunk, the digest there too or, for a state served while it is encoded, in a last
+    chunk after the data (the call waits for the server to publish the round). Returns a writable buffer
     of this node's own (the decoder may adopt it, lordo_fed.wire.protowire.new_buffer). `stats`, when given,
     gets `first_byte`: the time.perf_counter() of the first chunk (before it, the node waited).
     Raises SessionEnded when a session's server has no further round for this node."""
@@ -110,11 +111,19 @@ def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: f
                                              f"({chunk.digest[:16]}...), the ticket {size} ({expected[:16]}...)")
                     if not expected:
                         size, expected = chunk.size, chunk.digest
-                        if size <= 0 or not is_digest(kind, expected):
+                        if size <= 0 or (expected and not is_digest(kind, expected)):
                             stream.cancel()
                             raise DataPlaneError(f"download from {ticket.address}: the stream declares no size/{kind} "
                                                  "digest for an announced round")
                     out = view = new_buffer(size)  # written once, by the chunks: no memset first
+                elif chunk.digest:  # a state served while it was encoded: its digest follows the data
+                    if expected or offset != size or data or checksum_of(chunk) != kind or not is_digest(kind, chunk.digest):
+                        stream.cancel()
+                        raise DataPlaneError(f"download from {ticket.address}: a {checksum_of(chunk)} digest after "
+                                             f"{offset} of {size} bytes; expected one {kind} digest, after the data, "
+                                             "when the header declared none")
+                    expected = chunk.digest
+                    continue
                 n = len(data)
                 if offset + n > size:
                     stream.cancel()
@@ -127,6 +136,8 @@ def download(ticket: pb.Ticket, node_id: int, root_certificates=None, timeout: f
                                  f"{err.code().name}: {err.details()}") from err
     if out is None or offset != size:
         raise DataPlaneError(f"download from {ticket.address}: {offset} of {size} bytes (truncated)")
+    if not expected:
+        raise DataPlaneError(f"download from {ticket.address}: {size} bytes and no {kind} digest after them (truncated)")
     if digest.hexdigest() != expected:
         raise DataPlaneError(f"download from {ticket.address}: {kind} digest mismatch (got {digest.hexdigest()[:16]}..., "
                              f"expected {expected[:16]}...)")

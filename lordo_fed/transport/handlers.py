@@ -50,19 +50,27 @@ class Servicer:
             if blob is None:  # published over between the check and now
                 raise plane._refuse(request.node_id, claims.round, DOWNLOAD, f"round {claims.round} is no longer served")
             with plane._lock:
-                digest = plane._digest[claims.round]
-            await self._stream(context, request.node_id, claims.round, blob, digest)
+                digest, filling = plane._digest.get(claims.round), plane._filling.get(claims.round)
+            await self._stream(context, request.node_id, claims.round, blob, digest, filling)
         except Refused as err:
             await context.abort(err.code, str(err))
 
-    async def _stream(self, context, node: int, round_idx: int, blob: memoryview, digest: str) -> None:
+    async def _stream(self, context, node: int, round_idx: int, blob: memoryview, digest: str | None,
+                      filling: tuple | None = None) -> None:
         """A download's chunks: the header (size, digest) alone first, so the node knows the
         round is published at once whatever the chunk size (it times its wait by it), then the
-        data; a stall past the deadline is refused (raises Refused)."""
+        data; a stall past the deadline is refused (raises Refused). A state still being encoded
+        (`filling`: `DataPlaneServer.publish_encoding`) goes out chunk by chunk as it is written,
+        its header without the digest, which follows the data in a last chunk."""
         plane = self.plane
         step = plane.chunk_bytes
-        header = pb.Chunk(size=len(blob), digest=digest, checksum=plane.checksum).SerializeToString()
+        loop = asyncio.get_running_loop()
+        encoding, pending = filling if filling is not None and digest is None else (None, None)
+        header = pb.Chunk(size=len(blob), digest=digest or "", checksum=plane.checksum).SerializeToString()
         for offset in range(-step, len(blob), step):
+            if encoding is not None and offset >= 0 and encoding.written < min(offset + step, len(blob)):
+                await self._encoded(loop.run_in_executor(None, encoding.wait_for, offset + step), node, round_idx,
+                                    f"byte {offset} of {len(blob)}")
             chunk = header if offset < 0 else frame(pb.Chunk(), CHUNK_DATA, blob[offset:offset + step])
             try:
                 await asyncio.wait_for(context.write(chunk), plane.stall_timeout)
@@ -70,6 +78,28 @@ class Servicer:
                 raise plane._refuse(node, round_idx, DOWNLOAD,
                                     f"stream stalled for more than {plane.stall_timeout:g}s at byte {max(offset, 0)} of "
                                     f"{len(blob)}", grpc.StatusCode.DEADLINE_EXCEEDED) from None
+        if pending is not None:
+            digest = await self._encoded(asyncio.wrap_future(pending), node, round_idx, "the digest")
+            try:
+                await asyncio.wait_for(context.write(pb.Chunk(digest=digest, checksum=plane.checksum).SerializeToString()),
+                                       plane.stall_timeout)
+            except asyncio.TimeoutError:
+                raise plane._refuse(node, round_idx, DOWNLOAD, f"stream stalled for more than {plane.stall_timeout:g}s "
+                                    "at the digest", grpc.StatusCode.DEADLINE_EXCEEDED) from None
+
+    async def _encoded(self, waiting, node: int, round_idx: int, what: str):
+        """The result of `waiting` (the server's encoding reaching `what`), within the stall deadline;
+        an encoding that failed or stalled ends the download with the reason (raises Refused)."""
+        plane = self.plane
+        try:
+            return await asyncio.wait_for(waiting, plane.stall_timeout)
+        except asyncio.TimeoutError:
+            raise plane._refuse(node, round_idx, DOWNLOAD, f"the server's encoding of round {round_idx}'s state stalled "
+                                f"for more than {plane.stall_timeout:g}s before {what}",
+                                grpc.StatusCode.DEADLINE_EXCEEDED) from None
+        except Exception as err:  # noqa: BLE001 (the server's own encoding failed: not the node's fault)
+            raise plane._refuse(node, round_idx, DOWNLOAD, f"the server's encoding of round {round_idx}'s state failed: "
+                                f"{type(err).__name__}: {err}", grpc.StatusCode.INTERNAL) from None
 
     async def _session_state(self, node_id: int, claims) -> tuple[memoryview | None, str]:
         """The start point of a session's round `claims.round` once published (None: the session

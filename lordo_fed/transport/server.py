@@ -39,10 +39,10 @@ import logging
 import mmap
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 
@@ -51,6 +51,9 @@ from lordo_fed.transport.framing import unframe
 from lordo_fed.transport.tokens import DOWNLOAD, UPLOAD, TokenError, TokenIssuer
 from lordo_fed.v1 import dataplane_pb2 as pb
 from lordo_fed.wire.protowire import new_buffer
+
+if TYPE_CHECKING:  # the data plane loads without torch (tests/unit/test_layout.py): duck-typed at run time
+    from lordo_fed.wire.encode import StreamingEncode
 
 log = logging.getLogger("lordo_fed.dataplane")
 
@@ -189,6 +192,9 @@ class DataPlaneServer:
         self._events: dict[int, asyncio.Event] = {}
         """The current round's encoded state and the previous one's (a node that fell behind
         still trains the round it was sent, so its own state stays continuous)."""
+        self._filling: dict[int, tuple[StreamingEncode, Future]] = {}
+        """A round's state still being encoded (`publish_encoding`): its encoding and the future of
+        its digest, until the digest is known."""
         self._max_upload = 0
         self.max_uploads = int(max_uploads)
         self._upload_slots: asyncio.Semaphore | None = None  # made on the server's event loop
@@ -284,21 +290,56 @@ class DataPlaneServer:
         (stalled, slow) still trains the round it was sent and keeps its own state continuous,
         though its late reply is refused. Downloads waiting for this round start now."""
         digest = digest_of(self.checksum, data)
+        self._open_round(round_idx, memoryview(data).cast("B"), digest, None, max_upload)
+        return {int(n): self._ticket(n, round_idx, ttl, max_upload or self._max_upload, len(data), digest)
+                for n in node_ids}
+
+    def publish_encoding(self, round_idx: int, encoding: StreamingEncode) -> str:
+        """Serve an announced round's state while it is still being encoded (`StreamingEncode` of
+        the GlobalState): the downloads waiting for the round start at once, each chunk goes out as
+        soon as it is written, and the digest, computed once here when the encoding is done, follows
+        the data in a last chunk (dataplane.proto, `Chunk`). So the server's encode and digest no
+        longer sit between the round's start and the nodes' first byte (docs/results.md section 18).
+        Only for rounds announced before (their tickets name no size or digest). Returns the
+        digest once the whole state is encoded; re-raises the encoding's error (the downloads
+        then end with it)."""
+        pending: Future[str] = Future()
+        self._open_round(round_idx, memoryview(encoding.buffer).cast("B"), None, (encoding, pending), 0)
+        try:
+            encoding.result()
+            digest = digest_of(self.checksum, encoding.buffer)
+        except BaseException as err:
+            pending.set_exception(err)
+            raise
+        with self._lock:
+            if self._filling.get(int(round_idx), (None,))[0] is encoding:
+                self._digest[int(round_idx)] = digest
+                del self._filling[int(round_idx)]
+        pending.set_result(digest)
+        return digest
+
+    def _open_round(self, round_idx: int, blob: memoryview, digest: str | None,
+                    filling: tuple[StreamingEncode, Future] | None, max_upload: int) -> None:
+        """Round `round_idx` is served from now on (`publish`, `publish_encoding`): its state `blob`,
+        its `digest` (None while `filling`: the encoding, and the future of the digest); the previous
+        round's state stays, older ones and uploads of other rounds go; waiting downloads start."""
         with self._lock:
             self._round = int(round_idx)
             self._max_upload = int(max_upload) or self._max_upload
             self._blobs = {r: b for r, b in self._blobs.items() if r == round_idx - 1}
-            self._blobs[int(round_idx)] = memoryview(data).cast("B")
-            self._digest = {r: d for r, d in self._digest.items() if r in self._blobs}
-            self._digest[int(round_idx)] = digest
+            self._blobs[int(round_idx)] = blob
+            self._digest = {r: d for r, d in self._digest.items() if r in self._blobs and r != round_idx}
+            self._filling = {r: f for r, f in self._filling.items() if r in self._blobs and r != round_idx}
+            if digest is not None:
+                self._digest[int(round_idx)] = digest
+            if filling is not None:
+                self._filling[int(round_idx)] = filling
             stale = [k for k in self._uploads if k[1] != round_idx]
             stale = [self._uploads.pop(key) for key in stale]
         for upload in stale:
             upload.discard()
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._published(round_idx).set)
-        return {int(n): self._ticket(n, round_idx, ttl, max_upload or self._max_upload, len(data), digest)
-                for n in node_ids}
 
     def announce(self, round_idx: int, node_ids, ttl: float, max_upload: int) -> dict[int, pb.Ticket]:
         """Tickets for a round whose state does not exist yet (size 0, no digest): a node can

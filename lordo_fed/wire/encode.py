@@ -370,14 +370,18 @@ def encode_update(update: WorkerUpdate, model_id: str, payload_dtype: str = "fp3
 
 
 class StreamingEncode:
-    """`encode_update` on a thread, into a buffer of the exact encoded size that is readable as it
-    fills: a node starts uploading the first bytes while the rest is still being encoded, so the
-    encoding hides behind the link (benchmarks/wan_rounds.py). `wait_for(n)` blocks until the first
-    `n` bytes are final; `result()` returns the whole buffer. The bytes are exactly
-    `encode_update`'s (its test oracle, tests/unit/test_codec.py)."""
+    """`encode_update` (or `encode_global_state`, given a GlobalState) on a thread, into a buffer of
+    the exact encoded size that is readable as it fills: a node starts uploading the first bytes
+    while the rest is still being encoded, and the server starts serving an announced round's state
+    the same way, so the encoding hides behind the link (benchmarks/wan_rounds.py,
+    benchmarks/dataplane_throughput.py). `wait_for(n)` blocks until the first `n` bytes are final,
+    `written` says how many are without blocking; `result()` returns the whole buffer. The bytes are
+    exactly `encode_update`'s / `encode_global_state`'s (their test oracles, tests/unit/test_codec.py)."""
 
-    def __init__(self, update: WorkerUpdate, model_id: str, payload_dtype: str = "fp32"):
-        plan = _update_plan(update, model_id, payload_dtype)  # errors in the inputs raise here
+    def __init__(self, message: WorkerUpdate | GlobalState, model_id: str, payload_dtype: str = "fp32"):
+        # errors in the inputs raise here, in the caller's thread
+        plan = (_global_state_plan(message, model_id, payload_dtype) if isinstance(message, GlobalState)
+                else _update_plan(message, model_id, payload_dtype))
         self.buffer = new_buffer(plan.size)
         self.seconds = 0.0
         """How long the encoding took (from its start to its last byte)."""
@@ -402,6 +406,11 @@ class StreamingEncode:
         with self._cond:
             self._done = pos
             self._cond.notify_all()
+
+    @property
+    def written(self) -> int:
+        """How many bytes of `buffer`, from its start, are final now (never blocks)."""
+        return self._done
 
     def wait_for(self, nbytes: int) -> None:
         """Block until the first `nbytes` bytes of `buffer` are written; re-raises an encoding error."""

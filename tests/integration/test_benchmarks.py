@@ -476,6 +476,8 @@ def test_dataplane_throughput_quick(tmp_path):
     assert set(variants) == {"bare grpc", "bare grpc TLS", "dp transport only", "dp transport only TLS",
                              "dp transport, sha256", "dp transport, sha256 TLS",
                              "whole path, announced", "whole path, announced TLS",
+                             "whole path, announced, encoded whole before publishing",
+                             "whole path, announced, encoded whole before publishing TLS",
                              "data plane", "flower"}  # --quick: no TLS deployment
     for name, v in variants.items():
         assert v["verified"] is True, name

@@ -1040,18 +1040,21 @@ def test_params_from_seed_round_trips_and_refuses_params_beside_it():
         decode_global_state(encode_global_state(both, "m"))
 
 
+@pytest.mark.parametrize("kind", ["update", "state"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_streaming_encode_writes_encode_update_bytes_in_order(dtype):
-    """StreamingEncode (a node uploads its reply while it is encoded) gives exactly encode_update's
-    bytes; `wait_for(n)` returns only once the first n bytes are final, in every prefix."""
-    update = _update(3)
-    oracle = encode_update(update, "m" * 16, dtype)
-    stream = StreamingEncode(update, "m" * 16, dtype)
+def test_streaming_encode_writes_the_encoders_bytes_in_order(dtype, kind):
+    """StreamingEncode (a node uploads its reply while it is encoded; the server serves an announced
+    round's state so) gives exactly encode_update's / encode_global_state's bytes; `wait_for(n)`
+    returns only once the first n bytes are final, in every prefix, and `written` never runs ahead."""
+    message, encoder = (_update(3), encode_update) if kind == "update" else (_state(3), encode_global_state)
+    oracle = encoder(message, "m" * 16, dtype)
+    stream = StreamingEncode(message, "m" * 16, dtype)
     assert len(stream.buffer) == len(oracle)
     for n in (1, 100, len(oracle) // 2, len(oracle)):
         stream.wait_for(n)
-        assert stream.buffer[:n] == oracle[:n]
-    assert stream.result() == oracle and stream.seconds > 0
+        written = stream.written
+        assert written >= n and stream.buffer[:written] == oracle[:written]
+    assert stream.result() == oracle and stream.seconds > 0 and stream.written == len(oracle)
 
 
 def test_streaming_encode_reraises_an_encoding_error_in_the_waiter(monkeypatch):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -482,3 +483,158 @@ def test_a_session_upload_is_checked_as_a_rounds(plane, caplog):
     assert (got.node_id, got.round, bytes(got.buffer())) == (NODE, 2, body)
     got.discard()
     assert len(plane.take_refusals()) == 5
+
+
+class SlowEncoding:
+    """A stand-in for `StreamingEncode` that writes `data` 256 KiB at a time, each piece only once a download
+    asked for bytes of it (`wait_for`), or fails at `fail_at`: a server that waited for the whole encoding
+    before streaming would never see it finish (the test fails on the timeout)."""
+
+    def __init__(self, data: bytes, fail_at: int | None = None):
+        self.buffer, self._done, self._error = memoryview(bytearray(len(data))), 0, None
+        self.waits: list[int] = []
+        """Every download's `wait_for(n)`."""
+        self._cond = threading.Condition()
+
+        def fill():
+            for start in range(0, len(data), 256 << 10):
+                with self._cond:
+                    if not self._cond.wait_for(lambda: any(n > start for n in self.waits), timeout=20):
+                        self._error = TimeoutError(f"no download asked for byte {start}")
+                    elif fail_at is not None and start >= fail_at:
+                        self._error = RuntimeError("disk on fire")
+                    if self._error is not None:
+                        self._cond.notify_all()
+                        return
+                end = min(start + (256 << 10), len(data))
+                self.buffer[start:end] = data[start:end]
+                with self._cond:
+                    self._done = end
+                    self._cond.notify_all()
+
+        threading.Thread(target=fill, daemon=True).start()
+
+    @property
+    def written(self) -> int:
+        return self._done
+
+    def wait_for(self, n: int) -> None:
+        with self._cond:
+            self.waits.append(n)
+            self._cond.notify_all()
+            self._wait(min(n, len(self.buffer)))
+
+    def _wait(self, n: int) -> None:
+        self._cond.wait_for(lambda: self._error is not None or self._done >= n)
+        if self._done < n:
+            raise self._error
+
+    def result(self) -> memoryview:
+        with self._cond:
+            self._wait(len(self.buffer))
+        return self.buffer
+
+
+def download_in_threads(tickets, nodes) -> tuple[dict, dict, list[threading.Thread]]:
+    got, stats = {}, {n: {} for n in nodes}
+
+    def fetch(n):
+        try:
+            got[n] = client.download(tickets[n], n, timeout=30, stats=stats[n])
+        except client.DataPlaneError as err:
+            got[n] = err
+
+    threads = [threading.Thread(target=fetch, args=(n,)) for n in nodes]
+    for t in threads:
+        t.start()
+    return got, stats, threads
+
+
+@pytest.mark.parametrize("checksum", ["xxh3", "sha256"])
+def test_an_announced_state_is_served_while_it_is_encoded(tmp_path, checksum):
+    """`publish_encoding`: both nodes' waiting downloads start before the encoding is done (their first
+    byte comes first), get exactly the encoded bytes and check them against the digest that follows
+    the data; the server's uploads work as after `publish`. A real StreamingEncode of a GlobalState
+    gives the bytes of `encode_global_state`."""
+    import torch
+
+    from lordo_fed.wire.encode import StreamingEncode, encode_global_state
+    from lordo_fed.wire.messages import GlobalState
+
+    with DataPlaneServer(tmp_path / "spool", chunk_bytes=256 << 10, stall_timeout=5.0, checksum=checksum) as plane:
+        tickets = plane.announce(1, [NODE, OTHER], ttl=60, max_upload=4 * MB)
+        got, _, threads = download_in_threads(tickets, [NODE, OTHER])
+        data = os.urandom(3 * MB + 17)
+        slow = SlowEncoding(data)
+        assert plane.publish_encoding(1, slow) == DIGESTS[checksum](data)
+        for t in threads:
+            t.join(timeout=30)
+        assert got[NODE] == data and got[OTHER] == data
+        # the encoding advanced only as the streams asked for its next piece: each chunk went out once written
+        assert len([n for n in slow.waits if n < len(data)]) >= 12, slow.waits
+        client.upload(tickets[NODE], NODE, b"reply")
+        assert bytes(plane.upload(NODE, 1).buffer()) == b"reply"
+
+        tickets = plane.announce(2, [NODE], ttl=60, max_upload=4 * MB)
+        got, _, threads = download_in_threads(tickets, [NODE])
+        state = GlobalState(round=2, params={"w": torch.randn(300, 500), "b": torch.randn(7)})
+        plane.publish_encoding(2, StreamingEncode(state, "m"))
+        threads[0].join(timeout=30)
+        assert got[NODE] == encode_global_state(state, "m")
+
+
+def test_an_encoding_that_fails_ends_the_downloads_with_its_reason(plane, caplog):
+    tickets = plane.announce(1, [NODE], ttl=60, max_upload=4 * MB)
+    got, _, threads = download_in_threads(tickets, [NODE])
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        plane.publish_encoding(1, SlowEncoding(os.urandom(3 * MB), fail_at=MB))
+    threads[0].join(timeout=30)
+    assert isinstance(got[NODE], client.DataPlaneError)
+    assert "the server's encoding of round 1's state failed: RuntimeError: disk on fire" in str(got[NODE])
+
+
+def fake_download_server(messages: list[bytes]):
+    """A gRPC server whose Download streams `messages` as they are (a broken or hostile data plane)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lordo_fed.transport.server import DOWNLOAD_METHOD, SERVICE
+
+    handler = grpc.method_handlers_generic_handler(SERVICE, {
+        DOWNLOAD_METHOD.rsplit("/", 1)[1]: grpc.unary_stream_rpc_method_handler(
+            lambda request, context: iter(messages), response_serializer=lambda b: b)})
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+@pytest.mark.parametrize("case,reason", [
+    ("wrong", "xxh3 digest mismatch"),
+    ("none", "8 bytes and no xxh3 digest after them (truncated)"),
+    ("early", "a xxh3 digest after 4 of 8 bytes; expected one xxh3 digest, after the data, when the header declared none"),
+    ("twice", "a xxh3 digest after 8 of 8 bytes; expected one xxh3 digest"),
+    ("declared", "a xxh3 digest after 8 of 8 bytes; expected one xxh3 digest"),
+    ("kind", "a sha256 digest after 8 of 8 bytes"),
+])
+def test_a_download_refuses_a_trailing_digest_out_of_place(case, reason):
+    """What a node accepts after a header without digest: one digest of the ticket's kind, after exactly
+    the declared bytes; anything else ends the download with a reason, and nothing is returned."""
+    from lordo_fed.transport.framing import frame
+    from lordo_fed.transport.server import CHUNK_DATA
+
+    data = b"12345678"
+    right = DIGESTS["xxh3"](data)
+    header = pb.Chunk(size=8, digest=right if case == "declared" else "", checksum="xxh3").SerializeToString()
+    part = [frame(pb.Chunk(), CHUNK_DATA, data[:4]), frame(pb.Chunk(), CHUNK_DATA, data[4:])]
+    trailer = lambda d, kind="xxh3": pb.Chunk(digest=d, checksum=kind).SerializeToString()
+    streams = {"wrong": [header, *part, trailer("0" * 32)], "none": [header, *part],
+               "early": [header, part[0], trailer(right), part[1]], "twice": [header, *part, trailer(right), trailer(right)],
+               "declared": [header, *part, trailer(right)], "kind": [header, *part, trailer("0" * 64, "sha256")]}
+    server, port = fake_download_server(streams[case])
+    try:
+        ticket = pb.Ticket(address=f"127.0.0.1:{port}", round=1, checksum="xxh3", download_token="t")
+        with pytest.raises(client.DataPlaneError, match=re.escape(reason)):
+            client.download(ticket, NODE, timeout=10)
+    finally:
+        server.stop(0)
