@@ -23,7 +23,7 @@ from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.rounds.outer import Average
 from lordo_fed.wire.codec import PayloadError
 from lordo_fed.wire.compress import decoded
-from lordo_fed.wire.decode import decode_update
+from lordo_fed.wire.decode import decode_update, relayed_reply_problem
 from lordo_fed.wire.encode import encode_update
 from lordo_fed.wire.messages import GlobalState, WorkerUpdate
 from lordo_fed.wire.payload import PayloadCodecs
@@ -78,8 +78,8 @@ def relayed_from_checkpoint(sd: Mapping[str, Tensor], round_idx: int, codecs: Pa
             u = decode_update(raw.numpy().tobytes(), CHECKPOINT_ID, codecs=codecs.specs(), keep_compressed=True)
         except PayloadError as err:
             raise ValueError(f"checkpoint: relay/{i}: {err}") from None
-        if u.round != round_idx - 1 or u.moments or u.coords or (replies and u.worker_id <= replies[-1].worker_id):
-            raise ValueError(f"checkpoint: relay/{i} is worker {u.worker_id}'s reply of round {u.round}; expected Δ "
-                             f"only, of round {round_idx - 1}, each worker once in increasing order")
+        problem = relayed_reply_problem(u, round_idx, replies[-1] if replies else None)  # as the workers check it
+        if problem:
+            raise ValueError(f"checkpoint: relay/{i}: {problem}")
         replies.append(u)
     return replies

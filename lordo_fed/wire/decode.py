@@ -346,16 +346,24 @@ def _relayed(msg: pb.GlobalState, expected_model_id: str | None, payloads: list,
             reply = decode_update(payload, expected_model_id, codecs=codecs)
         except PayloadError as err:
             raise PayloadError(f"{where}: {err}") from None
-        if reply.round != msg.round - 1:
-            raise PayloadError(f"{where}: a reply of round {reply.round} relayed in round {msg.round}'s state "
-                               f"(expected round {msg.round - 1})")
-        if reply.moments or reply.coords:
-            raise PayloadError(f"{where}: a relayed reply carries moments or coordinates (Δ only)")
-        if out and reply.worker_id <= out[-1].worker_id:
-            raise PayloadError(f"{where}: worker {reply.worker_id} after worker {out[-1].worker_id} (expected each "
-                               "worker once, in increasing order)")
+        problem = relayed_reply_problem(reply, msg.round, out[-1] if out else None)
+        if problem:
+            raise PayloadError(f"{where}: {problem}")
         out.append(reply)
     return out
+
+
+def relayed_reply_problem(reply: WorkerUpdate, state_round: int, previous: WorkerUpdate | None) -> str | None:
+    """Why `reply` cannot be relayed in round `state_round`'s state after `previous` (None: it can): it must be
+    of the previous round, Δ only, and each worker's once in increasing order (lordo_fed.rounds.relay)."""
+    if reply.round != state_round - 1:
+        return f"a reply of round {reply.round} relayed in round {state_round}'s state (expected round {state_round - 1})"
+    if reply.moments or reply.coords:
+        return "a relayed reply carries moments or coordinates (Δ only)"
+    if previous is not None and reply.worker_id <= previous.worker_id:
+        return (f"worker {reply.worker_id} after worker {previous.worker_id} (expected each worker once, in "
+                "increasing order)")
+    return None
 
 
 def _finish_update(msg: pb.WorkerUpdate, expected_model_id: str | None,
