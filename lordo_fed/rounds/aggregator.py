@@ -40,7 +40,7 @@ from lordo_fed.rounds import screening
 from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.rounds.bases import fit_projections, initial_projections, low_rank_shape
 from lordo_fed.rounds.outer import Average, OuterOptimizer
-from lordo_fed.rounds.relay import relay_checkpoint, relayed_from_checkpoint
+from lordo_fed.rounds.relay import relay_checkpoint, relayed_form, relayed_from_checkpoint
 from lordo_fed.rounds.sparse import contributor_mean, support_overlap
 from lordo_fed.rounds.screening import ReplyRef
 from lordo_fed.wire import lowrank
@@ -382,8 +382,7 @@ class Aggregator:
             if problem is not None:
                 raise ValueError(f"round {self.round}: the reply relayed for worker {ref.worker_id} is not the one "
                                  f"screened: {problem}")
-            out.append(WorkerUpdate(worker_id=reply.worker_id, round=reply.round, delta=dict(reply.delta), moments={},
-                                    tokens=reply.tokens, opt_step=reply.opt_step))
+            out.append(relayed_form(reply))
         return out
 
     def _accumulate(self, ref: ReplyRef, weight: float, names: Iterable[str], delta_sums: dict[str, Tensor],

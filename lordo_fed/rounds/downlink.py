@@ -8,7 +8,10 @@ same tensors, so they agree on θ_c bit for bit; a worker trains from θ_c and m
 it. A worker that gets a change to a copy it does not hold (it missed a round) refuses it
 (`ResyncNeeded`) and the server sends θ_c whole next time. θ_c is part of the worker's saved state.
 With a relaying payload the state carries the last round's replies instead of a change, and the
-worker replays that round on θ_c (lordo_fed.rounds.relay).
+worker replays that round on θ_c (lordo_fed.rounds.relay). Its own reply is left out of the state
+(the node sent it): the worker keeps its last reply as the server relays it (`keep_reply`, saved
+with θ_c) and puts it back; a state that leaves out a reply this worker did not keep is refused
+(`ResyncNeeded`), as is a change to a copy it does not hold.
 """
 
 from __future__ import annotations
@@ -19,14 +22,19 @@ import torch
 from torch import Tensor
 
 from lordo_fed.rounds.config import RoundConfig
-from lordo_fed.rounds.relay import replay
+from lordo_fed.rounds.relay import relayed_form, replay, reply_bytes, with_own
 from lordo_fed.wire.compress import decoded
-from lordo_fed.wire.messages import GlobalState
+from lordo_fed.wire.messages import GlobalState, WorkerUpdate
 from lordo_fed.wire.payload import PayloadCodecs
 
 
+OWN_REPLY = "own_reply"
+"""The key of the reply kept (`Downlink.own`) in the worker's state dict and its flat state."""
+
+
 class ResyncNeeded(ValueError):
-    """The server sent θ as a change to a copy this worker does not hold (it missed a round)."""
+    """The server sent θ as a change to a copy this worker does not hold (it missed a round), or relayed
+    a round leaving out a reply this worker did not keep."""
 
 
 class Downlink:
@@ -49,6 +57,9 @@ class Downlink:
         self.change: dict[str, Tensor] = {}
         """The decoded change of θ_c the last state carried, of the parameters in `keep` (empty after
         a state with θ whole)."""
+        self.own: Tensor | None = None
+        """A relaying payload: this worker's last reply as the server relays it (`relay.reply_bytes`, as a
+        uint8 tensor), which the next state leaves out (`relay.for_worker`); None: none kept."""
 
     def theta(self, state: GlobalState, names: Iterable[str]) -> dict[str, Tensor]:
         """θ to start round `state.round` from, by name: `state.params`, θ_c plus the change it
@@ -66,6 +77,10 @@ class Downlink:
                                    "reply did not reach the server)")
             self.change = {}
             if relayed:
+                try:
+                    state = with_own(state, None if self.own is None else memoryview(self.own.numpy()), self.codecs)
+                except ValueError as err:
+                    raise ResyncNeeded(f"{err}: it needs θ whole") from None
                 theta = replay(self.params, state, self.rounds, self.codecs)
                 self.change = {n: theta[n] - self.params[n] for n in self.keep}
                 self.params, self.round = theta, state.round
@@ -84,6 +99,12 @@ class Downlink:
             return self.params
         return theta
 
+    def keep_reply(self, update: WorkerUpdate) -> None:
+        """With a relaying payload: keep `update`, the reply this worker sends, as the server would relay
+        it (its Δ as sent, tokens, counters: `relay.relayed_form`), for the next state, which leaves it out."""
+        if self.codecs is not None and self.codecs.relay:
+            self.own = torch.frombuffer(bytearray(reply_bytes(relayed_form(update))), dtype=torch.uint8)
+
     def take_change(self) -> dict[str, Tensor]:
         """The kept change of the last state (`change`, empty unless `keep` names parameters and the state
         carried a change), handed over once: the next call returns {} until another state comes."""
@@ -91,12 +112,20 @@ class Downlink:
         return change
 
     def state_dict(self) -> dict:
-        """θ_c ('client', by name; empty when none is held) and its round ('client_round'), as the
-        worker's state dict holds them."""
-        return {"client": {} if self.params is None else dict(self.params), "client_round": torch.tensor(self.round)}
+        """θ_c ('client', by name; empty when none is held), its round ('client_round') and, with a
+        relaying payload, the reply kept (`OWN_REPLY`, its bytes; absent when none), as the worker's state
+        dict holds them."""
+        own = {} if self.own is None else {OWN_REPLY: self.own}
+        return {"client": {} if self.params is None else dict(self.params), "client_round": torch.tensor(self.round),
+                **own}
 
     def load_state_dict(self, sd: Mapping) -> None:
-        """θ_c and its round from a worker's state dict (`state_dict`; absent: none held)."""
+        """θ_c, its round and the reply kept from a worker's state dict (`state_dict`; absent: none held)."""
         client = sd.get("client") or {}
         self.params = {n: t.float().clone() for n, t in client.items()} or None
         self.round = int(sd.get("client_round", 0))
+        own = sd.get(OWN_REPLY)
+        if own is not None and (own.dtype != torch.uint8 or own.dim() != 1):
+            raise ValueError(f"worker state: {OWN_REPLY} is a {own.dtype} tensor of shape {tuple(own.shape)}; "
+                             "expected the bytes of the reply kept (uint8, one dimension)")
+        self.own = None if own is None else own.clone()

@@ -8,7 +8,12 @@ as the server did: the same `Aggregator` code over the same decoded replies in t
 token-weighted or contributor mean, median clipping), then the same plain-average outer step
 θ ← θ − η Δ̄. The fp32 additions are the same in the same order, so θ_c comes out equal to the
 server's θ bit for bit, with no error feedback on the server and nothing left behind in θ − θ_c:
-the downlink delivers the exact aggregate at M times the uplink's bytes.
+the downlink delivers the exact aggregate.
+
+A node knows its own reply (it sent it), so the state each node gets leaves that one out
+(`for_worker`: M − 1 replies down, not M) and names it by a digest; the node puts back the reply it
+kept (`Downlink`, `reply_digest`) when the digest matches, and otherwise asks for θ whole
+(`ResyncNeeded`). The Aggregator's own state, and its checkpoint, keep all M.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lordo_fed.rounds.config import RoundConfig
+from lordo_fed.transport.checksum import digest_of
 from lordo_fed.rounds.outer import Average
 from lordo_fed.wire.codec import PayloadError
 from lordo_fed.wire.compress import decoded
@@ -29,8 +35,59 @@ from lordo_fed.wire.messages import GlobalState, WorkerUpdate
 from lordo_fed.wire.payload import PayloadCodecs
 
 CHECKPOINT_ID = "relay-checkpoint"
-"""The model id a checkpoint's relayed replies are stored under (`relay_checkpoint`): the checkpoint's own
-metadata names the run's model."""
+"""The model id a relayed reply is serialized under where it is kept, not sent (`reply_bytes`: a checkpoint's
+relayed replies, a node's own last reply and its digest): the run's model is named by what holds it."""
+DIGEST_KIND = "xxh3"
+"""The digest of a reply left out of a node's state (`reply_digest`): a fingerprint against a stale or
+different kept reply, not a proof of origin (the state itself comes from the server)."""
+
+
+def relayed_form(update: WorkerUpdate) -> WorkerUpdate:
+    """`update` as a relaying state carries it: its Δ as sent (compressed), tokens and counters; no
+    moments, metrics or coordinates."""
+    return WorkerUpdate(worker_id=update.worker_id, round=update.round, delta=dict(update.delta), moments={},
+                        tokens=update.tokens, opt_step=update.opt_step)
+
+
+def reply_bytes(reply: WorkerUpdate) -> memoryview:
+    """`reply` (in `relayed_form`) serialized for keeping: `encode_update` under `CHECKPOINT_ID`."""
+    return encode_update(reply, CHECKPOINT_ID)
+
+
+def reply_digest(reply: WorkerUpdate | bytes | memoryview) -> str:
+    """The fingerprint of a relayed reply (or of its `reply_bytes`): the XXH3-128 hex digest of its bytes."""
+    return digest_of(DIGEST_KIND, reply if not isinstance(reply, WorkerUpdate) else reply_bytes(reply))
+
+
+def for_worker(state: GlobalState, worker_id: int) -> GlobalState:
+    """The relaying `state` as worker `worker_id`'s node gets it: its own reply left out of `relay` and
+    named by `relay_own` and its digest (the node kept it); `state` itself when its reply is not among them
+    (a node whose reply was not applied, or a state that relays nothing)."""
+    own = next((u for u in state.relay if u.worker_id == worker_id), None)
+    if own is None:
+        return state
+    return dataclasses.replace(state, relay=[u for u in state.relay if u is not own], relay_own=worker_id,
+                               relay_own_digest=reply_digest(own))
+
+
+def with_own(state: GlobalState, kept: bytes | memoryview | None, codecs: PayloadCodecs) -> GlobalState:
+    """`state` as the server made it, all the replies in worker order: the reply its node kept (`kept`, its
+    `reply_bytes`) put back where `for_worker` left it out (`state` itself when none was). ValueError naming
+    why `kept` is not that reply: none kept, another worker's or round's, other bytes (the digest)."""
+    if state.relay_own is None:
+        return state
+    where = f"round {state.round}: the state leaves out worker {state.relay_own}'s reply of round {state.round - 1}"
+    if kept is None:
+        raise ValueError(f"{where}; this node kept no reply")
+    reply = decode_update(kept, CHECKPOINT_ID, codecs=codecs.specs(), keep_compressed=True)
+    if (reply.worker_id, reply.round) != (state.relay_own, state.round - 1):
+        raise ValueError(f"{where}; this node kept worker {reply.worker_id}'s reply of round {reply.round}")
+    digest = reply_digest(kept)
+    if digest != state.relay_own_digest:
+        raise ValueError(f"{where}; the reply this node kept has digest {digest[:16]}..., the server relayed "
+                         f"{state.relay_own_digest[:16]}...")
+    return dataclasses.replace(state, relay=sorted([*state.relay, reply], key=lambda u: u.worker_id), relay_own=None,
+                               relay_own_digest="")
 
 
 def replay(theta_c: dict[str, Tensor], state: GlobalState, rounds: RoundConfig,
@@ -57,7 +114,7 @@ def relay_checkpoint(relayed: list[WorkerUpdate]) -> dict[str, Tensor]:
     """The replies the next state relays, as checkpoint tensors (`Aggregator.state_dict`): their count, and
     each serialized (`encode_update`) as bytes, so that a resumed run relays on (`relayed_from_checkpoint`)."""
     out = {"counter/relayed": torch.tensor(len(relayed))}
-    out.update({f"relay/{i}": torch.frombuffer(bytearray(encode_update(u, CHECKPOINT_ID)), dtype=torch.uint8)
+    out.update({f"relay/{i}": torch.frombuffer(bytearray(reply_bytes(u)), dtype=torch.uint8)
                 for i, u in enumerate(relayed)})
     return out
 

@@ -157,7 +157,7 @@ class Worker:
         self.overlap.keep(state.round, theta_send, due, self.optimizer, self.params)
         delta, due, coords = self.uplink.encode(delta, due, state.projections,
                                                 lambda name: self.optimizer.basis(self.params[name]))
-        return WorkerUpdate(
+        update = WorkerUpdate(
             worker_id=self.worker_id,
             round=state.round,
             delta=delta,
@@ -171,6 +171,8 @@ class Worker:
                      **({"sparse_reselected": self.uplink.reselected} if self.uplink.reselected is not None else {})},
             coords=coords,
         )
+        self.downlink.keep_reply(update)  # a relaying payload: the next state leaves it out
+        return update
 
     @torch.no_grad()
     def load_global_state(self, state: GlobalState) -> dict[str, Tensor]:

@@ -26,6 +26,7 @@ from lordo_fed.rounds.bases import fit_projections, initial_projections
 from lordo_fed.rounds.async_rounds import AsyncServer, NodeCopies, VirtualClock, async_record
 from lordo_fed.rounds.build import build_run
 from lordo_fed.rounds.methods import MethodSettings, make_worker
+from lordo_fed.rounds.relay import for_worker
 from lordo_fed.rounds.worker import Worker
 from lordo_fed.trainer.config import TrainConfig
 from lordo_fed.wire.compress import decoded
@@ -104,9 +105,11 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     bar = StepBar(ctx, settings.name)
     for _ in range(num_rounds):
         state = aggregator.global_state()
-        received = tensor_bytes(state.tensors())
+        # each worker's own state: a relaying one leaves out the worker's own reply (relay.for_worker)
+        states = [for_worker(state, w.worker_id) for w in workers]
+        received = max(tensor_bytes(s.tensors()) for s in states)
         started = time.perf_counter()
-        updates = [w.train_round(state, progress=bar.worker_step) for w in workers]
+        updates = [w.train_round(s, progress=bar.worker_step) for w, s in zip(workers, states)]
         sent = max(tensor_bytes(u.tensors()) for u in updates)  # compressed tensors by their encoded bytes
         relay = {u.worker_id: u for u in updates}  # as received: what a relaying payload sends on
         updates = [as_received(u) for u in updates]

@@ -86,7 +86,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., nbytes: _Optional[int] = ..., data: _Optional[bytes] = ..., bits: _Optional[int] = ..., block: _Optional[int] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ..., sqrt: _Optional[bool] = ..., levels: _Optional[_Union[Levels, str]] = ..., index_coding: _Optional[_Union[IndexCoding, str]] = ..., tile: _Optional[int] = ...) -> None: ...
 
 class GlobalState(_message.Message):
-    __slots__ = ("schema", "model_id", "round", "opt_step", "params", "projections", "moments", "params_from_seed", "params_delta", "local_steps", "relay", "outer_lr")
+    __slots__ = ("schema", "model_id", "round", "opt_step", "params", "projections", "moments", "params_from_seed", "params_delta", "local_steps", "relay", "outer_lr", "relay_own", "relay_own_digest")
     SCHEMA_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,8 @@ class GlobalState(_message.Message):
     LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
     OUTER_LR_FIELD_NUMBER: _ClassVar[int]
+    RELAY_OWN_FIELD_NUMBER: _ClassVar[int]
+    RELAY_OWN_DIGEST_FIELD_NUMBER: _ClassVar[int]
     schema: str
     model_id: str
     round: int
@@ -111,7 +113,9 @@ class GlobalState(_message.Message):
     local_steps: int
     relay: _containers.RepeatedScalarFieldContainer[bytes]
     outer_lr: float
-    def __init__(self, schema: _Optional[str] = ..., model_id: _Optional[str] = ..., round: _Optional[int] = ..., opt_step: _Optional[int] = ..., params: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., projections: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., moments: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., params_from_seed: _Optional[bool] = ..., params_delta: _Optional[bool] = ..., local_steps: _Optional[int] = ..., relay: _Optional[_Iterable[bytes]] = ..., outer_lr: _Optional[float] = ...) -> None: ...
+    relay_own: int
+    relay_own_digest: str
+    def __init__(self, schema: _Optional[str] = ..., model_id: _Optional[str] = ..., round: _Optional[int] = ..., opt_step: _Optional[int] = ..., params: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., projections: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., moments: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., params_from_seed: _Optional[bool] = ..., params_delta: _Optional[bool] = ..., local_steps: _Optional[int] = ..., relay: _Optional[_Iterable[bytes]] = ..., outer_lr: _Optional[float] = ..., relay_own: _Optional[int] = ..., relay_own_digest: _Optional[str] = ...) -> None: ...
 
 class WorkerUpdate(_message.Message):
     __slots__ = ("schema", "model_id", "round", "worker_id", "tokens", "opt_step", "delta", "moments", "metrics", "delta_coords")

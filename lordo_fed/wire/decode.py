@@ -41,6 +41,7 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 from torch import Tensor
 
+from lordo_fed.transport.checksum import is_digest
 from lordo_fed.v1 import wire_pb2 as pb
 from lordo_fed.wire.codec import GLOBAL_STATE_SCHEMA, SCHEMA, SCHEMA_V2, UPDATE_SCHEMA, WIRE_WORDS, PayloadError
 from lordo_fed.wire.compress import (CodecSpec, CompressionError, Encoded, SparseValues, decode as decode_compressed,
@@ -305,7 +306,7 @@ def _finish_global_state(msg: pb.GlobalState, expected_model_id: str | None,
     Each relayed reply is a WorkerUpdate payload of its own, decoded (and refused) as one."""
     kind = "GlobalState"
     v2 = _check_header(msg, kind, GLOBAL_STATE_SCHEMA, expected_model_id)
-    _check_counts(kind, round=msg.round, opt_step=msg.opt_step, local_steps=msg.local_steps)
+    _check_counts(kind, round=msg.round, opt_step=msg.opt_step, local_steps=msg.local_steps, relay_own=msg.relay_own)
     groups = [(msg.params, f"{kind}.params", 5), (msg.projections, f"{kind}.projections", 6),
               (msg.moments, f"{kind}.moments", 7)]
     shapes = [_check_group(g, where, v2 and field != 6, codecs) for g, where, field in groups]
@@ -319,10 +320,12 @@ def _finish_global_state(msg: pb.GlobalState, expected_model_id: str | None,
                                                               f"in a {SCHEMA} payload (a {SCHEMA_V2} field)"))
     relay = _relayed(msg, expected_model_id, list(msg.relay) if spans is None else
                      [view[start:start + size] for start, size in spans[_RELAY]], codecs, bool(params))
+    own = _relay_own(msg, relay, bool(params))
     return GlobalState(round=int(msg.round), params=params, projections=projections,
                        moments=moments, opt_step=int(msg.opt_step), params_from_seed=bool(msg.params_from_seed),
                        params_delta=bool(msg.params_delta), local_steps=int(msg.local_steps), relay=relay,
-                       outer_lr=float(msg.outer_lr))
+                       outer_lr=float(msg.outer_lr), relay_own=own,
+                       relay_own_digest=msg.relay_own_digest if own is not None else "")
 
 
 def _relayed(msg: pb.GlobalState, expected_model_id: str | None, payloads: list, codecs: frozenset[CodecSpec] | None,
@@ -351,6 +354,29 @@ def _relayed(msg: pb.GlobalState, expected_model_id: str | None, payloads: list,
             raise PayloadError(f"{where}: {problem}")
         out.append(reply)
     return out
+
+
+def _relay_own(msg: pb.GlobalState, relay: list[WorkerUpdate], has_params: bool) -> int | None:
+    """The worker whose reply a relaying state leaves out for its node (`relay_own`, worker id + 1 on the
+    wire; None: none), with its digest: only in a relaying state (`params_delta`, no θ, `outer_lr` > 0),
+    a well-formed XXH3-128 hex digest, and a worker that is not also among the relayed replies."""
+    kind = "GlobalState"
+    if not msg.relay_own:
+        if msg.relay_own_digest:
+            raise PayloadError(f"{kind}: relay_own_digest {msg.relay_own_digest[:40]!r} without relay_own (no reply "
+                               "left out)")
+        return None
+    worker = msg.relay_own - 1
+    if not msg.params_delta or has_params or not msg.outer_lr > 0:
+        raise PayloadError(f"{kind}: relay_own={msg.relay_own} (worker {worker}'s reply left out) in a state that "
+                           f"does not relay (params_delta={msg.params_delta}, {'θ' if has_params else 'no θ'}, "
+                           f"outer_lr={msg.outer_lr!r}): expected params_delta, no θ and outer_lr > 0")
+    if not is_digest("xxh3", msg.relay_own_digest):
+        raise PayloadError(f"{kind}: relay_own_digest {msg.relay_own_digest[:40]!r}: expected the XXH3-128 digest "
+                           f"of worker {worker}'s reply, 32 lowercase hex digits")
+    if any(u.worker_id == worker for u in relay):
+        raise PayloadError(f"{kind}: relay_own={msg.relay_own}: worker {worker}'s reply is left out and relayed too")
+    return worker
 
 
 def relayed_reply_problem(reply: WorkerUpdate, state_round: int, previous: WorkerUpdate | None) -> str | None:

@@ -70,6 +70,15 @@ def _codec_fields(enc: Encoded) -> tuple[int, dict[int, int]]:
                                                         **({14: spec.tile} if spec.tile else {})}
 
 
+def _relay_own_field(state: GlobalState) -> int:
+    """`GlobalState.relay_own` as the wire carries it: the worker id + 1, 0 for none (ids start at 0)."""
+    if state.relay_own is None:
+        return 0
+    if int(state.relay_own) < 0:
+        raise ValueError(f"GlobalState.relay_own={state.relay_own!r}: expected a worker id >= 0 or None")
+    return int(state.relay_own) + 1
+
+
 def _schema_of(groups: Iterable[Mapping[str, object]], kind: str, v2_fields: bool = False) -> str:
     """v2 when any tensor travels compressed or a v2 field is set, else v1 (what every v1 receiver reads)."""
     compressed = v2_fields or any(isinstance(t, Encoded) and t.spec.kind != "raw" for g in groups for t in g.values())
@@ -183,6 +192,9 @@ def _global_state_plan(state: GlobalState, model_id: str, payload_dtype: str) ->
             plan.add(piece)
     if state.outer_lr:
         plan.add(key(12, WT_FIXED64) + struct.pack("<d", float(state.outer_lr)))
+    own = int64_field(13, _relay_own_field(state), "GlobalState.relay_own") + string_field(14, state.relay_own_digest)
+    if own:
+        plan.add(own)
     return _finish_plan(plan, "GlobalState")
 
 
@@ -500,6 +512,8 @@ def encode_global_state_reference(state: GlobalState, model_id: str, payload_dty
     msg.local_steps = int(state.local_steps)
     msg.relay.extend(encode_update_reference(r, model_id, payload_dtype, deterministic) for r in state.relay)
     msg.outer_lr = float(state.outer_lr)
+    msg.relay_own = _relay_own_field(state)
+    msg.relay_own_digest = state.relay_own_digest
     return msg.SerializeToString(deterministic=deterministic)
 
 

@@ -68,6 +68,13 @@ class GlobalState:
     (lordo_fed.rounds.relay). Empty with `params_delta`: θ did not move (a skipped round)."""
     outer_lr: float = 0.0
     """With `relay`: the server's outer lr η of that round's step θ ← θ − η Δ̄."""
+    relay_own: int | None = None
+    """A relaying state sent to one node (`lordo_fed.rounds.relay.for_worker`): the worker whose reply
+    `relay` leaves out, because that node sent it and keeps it (the downlink is then M − 1 replies, not
+    M); None: none left out. On the wire as the worker id + 1 (0: none)."""
+    relay_own_digest: str = ""
+    """With `relay_own`: the fingerprint of the reply left out as the server relays it
+    (`lordo_fed.rounds.relay.reply_digest`); the node replays only a kept reply that matches it."""
 
     def tensors(self) -> dict[str, Tensor]:
         """Everything that crosses the wire downstream, one flat dict (for byte counts)."""

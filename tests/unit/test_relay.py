@@ -18,7 +18,8 @@ from lordo_fed.rounds.outer import Average, Nesterov
 from lordo_fed.trainer.run import as_received
 from lordo_fed.wire.compress import ErrorFeedback
 from lordo_fed.wire.decode import decode_global_state
-from lordo_fed.wire.encode import encode_global_state
+from lordo_fed.wire.encode import encode_global_state, encode_update
+from lordo_fed.metrics import tensor_bytes
 from lordo_fed.wire.messages import WorkerUpdate
 from lordo_fed.wire.payload import PRESETS, resolve_payload
 
@@ -79,6 +80,114 @@ def test_every_worker_replays_the_servers_theta_bit_for_bit(mean, clip):
         agg.aggregate([as_received(u) for u in sent], relay={u.worker_id: u for u in sent})
         assert any(not torch.equal(before[n], agg.params[n]) for n in NAMES)  # θ moved
     assert agg.round == 6
+
+
+@pytest.mark.parametrize("mean,clip", [("all", False), ("contributors", False), ("contributors", True)])
+def test_each_node_gets_the_state_without_its_own_reply_and_replays_the_servers_theta(mean, clip):
+    """Five rounds of mocked replies (round 3 given up), each worker's state made for it (`for_worker`) and
+    sent through the wire: it relays the other workers' replies only, is smaller than the full state by
+    exactly its own reply's bytes (less the two fields that name it), and the worker, which kept the
+    reply it sent (`keep_reply`), replays the server's θ bit for bit, the full state's replay too."""
+    from lordo_fed.rounds.relay import for_worker
+    from lordo_fed.wire.protowire import WT_LEN, key, varint
+
+    torch.manual_seed(0)
+    rc = rounds_config(sparse_mean=mean, clip_median=clip)
+    agg = Aggregator({name: torch.randn(shape) for name, shape in NAMES.items()}, {}, rc, Average(lr=1.3), None,
+                     payload=RELAY)
+    workers = [Downlink(RELAY, rc) for _ in range(3)]
+    feedback = [ErrorFeedback(decay=0.9) for _ in range(3)]
+    for r in range(1, 6):
+        state = agg.global_state()
+        full = bytes(encode_global_state(state, "m"))
+        for m, w in enumerate(workers):
+            own = for_worker(state, m)
+            data = bytes(encode_global_state(own, "m"))
+            if r in (1, 4):  # θ whole; after the skipped round 3, nothing relayed: the state is the same
+                assert own is state and data == full
+            else:
+                assert [u.worker_id for u in own.relay] == [i for i in range(3) if i != m] and own.relay_own == m
+                reply = bytes(encode_update(state.relay[m], "m"))
+                field = key(11, WT_LEN) + varint(len(reply)) + reply
+                assert len(full) - len(data) == len(field) - len(key(13, 0) + varint(m + 1) + key(14, WT_LEN) + varint(32)) - 32
+                assert tensor_bytes(state.tensors()) - tensor_bytes(own.tensors()) == tensor_bytes(state.relay[m].delta)
+            got = decode_global_state(data, "m", codecs=RELAY.down_specs())
+            assert (got.relay_own, got.relay_own_digest) == (own.relay_own, own.relay_own_digest)
+            theta = w.theta(got, NAMES)
+            assert all(torch.equal(theta[n], agg.params[n]) for n in NAMES), (r, m)
+        if r == 3:
+            agg.skip_round()
+            continue
+        sent = replies(r, feedback)
+        for w, u in zip(workers, sent):
+            w.keep_reply(u)
+        agg.aggregate([as_received(u) for u in sent], relay={u.worker_id: u for u in sent})
+
+
+def test_a_worker_without_the_reply_left_out_needs_theta_whole():
+    """A state leaves out worker 0's reply: a worker that kept none, kept another round's, or one whose
+    bytes differ from what the server relayed (the digest) is refused (`ResyncNeeded`, naming why) and
+    gets θ whole (`resync_state`); a state for a worker whose reply was not applied is the full one."""
+    from lordo_fed.rounds.relay import for_worker
+
+    rc = rounds_config()
+    agg = Aggregator({n: torch.zeros(s) for n, s in NAMES.items()}, {}, rc, Average(), None, payload=RELAY)
+    fb = [ErrorFeedback() for _ in range(3)]
+    first = agg.global_state()
+    first = dataclasses.replace(first, params={n: p.clone() for n, p in first.params.items()})  # θ0, not agg's θ
+    sent1 = replies(1, fb)
+    agg.aggregate([as_received(u) for u in sent1], relay={u.worker_id: u for u in sent1})
+    sent2 = replies(2, fb)
+    mine = agg.global_state()
+    agg.aggregate([as_received(u) for u in sent2[1:]], relay={u.worker_id: u for u in sent2[1:]})
+    state = for_worker(agg.global_state(), 1)  # round 3's, for worker 1 (worker 0's reply was not applied)
+    assert for_worker(agg.global_state(), 0) is agg.global_state()
+    tampered = dataclasses.replace(sent2[1], delta={**sent2[1].delta, "norm.weight": sent2[0].delta["norm.weight"]})
+    for kept, why in ((None, "this node kept no reply"), (sent1[1], "this node kept worker 1's reply of round 1"),
+                      (sent2[0], "this node kept worker 0's reply of round 2"), (tampered, "the reply this node kept has digest")):
+        w = Downlink(RELAY, rc)
+        w.theta(first, NAMES)
+        w.keep_reply(sent1[1])
+        w.theta(for_worker(mine, 1), NAMES)  # round 2's, which leaves out its round-1 reply
+        w.own = None
+        if kept is not None:
+            w.keep_reply(kept)
+        with pytest.raises(ResyncNeeded, match=rf"round 3: the state leaves out worker 1's reply of round 2; {why}"):
+            w.theta(state, NAMES)
+        theta = w.theta(agg.resync_state(), NAMES)
+        assert all(torch.equal(theta[n], agg.params[n]) for n in NAMES)
+    w = Downlink(RELAY, rc)  # the control: the reply it sent, kept
+    w.theta(first, NAMES)
+    w.keep_reply(sent1[1])
+    w.theta(for_worker(mine, 1), NAMES)
+    w.keep_reply(sent2[1])
+    theta = w.theta(state, NAMES)
+    assert all(torch.equal(theta[n], agg.params[n]) for n in NAMES)
+
+
+def test_the_kept_reply_is_saved_with_the_workers_state():
+    """`Downlink.state_dict` and the flat state of a node store (`worker_state`) keep the reply kept, byte for
+    byte; a state dict without it holds none; one of another dtype is refused, naming it."""
+    from lordo_fed.rounds import worker_state
+    from lordo_fed.rounds.downlink import OWN_REPLY
+    from lordo_fed.rounds.relay import relayed_form, reply_bytes
+
+    w = Downlink(RELAY, rounds_config())
+    sent = replies(1, [ErrorFeedback() for _ in range(3)])[2]
+    sent.moments["exp_avg/norm.weight"] = torch.ones(16)  # sent, not relayed: not kept
+    w.keep_reply(sent)
+    assert bytes(w.own.numpy()) == bytes(reply_bytes(relayed_form(sent)))
+    sd = {"optimizer": {"state": {}, "param_groups": []}, "cursor": torch.tensor(3), "wire_ef": {}, **w.state_dict()}
+    back = Downlink(RELAY, rounds_config())
+    back.load_state_dict(worker_state.unflatten(*worker_state.flatten(sd)))
+    assert torch.equal(back.own, w.own) and back.own.data_ptr() != w.own.data_ptr()
+    back.load_state_dict({"client": {}, "client_round": torch.tensor(0)})
+    assert back.own is None and OWN_REPLY not in back.state_dict()
+    with pytest.raises(ValueError, match=r"worker state: own_reply is a torch.float32 tensor of shape \(4,\)"):
+        back.load_state_dict({OWN_REPLY: torch.zeros(4)})
+    plain = Downlink(resolve_payload("topk2bit").codecs, rounds_config())
+    plain.keep_reply(sent)
+    assert plain.own is None  # only a relaying payload keeps it
 
 
 def after_one_round() -> tuple[Aggregator, Downlink]:
@@ -213,8 +322,11 @@ def test_a_relayed_state_with_a_bad_outer_lr_is_refused():
 ])
 def test_a_relayed_run_is_the_run_with_theta_sent_whole(tmp_path, monkeypatch, method, overrides):
     """The reference trainer, three workers, four rounds: `topk2bit-relay` against the same uplink with
-    θ down fp32 whole (a preset made here: the oracle). Same θ at every evaluation and at the end, bit
-    for bit; the relay's bytes down are the three replies' encoded bytes."""
+    θ down fp32 whole (a preset made here: the oracle), and against itself with every worker sent all three
+    replies (no `for_worker`). Same θ at every evaluation and at the end, bit for bit; the relay's bytes
+    down are fewer than θ's, and each worker's own state is the full one less the worker's own reply."""
+    import lordo_fed.trainer.run as trainer
+
     from lordo_fed.rounds.outer import OuterConfig
     from tests.unit.test_trainer import context, tiny_config
     from lordo_fed.rounds.methods import resolve_method
@@ -224,8 +336,11 @@ def test_a_relayed_run_is_the_run_with_theta_sent_whole(tmp_path, monkeypatch, m
     outer = overrides.pop("diloco_outer", None)
     rc = RoundConfig(local_steps=2, sync_exp_avg_every=0, sync_exp_avg_sq_every=0, wire_ef_decay=0.9, **overrides)
     runs = {}
-    for payload in ("topk2bit-relay", "topk2bit-exact-down"):
-        cfg = tiny_config(tmp_path / payload, workers=3, total_steps=8, eval_every=1, payload_dtype=payload, rounds=rc)
+    for payload in ("topk2bit-relay", "topk2bit-exact-down", "all-replies"):
+        if payload == "all-replies":
+            monkeypatch.setattr(trainer, "for_worker", lambda state, worker_id: state)
+        cfg = tiny_config(tmp_path / payload, workers=3, total_steps=8, eval_every=1, rounds=rc,
+                          payload_dtype="topk2bit-relay" if payload == "all-replies" else payload)
         cfg.inner.init_projection = "random"
         if outer:
             cfg.diloco_outer = OuterConfig(name=outer[0], lr=outer[1])
@@ -235,8 +350,14 @@ def test_a_relayed_run_is_the_run_with_theta_sent_whole(tmp_path, monkeypatch, m
         model = run_rounds(context(cfg, records), settings)
         runs[payload] = ({n: p.detach().clone() for n, p in model.named_parameters()},
                          [r for r in records if "val_loss" in r])
-    (relayed, curve), (exact, oracle) = runs["topk2bit-relay"], runs["topk2bit-exact-down"]
-    assert all(torch.equal(relayed[n], exact[n]) for n in exact)
+    (relayed, curve), (exact, oracle), (every, full) = runs["topk2bit-relay"], runs["topk2bit-exact-down"], runs["all-replies"]
+    assert all(torch.equal(relayed[n], exact[n]) and torch.equal(every[n], exact[n]) for n in exact)
+    # each worker's state is the full one less its own reply (its Δ: no moments are due), the largest one's
+    # less the smallest reply: the round before's bytes up, the largest reply's, within the replies' spread
+    own = [r["bytes_received_per_worker"] for r in curve[2:]]
+    whole = [r["bytes_received_per_worker"] for r in full[2:]]
+    up = [r["bytes_sent_per_worker"] for r in curve[1:-1]]
+    assert all(0.95 * u < w - d <= u for d, w, u in zip(own, whole, up)), (own, whole, up)
     assert [r["val_loss"] for r in curve] == [r["val_loss"] for r in oracle] and len(curve) == 5
     assert curve[-1]["val_loss"] < curve[0]["val_loss"]  # it trained
     down = [r["bytes_received_per_worker"] for r in curve[1:]]
@@ -329,10 +450,20 @@ def hostile(state, **change):
     ("codec", r"GlobalState.relay\[0\]: WorkerUpdate.delta\['layers.0.wq.weight'\]: codec top-k 123/4096 2-bit sign rice is not "
               r"one this receiver configured"),
     ("model", r"GlobalState.relay\[0\]: WorkerUpdate: model_id 'other'"),
+    ("own-relayed", r"GlobalState: relay_own=2: worker 1's reply is left out and relayed too"),
+    ("own-digest", r"GlobalState: relay_own_digest 'ABC': expected the XXH3-128 digest of worker 1's reply, 32 "
+                   r"lowercase hex digits"),
+    ("own-theta", r"GlobalState: relay_own=2 \(worker 1's reply left out\) in a state that does not relay "
+                  r"\(params_delta=False, θ, outer_lr=0.0\)"),
+    ("own-no-lr", r"GlobalState: relay_own=2 \(worker 1's reply left out\) in a state that does not relay "
+                  r"\(params_delta=True, no θ, outer_lr=0.0\)"),
+    ("digest-alone", r"GlobalState: relay_own_digest '0{32}' without relay_own"),
+    ("own-negative", r"GlobalState.relay_own=-4: expected an integer >= 0"),
 ])
 def test_a_hostile_relay_is_refused_with_a_reason(case, message):
     from lordo_fed.wire.decode import decode_global_state
-    from lordo_fed.wire.encode import encode_global_state, encode_update
+    from lordo_fed.rounds.relay import for_worker
+    from lordo_fed.wire.encode import encode_global_state, encode_global_state_reference, encode_update
     from lordo_fed.v1 import wire_pb2 as pb
     from lordo_fed.wire.codec import PayloadError
 
@@ -350,11 +481,24 @@ def test_a_hostile_relay_is_refused_with_a_reason(case, message):
         state = hostile(state, params={n: torch.zeros(s) for n, s in NAMES.items()})
     elif case == "codec":
         specs = resolve_payload("topk2bit-both-wide").downlink_specs
-    state = hostile(state, relay=relay, outer_lr={"lr": float("nan"), "no-lr": 0.0}.get(case, state.outer_lr))
+    elif case.startswith("own-") or case == "digest-alone":
+        own = for_worker(state, 1)
+        relay = own.relay if case != "own-relayed" else relay
+        state = hostile(own, relay_own=None if case == "digest-alone" else own.relay_own,
+                        relay_own_digest={"own-digest": "ABC", "digest-alone": "0" * 32}.get(case, own.relay_own_digest))
+        if case == "own-theta":
+            state, relay = hostile(state, params={n: torch.zeros(s) for n, s in NAMES.items()}, params_delta=False), []
+    lr = {"lr": float("nan"), "no-lr": 0.0, "own-theta": 0.0, "own-no-lr": 0.0}.get(case, state.outer_lr)
+    state = hostile(state, relay=[] if case == "own-no-lr" else relay, outer_lr=lr)
     data = encode_global_state(state, "m")
+    assert bytes(data) == encode_global_state_reference(state, "m")  # both encoders write the fields alike
     if case == "model":  # one relayed reply for another model, put in by protobuf
         msg = pb.GlobalState.FromString(bytes(data))
         msg.relay[0] = bytes(encode_update(relay[0], "other"))
+        data = msg.SerializeToString()
+    if case == "own-negative":  # the encoders refuse it: put in by protobuf
+        msg = pb.GlobalState.FromString(bytes(data))
+        msg.relay_own = -4
         data = msg.SerializeToString()
     with pytest.raises(PayloadError, match=message):
         decode_global_state(data, "m", codecs=specs)
