@@ -25,21 +25,18 @@ import torch
 from torch import Tensor
 
 from lordo_fed.rounds.config import RoundConfig
-from lordo_fed.transport.checksum import digest_of
 from lordo_fed.rounds.outer import Average
 from lordo_fed.wire.codec import PayloadError
 from lordo_fed.wire.compress import decoded
-from lordo_fed.wire.decode import decode_update, relayed_reply_problem
+from lordo_fed.wire.decode import decode_update
 from lordo_fed.wire.encode import encode_update
 from lordo_fed.wire.messages import GlobalState, WorkerUpdate
 from lordo_fed.wire.payload import PayloadCodecs
+from lordo_fed.wire.relayed import fingerprint, relayed_reply_problem
 
 CHECKPOINT_ID = "relay-checkpoint"
 """The model id a relayed reply is serialized under where it is kept, not sent (`reply_bytes`: a checkpoint's
 relayed replies, a node's own last reply and its digest): the run's model is named by what holds it."""
-DIGEST_KIND = "xxh3"
-"""The digest of a reply left out of a node's state (`reply_digest`): a fingerprint against a stale or
-different kept reply, not a proof of origin (the state itself comes from the server)."""
 
 
 def relayed_form(update: WorkerUpdate) -> WorkerUpdate:
@@ -55,8 +52,8 @@ def reply_bytes(reply: WorkerUpdate) -> memoryview:
 
 
 def reply_digest(reply: WorkerUpdate | bytes | memoryview) -> str:
-    """The fingerprint of a relayed reply (or of its `reply_bytes`): the XXH3-128 hex digest of its bytes."""
-    return digest_of(DIGEST_KIND, reply if not isinstance(reply, WorkerUpdate) else reply_bytes(reply))
+    """The fingerprint of a relayed reply (or of its `reply_bytes`): lordo_fed.wire.relayed.fingerprint."""
+    return fingerprint(reply if not isinstance(reply, WorkerUpdate) else reply_bytes(reply))
 
 
 def for_worker(state: GlobalState, worker_id: int) -> GlobalState:

@@ -41,12 +41,12 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 from torch import Tensor
 
-from lordo_fed.transport.checksum import is_digest
 from lordo_fed.v1 import wire_pb2 as pb
 from lordo_fed.wire.codec import GLOBAL_STATE_SCHEMA, SCHEMA, SCHEMA_V2, UPDATE_SCHEMA, WIRE_WORDS, PayloadError
 from lordo_fed.wire.compress import (CodecSpec, CompressionError, Encoded, SparseValues, decode as decode_compressed,
                                       decode_sparse, describe, payload_bounds, split_payload)
 from lordo_fed.wire.messages import GlobalState, WorkerUpdate
+from lordo_fed.wire.relayed import relay_own_problem, relayed_reply_problem
 from lordo_fed.wire.protowire import MAX_MESSAGE, WT_LEN, Irregular, key, read_key, read_length, skip_value, varint
 
 Buffer = Union[bytes, bytearray, memoryview, mmap.mmap]
@@ -357,39 +357,13 @@ def _relayed(msg: pb.GlobalState, expected_model_id: str | None, payloads: list,
 
 
 def _relay_own(msg: pb.GlobalState, relay: list[WorkerUpdate], has_params: bool) -> int | None:
-    """The worker whose reply a relaying state leaves out for its node (`relay_own`, worker id + 1 on the
-    wire; None: none), with its digest: only in a relaying state (`params_delta`, no θ, `outer_lr` > 0),
-    a well-formed XXH3-128 hex digest, and a worker that is not also among the relayed replies."""
-    kind = "GlobalState"
-    if not msg.relay_own:
-        if msg.relay_own_digest:
-            raise PayloadError(f"{kind}: relay_own_digest {msg.relay_own_digest[:40]!r} without relay_own (no reply "
-                               "left out)")
-        return None
-    worker = msg.relay_own - 1
-    if not msg.params_delta or has_params or not msg.outer_lr > 0:
-        raise PayloadError(f"{kind}: relay_own={msg.relay_own} (worker {worker}'s reply left out) in a state that "
-                           f"does not relay (params_delta={msg.params_delta}, {'θ' if has_params else 'no θ'}, "
-                           f"outer_lr={msg.outer_lr!r}): expected params_delta, no θ and outer_lr > 0")
-    if not is_digest("xxh3", msg.relay_own_digest):
-        raise PayloadError(f"{kind}: relay_own_digest {msg.relay_own_digest[:40]!r}: expected the XXH3-128 digest "
-                           f"of worker {worker}'s reply, 32 lowercase hex digits")
-    if any(u.worker_id == worker for u in relay):
-        raise PayloadError(f"{kind}: relay_own={msg.relay_own}: worker {worker}'s reply is left out and relayed too")
-    return worker
-
-
-def relayed_reply_problem(reply: WorkerUpdate, state_round: int, previous: WorkerUpdate | None) -> str | None:
-    """Why `reply` cannot be relayed in round `state_round`'s state after `previous` (None: it can): it must be
-    of the previous round, Δ only, and each worker's once in increasing order (lordo_fed.rounds.relay)."""
-    if reply.round != state_round - 1:
-        return f"a reply of round {reply.round} relayed in round {state_round}'s state (expected round {state_round - 1})"
-    if reply.moments or reply.coords:
-        return "a relayed reply carries moments or coordinates (Δ only)"
-    if previous is not None and reply.worker_id <= previous.worker_id:
-        return (f"worker {reply.worker_id} after worker {previous.worker_id} (expected each worker once, in "
-                "increasing order)")
-    return None
+    """The worker whose reply the state leaves out for its node (`relay_own`: worker id + 1 on the wire,
+    0: none), screened by `relay_own_problem`."""
+    problem = relay_own_problem(int(msg.relay_own) - 1, msg.relay_own_digest, bool(msg.params_delta), has_params,
+                                msg.outer_lr, [u.worker_id for u in relay])
+    if problem:
+        raise PayloadError(f"GlobalState: {problem}")
+    return int(msg.relay_own) - 1 if msg.relay_own else None
 
 
 def _finish_update(msg: pb.WorkerUpdate, expected_model_id: str | None,
