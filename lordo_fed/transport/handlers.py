@@ -36,22 +36,18 @@ class Servicer:
                     return
                 await self._stream(context, request.node_id, claims.round, blob, digest)
                 return
-            with plane._lock:
-                blob = plane._blobs.get(claims.round)
-            if blob is None and claims.round > (plane._round if plane._round is not None else -1):
+            served = plane.served(claims.round, request.node_id)  # the node's own state, or the round's
+            if served is None and claims.round > (plane._round if plane._round is not None else -1):
                 # An announced round: wait for its state, at most until the token expires.
                 try:
                     await asyncio.wait_for(plane._published(claims.round).wait(), max(0.0, claims.expires - time.time()))
                 except asyncio.TimeoutError:
                     raise plane._refuse(request.node_id, claims.round, DOWNLOAD, f"round {claims.round} was not "
                                         "published before the token expired", grpc.StatusCode.DEADLINE_EXCEEDED) from None
-                with plane._lock:
-                    blob = plane._blobs.get(claims.round)
-            if blob is None:  # published over between the check and now
+                served = plane.served(claims.round, request.node_id)
+            if served is None:  # published over between the check and now
                 raise plane._refuse(request.node_id, claims.round, DOWNLOAD, f"round {claims.round} is no longer served")
-            with plane._lock:
-                digest, filling = plane._digest.get(claims.round), plane._filling.get(claims.round)
-            await self._stream(context, request.node_id, claims.round, blob, digest, filling)
+            await self._stream(context, request.node_id, claims.round, *served)
         except Refused as err:
             await context.abort(err.code, str(err))
 

@@ -7,7 +7,9 @@ way per node. The payload format does not change: the encoded `lordo_fed.v1.Glob
 down and the encoded `lordo_fed.v1.WorkerUpdate` comes up, cut into chunks
 (proto/lordo_fed/v1/dataplane.proto).
 
-- One encoded state per round, shared by every node (`publish`); the previous round's is dropped.
+- One encoded state per round, shared by every node (`publish`), except for nodes given one of their
+  own (`publish(own=...)`: a relaying state without the node's own reply, lordo_fed.rounds.relay); the
+  previous round's states stay, older ones are dropped.
 - Every call shows a capability token (lordo_fed.transport.tokens) bound to a node, a round and
   a direction. A refused call is logged as `data plane: refused <download|upload> of node <id>:
   <reason>` and kept in `refusals` for the round's report: a missing, malformed, forged, expired
@@ -42,7 +44,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import grpc
 
@@ -192,6 +194,8 @@ class DataPlaneServer:
         self._events: dict[int, asyncio.Event] = {}
         """The current round's encoded state and the previous one's (a node that fell behind
         still trains the round it was sent, so its own state stays continuous)."""
+        self._own: dict[int, dict[int, tuple[memoryview, str]]] = {}
+        """Per round, the nodes given a state of their own (`publish(own=...)`): node -> (state, digest)."""
         self._filling: dict[int, tuple[StreamingEncode, Future]] = {}
         """A round's state still being encoded (`publish_encoding`): its encoding and the future of
         its digest, until the digest is known."""
@@ -282,17 +286,35 @@ class DataPlaneServer:
 
     # ------------------------------------------------------------------------------ rounds
     def publish(self, round_idx: int, data: bytes | bytearray | memoryview, node_ids=(), ttl: float = 0.0,
-                max_upload: int = 0) -> dict[int, pb.Ticket]:
+                max_upload: int = 0, own: Mapping[int, bytes | bytearray | memoryview] | None = None) -> dict[int, pb.Ticket]:
         """Serve `data` (the round's encoded GlobalState) from now on and return the tickets of
         `node_ids` (tokens valid `ttl` seconds; nodes announced earlier already hold theirs).
+        `own`: node id -> the encoded state that node downloads instead (a relaying state without the
+        node's own reply, lordo_fed.rounds.relay.for_worker); its ticket names that state's size and
+        digest, and the download token, bound to the node, fetches nothing else.
         Uploads are taken for this round only; replies of earlier rounds not collected yet are
         discarded. The previous round's state stays downloadable: a node that fell behind
         (stalled, slow) still trains the round it was sent and keeps its own state continuous,
         though its late reply is refused. Downloads waiting for this round start now."""
         digest = digest_of(self.checksum, data)
-        self._open_round(round_idx, memoryview(data).cast("B"), digest, None, max_upload)
-        return {int(n): self._ticket(n, round_idx, ttl, max_upload or self._max_upload, len(data), digest)
-                for n in node_ids}
+        own = {int(n): (memoryview(d).cast("B"), digest_of(self.checksum, d)) for n, d in (own or {}).items()}
+        self._open_round(round_idx, memoryview(data).cast("B"), digest, None, max_upload, own)
+        blobs = {n: own.get(int(n), (data, digest)) for n in node_ids}
+        return {int(n): self._ticket(n, round_idx, ttl, max_upload or self._max_upload, len(b), d)
+                for n, (b, d) in blobs.items()}
+
+    def served(self, round_idx: int, node_id: int) -> tuple[memoryview, str | None, tuple | None] | None:
+        """What `node_id` downloads of round `round_idx` now: (the encoded state, its digest, None) when the
+        round gave the node one of its own (`publish(own=...)`), else the round's (its digest None while it
+        is encoded, with the encoding and the future of its digest: `publish_encoding`); None: not served."""
+        with self._lock:
+            own = self._own.get(int(round_idx), {}).get(int(node_id))
+            if own is not None:
+                return own[0], own[1], None
+            blob = self._blobs.get(int(round_idx))
+            if blob is None:
+                return None
+            return blob, self._digest.get(int(round_idx)), self._filling.get(int(round_idx))
 
     def publish_encoding(self, round_idx: int, encoding: StreamingEncode) -> str:
         """Serve an announced round's state while it is still being encoded (`StreamingEncode` of
@@ -319,15 +341,19 @@ class DataPlaneServer:
         return digest
 
     def _open_round(self, round_idx: int, blob: memoryview, digest: str | None,
-                    filling: tuple[StreamingEncode, Future] | None, max_upload: int) -> None:
+                    filling: tuple[StreamingEncode, Future] | None, max_upload: int,
+                    own: dict[int, tuple[memoryview, str]] | None = None) -> None:
         """Round `round_idx` is served from now on (`publish`, `publish_encoding`): its state `blob`,
-        its `digest` (None while `filling`: the encoding, and the future of the digest); the previous
-        round's state stays, older ones and uploads of other rounds go; waiting downloads start."""
+        its `digest` (None while `filling`: the encoding, and the future of the digest), and the nodes'
+        `own` states with their digests; the previous round's states stay, older ones and uploads of
+        other rounds go; waiting downloads start."""
         with self._lock:
             self._round = int(round_idx)
             self._max_upload = int(max_upload) or self._max_upload
             self._blobs = {r: b for r, b in self._blobs.items() if r == round_idx - 1}
             self._blobs[int(round_idx)] = blob
+            self._own = {r: o for r, o in self._own.items() if r == round_idx - 1}
+            self._own[int(round_idx)] = own or {}
             self._digest = {r: d for r, d in self._digest.items() if r in self._blobs and r != round_idx}
             self._filling = {r: f for r, f in self._filling.items() if r in self._blobs and r != round_idx}
             if digest is not None:

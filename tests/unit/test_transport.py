@@ -244,6 +244,32 @@ def test_an_announced_round_is_downloaded_once_published(plane):
     assert bytes(plane.upload(NODE, 1).buffer()) == b"reply"
 
 
+def test_a_node_given_its_own_state_downloads_it_and_no_other(plane, caplog):
+    """`publish(own=...)`: NODE downloads its own state (its ticket names that state's size and digest), OTHER
+    and a node announced earlier the round's; NODE's state cannot be fetched with another node's token; the
+    previous round's own states stay served for a node that fell behind, until the round after."""
+    caplog.set_level(logging.WARNING, "lordo_fed.dataplane")
+    third = 13
+    announced = plane.announce(1, [third], ttl=60, max_upload=4 * MB)
+    state, mine = os.urandom(MB + 5), os.urandom(MB // 2 + 3)
+    tickets = plane.publish(1, state, [NODE, OTHER], ttl=60, max_upload=4 * MB, own={NODE: mine})
+    assert (tickets[NODE].size, tickets[NODE].digest) == (len(mine), DIGESTS["xxh3"](mine))
+    assert (tickets[OTHER].size, tickets[OTHER].digest) == (len(state), DIGESTS["xxh3"](state))
+    assert client.download(tickets[NODE], NODE) == mine
+    assert client.download(tickets[OTHER], OTHER) == state
+    assert client.download(announced[third], third) == state
+    with pytest.raises(client.DataPlaneError, match=f"token issued to node {NODE}, presented by node {OTHER}"):
+        client.download(tickets[NODE], OTHER)
+    # OTHER's ticket made to name NODE's state: OTHER is served its own, which its check refuses
+    with pytest.raises(client.DataPlaneError, match=rf"the server declares {len(state)} bytes .*the ticket {len(mine)}"):
+        client.download(ticket_with(tickets[OTHER], size=len(mine), digest=tickets[NODE].digest), OTHER)
+    plane.publish(2, os.urandom(100), [NODE], ttl=60)
+    assert client.download(tickets[NODE], NODE) == mine  # round 1's own state, one round on
+    plane.publish(3, os.urandom(100), [NODE], ttl=60)
+    with pytest.raises(client.DataPlaneError, match=r"token for round 1, the data plane serves rounds \[2, 3\]"):
+        client.download(tickets[NODE], NODE)
+
+
 @pytest.mark.parametrize("cls,field,head", [
     (pb.Chunk, 1, {"size": 5 * MB, "digest": "ab" * 16, "checksum": "xxh3"}),
     (pb.Chunk, 1, {}),
