@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -94,22 +94,27 @@ class Courier:
         the user set (clients compose the same settings from them) and the round deadline."""
         return {"round": round_idx, EXPLICIT_KEYS: self.explicit_keys, ROUND_TIMEOUT: float(self.cfg.round_timeout)}
 
-    def outgoing(self, round_idx: int, data: bytes, node_ids: Iterable[int], message_type: str) -> list[Message]:
+    def outgoing(self, round_idx: int, data: bytes, node_ids: Iterable[int], message_type: str,
+                 own: Mapping[int, bytes] | None = None) -> list[Message]:
         """One message per node: the encoded state itself (data plane 'flower'), or a ticket to
-        fetch it from the gRPC data plane, with the tokens of this node and round."""
+        fetch it from the gRPC data plane, with the tokens of this node and round. `own`: node id ->
+        the encoded state that node gets instead of `data` (a relaying state without its own reply)."""
         node_ids = list(node_ids)
         if self.data_plane is None:
-            return self.flower_messages(round_idx, data, node_ids, message_type)
+            return self.flower_messages(round_idx, data, node_ids, message_type, own)
         tickets = self.data_plane.publish(round_idx, data, node_ids, ttl=self.cfg.round_timeout + 60,
-                                          max_upload=self.max_upload)
+                                          max_upload=self.max_upload, own=own)
         return self._ticket_messages(round_idx, tickets, message_type)
 
-    def flower_messages(self, round_idx: int, data: bytes, node_ids: Iterable[int], message_type: str) -> list[Message]:
-        """One message per node with the encoded state inside it (Flower's own data plane)."""
+    def flower_messages(self, round_idx: int, data: bytes, node_ids: Iterable[int], message_type: str,
+                        own: Mapping[int, bytes] | None = None) -> list[Message]:
+        """One message per node with the encoded state inside it (Flower's own data plane): `data`, or
+        the node's own (`own`)."""
+        own = own or {}
         record = payload_record(data)
         config = ConfigRecord(self.message_config(round_idx))
-        return [Message(content=RecordDict({"state": record, "config": config}), dst_node_id=n,
-                        message_type=message_type) for n in node_ids]
+        return [Message(content=RecordDict({"state": payload_record(own[n]) if n in own else record, "config": config}),
+                        dst_node_id=n, message_type=message_type) for n in node_ids]
 
     def identify_messages(self, node_ids: Iterable[int]) -> list[Message]:
         """One query per node asking which partition it trains (no state)."""
@@ -266,7 +271,7 @@ class Courier:
                 raise RuntimeError(f"{phase}: a reply loaded after its screening block ended (its upload buffer "
                                    "was released)")
             return kept[index]
-        entries: list[tuple[str, ReplyRef, int, MetricRecord, str | None, float]] = []
+        entries: list[tuple[str, ReplyRef, int, MetricRecord, str | None, float, int]] = []
         try:
             for msg in replies:
                 who = f"node {msg.metadata.src_node_id}"
@@ -308,16 +313,17 @@ class Courier:
                 ref = ReplyRef.of(update, load=load, norm=norm, relayed=relayed)
                 del update
                 entries.append((f"{who} (partition {ref.worker_id})", ref, size, msg.content.get("metrics", MetricRecord()),
-                                reason, norm))
+                                reason, norm, msg.metadata.src_node_id))
             entries.sort(key=lambda e: e[1].worker_id)
             reasons = screen_round([e[1].worker_id for e in entries], [e[5] for e in entries], [e[4] for e in entries])
             usable = []
-            for (who, ref, size, metrics, _, _), reason in zip(entries, reasons):
+            for (who, ref, size, metrics, _, _, node), reason in zip(entries, reasons):
                 if reason is not None:
                     rl.dropped[who] = reason
                     log.warning("%s: dropped reply of %s: %s", phase, who, reason)
                 else:
                     usable.append((ref, size, metrics))
+                    rl.partitions[node] = ref.worker_id
             yield usable
         finally:
             kept.clear()

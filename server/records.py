@@ -65,6 +65,9 @@ class RoundLog:
     """Replies whose ClientApp process imported torch (0 when every node has a node worker)."""
     replied: set[int] = field(default_factory=set)
     """Nodes whose reply arrived (not an error reply): they hold this round's copy of θ."""
+    partitions: dict[int, int] = field(default_factory=dict)
+    """Node -> the partition of its reply that passed screening (a relaying state leaves that reply out of
+    the node's next state: lordo_fed.rounds.relay.for_worker)."""
     marks: dict[str, float] = field(default_factory=dict)
     """When the round reached each phase (time.perf_counter()): 'published', 'uploads_in', 'replies_in'."""
     link_rate: dict[int, float] = field(default_factory=dict)

@@ -36,6 +36,7 @@ from lordo_fed.checkpoint import set_rng_state
 from lordo_fed.data import load_dataset
 from lordo_fed.evaluation import evaluate
 from lordo_fed.rounds.build import build_run
+from lordo_fed.rounds.relay import for_worker
 from lordo_fed.wire.messages import GlobalState
 from server.courier import Courier
 from server.records import Recorder, RoundLog, rounded
@@ -72,6 +73,9 @@ class LoRDOStrategy(Strategy):
         self._acked: set[int] | None = None
         """Nodes whose reply to the last round arrived (None: any node, e.g. after a resume): with
         a compressed downlink the others are sent θ_c whole."""
+        self._partitions: dict[int, int] = {}
+        """Node -> the partition of its reply that passed screening last round (a relaying state leaves
+        it out of that node's next state)."""
         if cfg.resume:
             self.resume(cfg.resume)
         else:
@@ -96,13 +100,16 @@ class LoRDOStrategy(Strategy):
                         grid: Grid) -> Iterable[Message]:
         """One message per connected node, all carrying the same encoded global state; with a
         compressed downlink, a node that did not reply last round (it may not hold the clients'
-        copy of θ the state's change applies to) gets θ_c whole instead, inside the message."""
+        copy of θ the state's change applies to) gets θ_c whole instead, inside the message; with a
+        relaying one, a node whose reply the state relays gets it without that reply (`_own_states`)."""
         nodes = list(grid.get_node_ids())
         data = self._encode_round(server_round)
         if not self.aggregator.downlink_due() or self._acked is None:
             return self.courier.outgoing(server_round, data, nodes, MessageType.TRAIN)
         resync = [n for n in nodes if n not in self._acked]
-        messages = self.courier.outgoing(server_round, data, [n for n in nodes if n in self._acked], MessageType.TRAIN)
+        acked = [n for n in nodes if n in self._acked]
+        own = self._own_states(server_round, acked, len(data))
+        messages = self.courier.outgoing(server_round, data, acked, MessageType.TRAIN, own)
         if resync:
             log.info("round %d: nodes %s get θ whole (no reply from them last round)", server_round, resync)
             whole = self.courier.encode(self.aggregator.resync_state())
@@ -117,6 +124,24 @@ class LoRDOStrategy(Strategy):
         self.round_log = RoundLog(sent_bytes=len(data), encode_seconds=time.perf_counter() - encode_started,
                                   marks={"published": time.perf_counter()})
         return data
+
+    def _own_states(self, server_round: int, nodes: list[int], shared: int) -> dict[int, memoryview]:
+        """A relaying state: node -> the state that node gets, encoded, for each of `nodes` whose reply the
+        state relays (`relay.for_worker`: without that reply, which the node kept); the others get the
+        round's state (`shared` bytes). The round's log counts the largest state a node gets."""
+        state = self._round_state(server_round)
+        if not state.relay:
+            return {}
+        started = time.perf_counter()
+        own = {}
+        for n in nodes:
+            mine = for_worker(state, self._partitions[n]) if n in self._partitions else state
+            if mine is not state:
+                own[n] = self.courier.encode(mine)
+        rl = self.round_log
+        rl.encode_seconds += time.perf_counter() - started
+        rl.sent_bytes = max([len(d) for d in own.values()] + ([shared] if len(own) < len(nodes) else []))
+        return own
 
     def _round_state(self, server_round: int) -> GlobalState:
         state = self.without_theta0(self.aggregator.global_state())
@@ -150,6 +175,7 @@ class LoRDOStrategy(Strategy):
             return self._aggregate_train(server_round, replies, rl)
         finally:
             self._acked = set(rl.replied)  # these nodes hold this round's copy of θ
+            self._partitions = dict(rl.partitions)  # and these kept the replies the next state relays
 
     def _aggregate_train(self, server_round: int, replies: Iterable[Message],
                          rl: RoundLog) -> tuple[ArrayRecord | None, MetricRecord | None]:
