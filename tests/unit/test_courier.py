@@ -102,6 +102,61 @@ def test_a_relaying_server_reads_each_reply_as_the_node_sent_it(tmp_path, budget
         courier.data_plane = None
 
 
+def test_each_node_downloads_the_relaying_state_without_its_own_reply(tmp_path):
+    """`topk2bit-relay` on the data plane: the screening maps each node to its reply's partition
+    (`RoundLog.partitions`); the next state, made for each node (`relay.for_worker`) and published as its own
+    (`Courier.outgoing(own=...)`), is what that node downloads, leaving out exactly its reply; a node with no
+    state of its own downloads the round's, all three replies."""
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from lordo_fed.app.records import TICKET
+    from lordo_fed.rounds.relay import for_worker, relayed_form
+    from lordo_fed.v1 import dataplane_pb2 as dp
+    from lordo_fed.wire.compress import ErrorFeedback
+    from lordo_fed.wire.decode import decode_global_state
+    from lordo_fed.wire.encode import encode_global_state
+    from lordo_fed.wire.messages import GlobalState
+
+    payload = resolve_payload("topk2bit-relay")
+    courier = Courier(load_app_config({}, tmp_path), (), model_id=MODEL, payload=payload, max_upload=1 << 20,
+                      spool=tmp_path)
+    ef, raw = ErrorFeedback(), {}
+    for i, node in zip((2, 0, 1), NODES):  # partitions in another order than the nodes
+        u = update_of(i)
+        delta = {n: ef.compress(f"{i}/{n}", t, payload.codecs.delta_spec(n, tuple(t.shape)))[0] for n, t in u.delta.items()}
+        raw[node] = bytes(encode_update(WorkerUpdate(i, 1, delta, {}, u.tokens, u.opt_step), MODEL))
+    rl = RoundLog()
+    with DataPlaneServer(tmp_path / "spool") as plane:
+        courier.data_plane = plane
+        tickets = plane.publish(1, b"state", NODES, ttl=60, max_upload=1 << 20)
+        replies = [reply(node, client.upload(tickets[node], node, raw[node]).digest) for node in NODES]
+        with courier.screened(replies, 1, "round 1", lambda u: (None, 1.0), lambda ids, norms, reasons: list(reasons),
+                              rl) as usable:
+            relayed = [relayed_form(ref.relayed()) for ref, _, _ in usable]
+        assert rl.partitions == {11: 2, 12: 0, 13: 1}
+        state = GlobalState(round=2, params={}, params_delta=True, relay=relayed, outer_lr=1.0)
+        full = encode_global_state(state, MODEL)
+        own = {n: encode_global_state(for_worker(state, rl.partitions[n]), MODEL) for n in NODES[:2]}
+        saved = TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id
+        TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 42, SUPERLINK_NODE_ID  # as in a ServerApp
+        try:
+            messages = courier.outgoing(2, full, NODES, "train", own)
+        finally:
+            TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+        specs = payload.downlink_specs
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            data = client.download(dp.Ticket.FromString(msg.content.config_records["config"][TICKET]), node)
+            got = decode_global_state(data, MODEL, codecs=specs)
+            if node in own:
+                assert data == bytes(own[node]) and got.relay_own == rl.partitions[node]
+                assert [u.worker_id for u in got.relay] == sorted({0, 1, 2} - {rl.partitions[node]})
+            else:
+                assert data == bytes(full) and got.relay_own is None and [u.worker_id for u in got.relay] == [0, 1, 2]
+        courier.data_plane = None
+
+
 @pytest.mark.parametrize("memory_mb", [1024, 0], ids=["kept", "past-the-budget"])
 def test_top_k_replies_are_decoded_once_and_load_as_their_dense_decode(tmp_path, memory_mb):
     """`diloco-sparse`'s wire (every tensor top-k): each reply is decoded once, on arrival, into
