@@ -56,7 +56,7 @@ from lordo_fed.optim.config import InnerConfig
 from lordo_fed.rounds.outer import OuterConfig
 from lordo_fed.wire.messages import GlobalState, WorkerUpdate
 from lordo_fed.rounds.config import RoundConfig
-from lordo_fed.rounds.relay import replay
+from lordo_fed.rounds.relay import for_worker, relayed_form, replay
 from lordo_fed.rounds.screening import ReplyRef
 from lordo_fed.optim.projection import projection_side
 from lordo_fed.wire import lowrank
@@ -167,9 +167,9 @@ def bytes_table(presets: list[str], ks: list[int], factors: list[int], payloads:
                 for t in range(cycle + 1, 2 * cycle + 1):
                     update, state = round_messages(ms, payload, k, factor, t, state_kind)
                     n_up, e_up = message_bytes(update, ms, payload)
+                    if codecs is not None and codecs.relay:  # the state a node gets: the other workers' replies
+                        state = node_state(state, update)
                     n_down, e_down = message_bytes(state, ms, payload)
-                    if codecs is not None and codecs.relay:  # the state's own fields, then RELAY_M replies
-                        n_down += RELAY_M * message_bytes(relayed(update), ms, payload)[0]
                     up, down, estimated = up + n_up, down + n_down, estimated or e_up or e_down
                 up, down = up / cycle, down / cycle
                 per_step = (up + down) / k
@@ -185,10 +185,16 @@ def bytes_table(presets: list[str], ks: list[int], factors: list[int], payloads:
 
 RELAY_M = 4
 """Workers whose replies a relaying preset's state carries (`topk2bit-relay`, issue 30's option B: each
-worker replays the round, lordo_fed.rounds.relay). Its state carries all M replies, the worker's own too
-(one state for every worker). Each relayed reply is counted as its own serialized message (Δ only: no
-moments, no metrics), as the state's `relay` field carries it; at M workers the downlink is the state's
-own fields plus M of them (docs/results.md, section 12, part nine, counts M = 8 that way)."""
+worker replays the round, lordo_fed.rounds.relay). The state a node gets leaves out its own reply, which the
+node kept (`relay.for_worker`): the other M − 1 replies, each as the state's `relay` field carries it (Δ only:
+no moments, no metrics), and the two fields naming the one left out (`node_state`). (docs/results.md, section
+12, part nine, counted M = 8 with every reply in one state for all.)"""
+
+
+def node_state(state: GlobalState, update: WorkerUpdate) -> GlobalState:
+    """The relaying `state` as worker 0's node gets it, RELAY_M workers having sent `update` (Δ only)."""
+    replies = [dataclasses.replace(relayed_form(update), worker_id=m) for m in range(RELAY_M)]
+    return for_worker(dataclasses.replace(state, relay=replies, outer_lr=1.0), 0)
 
 
 SERVER_PRESETS: dict[str, dict[str, str]] = {
@@ -280,11 +286,6 @@ def _server_round(agg, deltas: list[dict[str, Encoded]], model_id: str, specs, p
     t3 = time.perf_counter()
     del state
     return {"screen_s": t1 - t0, "aggregate_s": t2 - t1, "encode_s": t3 - t2}
-
-
-def relayed(update: WorkerUpdate) -> WorkerUpdate:
-    """`update` as a relaying state carries it: its Δ, tokens and counters."""
-    return dataclasses.replace(update, moments={}, metrics={}, coords={})
 
 
 def time_round(preset: str, payloads: list[str], repeats: int = 3) -> list[dict]:

@@ -560,8 +560,8 @@ def test_compression_quick(tmp_path):
     from lordo_fed.wire.payload import PAYLOADS
 
     assert set(by) == set(PAYLOADS)
-    # option B: the same uplink, the state's own fields and the 4 workers' replies (Δ only) down: more than θ's
-    # change at 3%, far less than θ's change int8
+    # option B: the same uplink, the state's own fields and the other 3 of 4 workers' replies (Δ only) down: more
+    # than θ's change at 3%, far less than θ's change int8
     relay = by["topk2bit-relay"]
     assert relay["up_bytes_per_round"] == by["topk2bit-all"]["up_bytes_per_round"] and relay["M"] == 4
     assert by["topk2bit-both"]["down_bytes_per_round"] < relay["down_bytes_per_round"] < by["topk2bit-all"]["down_bytes_per_round"]
