@@ -8,7 +8,7 @@
 | topk2bit    | blocks' matrices: top-k 3% of each 4096, 2-bit values (sign and two magnitudes per chunk), positions Rice-coded; embedding and norms int8 / 64 | int8 / 64 | int8 / 64 change |
 | topk2bit-both | every tensor (embedding and norms too) as topk2bit | int8 / 64 | topk2bit change: the server re-sparsifies θ − θ_c, what it leaves stays in θ − θ_c |
 | topk2bit-all | every tensor as topk2bit | int8 / 64 | int8 / 64 change |
-| topk2bit-relay | every tensor as topk2bit | int8 / 64 | the round's accepted replies, relayed: each worker replays the mean and outer step (θ_c = θ exactly; M x the uplink) |
+| topk2bit-relay | every tensor as topk2bit | int8 / 64 | the round's accepted replies, relayed, each node's own left out (it kept it): each worker replays the mean and outer step (θ_c = θ exactly; M − 1 x the uplink) |
 | topk2bit-both-wide | every tensor as topk2bit | int8 / 64 | as topk2bit at 12% of each chunk: room for the union of 4 workers' 3% |
 | topk2bit-both-wide-d64 | every tensor top-k 1/64 (SparseLoCo's production density) | int8 / 64 | top-k 4/64 |
 | topk2bit-both-wide-tiles | as topk2bit-both-wide, a 2-D tensor cut into 64×64 tiles (SparseLoCo's cut) | int8 / 64 | as topk2bit-both-wide, tiled |
@@ -63,7 +63,8 @@ class PayloadCodecs:
     relay: bool = False
     """θ downstream as the round's accepted replies, relayed as the server received them (issue 30's
     option B, SparseLoCo's all-gather): every worker replays the server's mean and outer step on its
-    copy θ_c (lordo_fed.rounds.relay), so θ_c is θ exactly, at M times the uplink's bytes down.
+    copy θ_c (lordo_fed.rounds.relay), so θ_c is θ exactly, at M − 1 times the uplink's bytes down (each
+    node's own reply is left out of its state: it kept it).
     Needs the plain-average outer step (`outer.name='average'`: nothing but θ to replay)."""
 
     @property
