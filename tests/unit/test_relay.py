@@ -190,6 +190,32 @@ def test_the_kept_reply_is_saved_with_the_workers_state():
     assert plain.own is None  # only a relaying payload keeps it
 
 
+@pytest.mark.parametrize("store", ["disk", "context"])
+def test_a_worker_restarted_from_its_store_replays_the_state_without_its_reply(tmp_path, store):
+    """A real relaying worker saves its state after round 1 in a node store (`DiskStore`, or Flower's
+    `Context.state`: `ContextStore`); a new worker loaded from it holds the reply it sent, byte for byte, and
+    replays round 2's state made for it (its reply left out) to the server's θ bit for bit."""
+    from flwr.app import Context, RecordDict
+
+    from client.state import ContextStore
+    from lordo_fed.node.store import DiskStore
+    from lordo_fed.rounds.relay import for_worker
+    from tests.unit.test_sparse_wire import downlink_bases_run
+
+    run, workers, agg = downlink_bases_run(tmp_path, payload="topk2bit-relay", bases_from="server")
+    state = agg.global_state()
+    updates = [w.train_round(state) for w in workers]
+    agg.aggregate([as_received(u) for u in updates], relay={u.worker_id: u for u in updates})
+    saved = DiskStore(tmp_path / "store", 0) if store == "disk" else ContextStore(
+        Context(run_id=1, node_id=2, node_config={}, state=RecordDict(), run_config={}))
+    saved.save(1, *workers[0].flat_state())
+    restarted = downlink_bases_run(tmp_path / "again", payload="topk2bit-relay", bases_from="server")[1][0]
+    restarted.load_flat_state(*saved.load(1))
+    assert torch.equal(restarted.downlink.own, workers[0].downlink.own)
+    theta = restarted.downlink.theta(for_worker(agg.global_state(), 0), restarted.params)
+    assert all(torch.equal(theta[n], agg.params[n]) for n in agg.params)
+
+
 def after_one_round() -> tuple[Aggregator, Downlink]:
     """A relaying aggregator after round 1's three replies, and a worker that applied round 1's state."""
     rc = rounds_config()
