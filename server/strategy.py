@@ -140,7 +140,7 @@ class LoRDOStrategy(Strategy):
                 own[n] = self.courier.encode(mine)
         rl = self.round_log
         rl.encode_seconds += time.perf_counter() - started
-        rl.sent_bytes = max([len(d) for d in own.values()] + ([shared] if len(own) < len(nodes) else []))
+        rl.sent_bytes = max((len(own[n]) if n in own else shared for n in nodes), default=shared)
         return own
 
     def _round_state(self, server_round: int) -> GlobalState:

@@ -5,7 +5,8 @@ residual (`lordo_fed.rounds.uplink`), the clients' copy θ_c (`lordo_fed.rounds.
 round sent (`lordo_fed.rounds.overlap`). A safetensors file or a Flower record holds flat named
 tensors and a small JSON-able dict instead: tensors 'opt/<param id>/<state key>',
 'wire_ef/<param>', 'client/<param>', 'sent/...' and the reply a relaying worker kept ('own_reply');
-metadata the optimizer's param groups, the cursor, θ_c's round and the round sent's counters. A worker restarted from it resumes bit for bit.
+metadata the optimizer's param groups, the cursor, θ_c's round and the round sent's counters. A
+worker restarted from it resumes bit for bit.
 """
 
 from __future__ import annotations

@@ -286,7 +286,8 @@ class DataPlaneServer:
 
     # ------------------------------------------------------------------------------ rounds
     def publish(self, round_idx: int, data: bytes | bytearray | memoryview, node_ids=(), ttl: float = 0.0,
-                max_upload: int = 0, own: Mapping[int, bytes | bytearray | memoryview] | None = None) -> dict[int, pb.Ticket]:
+                max_upload: int = 0,
+                own: Mapping[int, bytes | bytearray | memoryview] | None = None) -> dict[int, pb.Ticket]:
         """Serve `data` (the round's encoded GlobalState) from now on and return the tickets of
         `node_ids` (tokens valid `ttl` seconds; nodes announced earlier already hold theirs).
         `own`: node id -> the encoded state that node downloads instead (a relaying state without the

@@ -45,8 +45,9 @@ def relay_own_problem(own: int, digest: str, params_delta: bool, has_params: boo
         return f"relay_own_digest {digest[:40]!r} without relay_own (no reply left out)" if digest else None
     field = f"relay_own={own + 1}"
     if not params_delta or has_params or not outer_lr > 0:
-        return (f"{field} (worker {own}'s reply left out) in a state that does not relay (params_delta={params_delta}, "
-                f"{'θ' if has_params else 'no θ'}, outer_lr={outer_lr!r}): expected params_delta, no θ and outer_lr > 0")
+        return (f"{field} (worker {own}'s reply left out) in a state that does not relay "
+                f"(params_delta={params_delta}, {'θ' if has_params else 'no θ'}, outer_lr={outer_lr!r}): expected "
+                "params_delta, no θ and outer_lr > 0")
     if len(digest) != FINGERPRINT_HEX or any(c not in "0123456789abcdef" for c in digest):
         return (f"relay_own_digest {digest[:40]!r}: expected the XXH3-128 digest of worker {own}'s reply, "
                 f"{FINGERPRINT_HEX} lowercase hex digits")
