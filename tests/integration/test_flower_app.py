@@ -186,13 +186,20 @@ def test_a_resumed_relay_run_relays_on_and_ends_as_the_uninterrupted_one(tmp_pat
     assert params and all(torch.equal(ended[k], expected[k]) for k in params)
 
 
+PLANE_EXTRA = {"grpc-compressed": {"payload-dtype": "lowrank+topk2bit+rows"},
+               "grpc-relay": {"variant": "diloco", "preset": "diloco-sparse", "payload-dtype": "topk2bit-relay"}}
+"""The deployment test's run-config keys per case besides the data plane (none: plain LoRDO-Global)."""
+
+
 def test_deployment_on_both_data_planes_matches_the_reference_and_bad_configs_stop(tmp_path):
     """A real SuperLink and two SuperNodes: the payloads over the gRPC data plane (plaintext,
     explicitly insecure) and inside Flower's messages end at the same θ as the reference trainer,
     bit for bit (round 1's θ0 built by the clients from the seed, not sent), and so do compressed
     payloads over the data plane (lowrank+topk2bit+rows: Δ up as coordinates in the shared basis
     plus a residual, with error feedback, θ down as the int8 change of the clients' copy, which each
-    node keeps in its state); bad values stop a run before round 1
+    node keeps in its state), and the relay over the data plane (DiLoCo, `topk2bit-relay`: round 2's
+    state is each node's own blob, the other node's reply without its own, which its ClientApp process
+    kept in its node store); bad values stop a run before round 1
     with a message naming them."""
     with Deployment(tmp_path, num_nodes=2) as dep:
         bad = dep.run(APP, tiny_run_config(tmp_path, omega=1.5, **{"output-dir": str(tmp_path / "bad")}), timeout=120)
@@ -203,9 +210,9 @@ def test_deployment_on_both_data_planes_matches_the_reference_and_bad_configs_st
         assert not (tmp_path / "no_tls" / "server.jsonl").exists()
 
         thetas = {}
-        for plane in ("grpc", "flower", "grpc-compressed"):
+        for plane in ("grpc", "flower", "grpc-compressed", "grpc-relay"):
             out = tmp_path / plane
-            extra = {"payload-dtype": "lowrank+topk2bit+rows"} if plane.endswith("compressed") else {}
+            extra = PLANE_EXTRA.get(plane, {})
             dep.run(APP, tiny_run_config(tmp_path, **{"output-dir": str(out), "data-plane": plane.split("-")[0],
                                                       "data-plane-insecure": plane.startswith("grpc"), **extra}),
                     timeout=240, check=True)
@@ -219,7 +226,10 @@ def test_deployment_on_both_data_planes_matches_the_reference_and_bad_configs_st
             # θ0 is the seeded init both sides build: round 1 sends no θ, round 2 sends θ (compressed:
             # the int8 change of the clients' copy, about a quarter of it).
             theta_bytes = 4 * sum(t.numel() for t in thetas[plane].values())
-            if extra:
+            if plane == "grpc-relay":  # round 2: one reply down (the other node's), not both
+                assert records[2]["bytes_sent_per_client"] < 1.5 * records[1]["bytes_received_per_client"], records
+                assert records[2]["bytes_sent_per_client"] < theta_bytes / 8, records
+            elif extra:
                 assert records[1]["bytes_sent_per_client"] < theta_bytes / 4 < records[2]["bytes_sent_per_client"]
                 assert records[2]["bytes_sent_per_client"] < theta_bytes / 2, records
                 # up: Δ as r·max(p, q) int8 coordinates + a ~3% x (2 + 12)-bit residual, moments 8 bits
@@ -232,7 +242,7 @@ def test_deployment_on_both_data_planes_matches_the_reference_and_bad_configs_st
 
     assert not alive(pids)
     for plane, theta in thetas.items():
-        extra = {"payload-dtype": "lowrank+topk2bit+rows"} if plane.endswith("compressed") else {}
+        extra = PLANE_EXTRA.get(plane, {})
         reference = reference_theta(tiny_run_config(tmp_path, **extra), workers=2)
         worst = max((theta[n] - reference[n]).abs().max().item() for n in reference)
         assert worst == 0.0, f"{plane}: max |θ_deployment − θ_reference| = {worst}"
