@@ -253,7 +253,8 @@ def server_times(model: str, workers: tuple[int, ...], repeats: int = 3, presets
                     b = best[(path, t)]
                     rows.append({"preset": name, "model": model, "M": m, "path": path, "threads": t, "same_theta": same,
                                  **b, "server_s": b["screen_s"] + b["aggregate_s"],
-                                 "server_with_encode_s": b["screen_s"] + b["aggregate_s"] + b["encode_s"],
+                                 "server_with_encode_s": b["screen_s"] + b["aggregate_s"] + b["encode_s"]
+                                 + b.get("encode_own_s", 0.0),
                                  "reply_bytes": reply_bytes})
     finally:
         torch.set_num_threads(before)
@@ -264,7 +265,9 @@ def _server_round(agg, deltas: list[dict[str, Encoded]], model_id: str, specs, p
                   wire_dtype: str) -> dict[str, float]:
     """One round of `server_times`: the replies encoded as nodes send them (not timed), then screened and
     aggregated as server/courier.py and the aggregator do (a relay keeps each reply as received, as
-    `Courier.screened` does), then the next state encoded once for every node (`encode_s`)."""
+    `Courier.screened` does), then the next state encoded once for every node (`encode_s`); a relay also
+    encodes each node's own state, its own reply left out (`encode_own_s`: the M encodes
+    `LoRDOStrategy._own_states` adds)."""
     payloads = [bytes(encode_update(WorkerUpdate(m, agg.round, d, {}, 4096, 4), model_id)) for m, d in enumerate(deltas)]
     relay = agg.payload is not None and agg.payload.relay
     t0 = time.perf_counter()
@@ -282,10 +285,17 @@ def _server_round(agg, deltas: list[dict[str, Encoded]], model_id: str, specs, p
     agg.aggregate_refs(refs)
     agg.client_copy()  # what the next round's resync and commit need: θ_c after this round's change
     t2 = time.perf_counter()
-    state = encode_global_state(agg.global_state(), model_id, wire_dtype)
+    shared = agg.global_state()
+    state = encode_global_state(shared, model_id, wire_dtype)
     t3 = time.perf_counter()
     del state
-    return {"screen_s": t1 - t0, "aggregate_s": t2 - t1, "encode_s": t3 - t2}
+    times = {"screen_s": t1 - t0, "aggregate_s": t2 - t1, "encode_s": t3 - t2}
+    if relay and shared.relay:
+        for m in range(len(deltas)):
+            own = encode_global_state(for_worker(shared, m), model_id, wire_dtype)
+            del own
+        times["encode_own_s"] = time.perf_counter() - t3
+    return times
 
 
 def time_round(preset: str, payloads: list[str], repeats: int = 3) -> list[dict]:
@@ -603,7 +613,7 @@ def main() -> None:
     for r in result.get("server", []):
         print(f"server {r['model']} {r['preset']:13} M={r['M']} {r['path']:11} {r['threads']} thread(s): screen {r['screen_s']:5.2f} s, "
               f"aggregate {r['aggregate_s']:5.2f} s, together {r['server_s']:5.2f} s, the state encoded "
-              f"{r['encode_s']:5.2f} s")
+              f"{r['encode_s']:5.2f} s" + (f", each node's own {r['encode_own_s']:5.2f} s" if "encode_own_s" in r else ""))
     for r in result.get("quality", []):
         print(f"quality {r['payload']:16} F={r['dense_sync_factor']} seed {r['seed']}: val ppl {r['val_ppl']:.3f} ({r['ppl_vs_fp32']:+.2%} vs fp32), "
               f"{r['bytes_vs_fp32']:.1f}x fewer bytes")

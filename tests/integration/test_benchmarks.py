@@ -588,6 +588,8 @@ def test_compression_quick(tmp_path):
     # both readings of the replies end at the same θ, bit for bit (the relay reads them one way)
     assert all(r["same_theta"] is (None if r["preset"] == "relay" else True) and r["screen_s"] > 0
                and r["aggregate_s"] > 0 and r["encode_s"] > 0 for r in server)
+    # a relay also encodes each node's own state (its reply left out), and only a relay does
+    assert all((r.get("encode_own_s", 0) > 0) is (r["preset"] == "relay") for r in server)
     quality = {r["payload"]: r for r in result["quality"]}
     assert set(quality) == {"fp32", "int8"} and quality["int8"]["bytes_vs_fp32"] > 1.5
     assert (tmp_path / "compression.png").exists()
