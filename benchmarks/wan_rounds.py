@@ -37,6 +37,7 @@ Needs root (network namespaces).
     sudo .venv/bin/python benchmarks/wan_rounds.py --compression --rounds 3 --out benchmarks/results/wan_compression.json  # ~10 min
     sudo .venv/bin/python benchmarks/wan_rounds.py --presets --rounds 3 --out benchmarks/results/wan_presets.json
     sudo .venv/bin/python benchmarks/wan_rounds.py --relay --rounds 3 --out benchmarks/results/wan_relay.json  # ~15 min
+    sudo .venv/bin/python benchmarks/wan_rounds.py --relay --pick 2,4 --rounds 3 ...  # two of them: relay, option A at 10 Mb/s
     sudo .venv/bin/python benchmarks/wan_rounds.py --quick    # tiny model, 2 nodes at 8 Mbit/s, overlapped, seconds
 Writes benchmarks/results/wan_rounds.json and .png.
 """
@@ -460,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default="", help="subset, e.g. '2:1gbit:grpc,4:100mbit:grpc' (or "
                         "'2:1gbit:grpc:4:3': K = 4 local steps, overlap delay 3; --overlap's own cases may set "
                         "more run-config keys; --hetero: names of HETERO_CASES)")
+    parser.add_argument("--pick", default="", help="comma-separated indices into the chosen case list (e.g. --relay "
+                        "--pick 2,4: RELAY_CASES' synchronous relay and option A at 10 Mb/s, with their run-config keys)")
     parser.add_argument("--overlap", action="store_true", help="synchronous against overlapped rounds (OVERLAP_CASES)")
     parser.add_argument("--compression", action="store_true", help="fp32 against SparseLoCo's wire at 100 and 10 "
                         "Mb/s, synchronous and overlapped (COMPRESSION_CASES)")
@@ -489,6 +492,11 @@ def main(argv: list[str] | None = None) -> int:
              else PRESET_CASES if args.presets else RELAY_CASES if args.relay else FULL_CASES)
     if args.cases:
         cases = [(int(n), link, plane, *map(int, rest)) for n, link, plane, *rest in (c.split(":") for c in args.cases.split(","))]
+    if args.pick:
+        picked = [int(i) for i in args.pick.split(",") if i.strip().lstrip("-").isdigit()]
+        if len(picked) != len(args.pick.split(",")) or any(not 0 <= i < len(cases) for i in picked):
+            parser.error(f"--pick {args.pick}: expected indices in 0..{len(cases) - 1} of the chosen case list")
+        cases = [cases[i] for i in picked]
     model = QUICK_MODEL if args.quick else FULL_MODEL
     rounds = args.rounds or (3 if args.quick else 4)
     timeout = 300.0 if args.quick else 1200.0
