@@ -62,6 +62,8 @@ class Courier:
         self.data_plane: DataPlaneServer | None = None
         self._announced: dict[int, dict[str, int]] = {}
         """Rounds whose messages went out ahead of their state: message id -> node id."""
+        self.announced_at: dict[int, float] = {}
+        """When each of them went out (time.perf_counter(): the round's `phase_seconds`, server/records.py)."""
 
     # ----------------------------------------------------------------------------- the data plane
     def start(self, grid: Grid) -> None:
@@ -109,11 +111,14 @@ class Courier:
     def flower_messages(self, round_idx: int, data: bytes, node_ids: Iterable[int], message_type: str,
                         own: Mapping[int, bytes] | None = None) -> list[Message]:
         """One message per node with the encoded state inside it (Flower's own data plane): `data`, or
-        the node's own (`own`)."""
+        the node's own (`own`), one record per distinct state (the nodes resent θ whole share one)."""
         own = own or {}
-        record = payload_record(data)
+        records = {id(data): payload_record(data)}
+        for d in own.values():
+            if id(d) not in records:
+                records[id(d)] = payload_record(d)
         config = ConfigRecord(self.message_config(round_idx))
-        return [Message(content=RecordDict({"state": payload_record(own[n]) if n in own else record, "config": config}),
+        return [Message(content=RecordDict({"state": records[id(own.get(n, data))], "config": config}),
                         dst_node_id=n, message_type=message_type) for n in node_ids]
 
     def identify_messages(self, node_ids: Iterable[int]) -> list[Message]:
@@ -146,26 +151,37 @@ class Courier:
         tickets = self.data_plane.announce(round_idx, list(grid.get_node_ids()), ttl=2 * self.cfg.round_timeout + 60,
                                            max_upload=self.max_upload)
         self._announced[round_idx] = self.push(grid, self._ticket_messages(round_idx, tickets, MessageType.TRAIN))
+        self.announced_at[round_idx] = time.perf_counter()
 
     def is_announced(self, round_idx: int) -> bool:
         return round_idx in self._announced
+
+    def announced_nodes(self, round_idx: int) -> set[int]:
+        """The nodes that hold an announced round's tickets."""
+        return set(self._announced.get(round_idx, {}).values())
 
     def start_encoding(self, state: GlobalState) -> StreamingEncode:
         """`encode` on a thread, readable as it fills (what `publish_announced` serves)."""
         return StreamingEncode(state, self.model_id, self.wire_dtype)
 
-    def publish_announced(self, grid: Grid, round_idx: int, encoding: StreamingEncode) -> dict[str, int]:
-        """Publish the state of an announced round while it is encoded (`DataPlaneServer.publish_encoding`:
-        the nodes' waiting downloads start on its first bytes; returns once it is encoded); nodes that
-        connected since the announcement get their message now, once the state is whole. Returns
-        message id -> node id of all the round's messages."""
+    def publish_announced(self, grid: Grid, round_idx: int, state: StreamingEncode | memoryview,
+                          own: Mapping[int, bytes] | None = None) -> dict[str, int]:
+        """Publish the state of an announced round: one being encoded, while it is encoded
+        (`DataPlaneServer.publish_encoding`: the nodes' waiting downloads start on its first bytes;
+        returns once it is encoded), or one encoded already, with `own`: node id -> the state that
+        node downloads instead (`outgoing`). Nodes that connected since the announcement get their
+        message now, once the states are whole. Returns message id -> node id of all the round's messages."""
         ids = self._announced.pop(round_idx)
+        self.announced_at.pop(round_idx, None)
         announced = set(ids.values())
         late = [n for n in grid.get_node_ids() if n not in announced]
-        if late:  # publishes too, with the digest in the late nodes' tickets
-            ids.update(self.push(grid, self.outgoing(round_idx, encoding.result(), late, MessageType.TRAIN)))
-        else:
-            self.data_plane.publish_encoding(round_idx, encoding)
+        if isinstance(state, StreamingEncode) and not late:
+            self.data_plane.publish_encoding(round_idx, state)
+        else:  # publishes too, with the digests in the late nodes' tickets
+            data = state.result() if isinstance(state, StreamingEncode) else state
+            messages = self.outgoing(round_idx, data, late, MessageType.TRAIN, own)
+            if messages:
+                ids.update(self.push(grid, messages))
         return ids
 
     @staticmethod

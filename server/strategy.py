@@ -98,23 +98,29 @@ class LoRDOStrategy(Strategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        """One message per connected node, all carrying the same encoded global state; with a
-        compressed downlink, a node that did not reply last round (it may not hold the clients'
-        copy of θ the state's change applies to) gets θ_c whole instead, inside the message; with a
-        relaying one, a node whose reply the state relays gets it without that reply (`_own_states`)."""
+        """One message per connected node, each carrying the state `_node_states` gives that node (the
+        round's encoded global state, or the node's own)."""
         nodes = list(grid.get_node_ids())
+        data, own = self._node_states(server_round, nodes)
+        return self.courier.outgoing(server_round, data, nodes, MessageType.TRAIN, own)
+
+    def _node_states(self, server_round: int, nodes: Iterable[int]) -> tuple[memoryview, dict[int, memoryview]]:
+        """The round's encoded global state, and node -> the encoded state that node gets instead: with a
+        compressed downlink, a node that did not reply last round (it may not hold the clients' copy of
+        θ the state's change applies to) gets θ_c whole; with a relaying one, a node whose reply the
+        state relays gets it without that reply (`_own_states`). Known only once the last round's
+        replies are in, so an announced round asks it at publish time (`_publish_announced`). Starts the
+        round's log."""
         data = self._encode_round(server_round)
         if not self.aggregator.downlink_due() or self._acked is None:
-            return self.courier.outgoing(server_round, data, nodes, MessageType.TRAIN)
+            return data, {}
+        nodes = list(nodes)
         resync = [n for n in nodes if n not in self._acked]
-        acked = [n for n in nodes if n in self._acked]
-        own = self._own_states(server_round, acked, len(data))
-        messages = self.courier.outgoing(server_round, data, acked, MessageType.TRAIN, own)
+        own = self._own_states(server_round, [n for n in nodes if n in self._acked], len(data))
         if resync:
             log.info("round %d: nodes %s get θ whole (no reply from them last round)", server_round, resync)
-            whole = self.courier.encode(self.aggregator.resync_state())
-            messages += self.courier.flower_messages(server_round, whole, resync, MessageType.TRAIN)
-        return messages
+            own.update(dict.fromkeys(resync, self.courier.encode(self.aggregator.resync_state())))
+        return data, own
 
     def _encode_round(self, server_round: int) -> memoryview:
         """The round's global state, encoded once for every node; starts the round's log."""
@@ -150,13 +156,22 @@ class LoRDOStrategy(Strategy):
         return state
 
     def _publish_announced(self, grid: Grid, r: int) -> dict[str, int]:
-        """Publish announced round `r`'s state while it is encoded (`Courier.publish_announced`: the
-        nodes' downloads start on its first bytes); starts the round's log."""
-        started = time.perf_counter()
-        encoding = self.courier.start_encoding(self._round_state(r))
-        self.round_log = RoundLog(sent_bytes=len(encoding.buffer), marks={"published": started})
-        ids = self.courier.publish_announced(grid, r, encoding)
-        self.round_log.encode_seconds = encoding.seconds
+        """Publish announced round `r`'s state (`Courier.publish_announced`); starts the round's log,
+        which marks when the round's messages went out. Without a compressed downlink every node gets
+        the same state, published while it is encoded (the nodes' downloads start on its first bytes);
+        with one, each node gets the state `_node_states` gives it, whole, through the ticket it holds
+        (nodes that connected since the announcement with it)."""
+        announced = self.courier.announced_at[r]
+        if self.aggregator.client_params is not None:
+            nodes = sorted({*grid.get_node_ids(), *self.courier.announced_nodes(r)})
+            ids = self.courier.publish_announced(grid, r, *self._node_states(r, nodes))
+        else:
+            started = time.perf_counter()
+            encoding = self.courier.start_encoding(self._round_state(r))
+            self.round_log = RoundLog(sent_bytes=len(encoding.buffer), marks={"published": started})
+            ids = self.courier.publish_announced(grid, r, encoding)
+            self.round_log.encode_seconds = encoding.seconds
+        self.round_log.marks["announced"] = announced
         return ids
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -259,10 +274,11 @@ class LoRDOStrategy(Strategy):
             ids = self._publish_announced(grid, r)
         else:
             ids = courier.push(grid, list(self.configure_train(r, ArrayRecord(), ConfigRecord(), grid)))
-        if courier.data_plane is not None and r < num_rounds and self.aggregator.client_params is None:
-            # Round r+1's messages go out now (tickets; its state is published later):
-            # each SuperNode takes its next message as soon as it replied to this one,
-            # so Flower's polling and process start overlap this round's work.
+        if courier.data_plane is not None and r < num_rounds:
+            # Round r+1's messages go out now (tickets; its state is published later, each node's
+            # own where a compressed downlink makes them differ: `_publish_announced`): each
+            # SuperNode takes its next message as soon as it replied to this one, so Flower's
+            # polling and process start overlap this round's work.
             courier.announce(grid, r + 1)
         return ids
 

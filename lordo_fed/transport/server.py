@@ -291,14 +291,19 @@ class DataPlaneServer:
         """Serve `data` (the round's encoded GlobalState) from now on and return the tickets of
         `node_ids` (tokens valid `ttl` seconds; nodes announced earlier already hold theirs).
         `own`: node id -> the encoded state that node downloads instead (a relaying state without the
-        node's own reply, lordo_fed.rounds.relay.for_worker); its ticket names that state's size and
-        digest, and the download token, bound to the node, fetches nothing else.
+        node's own reply, lordo_fed.rounds.relay.for_worker; θ_c whole for a node that missed a round);
+        its ticket names that state's size and digest, and the download token, bound to the node,
+        fetches nothing else.
         Uploads are taken for this round only; replies of earlier rounds not collected yet are
         discarded. The previous round's state stays downloadable: a node that fell behind
         (stalled, slow) still trains the round it was sent and keeps its own state continuous,
         though its late reply is refused. Downloads waiting for this round start now."""
         digest = digest_of(self.checksum, data)
-        own = {int(n): (memoryview(d).cast("B"), digest_of(self.checksum, d)) for n, d in (own or {}).items()}
+        digests: dict[int, str] = {}  # one per distinct state: the nodes resent θ whole share one
+        for d in (own or {}).values():
+            if id(d) not in digests:
+                digests[id(d)] = digest_of(self.checksum, d)
+        own = {int(n): (memoryview(d).cast("B"), digests[id(d)]) for n, d in (own or {}).items()}
         self._open_round(round_idx, memoryview(data).cast("B"), digest, None, max_upload, own)
         blobs = {n: own.get(int(n), (data, digest)) for n in node_ids}
         return {int(n): self._ticket(n, round_idx, ttl, max_upload or self._max_upload, len(b), d)

@@ -221,6 +221,9 @@ def test_deployment_on_both_data_planes_matches_the_reference_and_bad_configs_st
             assert all(r["clients_ok"] == 2 and r["clients_missing"] == 0 for r in records[1:])
             assert records[-1]["val_loss"] < records[0]["val_loss"]
             assert ("upload_seconds" in records[1]) == plane.startswith("grpc")
+            # on the data plane round 2's tickets went out while round 1 ran, compressed downlink or not
+            announced = [r["phase_seconds"].get("announced", 0) < 0 for r in records[1:]]
+            assert announced == [False, plane.startswith("grpc")], records
             tensors, _ = load_checkpoint(out / "checkpoints")
             thetas[plane] = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
             # θ0 is the seeded init both sides build: round 1 sends no θ, round 2 sends θ (compressed:

@@ -358,6 +358,99 @@ def test_a_node_that_missed_a_round_gets_the_clients_copy_whole(tmp_path):
     assert any(not torch.equal(copy[n], s.aggregator.params[n]) for n in copy)  # the copy lags θ (int8)
 
 
+
+class Pushes(NodeIds):
+    """A Grid that also takes pushed messages (the strategy's own loop, `_begin_round`), keeping them."""
+
+    def __init__(self, ids):
+        super().__init__(ids)
+        self.pushed: list[Message] = []
+
+    def push_messages(self, messages):
+        self.pushed += messages
+        return [f"m{len(self.pushed) - len(messages) + i}" for i in range(len(messages))]
+
+
+def test_an_announced_compressed_round_gives_each_node_its_state_through_its_ticket(tmp_path, caplog):
+    """A compressed downlink (payload int8) on the gRPC data plane: round 3's tickets go out with round 2's
+    messages, before any reply of round 2 is in; at round 3's publish each node downloads, through the ticket
+    it holds, exactly what `configure_train` would have sent it in its message: the change of θ_c for a node
+    that replied to round 2, θ_c whole for one whose reply is an error (it could not apply round 2's change,
+    `ResyncNeeded`) and for one that connected after the announcement; the round's log counts the shared
+    state, as in an unannounced round."""
+    from flwr.app import Error
+
+    from lordo_fed.app.records import TICKET, UPLOAD_DIGEST, payload_bytes
+    from lordo_fed.transport import client
+    from lordo_fed.transport.server import DataPlaneServer
+    from lordo_fed.v1 import dataplane_pb2 as dp
+    from lordo_fed.wire.decode import decode_global_state
+    from lordo_fed.wire.payload import resolve_payload
+
+    s = new_strategy(tmp_path / "out", **{"payload-dtype": "int8"})
+    specs = resolve_payload("int8").downlink_specs
+    late = 104
+    grid = Pushes([*GOOD, HOSTILE_NODE])
+    with DataPlaneServer(tmp_path / "spool") as plane:
+        s.courier.data_plane = plane
+        round2 = s._begin_round(ROUND, grid, timeout=5.0, num_rounds=4)
+        assert s.courier.is_announced(ROUND + 1) and s.courier.announced_nodes(ROUND + 1) == {*GOOD, HOSTILE_NODE}
+        ticket = (lambda m: dp.Ticket.FromString(m.content.config_records["config"][TICKET]))
+        assert len(grid.pushed) == 6
+        sent = {m.metadata.dst_node_id: ticket(m) for m in grid.pushed[:3]}
+        announced = {m.metadata.dst_node_id: ticket(m) for m in grid.pushed[3:]}
+        assert set(round2.values()) == set(sent) == set(announced) == {*GOOD, HOSTILE_NODE}
+        assert all(t.round == ROUND and t.size > 0 for t in sent.values())
+        assert all(t.round == ROUND + 1 and t.size == 0 and not t.digest for t in announced.values())
+        # round 2: node 101 replies, node 102 could not apply the change (an error reply), the third replies
+        answered = {101: 0, HOSTILE_NODE: HOSTILE_PARTITION}
+        replies = []
+        for m in grid.pushed[:3]:
+            node = m.metadata.dst_node_id
+            if node not in answered:
+                replies.append(Message(Error(code=0, reason="ResyncNeeded: round 1's copy of θ is not held"),
+                                       reply_to=m))
+                continue
+            digest = client.upload(sent[node], node, encode(s, make_update(s, answered[node], ROUND))).digest
+            replies.append(Message(RecordDict({"upload": ConfigRecord({UPLOAD_DIGEST: digest}),
+                                               "metrics": MetricRecord({"client-seconds": 1.0, "train-seconds": 0.5})}),
+                                   reply_to=m))
+        _, metrics = s.aggregate_train(ROUND, replies)
+        assert metrics["clients_ok"] == 2.0 and s._acked == set(answered)
+        # what each node would get in its message (Flower's own data plane), and what it downloads
+        s.courier.data_plane = None
+        nodes = [*GOOD, HOSTILE_NODE, late]
+        messages = s.configure_train(ROUND + 1, ArrayRecord(), ConfigRecord(), NodeIds(nodes))
+        want = {m.metadata.dst_node_id: payload_bytes(m.content["state"]) for m in messages}
+        shared_bytes = s.round_log.sent_bytes
+        s.courier.data_plane = plane
+        grid.ids.append(late)
+        pushed = len(grid.pushed)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="lordo_fed.server"):
+            round3 = s._begin_round(ROUND + 1, grid, timeout=5.0, num_rounds=4)
+        assert "round 3: nodes [102, 104] get θ whole (no reply from them last round)" in caplog.text
+        assert s.round_log.sent_bytes == shared_bytes == len(want[101])
+        assert s.round_log.marks["announced"] < s.round_log.marks["published"]  # its messages went out first
+        rounds = [(m.metadata.dst_node_id, ticket(m).round) for m in grid.pushed[pushed:]]
+        assert rounds == [(late, ROUND + 1)] + [(n, ROUND + 2) for n in nodes]  # round 4 is announced to all four
+        assert sorted(round3.values()) == sorted(nodes)
+        tickets = {**announced, late: ticket(grid.pushed[pushed])}
+        assert tickets[late].size == len(want[late]) and s.courier.is_announced(ROUND + 2)
+        copy = s.aggregator.client_copy()
+        before = {n: t.clone() for n, t in s.aggregator.client_params.items()}
+        for node in nodes:
+            data = client.download(tickets[node], node, timeout=30)
+            assert bytes(data) == want[node], node
+            got = decode_global_state(data, s.model_id, codecs=specs)
+            assert got.round == ROUND + 1
+            if node in answered:  # the change of θ_c, which takes the node's copy to the server's
+                assert got.params_delta and all(torch.equal(before[n] + got.params[n], copy[n]) for n in copy)
+            else:
+                assert not got.params_delta and all(torch.equal(got.params[n], copy[n]) for n in copy)
+        s.courier.data_plane = None
+
+
 def test_payload_larger_than_its_declared_size_is_dropped(tmp_path, caplog, good_only):
     def hostile(s, r):
         def grow(msg):
