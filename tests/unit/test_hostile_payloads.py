@@ -28,6 +28,7 @@ import logging
 import math
 import re
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -371,13 +372,37 @@ class Pushes(NodeIds):
         return [f"m{len(self.pushed) - len(messages) + i}" for i in range(len(messages))]
 
 
-def test_an_announced_compressed_round_gives_each_node_its_state_through_its_ticket(tmp_path, caplog):
-    """A compressed downlink (payload int8) on the gRPC data plane: round 3's tickets go out with round 2's
-    messages, before any reply of round 2 is in; at round 3's publish each node downloads, through the ticket
-    it holds, exactly what `configure_train` would have sent it in its message: the change of θ_c for a node
-    that replied to round 2, θ_c whole for one whose reply is an error (it could not apply round 2's change,
-    `ResyncNeeded`) and for one that connected after the announcement; the round's log counts the shared
-    state, as in an unannounced round."""
+def relay_strategy(out: Path) -> tuple[LoRDOStrategy, Callable[[LoRDOStrategy, WorkerUpdate], bytes]]:
+    """A DiLoCo strategy relaying top-k replies (`topk2bit-relay`, the `diloco-sparse` preset) after a
+    round 1 the two good nodes answered, and how its nodes encode a reply (Δ top-k with error feedback)."""
+    from lordo_fed.wire.compress import ErrorFeedback
+
+    config = {k: v for k, v in RUN_CONFIG.items() if k not in ("preset", "outer", "outer-lr")}
+    s = LoRDOStrategy(load_app_config({**config, "variant": "diloco", "preset": "diloco-sparse",
+                                       "payload-dtype": "topk2bit-relay", "output-dir": str(out)}))
+    codecs, ef = s.payload.codecs, ErrorFeedback()
+
+    def relay_encode(s: LoRDOStrategy, u: WorkerUpdate) -> bytes:
+        delta = {n: ef.compress(f"{u.worker_id}/{n}", t, codecs.delta_spec(n, tuple(t.shape)))[0]
+                 for n, t in u.delta.items()}
+        return bytes(encode_update(WorkerUpdate(u.worker_id, u.round, delta, {}, u.tokens, u.opt_step,
+                                                metrics=u.metrics), s.model_id))
+    payloads = {node: relay_encode(s, make_update(s, p, 1)) for node, p in GOOD.items()}
+    _, metrics = s.aggregate_train(1, replies(s, 1, payloads))
+    assert s.aggregator.round == ROUND and metrics["clients_ok"] == 2.0 and s._partitions == GOOD
+    return s, relay_encode
+
+
+@pytest.mark.parametrize("payload", ["int8", "topk2bit-relay"])
+def test_an_announced_compressed_round_gives_each_node_its_state_through_its_ticket(tmp_path, caplog, payload):
+    """A compressed downlink on the gRPC data plane (int8: the change of θ_c; the relay: the replies the
+    server applied, each node's own left out): round 3's tickets go out with round 2's messages, before
+    any reply of round 2 is in; at round 3's publish each node downloads, through the ticket it holds,
+    exactly what `configure_train` would have sent it in its message: its state (the change of θ_c, or
+    the relayed replies without its own) for a node that replied to round 2, θ_c whole for one whose
+    reply is an error (it could not apply round 2's state, `ResyncNeeded`) and for one that connected
+    after the announcement; the round's log counts the largest state a replying node gets, as in an
+    unannounced round, and marks when its messages went out."""
     from flwr.app import Error
 
     from lordo_fed.app.records import TICKET, UPLOAD_DIGEST, payload_bytes
@@ -387,8 +412,11 @@ def test_an_announced_compressed_round_gives_each_node_its_state_through_its_tic
     from lordo_fed.wire.decode import decode_global_state
     from lordo_fed.wire.payload import resolve_payload
 
-    s = new_strategy(tmp_path / "out", **{"payload-dtype": "int8"})
-    specs = resolve_payload("int8").downlink_specs
+    if payload == "int8":
+        s, encode_reply = new_strategy(tmp_path / "out", **{"payload-dtype": payload}), encode
+    else:
+        s, encode_reply = relay_strategy(tmp_path / "out")
+    specs = resolve_payload(payload).downlink_specs
     late = 104
     grid = Pushes([*GOOD, HOSTILE_NODE])
     with DataPlaneServer(tmp_path / "spool") as plane:
@@ -402,27 +430,28 @@ def test_an_announced_compressed_round_gives_each_node_its_state_through_its_tic
         assert set(round2.values()) == set(sent) == set(announced) == {*GOOD, HOSTILE_NODE}
         assert all(t.round == ROUND and t.size > 0 for t in sent.values())
         assert all(t.round == ROUND + 1 and t.size == 0 and not t.digest for t in announced.values())
-        # round 2: node 101 replies, node 102 could not apply the change (an error reply), the third replies
+        # round 2: node 101 replies, node 102 could not apply the state (an error reply), the third replies
         answered = {101: 0, HOSTILE_NODE: HOSTILE_PARTITION}
-        replies = []
+        round2_replies = []
         for m in grid.pushed[:3]:
             node = m.metadata.dst_node_id
             if node not in answered:
-                replies.append(Message(Error(code=0, reason="ResyncNeeded: round 1's copy of θ is not held"),
-                                       reply_to=m))
+                round2_replies.append(Message(Error(code=0, reason="ResyncNeeded: round 1's copy of θ is not held"),
+                                              reply_to=m))
                 continue
-            digest = client.upload(sent[node], node, encode(s, make_update(s, answered[node], ROUND))).digest
-            replies.append(Message(RecordDict({"upload": ConfigRecord({UPLOAD_DIGEST: digest}),
-                                               "metrics": MetricRecord({"client-seconds": 1.0, "train-seconds": 0.5})}),
-                                   reply_to=m))
-        _, metrics = s.aggregate_train(ROUND, replies)
+            digest = client.upload(sent[node], node, encode_reply(s, make_update(s, answered[node], ROUND))).digest
+            round2_replies.append(Message(RecordDict({"upload": ConfigRecord({UPLOAD_DIGEST: digest}),
+                                                      "metrics": MetricRecord({"client-seconds": 1.0,
+                                                                               "train-seconds": 0.5})}),
+                                          reply_to=m))
+        _, metrics = s.aggregate_train(ROUND, round2_replies)
         assert metrics["clients_ok"] == 2.0 and s._acked == set(answered)
         # what each node would get in its message (Flower's own data plane), and what it downloads
         s.courier.data_plane = None
         nodes = [*GOOD, HOSTILE_NODE, late]
         messages = s.configure_train(ROUND + 1, ArrayRecord(), ConfigRecord(), NodeIds(nodes))
         want = {m.metadata.dst_node_id: payload_bytes(m.content["state"]) for m in messages}
-        shared_bytes = s.round_log.sent_bytes
+        want_bytes = s.round_log.sent_bytes
         s.courier.data_plane = plane
         grid.ids.append(late)
         pushed = len(grid.pushed)
@@ -430,7 +459,7 @@ def test_an_announced_compressed_round_gives_each_node_its_state_through_its_tic
         with caplog.at_level(logging.INFO, logger="lordo_fed.server"):
             round3 = s._begin_round(ROUND + 1, grid, timeout=5.0, num_rounds=4)
         assert "round 3: nodes [102, 104] get θ whole (no reply from them last round)" in caplog.text
-        assert s.round_log.sent_bytes == shared_bytes == len(want[101])
+        assert s.round_log.sent_bytes == want_bytes == max(len(want[n]) for n in answered)
         assert s.round_log.marks["announced"] < s.round_log.marks["published"]  # its messages went out first
         rounds = [(m.metadata.dst_node_id, ticket(m).round) for m in grid.pushed[pushed:]]
         assert rounds == [(late, ROUND + 1)] + [(n, ROUND + 2) for n in nodes]  # round 4 is announced to all four
@@ -444,12 +473,14 @@ def test_an_announced_compressed_round_gives_each_node_its_state_through_its_tic
             assert bytes(data) == want[node], node
             got = decode_global_state(data, s.model_id, codecs=specs)
             assert got.round == ROUND + 1
-            if node in answered:  # the change of θ_c, which takes the node's copy to the server's
-                assert got.params_delta and all(torch.equal(before[n] + got.params[n], copy[n]) for n in copy)
-            else:
+            if node not in answered:  # θ_c whole
                 assert not got.params_delta and all(torch.equal(got.params[n], copy[n]) for n in copy)
+            elif payload == "int8":  # the change of θ_c, which takes the node's copy to the server's
+                assert got.params_delta and all(torch.equal(before[n] + got.params[n], copy[n]) for n in copy)
+            else:  # the replies of round 2 but its own
+                assert got.relay_own == answered[node] and not got.params
+                assert [u.worker_id for u in got.relay] == sorted(set(answered.values()) - {answered[node]})
         s.courier.data_plane = None
-
 
 def test_payload_larger_than_its_declared_size_is_dropped(tmp_path, caplog, good_only):
     def hostile(s, r):
