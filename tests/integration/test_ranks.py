@@ -24,7 +24,14 @@ import torch.multiprocessing as mp
 from lordo_fed.device import autocast
 from lordo_fed.model import lm_loss
 from lordo_fed.rounds.methods import lowrank_ranks, make_aggregator, make_worker, resolve_method
+from lordo_fed.rounds.relay import for_worker
 from lordo_fed.rounds.worker import Worker
+from lordo_fed.trainer.run import as_received
+from lordo_fed.wire.compress import decoded
+from lordo_fed.wire.decode import decode_global_state
+from lordo_fed.wire.encode import encode_global_state
+from lordo_fed.wire.messages import GlobalState
+from lordo_fed.wire.payload import resolve_payload
 from lordo_fed.model import DEFAULT_LOWRANK_PATTERN, lowrank_parameter_names
 from lordo_fed.node.ranks import WRAPPERS, LocalRanks, exit_rank
 from lordo_fed.optim.sharded import gather, local
@@ -35,6 +42,8 @@ from tests.unit.test_worker import BATCH, K, RANK, SEQ, TOTAL_STEPS, shard, snap
 
 METHODS = ("lordo_global", "lordo_local", "diloco")
 ROUNDS = 2
+RELAYED = ("diloco", "lordo_global")
+"""The methods run with the relay (`topk2bit-relay`): issue 30's best point, and LoRDO-Global."""
 
 
 def in_row_blocks(worker: Worker, parts: int) -> Worker:
@@ -62,38 +71,58 @@ def in_row_blocks(worker: Worker, parts: int) -> Worker:
     return worker
 
 
-def node_rounds(method: str, ranks: LocalRanks | None, batch: int, resume: bool = False, halves: int = 1) -> dict:
+def node_rounds(method: str, ranks: LocalRanks | None, batch: int, resume: bool = False, halves: int = 1,
+                payload: str = "fp32", rounds: int = ROUNDS) -> dict:
     """Two rounds of one node (its worker and its own aggregator, as a one-node federation):
     every round's update and the final θ and optimizer moments, as whole host tensors, and the
     elements this rank holds of θ. With `resume`, the worker is rebuilt between the rounds from
     the state it saved (`flat_state`, the lead's copy on every rank), as a restarted node is. With
     `halves` (one process standing for a node of that many ranks), the gradients are taken in row
-    blocks (`in_row_blocks`)."""
+    blocks (`in_row_blocks`). With a relaying `payload` (topk2bit-relay) each state goes through the wire
+    as the node gets it, its own reply left out (`relay.for_worker`), and after the last round each rank
+    replays the server's θ from one more state (`theta_c`)."""
     torch.set_num_threads(1)
     s = resolve_method(method, InnerConfig(rank=RANK), RoundConfig(local_steps=K), OuterConfig())
     model = tiny_model(0)
     lowrank = lowrank_parameter_names(model) if s.inner.name == "lordo" else []
     ranks_of = lowrank_ranks(model, DEFAULT_LOWRANK_PATTERN, RANK, s.inner.name)
-    agg = make_aggregator(model, s, ranks_of, seed=0)  # before the worker: FSDP2 shards the model it is given
-    worker = in_row_blocks(make_worker(0, model, s, shard(0), lowrank, TOTAL_STEPS, batch, SEQ, seed=0, ranks=ranks),
-                           halves)
+    wire = resolve_payload(payload)
+    relaying = wire.codecs is not None and wire.codecs.relay
+
+    def sent(state: GlobalState) -> GlobalState:  # the state as this node gets it
+        if not relaying:
+            return snapshot(state)
+        return decode_global_state(encode_global_state(for_worker(state, 0), "m"), "m", codecs=wire.codecs.down_specs())
+
+    # the aggregator before the worker: FSDP2 shards the model it is given
+    agg = make_aggregator(model, s, ranks_of, seed=0, payload=wire)
+    worker = in_row_blocks(make_worker(0, model, s, shard(0), lowrank, TOTAL_STEPS, batch, SEQ, seed=0, payload=wire,
+                                       ranks=ranks), halves)
     if agg.needs_gradient_init:
         agg.init_projections([worker.gradient(agg.gradient_request(), sorted(ranks_of))])
-    updates = []
-    for r in range(ROUNDS):
+    updates, own_left_out = [], 0
+    for r in range(rounds):
         if resume and r:
             saved = worker.flat_state()
             worker = in_row_blocks(make_worker(0, model, s, shard(0), lowrank, TOTAL_STEPS, batch, SEQ, seed=0,
-                                               ranks=ranks), halves)
+                                               payload=wire, ranks=ranks), halves)
             worker.load_flat_state(*saved)
-        update = worker.train_round(snapshot(agg.global_state()))
-        updates.append({"delta": update.delta, "moments": update.moments, "tokens": update.tokens,
-                        "loss": update.metrics["train_loss"]})
-        agg.aggregate([update])
+        state = sent(agg.global_state())
+        own_left_out += state.relay_own == 0
+        update = worker.train_round(state)
+        updates.append({"delta": decoded(update.delta), "moments": decoded(update.moments), "tokens": update.tokens,
+                        "loss": update.metrics["train_loss"],
+                        "kept": None if worker.downlink.own is None else bytes(worker.downlink.own.numpy())})
+        agg.aggregate([as_received(update)] if relaying else [update], relay={0: update} if relaying else None)
     moments = {f"{n}/{k}": gather(v.detach(), p).clone() for n, p in worker.params.items()
                for k, v in worker.optimizer.state[p].items() if k in ("exp_avg", "exp_avg_sq", "ef")}
-    return {"updates": updates, "theta": worker._host_params(), "state": moments,
-            "held": sum(local(p).numel() for p in worker.params.values())}
+    result = {"updates": updates, "theta": worker._host_params(), "state": moments,
+              "held": sum(local(p).numel() for p in worker.params.values())}
+    if relaying:  # the next round's start, replayed on this rank from its kept reply, and the server's θ
+        theta_c = worker.downlink.theta(sent(agg.global_state()), worker.params)
+        result.update(theta_c={n: t.clone() for n, t in theta_c.items()}, server_theta=dict(agg.params),
+                      own_left_out=own_left_out)
+    return result
 
 
 def leave() -> NoReturn:
@@ -110,6 +139,10 @@ def _rank_main(rank: int, world: int, rendezvous: str, out: str, wrapper: str) -
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     results = {m: node_rounds(m, LocalRanks(rank, world, wrapper), BATCH) for m in METHODS}
     results["resumed"] = node_rounds("lordo_global", LocalRanks(rank, world, wrapper), BATCH, resume=True)
+    for method in RELAYED:
+        for resume in (False, True):
+            results[f"relay-{method}{'-resumed' * resume}"] = node_rounds(
+                method, LocalRanks(rank, world, wrapper), BATCH, resume=resume, payload="topk2bit-relay", rounds=3)
     torch.save(results, f"{out}.{rank}")
     leave()
 
@@ -177,6 +210,37 @@ def test_a_node_resumes_from_its_saved_state(two_rank_node):
                 assert torch.equal(a["delta"][n], b["delta"][n]), n
         for k in straight["state"]:
             assert torch.equal(straight["state"][k], resumed["state"][k]), k
+
+
+@pytest.mark.parametrize("method", RELAYED)
+def test_every_rank_replays_the_relayed_round_from_its_own_kept_reply(two_rank_node, method):
+    """The relay on a node of two ranks: every rank encodes the node's reply and keeps it (only the lead
+    sends it), so each state, which leaves that reply out (`relay.for_worker`), is completed on every rank
+    from its own copy. Both ranks keep the same reply bytes, replay the server's θ bit for bit (the round after
+    the last one, also after a rebuild from the lead's saved state between rounds), and under DDP end at
+    the one-process node of the doubled batch bit for bit. Under FSDP2 the sharded step's fp32 rounding
+    (above) moves a top-k pick or a chunk's 2-bit level against the one process (6e-3 of θ's largest entry,
+    measured): that comparison is the fp32 rounds' above."""
+    wrapper, results = two_rank_node
+    for key in (f"relay-{method}", f"relay-{method}-resumed"):
+        lead, other = (r[key] for r in results)
+        assert lead["own_left_out"] == other["own_left_out"] == 2, key  # rounds 2 and 3: θ whole in round 1 only
+        for rank in (lead, other):
+            for n, t in rank["server_theta"].items():
+                assert torch.equal(rank["theta_c"][n], t), (key, n)
+        for r, (a, b) in enumerate(zip(lead["updates"], other["updates"]), start=1):
+            assert a["kept"] is not None and a["kept"] == b["kept"], (key, r)  # what the lead sent, byte for byte
+        for n in lead["server_theta"]:
+            assert torch.equal(lead["server_theta"][n], other["server_theta"][n]), (key, n)
+    straight, resumed = (results[0][f"relay-{method}{s}"] for s in ("", "-resumed"))
+    for n in straight["server_theta"]:
+        assert torch.equal(straight["server_theta"][n], resumed["server_theta"][n]), n
+    if wrapper == "fsdp":  # its sharded step's rounding moves a top-k pick: the fp32 rounds above compare it
+        return
+    reference = node_rounds(method, None, 2 * BATCH, halves=2, payload="topk2bit-relay", rounds=3)
+    assert reference["own_left_out"] == 2
+    for n in reference["server_theta"]:
+        assert torch.equal(straight["server_theta"][n], reference["server_theta"][n]), n
 
 
 def test_sharded_lordo_refuses_what_it_does_not_shard(tmp_path):
