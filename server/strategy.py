@@ -75,7 +75,7 @@ class LoRDOStrategy(Strategy):
         a compressed downlink the others are sent θ_c whole."""
         self._partitions: dict[int, int] = {}
         """Node -> the partition of its reply that passed screening last round (a relaying state leaves
-        it out of that node's next state)."""
+        it out of that node's next state). Checkpointed: a resumed run's first state leaves it out too."""
         if cfg.resume:
             self.resume(cfg.resume)
         else:
@@ -112,11 +112,12 @@ class LoRDOStrategy(Strategy):
         replies are in, so an announced round asks it at publish time (`_publish_announced`). Starts the
         round's log."""
         data = self._encode_round(server_round)
-        if not self.aggregator.downlink_due() or self._acked is None:
+        if not self.aggregator.downlink_due():
             return data, {}
         nodes = list(nodes)
-        resync = [n for n in nodes if n not in self._acked]
-        own = self._own_states(server_round, [n for n in nodes if n in self._acked], len(data))
+        # after a resume any node may hold θ_c (`_acked` None); a node that does not asks for θ whole
+        resync = [] if self._acked is None else [n for n in nodes if n not in self._acked]
+        own = self._own_states(server_round, [n for n in nodes if n not in resync], len(data))
         if resync:
             log.info("round %d: nodes %s get θ whole (no reply from them last round)", server_round, resync)
             own.update(dict.fromkeys(resync, self.courier.encode(self.aggregator.resync_state())))
@@ -300,7 +301,8 @@ class LoRDOStrategy(Strategy):
                                             seconds, aggregation_seconds, self.courier.take_refusals(),
                                             self.validate if due else None)
         self.recorder.add(record)
-        self.recorder.save(r, self.aggregator.state_dict(), self.tokens, self.cum_bytes)
+        self.recorder.save(r, self.aggregator.state_dict(), self.tokens, self.cum_bytes,
+                           extra={"relay_partitions": {str(n): p for n, p in self._partitions.items()}})
         log.info("round %d: %s", r, rounded(record))
 
     def init_projections(self, grid: Grid, timeout: float) -> None:
@@ -343,7 +345,8 @@ class LoRDOStrategy(Strategy):
         return ArrayRecord({n: Array(p.detach().cpu().numpy()) for n, p in self.aggregator.params.items()})
 
     def resume(self, path: str) -> None:
-        """Continue from a checkpoint: θ, outer state, projections, synced states, counters, RNG.
+        """Continue from a checkpoint: θ, outer state, projections, synced states, counters, RNG, and which
+        node sent each reply a relaying state carries (so each node's first state leaves its own out).
 
         `path` is a round JSON or a checkpoint directory (`Recorder.load`: its newest complete
         checkpoint, named in errors and the log). A checkpoint of another run is refused before
@@ -355,6 +358,7 @@ class LoRDOStrategy(Strategy):
         set_rng_state(tensors)
         self.tokens, self.cum_bytes = meta["tokens"], meta["cum_bytes"]
         self.recorder.history = list(meta["history"])
+        self._partitions = {int(n): int(p) for n, p in meta.get("relay_partitions", {}).items()}
         self.resumed_meta = meta
         self.resumed_tensors = {k: v for k, v in tensors.items() if k.startswith("async_acc/")}
         log.info("resumed from %s at round %d", source, self.aggregator.round)

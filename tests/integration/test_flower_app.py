@@ -180,8 +180,10 @@ def test_a_resumed_relay_run_relays_on_and_ends_as_the_uninterrupted_one(tmp_pat
     ended, expected = (load_checkpoint(d / "checkpoints")[0] for d in (out, whole))
     params = [k for k in expected if k.startswith("param/")]
     theta_bytes = 4 * sum(expected[k].numel() for k in params)
-    # round 3 relays round 2's top-k replies (~3% x (2 + 7) bits each), not θ whole: both, as the resumed server
-    # does not know yet which node trains which partition; the uninterrupted one leaves out each node's own
+    # round 3 relays round 2's top-k replies (~3% x (2 + 7) bits each), not θ whole: both, as the simulation's nodes
+    # come back under new node ids, which the checkpoint's node -> partition map does not name (a server resumed
+    # under the same nodes leaves each one's own out: tests/unit/test_hostile_payloads.py); the uninterrupted one
+    # leaves out each node's own
     assert uninterrupted[3]["bytes_sent_per_client"] < records[3]["bytes_sent_per_client"] < theta_bytes / 10
     assert params and all(torch.equal(ended[k], expected[k]) for k in params)
 

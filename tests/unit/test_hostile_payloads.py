@@ -393,6 +393,30 @@ def relay_strategy(out: Path) -> tuple[LoRDOStrategy, Callable[[LoRDOStrategy, W
     return s, relay_encode
 
 
+def test_a_resumed_relay_leaves_each_nodes_own_reply_out_of_its_first_state(tmp_path):
+    """The relay's node -> partition map is checkpointed: a server resumed after round 1 sends each node
+    that replied its state without its own reply, byte for byte the state the uninterrupted server sends
+    (a node it does not know, e.g. registered anew, gets the full state, as every node did before)."""
+    from lordo_fed.app.records import payload_bytes
+
+    s, _ = relay_strategy(tmp_path / "out")
+    s._finish_round(1, None, 1.0, 0.1, 4, s.round_log)  # round 1's record and checkpoint
+    resumed = LoRDOStrategy(load_app_config({**{k: v for k, v in RUN_CONFIG.items()
+                                                 if k not in ("preset", "outer", "outer-lr")},
+                                              "variant": "diloco", "preset": "diloco-sparse",
+                                              "payload-dtype": "topk2bit-relay", "output-dir": str(tmp_path / "out"),
+                                              "resume": str(tmp_path / "out" / "checkpoints")}))
+    assert resumed.aggregator.round == ROUND and resumed._partitions == GOOD
+    stranger = 105
+    states = []
+    for strategy, nodes in ((s, list(GOOD)), (resumed, [*GOOD, stranger])):
+        messages = strategy.configure_train(ROUND, ArrayRecord(), ConfigRecord(), NodeIds(nodes))
+        states.append({m.metadata.dst_node_id: bytes(payload_bytes(m.content["state"])) for m in messages})
+    straight, after = states
+    assert all(after[n] == straight[n] for n in GOOD)
+    assert len({after[n] for n in GOOD}) == 2 and all(len(after[stranger]) > len(after[n]) for n in GOOD)
+
+
 @pytest.mark.parametrize("payload", ["int8", "topk2bit-relay"])
 def test_an_announced_compressed_round_gives_each_node_its_state_through_its_ticket(tmp_path, caplog, payload):
     """A compressed downlink on the gRPC data plane (int8: the change of θ_c; the relay: the replies the
@@ -539,7 +563,7 @@ def test_round0_gradient_replies_are_screened_and_named(tmp_path, caplog):
         s.fit_initial_projections(replies, sent_bytes=0)
     lines = [r.getMessage() for r in caplog.records if r.name == "lordo_fed.server"]
     assert lines == [
-        f"initial projections: dropped reply of node 104 (partition 0): worker (partition) 0 already answered this "
+        "initial projections: dropped reply of node 104 (partition 0): worker (partition) 0 already answered this "
         "round; a second reply for it is refused (two nodes with the same partition-id?)",
         f"initial projections: dropped reply of node {HOSTILE_NODE} (partition 2): grad/{first}: contains NaN or Inf",
     ], lines
