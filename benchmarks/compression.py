@@ -11,7 +11,8 @@ pay for their encoding time.
    4 bytes per parameter up and the averaged one down, every step). fp32 messages over protobuf's
    2 GiB limit (720m) are counted by their tensor bytes.
 2. **time**: one round's encoding and decoding at 125m on this CPU (the worker compresses Δ with
-   error feedback and its moments and encodes the reply, the server decodes it; the server encodes
+   error feedback and its moments and encodes the reply, a relaying worker also keeps it as relayed,
+   `worker_keep_s`; the server decodes it; the server encodes
    the downlink, the worker decodes it), against the time the bytes it saves take on a 1 Gb/s link;
    and the state a compressed preset adds to a worker (Δ's residual, the clients' copy θ_c).
    **refit**: the server's refit of LoRDO-Global's bases at 125m (exact SVD, randomized SVD, DCT
@@ -56,6 +57,7 @@ from lordo_fed.optim.config import InnerConfig
 from lordo_fed.rounds.outer import OuterConfig
 from lordo_fed.wire.messages import GlobalState, WorkerUpdate
 from lordo_fed.rounds.config import RoundConfig
+from lordo_fed.rounds.downlink import Downlink
 from lordo_fed.rounds.relay import for_worker, relayed_form, replay
 from lordo_fed.rounds.screening import ReplyRef
 from lordo_fed.optim.projection import projection_side
@@ -348,7 +350,12 @@ def _time_once(preset: str, payload: str) -> dict:
         up_moments = codecs.encode_moments(moments)
     else:
         delta, up_moments = params, moments
-    up = encode_update(WorkerUpdate(0, 2, delta, up_moments, 4096, 64, coords=coords), ms.model_id, dtype)
+    reply = WorkerUpdate(0, 2, delta, up_moments, 4096, 64, coords=coords)
+    up = encode_update(reply, ms.model_id, dtype)
+    t_keep = time.perf_counter()
+    relay = codecs is not None and codecs.relay  # the server forwards the M replies' Δ as it received them
+    if relay:  # the worker keeps its reply as relayed, for the next state, which leaves it out
+        Downlink(codecs, rounds).keep_reply(reply)
     t1 = time.perf_counter()
     received = decode_update(up, ms.model_id, codecs=resolve_payload(payload).receiver_specs)
     for n, c in received.coords.items():  # the server rebuilds Δ = P·Ĉ + R̂
@@ -361,7 +368,6 @@ def _time_once(preset: str, payload: str) -> dict:
         theta, down_moments = params, moments
     down = encode_global_state(GlobalState(2, theta, projections, down_moments, 64, params_delta=codecs is not None),
                                      ms.model_id, dtype)
-    relay = codecs is not None and codecs.relay  # the server forwards the M replies' Δ as it received them
     forwarded = encode_update(WorkerUpdate(0, 2, delta, {}, 4096, 64), ms.model_id, dtype) if relay else b""
     down_bytes = len(down) + RELAY_M * len(forwarded)
     t3 = time.perf_counter()
@@ -376,7 +382,7 @@ def _time_once(preset: str, payload: str) -> dict:
     residual = ef.nbytes() if codecs is not None else 0
     copy = 4 * ms.num_params if codecs is not None and codecs.tracks_copy else 0
     return {"preset": preset, "payload": payload, "up_bytes": len(up), "down_bytes": down_bytes,
-            "worker_encode_s": t1 - t0, "server_decode_s": t2 - t1, "server_encode_s": t3 - t2,
+            "worker_encode_s": t1 - t0, "worker_keep_s": t1 - t_keep, "server_decode_s": t2 - t1, "server_encode_s": t3 - t2,
             "worker_decode_s": t4 - t3, "worker_state_residual_bytes": residual, "worker_state_copy_bytes": copy,
             "params": ms.num_params}
 
