@@ -73,7 +73,7 @@ def in_row_blocks(worker: Worker, parts: int) -> Worker:
 
 def node_rounds(method: str, ranks: LocalRanks | None, batch: int, resume: bool = False, halves: int = 1,
                 payload: str = "fp32", rounds: int = ROUNDS) -> dict:
-    """Two rounds of one node (its worker and its own aggregator, as a one-node federation):
+    """`rounds` rounds (two) of one node (its worker and its own aggregator, as a one-node federation):
     every round's update and the final θ and optimizer moments, as whole host tensors, and the
     elements this rank holds of θ. With `resume`, the worker is rebuilt between the rounds from
     the state it saved (`flat_state`, the lead's copy on every rank), as a restarted node is. With
