@@ -26,6 +26,11 @@ continues where it stopped; --fresh reruns):
     python benchmarks/corpora_quality.py --part exchanges --seeds 1 --horizons 64 --corpora code --methods lordo_local
                                                           # a probe part on another seed and horizon, one
                                                           # method's probes (and low-rank DDP's)
+    python scripts/make_stdlib_corpus.py /tmp/stdlib_large.txt
+    python benchmarks/corpora_quality.py --part exchanges --corpus code-large=/tmp/stdlib_large.txt \
+        --corpora code-large --horizons 64 --methods lordo_global,lordo_local --probes k8-int8,ef1-switch-lr0.5x
+                                                          # a local corpus (here 30 MB of code, which 64 rounds
+                                                          # read less than once), some probes only
     python benchmarks/corpora_quality.py --quick          # tiny runs: two methods, two trials, every corpus
     python benchmarks/corpora_quality.py --part best-points --out benchmarks/results/cpu_corpora_best_points_r64.json
                                                           # no run: every 64-round run in the committed files,
@@ -39,6 +44,7 @@ from __future__ import annotations
 import glob
 import json
 import math
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -188,10 +194,12 @@ def horizon_overrides(rounds: int, quick: bool) -> tuple[str, ...]:
     return (f"total_steps={rounds * k}", f"rounds.local_steps={k}", f"eval_every={max(1, rounds // 8)}")
 
 
-def run_of(corpus: str, method: str, trial: Trial, rounds: int, seed: int, quick: bool) -> Run:
+def run_of(corpus: str, method: str, trial: Trial, rounds: int, seed: int, quick: bool,
+           path: Path | None = None) -> Run:
+    """One run of `trial` on `corpus`: a shipped one by name, or a local one (`--corpus`) at `path`."""
     k = 4 if quick else 32
     return Run(f"{corpus}_{method}_{trial.name}_R{rounds}_s{seed}", corpus, method,
-               (f"data.path={CORPORA[corpus]}", f"seed={seed}", *horizon_overrides(rounds, quick),
+               (f"data.path={path or CORPORA[corpus]}", f"seed={seed}", *horizon_overrides(rounds, quick),
                 *trial.resolved(rounds * k)))  # the trial's last: it may change K (`EARLY`)
 
 
@@ -295,8 +303,8 @@ def _train(spec: tuple) -> dict:
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    corpus, method, trial, rounds, seed, quick, work, fresh, base = spec
-    run = run_of(corpus, method, trial, rounds, seed, quick)
+    corpus, path, method, trial, rounds, seed, quick, work, fresh, base = spec
+    run = run_of(corpus, method, trial, rounds, seed, quick, path)
     result = execute(run, False, work, fresh, base, CONFIG)
     print(f"{run.label}: val ppl {result['val_ppl']:.3f} ({result['wall_seconds']:.0f} s)", flush=True)
     return row_of(result, corpus, trial.name, rounds, seed)
@@ -305,7 +313,7 @@ def _train(spec: tuple) -> dict:
 def table_text(rows: list[dict], horizons: tuple[int, ...]) -> str:
     lines = []
     for rounds in horizons:
-        for corpus in CORPORA:
+        for corpus in dict.fromkeys(r["corpus"] for r in rows):  # the shipped corpora first, then local ones
             for r in sorted((r for r in rows if r["rounds"] == rounds and r["corpus"] == corpus),
                             key=lambda r: (r["seed"], METHODS.index(r["method"]))):
                 gap = f"{r['gap_lowrank_ddp']:+.1%}" if "gap_lowrank_ddp" in r else "-"
@@ -318,7 +326,7 @@ def table_text(rows: list[dict], horizons: tuple[int, ...]) -> str:
 
 
 def plot(rows: list[dict], path: Path, rounds: int) -> None:
-    corpora = [c for c in CORPORA if any(r["corpus"] == c for r in rows)]  # a table of some corpora: theirs
+    corpora = list(dict.fromkeys(r["corpus"] for r in rows))  # a table of some corpora: theirs
     seed = min((r["seed"] for r in rows if r["rounds"] == rounds), default=0)  # a table of seed 1 alone: seed 1
     fig = new_figure(5 * len(corpora), 8.5)
     for i, corpus in enumerate(corpora):
@@ -355,20 +363,30 @@ of the `iid` partition's contiguous pieces (are the workers' pieces of one file 
 low-rank DDP too; and the sixth trial's lr (0.002, with diagnostics). The first two are the tune's fifth trials."""
 
 
+def probe_named(trial: Trial, name: str) -> bool:
+    """Whether `--probes name` picks `trial`: its whole name, or the suffix `derived` added (`k8-int8` picks
+    LoRDO-Global's and LoRDO-Local's `...-k8-int8`)."""
+    return trial.name == name or trial.name.endswith(f"-{name}")
+
+
 PROBES: dict[str, list[tuple[str, Trial]]] = {"early": EARLY, "late": LATE, "workers": WORKERS, "exchanges": EXCHANGES}
 """The probe parts by name (`--part`): each a list of (method, trial), low-rank DDP's first."""
 
 
 def early(train, rounds: int, out: str, quick: bool, part: str = "early", corpora: tuple[str, ...] = tuple(CORPORA),
-          seeds: tuple[int, ...] = (0,), methods: tuple[str, ...] = tuple(METHODS)) -> None:
+          seeds: tuple[int, ...] = (0,), methods: tuple[str, ...] = tuple(METHODS), local: dict | None = None,
+          only: tuple[str, ...] = ()) -> None:
     """The `EARLY` (or `LATE`, `WORKERS`, `EXCHANGES`) probes of `methods` on every corpus and seed: validation
     perplexity and the gap to low-rank DDP (the probes' first run, always run) on the same corpus and seed, and the
-    bytes against LoRDO-Global's own K = 32 run (the second; None when LoRDO-Global is not among `methods`)."""
+    bytes against LoRDO-Global's own K = 32 run (the second; None when LoRDO-Global is not among `methods`).
+    `local`: the local corpora's `local_corpora` entries, recorded with the result; `only`: the names of the
+    probes to run besides those two references (all when empty)."""
     probes = PROBES[part]
     if quick:  # quick rounds are too short for K = 8
         probes = [EARLY[0], EARLY[1], EARLY[6]] if part == "early" else probes[:2]
     k32_probe = probes[1] if probes[1][0] in methods else None
-    probes = [probes[0], *(p for p in probes[1:] if p[0] in methods)]  # low-rank DDP: every gap's reference
+    probes = [probes[0], *(p for p in probes[1:] if p[0] in methods and (not only or p[1].name in only or p == k32_probe))]
+    # low-rank DDP is every gap's reference and LoRDO-Global's K = 32 run the bytes'; `only` never drops them
     rows = train([(c, m, t, rounds, s) for s in seeds for m, t in probes for c in corpora])
     ref = {(r["corpus"], r["seed"], r["method"], r["trial"]): r for r in rows}
     for r in rows:
@@ -381,7 +399,7 @@ def early(train, rounds: int, out: str, quick: bool, part: str = "early", corpor
         print(f"{r['corpus']:6} s{r['seed']} {r['method']:12} {r['trial']:16} val ppl {r['val_ppl']:7.3f}  vs low-rank "
               f"DDP {r['gap_lowrank_ddp']:+6.1%}  bytes {times}")
     result = result_header("corpora_quality", quick, {"part": part, "rounds": rounds, "seeds": list(seeds),
-                                                      "corpora": list(corpora),
+                                                      "corpora": list(corpora), "local_corpora": local or {},
                                                       "probes": [{"method": m, "name": t.name, "overrides": list(t.overrides)}
                                                                  for m, t in probes]})
     result["rows"] = [{k: v for k, v in r.items() if k != "curve"} for r in rows]
@@ -391,6 +409,20 @@ def early(train, rounds: int, out: str, quick: bool, part: str = "early", corpor
 READ = ("benchmarks/results/cpu_corpora_quality_r64_*_lr0.5x*.json,"
         "benchmarks/results/cpu_corpora_exchanges_local_r64_probes.json")
 """`--part best-points`' default `--read`: the 64-round table's files and LoRDO-Local's K = 8 probes at 64 rounds."""
+
+
+def local_corpus(path: Path) -> dict:
+    """What a result records of a local corpus (`--corpus`), to tell which text it was: its path, and a file's
+    size and sha256 (a folder's files are not hashed)."""
+    import hashlib
+
+    if not path.is_file():
+        return {"path": str(path)}
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"path": str(path), "bytes": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
 def _host(result: dict) -> str:
@@ -441,8 +473,15 @@ def main() -> None:
     parser.add_argument("--read", default=READ, help="best-points: comma-separated result files or glob patterns, read "
                         "in order (a run in several files is taken from the last), relative to the repository root")
     parser.add_argument("--corpora", default=",".join(CORPORA),
-                        help=f"comma-separated, of {', '.join(CORPORA)}: the early, late and workers parts' and "
-                        "the table's (the tuning always runs on every corpus)")
+                        help=f"comma-separated, of {', '.join(CORPORA)} and the --corpus names: the probe parts' and "
+                        "the table's (the tuning always runs on the shipped corpora)")
+    parser.add_argument("--probes", default="", help="a probe part's probes to run, comma-separated, by name or by "
+                        "the suffix added to the method's trial (e.g. k8-int8); low-rank DDP and LoRDO-Global's "
+                        "K = 32 run always run (default: every probe)")
+    parser.add_argument("--corpus", action="append", default=[], metavar="NAME=PATH",
+                        help="a local corpus (a file or folder lordo_fed.data reads) under a name of its own, for "
+                        "--corpora; e.g. code-large=/tmp/stdlib_large.txt from scripts/make_stdlib_corpus.py, which "
+                        "64 rounds read less than once. Repeatable")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)} "
                         "(a probe part runs these methods' probes, and low-rank DDP's, every gap's reference)")
     parser.add_argument("--seeds", default=None, help="comma-separated seeds of the table (default 0,1) or of the "
@@ -523,7 +562,7 @@ def main() -> None:
     started = time.perf_counter()
 
     def train(runs: list[tuple[str, str, Trial, int, int]]) -> list[dict]:
-        specs = [(c, m, t, h, s, args.quick, work, args.fresh, base) for c, m, t, h, s in runs]
+        specs = [(c, paths[c], m, t, h, s, args.quick, work, args.fresh, base) for c, m, t, h, s in runs]
         if args.jobs == 1:
             return [_train(spec) for spec in specs]
         import multiprocessing
@@ -532,13 +571,30 @@ def main() -> None:
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             return list(pool.map(_train, specs))
 
+    paths = dict(CORPORA)
+    for entry in args.corpus:
+        name, _, path = entry.partition("=")
+        if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name) or not path or name in CORPORA:
+            parser.error(f"--corpus {entry!r}: expected NAME=PATH, NAME of lower-case letters, digits, - and _ "
+                         f"and none of the shipped {list(CORPORA)}")
+        if not Path(path).exists():
+            parser.error(f"--corpus {entry!r}: no file or folder at {path} (scripts/make_stdlib_corpus.py makes "
+                         "a large code corpus)")
+        paths[name] = Path(path).resolve()
+    local = {c: local_corpus(paths[c]) for c in paths if c not in CORPORA}
     corpora = tuple(c for c in args.corpora.split(",") if c)
-    if not corpora or any(c not in CORPORA for c in corpora):
-        parser.error(f"--corpora {args.corpora!r}: expected some of {list(CORPORA)}")
+    if not corpora or any(c not in paths for c in corpora):
+        parser.error(f"--corpora {args.corpora!r}: expected some of {list(paths)}")
     if probing:
         default = str(Path(parser.get_default("out")))
         out = args.out.replace(".json", f"_{args.part}.json") if args.out == default else args.out
-        early(train, horizons[0], out, args.quick, args.part, corpora, tuple(seeds), tuple(methods))
+        wanted = [n for n in args.probes.split(",") if n]
+        only = tuple(t.name for _, t in PROBES[args.part] if any(probe_named(t, n) for n in wanted))
+        unknown = [n for n in wanted if not any(probe_named(t, n) for _, t in PROBES[args.part])]
+        if unknown:
+            parser.error(f"--probes {args.probes!r}: no probe of --part {args.part} named {unknown}; its probes: "
+                         f"{[t.name for _, t in PROBES[args.part]]}")
+        early(train, horizons[0], out, args.quick, args.part, corpora, tuple(seeds), tuple(methods), local, only)
         return
     given = parse_best(args.best, methods, trials) if args.best else None
     if isinstance(given, str):
@@ -547,7 +603,9 @@ def main() -> None:
     best = given or best_trials(tuned, methods)
     result = result_header("corpora_quality", args.quick, {
         "base": f"examples/reference/{CONFIG}.yaml" + (" + " + " ".join(QUICK_OVERRIDES) if args.quick else ""),
-        "corpora": {k: str(p.relative_to(ROOT)) for k, p in CORPORA.items() if k in corpora or not given},
+        "corpora": {k: str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
+                    for k, p in paths.items() if k in corpora or (not given and k in CORPORA)},
+        "local_corpora": local,
         "methods": methods,
         "horizons": list(horizons), "seeds": seeds,
         "trials": {m: [{"name": t.name, "overrides": list(t.overrides)} for t in trials[m]] for m in methods}})

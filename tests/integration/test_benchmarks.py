@@ -1,6 +1,7 @@
 """Benchmarks are not tests, but their --quick modes run here so they cannot rot: most in the extended lane
 (`-m extended`, run it when you change a benchmark), the cheap ones in the CI lane too."""
 
+import hashlib
 import json
 import math
 import os
@@ -95,7 +96,8 @@ def test_corpora_quality_quick(tmp_path):
     from quality import QUICK_OVERRIDES
 
     trial = TRIALS["lordo_global"][1]
-    alone = _train(("prose", "lordo_global", trial, 1, 0, True, tmp_path / "alone", False, (*QUICK_OVERRIDES, "threads=1")))
+    alone = _train(("prose", None, "lordo_global", trial, 1, 0, True, tmp_path / "alone", False,
+                    (*QUICK_OVERRIDES, "threads=1")))
     pooled = next(r for r in tuning if (r["method"], r["trial"], r["corpus"]) == ("lordo_global", trial.name, "prose"))
     assert alone["val_loss"] == pooled["val_loss"] and alone["bytes_per_worker"] == pooled["bytes_per_worker"]
     # --part early on two seeds: the probes on every corpus and seed, the tune's own runs (seed 0) taken from the
@@ -117,6 +119,28 @@ def test_corpora_quality_quick(tmp_path):
                           "--seeds", "0,x"], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                          cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "--seeds '0,x': expected distinct comma-separated ints >= 0" in bad.stderr
+    # a local corpus (--corpus NAME=PATH): the probes train on its text, and the result names the file
+    text = (ROOT / "lordo_fed" / "corpora" / "python_docs.txt").read_bytes()[-300_000:]
+    (tmp_path / "local.txt").write_bytes(text)
+    local = run_quick("corpora_quality.py", tmp_path, "--part", "early", "--corpus", f"tail={tmp_path / 'local.txt'}",
+                      "--corpora", "tail,prose", "--work", str(tmp_path / "work"))
+    assert local["config"]["local_corpora"] == {"tail": {"path": str(tmp_path / "local.txt"), "bytes": len(text),
+                                                         "sha256": hashlib.sha256(text).hexdigest()}}
+    ppl = {(r["corpus"], r["method"], r["trial"]): r["val_ppl"] for r in local["rows"]}
+    assert {c for c, _, _ in ppl} == {"tail", "prose"}
+    for (c, m, t), v in ppl.items():  # prose from the cache; the tail of its text is other text
+        if c == "prose":
+            assert v == next(r["val_ppl"] for r in early if (r["corpus"], r["method"], r["trial"], r["seed"]) ==
+                             ("prose", m, t, 0))
+        else:
+            assert v != ppl[("prose", m, t)]
+    for args, expected in ((("--corpus", "prose=/tmp"), "none of the shipped"),
+                           (("--corpus", f"x={tmp_path / 'absent.txt'}"), "no file or folder at"),
+                           (("--corpus", f"x={tmp_path / 'local.txt'}", "--corpora", "y"), "expected some of")):
+        bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "corpora_quality.py"), "--part", "early", *args],
+                             capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT,
+                             timeout=120)
+        assert bad.returncode == 2 and expected in bad.stderr, bad.stderr
 
 
 def test_corpora_quality_trials_and_goal():
@@ -162,6 +186,20 @@ def test_corpora_quality_trials_and_goal():
     assert "expected one of lowrank_ddp's trials" in parse_best("lowrank_ddp=ef2,lordo_global=ef1", methods, TRIALS)
     assert "expected a method among" in parse_best("adam=lr1", methods, {m: TRIALS[m] for m in methods})
     assert "no trial for ['lordo_global']" in parse_best("lowrank_ddp=ef0.9", methods, TRIALS)
+    # --probes picks a probe by its whole name or by the suffix added to its method's trial
+    from corpora_quality import EXCHANGES, probe_named
+
+    def picked(name: str) -> list[str]:
+        return [t.name for _, t in EXCHANGES if probe_named(t, name)]
+
+    assert picked("k8-int8") == ["ef0.9-lr0.5x-k8-int8", "ef1-switch-lr0.5x-k8-int8"]
+    assert picked("k8") == ["ef0.9-lr0.5x-k8", "ef1-switch-lr0.5x-k8"]  # not the ...-k8-int8 ones
+    assert picked("ef1-switch-lr0.5x") == ["ef1-switch-lr0.5x"] and picked("lr0.5x-k8-int8-p32") == [
+        "ef1-switch-lr0.5x-k8-int8-p32"] and picked("k32") == []
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "corpora_quality.py"), "--part", "exchanges",
+                          "--probes", "k8-int8,k64"], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "no probe of --part exchanges named ['k64']" in bad.stderr
 
 
 def test_corpora_quality_best_point_and_its_gap():

@@ -183,3 +183,42 @@ def test_a_tokenizer_producing_ids_beyond_its_vocabulary_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"tokenizer 'narrow' produced ids outside \[0, 100\) for .*c\.jsonl"):
         load_corpus(path, Narrow(), tmp_path / "cache")
     assert not list((tmp_path / "cache").glob("*.bin")), "a refused corpus left a cache entry"
+
+
+def test_the_stdlib_corpus_holds_every_file_once_less_the_shipped_modules(tmp_path):
+    """scripts/make_stdlib_corpus.py: every UTF-8 `.py` file of the library folder comes back whole, once, after
+    its header; site-packages, the shipped corpus's modules and files that are not UTF-8 are left out; the order is
+    shuffled by the seed alone; too little text is refused."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    lib = tmp_path / "lib"
+    files = {"os.py": "import sys\n", "json/__init__.py": "'''json'''\n\ndef dumps(x):\n    return x\n",
+             "test/test_os.py": "# a test\nassert True\n", **{f"m{i}.py": f"x = {i}\n" * (i + 1) for i in range(20)}}
+    left_out = {"site-packages/pkg.py": "pkg = 1\n", "argparse.py": "# shipped\n"}
+    for name, text in {**files, **left_out}.items():
+        (lib / name).parent.mkdir(parents=True, exist_ok=True)
+        (lib / name).write_text(text, encoding="utf-8")
+    (lib / "latin1.py").write_bytes("# caf\u00e9\n".encode("latin-1"))
+
+    def make(out: Path, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(root / "scripts" / "make_stdlib_corpus.py"), str(out), "--lib",
+                               str(lib), "--min-mb", "0", *args], capture_output=True, text=True, timeout=60)
+
+    assert make(tmp_path / "a.txt").returncode == 0
+    text = (tmp_path / "a.txt").read_text(encoding="utf-8")
+    pieces = text.split("# ---- Lib/")[1:]
+    got = {p.split(" ----\n", 1)[0]: p.split(" ----\n", 1)[1] for p in pieces}
+    assert {k: v.rstrip() for k, v in got.items()} == {k: v.rstrip() for k, v in files.items()}
+    order = [p.split(" ----\n", 1)[0] for p in pieces]
+    assert order != sorted(order)  # shuffled: the held-out tail is not the alphabet's last files
+    make(tmp_path / "b.txt")
+    assert (tmp_path / "b.txt").read_bytes() == text.encode()  # the seed alone fixes the order
+    make(tmp_path / "c.txt", "--seed", "1")
+    assert (tmp_path / "c.txt").read_bytes() != text.encode()
+    small = subprocess.run([sys.executable, str(root / "scripts" / "make_stdlib_corpus.py"), str(tmp_path / "d.txt"),
+                            "--lib", str(lib)], capture_output=True, text=True, timeout=60)
+    assert small.returncode == 2 and "expected at least --min-mb 20.0" in small.stderr and not (tmp_path / "d.txt").exists()
+    bad = make(tmp_path / "e.txt", "--lib", str(tmp_path))
+    assert bad.returncode == 2 and "expected a CPython standard library folder" in bad.stderr
