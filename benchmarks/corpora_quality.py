@@ -313,7 +313,7 @@ def _train(spec: tuple) -> dict:
 def table_text(rows: list[dict], horizons: tuple[int, ...]) -> str:
     lines = []
     for rounds in horizons:
-        for corpus in dict.fromkeys(r["corpus"] for r in rows):  # the shipped corpora first, then local ones
+        for corpus in dict.fromkeys(r["corpus"] for r in rows):  # in the order of --corpora
             for r in sorted((r for r in rows if r["rounds"] == rounds and r["corpus"] == corpus),
                             key=lambda r: (r["seed"], METHODS.index(r["method"]))):
                 gap = f"{r['gap_lowrank_ddp']:+.1%}" if "gap_lowrank_ddp" in r else "-"
@@ -481,7 +481,8 @@ def main() -> None:
     parser.add_argument("--corpus", action="append", default=[], metavar="NAME=PATH",
                         help="a local corpus (a file or folder lordo_fed.data reads) under a name of its own, for "
                         "--corpora; e.g. code-large=/tmp/stdlib_large.txt from scripts/make_stdlib_corpus.py, which "
-                        "64 rounds read less than once. Repeatable")
+                        "64 rounds read less than once. Runs are cached under --work by the name: other text under a name already "
+                        "run needs another --work or --fresh. Repeatable")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)} "
                         "(a probe part runs these methods' probes, and low-rank DDP's, every gap's reference)")
     parser.add_argument("--seeds", default=None, help="comma-separated seeds of the table (default 0,1) or of the "
