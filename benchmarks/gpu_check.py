@@ -42,7 +42,13 @@ the bytes of K = 32 (`--part exchanges --horizons 16 --corpora code --methods lo
 and 16 with int8 and K = 8 in fp32; the CPU ran prose and verse, and LoRDO-Local's probe everywhere). Since
 (2026-11-29, later): the CPU ran LoRDO-Local with K = 8 and int8 at 64 rounds on every corpus and seed
 (results.md section 17, parts seven and eight) and, later, prose seed 0's references with curves and code seed 1's
-whole table (part nine): the 64-round table at today's lrs is complete on the CPU.
+whole table (part nine): the 64-round table at today's lrs is complete on the CPU. Since (2026-11-30): a corpus
+that 64 rounds read less than once, 30 MB of Python code made from the machine's own standard library (section 17,
+part ten; the CPU ran seed 0): its second seed at both horizons on the GPU is
+`python3 scripts/make_stdlib_corpus.py /tmp/stdlib_large.txt` and then `--only corpora --corpora-args '--part table
+--best lowrank_ddp=ef0.9-lr0.5x,lordo_global=ef0.9-lr0.5x,lordo_local=ef1-switch-lr0.5x,diloco=average1-lr0.5x
+--methods lowrank_ddp,diloco,lordo_global,lordo_local --corpus code-large=/tmp/stdlib_large.txt --corpora code-large
+--seeds 1'` (another Python gives other text: the result records its sha256).
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH && python3 benchmarks/gpu_check.py --only tests,step16m,step125m
