@@ -418,11 +418,9 @@ def local_corpus(path: Path) -> dict:
 
     if not path.is_file():
         return {"path": str(path)}
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return {"path": str(path), "bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+        sha256 = hashlib.file_digest(f, "sha256").hexdigest()
+    return {"path": str(path), "bytes": path.stat().st_size, "sha256": sha256}
 
 
 def _host(result: dict) -> str:
@@ -540,6 +538,8 @@ def main() -> None:
         print(f"wrote {write_json(result, args.out)}")
         return
     probing = args.part in PROBES
+    if args.probes and not probing:
+        parser.error(f"--probes {args.probes!r} with --part {args.part}: expected a probe part, one of {list(PROBES)}")
     try:
         seeds = [int(s) for s in (args.seeds or ("0" if probing else "0,1")).split(",")]
     except ValueError:

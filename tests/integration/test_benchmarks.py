@@ -200,6 +200,10 @@ def test_corpora_quality_trials_and_goal():
                           "--probes", "k8-int8,k64"], capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "no probe of --part exchanges named ['k64']" in bad.stderr
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "corpora_quality.py"), "--part", "table",
+                          "--probes", "k8-int8"], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "--probes 'k8-int8' with --part table: expected a probe part" in bad.stderr
 
 
 def test_corpora_quality_best_point_and_its_gap():
