@@ -177,6 +177,10 @@ EXCHANGES: list[tuple[str, Trial]] = [
     derived("lordo_local", "k8-int8", "rounds.local_steps=8", "payload_dtype=int8"),
     derived("lordo_local", "k8", "rounds.local_steps=8"),
     derived("lordo_local", "k8-int8-p32", "rounds.local_steps=8", "payload_dtype=int8", "inner.proj_interval=32"),
+    derived("lordo_global", "k8-int8-late-outer2", "rounds.local_steps=8", "payload_dtype=int8", "outer.late_lr=2.0",
+            "rounds.late_from_step={decay}"),
+    derived("lordo_local", "k8-int8-late-outer2", "rounds.local_steps=8", "payload_dtype=int8", "outer.late_lr=2.0",
+            "rounds.late_from_step={decay}"),
 ]
 """`--part exchanges`: the early-round gap against the bytes it is allowed, at today's defaults. Section 16
 closed it with more exchanges (K = 8: 4x the bytes); the int8 payload (within 1% of fp32, section 12)
@@ -186,7 +190,8 @@ table's own trials (its cache); the gaps are to low-rank DDP, the bytes to LoRDO
 (LoRDO-Local's own K = 32 run is the sixth). The eighth, LoRDO-Local with K = 8 in fp32, tells which of the
 seventh's two changes (more exchanges, int8) costs LoRDO-Local at 64 rounds; the ninth, the seventh with each
 worker's bases refitted every 32 steps as at K = 32 (`inner.proj_interval`; 0, the default, refits every K
-steps), whether the cost is the refits (docs/results.md, section 17, part eight)."""
+steps), whether the cost is the refits (docs/results.md, section 17, part eight). The last two are the seventh and
+the third with an outer lr of 2 = √M in WSD's decay (`outer.late_lr`: the `workers` part's `late-outer2`)."""
 
 def horizon_overrides(rounds: int, quick: bool) -> tuple[str, ...]:
     """`rounds` rounds of small_cpu's K = 32, eight evaluations (quick: rounds of QUICK_OVERRIDES' K = 4)."""
@@ -351,6 +356,8 @@ WORKERS: list[tuple[str, Trial]] = [
     derived("lordo_global", "M1xB16", "workers=1", "diagnostics=true"),
     derived("lordo_global", "outer2", "outer.lr=2.0", "diagnostics=true"),
     derived("lordo_global", "outer3", "outer.lr=3.0", "diagnostics=true"),
+    derived("lordo_global", "late-outer2", "outer.late_lr=2.0", "rounds.late_from_step={decay}", "diagnostics=true"),
+    derived("diloco", "late-outer2", "diloco_outer.late_lr=2.0", "rounds.late_from_step={decay}"),
     derived("lowrank_ddp", "shuffled", "data.partition=dirichlet", "data.dirichlet_alpha=1000"),
     derived("lordo_global", "shuffled", "data.partition=dirichlet", "data.dirichlet_alpha=1000", "diagnostics=true"),
     ("lordo_global", Trial("ef0.9-lr0.25x-diag", (*TRIALS["lordo_global"][5].overrides, "diagnostics=true"))),
@@ -358,7 +365,9 @@ WORKERS: list[tuple[str, Trial]] = [
 """`--part workers`: what four workers cost LoRDO-Global at 16 rounds, at today's defaults (lr 0.004, γ 0.9;
 run with `diagnostics=true` for `delta_retention`, ||Δ̄|| / Σ w ||Δ_m||): one worker with the whole batch
 (64: the same tokens per step) and with one worker's batch (16: a quarter of the tokens); outer steps of
-2 and 3 times the mean (does the mean move too little?); a random share of the paragraphs per worker in place
+2 and 3 times the mean (does the mean move too little?), and of 2 = √M in WSD's decay only (`outer.late_lr`, for
+DiLoCo too; the candidate of docs/results.md, section 17, part ten: where gradient noise dominates, the mean of
+four steps each normalised by its own batch's moments is about half of one step over the whole batch); a random share of the paragraphs per worker in place
 of the `iid` partition's contiguous pieces (are the workers' pieces of one file too different?), for
 low-rank DDP too; and the sixth trial's lr (0.002, with diagnostics). The first two are the tune's fifth trials."""
 

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping
 from lordo_fed.config import FlatKey, flat_keys, get_dotted, section, setting
 from lordo_fed.app import CHECKSUMS
 from lordo_fed.rounds.config import CommonConfig
-from lordo_fed.rounds.methods import METHODS
+from lordo_fed.rounds.methods import METHODS, resolve_method
 from lordo_fed.wire.payload import resolve_payload
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
@@ -155,6 +155,7 @@ class AppConfig(CommonConfig):
                              f"{getattr(self, outer_name).name!r} (variant {self.variant!r}): every client replays the "
                              f"server's outer step from the relayed replies, which needs {outer_name}.name='average' "
                              "(the `diloco-sparse` preset's)")
+        resolve_method(self.variant, self.inner, self.rounds, self.outer, self.diloco_outer)  # the method's own checks
         return self
 
     @property

@@ -86,6 +86,8 @@ class Aggregator:
             1 when the replies agree, 1/√M for M orthogonal ones of one length).
         fit_device: where the projections are fitted (batched, `fit_projections`): the server's
             GPU when it has one; θ, the outer state and the sums stay on the host.
+        late_lr: the outer lr of the late rounds (`rounds.first_late_round()` on; 0: the outer
+            optimizer's own lr throughout; docs/algorithm.md, "The last rounds").
     """
 
     def __init__(self, params: dict[str, Tensor], ranks: dict[str, int], rounds: RoundConfig, outer: OuterOptimizer,
@@ -93,11 +95,13 @@ class Aggregator:
                  betas: tuple[float, float] = (0.9, 0.999), bias_correction: bool = True, rotate: bool = True,
                  init_projection: str = "random", diagnostics: bool = False, switch_step: int = 0,
                  switch_betas: tuple[float, float] = (0.999, 0.999), fit_device: torch.device | str | None = None,
-                 payload: PayloadCodecs | None = None):
+                 payload: PayloadCodecs | None = None, late_lr: float = 0.0):
         self.params = {n: p.detach().float().clone() for n, p in params.items()}
         self.ranks = dict(ranks)
         self.rounds = rounds
         self.outer = outer
+        self._lrs = (outer.lr, late_lr or outer.lr)
+        """The outer lr before the late rounds and in them."""
         self.projection = projection
         self.seed = seed
         self.outlier_factor = outlier_factor
@@ -146,11 +150,19 @@ class Aggregator:
         if self._encoded is None or self._encoded[0] != self.round:
             moments = self.payload.encode_moments(self.moments)
             params, delta = (self._downlink(), True) if self.downlink_due() else (self.params, False)
-            relay = dict(relay=self._relayed, outer_lr=self.outer.lr) if delta and self.payload.relay else {}
+            # the replies of the round just applied, with that round's outer lr, for the workers to replay it
+            relay = (dict(relay=self._relayed, outer_lr=self.outer_lr(self.round - 1))
+                     if delta and self.payload.relay else {})
             self._encoded = (self.round, GlobalState(round=self.round, params=params, projections=self._bases_sent(delta),
                                                      moments=moments, opt_step=self.opt_step, params_delta=delta,
                                                      **relay))
         return self._encoded[1]
+
+    def outer_lr(self, round_idx: int) -> float:
+        """The outer step's lr in 1-based round `round_idx`: the late rounds' from the first that starts at
+        or after `rounds.late_from_step` (a function of the round alone, so a resumed run needs no state)."""
+        late = self.rounds.first_late_round()
+        return self._lrs[late is not None and round_idx >= late]
 
     def _bases_sent(self, params_delta: bool) -> dict[str, Tensor]:
         """The shared bases a state carries: the server's every round, or with `bases_from='downlink'`
@@ -338,6 +350,7 @@ class Aggregator:
         moments = {k: moment_sums[k] for k in moment_norms}
 
         self._commit_downlink()  # before θ moves: the change the workers applied this round
+        self.outer.lr = self.outer_lr(self.round)
         self.outer.step(self.params, delta)
         diagnostics = self._diagnostics(delta) if self.diagnostics else {}
         delta_norm = screening.norm_of(delta.values())
@@ -359,6 +372,7 @@ class Aggregator:
             "clients_ok": float(len(refs)),
             "clients_dropped": float(len(rejected)),
             **({"clients_clipped": float(sum(c < 1.0 for c in clip))} if self.rounds.clip_median else {}),
+            **({"outer_lr": self.outer.lr} if self._lrs[0] != self._lrs[1] else {}),  # a late lr: the round's
             **diagnostics, **overlap,
             **{key: sum(w * r.metrics[key] for r, w in zip(refs, weights)) for key in DIAGNOSTIC_METRICS
                if all(key in r.metrics for r in refs)},

@@ -74,8 +74,9 @@ class RoundConfig:
     docs/algorithm.md, "The last rounds")."""
 
     late_from_step: int = setting("late-from-step", 0)
-    """The global step from which rounds run `late_local_steps`: the first round starting at or after it
-    is the first short one (with WSD's decay over the last 20% of T steps: 0.8·T)."""
+    """The global step the late rounds start at: the first round starting at or after it is the first
+    that runs `late_local_steps` and takes `outer.late_lr` (with WSD's decay over the last 20% of T steps:
+    0.8·T; 0 = no late rounds)."""
 
     def validate(self) -> "RoundConfig":
         if self.local_steps <= 0:
@@ -126,7 +127,7 @@ class RoundConfig:
     def steps_of(self, round_idx: int) -> int:
         """K_r: the local steps of 1-based round `round_idx` (`local_steps_ramp`, then K, then
         `late_local_steps` from the first round that starts at or after `late_from_step`)."""
-        late = self.first_late_round()
+        late = self._first_short_round()
         if late is not None and round_idx >= late:
             return self.late_local_steps
         ramp = self.local_steps_ramp
@@ -135,14 +136,14 @@ class RoundConfig:
     def steps_before(self, round_idx: int) -> int:
         """The local steps of the rounds before 1-based round `round_idx`: the global step its first
         local step takes (the learning-rate schedule's position)."""
-        late = self.first_late_round()
+        late = self._first_short_round()
         if late is not None and round_idx > late:
             return self._steps_before_unlate(late) + (round_idx - late) * self.late_local_steps
         return self._steps_before_unlate(round_idx)
 
     def rounds_in(self, total_steps: int) -> int:
         """The whole rounds that `total_steps` local steps make (the ramp's first, the late ones last)."""
-        late = self.first_late_round()
+        late = self._first_short_round()
         if late is not None and total_steps > self._steps_before_unlate(late):
             return late - 1 + (total_steps - self._steps_before_unlate(late)) // self.late_local_steps
         ramp = self.local_steps_ramp
@@ -158,7 +159,7 @@ class RoundConfig:
 
     def first_late_round(self) -> int | None:
         """The first round that starts at or after `late_from_step` (None: no late rounds)."""
-        if not self.late_local_steps:
+        if not self.late_from_step:
             return None
         done = 0
         for r, k in enumerate(self.local_steps_ramp, start=1):
@@ -166,6 +167,10 @@ class RoundConfig:
                 return r
             done += int(k)
         return len(self.local_steps_ramp) + 1 + max(0, -(-(self.late_from_step - done) // self.local_steps))
+
+    def _first_short_round(self) -> int | None:
+        """The first round of `late_local_steps` (None: the late rounds, if any, keep K)."""
+        return self.first_late_round() if self.late_local_steps else None
 
     def periods(self, low_rank: bool = True) -> dict[str, int]:
         """Rounds between averages of each moment kind (0 = never) for a low-rank parameter, or

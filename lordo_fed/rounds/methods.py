@@ -149,6 +149,11 @@ def resolve_method(name: str, inner: InnerConfig, rounds: RoundConfig, outer: Ou
                              f"sync_ef={rounds.sync_ef}): the server cannot move moments into bases it never fits; "
                              "expected 0, 0 and False (each worker keeps its own)")
     chosen = diloco_outer if (spec.diloco_outer and diloco_outer is not None) else outer
+    if chosen.late_lr and (spec.loop == "async" or spec.loop == "rounds" and not rounds.late_from_step):
+        why = (f"the asynchronous method {name!r} steps once per arrival, with no rounds to be late; expected 0"
+               if spec.loop == "async" else "the late rounds start at rounds.late_from_step=0, that is never; expected "
+               "the global step they start at (e.g. WSD's decay: 0.8 x the run's steps)")
+        raise ValueError(f"{'diloco_outer' if chosen is diloco_outer else 'outer'}.late_lr={chosen.late_lr!r}: {why}")
     if spec.async_rule is not None and spec.async_rule.look_ahead:
         chosen = dataclasses.replace(chosen, name="mla")
     return MethodSettings(name, spec.loop, inner, rounds, chosen, spec.async_rule)
@@ -207,5 +212,5 @@ def make_aggregator(model: nn.Module, settings: MethodSettings, ranks: dict[str,
         seed=seed, outlier_factor=outlier_factor, betas=tuple(inner.betas), bias_correction=inner.bias_correction,
         rotate=inner.rotate, init_projection=inner.init_projection, switch_step=inner.switch_step,
         switch_betas=tuple(inner.switch_betas), fit_device=device if device.type != "cpu" else None,
-        payload=payload.codecs if settings.loop == "rounds" else None,
+        payload=payload.codecs if settings.loop == "rounds" else None, late_lr=settings.outer.late_lr,
     )

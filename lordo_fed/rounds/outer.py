@@ -305,6 +305,9 @@ class OuterConfig:
     lr: float = setting("outer-lr", 1.0)
     """Outer learning rate η (> 0); 1.0 with "average" is plain model averaging."""
 
+    late_lr: float = setting("outer-late-lr", 0.0)
+    """η of the late rounds, from `rounds.late_from_step` on (e.g. about √M in WSD's decay; 0 = `lr` throughout)."""
+
     beta: float = 0.9
     """QHM momentum EMA coefficient β in [0, 1]."""
 
@@ -324,6 +327,12 @@ def build_outer_optimizer(cfg: OuterConfig) -> OuterOptimizer:
     if cfg.name not in OUTER_NAMES:
         raise ValueError(f"name={cfg.name!r}: expected one of {list(OUTER_NAMES)} (the outer optimizer)")
     _check_lr(cfg.lr)
+    if cfg.late_lr != 0:
+        try:
+            _check_lr(cfg.late_lr)
+        except ValueError:
+            raise ValueError(f"late_lr={cfg.late_lr!r}: the late rounds' outer learning rate must be a finite number "
+                             "> 0, or 0 for `lr` throughout") from None
     _check_unit("beta", cfg.beta)
     _check_unit("nu", cfg.nu)
     _check_unit("momentum", cfg.momentum)

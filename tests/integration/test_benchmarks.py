@@ -196,6 +196,9 @@ def test_corpora_quality_trials_and_goal():
     assert picked("k8") == ["ef0.9-lr0.5x-k8", "ef1-switch-lr0.5x-k8"]  # not the ...-k8-int8 ones
     assert picked("ef1-switch-lr0.5x") == ["ef1-switch-lr0.5x"] and picked("lr0.5x-k8-int8-p32") == [
         "ef1-switch-lr0.5x-k8-int8-p32"] and picked("k32") == []
+    late = picked("late-outer2")  # the late outer lr from WSD's decay on: step 1,638 of 2,048
+    assert late == ["ef0.9-lr0.5x-k8-int8-late-outer2", "ef1-switch-lr0.5x-k8-int8-late-outer2"]
+    assert "rounds.late_from_step=1638" in next(t for _, t in EXCHANGES if t.name == late[0]).resolved(2048)
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "corpora_quality.py"), "--part", "exchanges",
                           "--probes", "k8-int8,k64"], capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, timeout=120)

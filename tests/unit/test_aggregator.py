@@ -18,6 +18,7 @@ Round 2 (when there is one) has two replies of 200 tokens each whose mean is
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import weakref
@@ -145,6 +146,20 @@ def test_average_lr_scales_the_step():
     agg.aggregate(round1_replies())
     # θ0 − 0.5 Δ̄
     assert_params(agg.params, {"w": [[0.65, 1.4], [2.7, 3.05]], "b": [0.75, -1.25]})
+
+
+def test_the_late_rounds_take_the_late_outer_lr():
+    """K = 4 and late rounds from step 8: rounds 1 and 2 step with lr 0.5, round 3 on with the late lr 2
+    (the same replies each round: θ0 − 0.5 Δ̄ − 0.5 Δ̄ − 2 Δ̄ = θ0 − 3 Δ̄), and the lr is the round's alone."""
+    rounds = RoundConfig(local_steps=4, sync_exp_avg_every=0, sync_exp_avg_sq_every=0, late_from_step=8)
+    agg = make_agg(outer=Average(lr=0.5), rounds=rounds, late_lr=2.0)
+    assert [agg.outer_lr(r) for r in (1, 2, 3, 9)] == [0.5, 0.5, 2.0, 2.0]
+    lrs = [agg.aggregate([dataclasses.replace(u, round=r) for u in round1_replies()]).metrics["outer_lr"]
+           for r in (1, 2, 3)]
+    assert lrs == [0.5, 0.5, 2.0]
+    # Δ̄ = w [[0.7, 1.2], [0.6, 1.9]], b [-0.5, 1.5] (test_average_weights_replies_by_tokens)
+    assert_params(agg.params, {"w": [[1 - 2.1, 2 - 3.6], [3 - 1.8, 4 - 5.7]], "b": [0.5 + 1.5, -0.5 - 4.5]})
+    assert make_agg(outer=Average(lr=0.5), rounds=rounds).outer_lr(3) == 0.5  # no late lr: lr throughout
 
 
 def test_qhm_two_rounds_by_hand():

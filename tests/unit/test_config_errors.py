@@ -69,6 +69,10 @@ RUN_CONFIG_CASES = [
     ("outer", "adam", "run-config key 'outer': outer.name='adam': expected one of ['average', 'qhm', 'nesterov', 'mla'] (the outer optimizer)"),
     ("outer-lr", 0.0, "run-config key 'outer-lr': outer.lr=0.0: the outer learning rate must be a finite number > 0"),
     ("outer-lr", math.inf, "run-config key 'outer-lr': outer.lr=inf: the outer learning rate must be a finite number > 0"),
+    ("outer-late-lr", -1.0, "run-config key 'outer-late-lr': outer.late_lr=-1.0: the late rounds' outer learning rate "
+                            "must be a finite number > 0, or 0 for `lr` throughout"),
+    ("outer-late-lr", 2.0, "run-config key 'outer-late-lr': outer.late_lr=2.0: the late rounds start at "
+                           "rounds.late_from_step=0, that is never; expected the global step they start at"),
     ("payload-dtype", "fp16", "run-config key 'payload-dtype': payload_dtype='fp16': expected one of ('fp32', 'bf16', "
                               "'int8', 'int4', 'topk2bit', 'topk2bit-both', 'topk2bit-all', 'topk2bit-relay', 'topk2bit-both-wide', 'topk2bit-both-wide-d64', 'topk2bit-both-wide-tiles', 'topk2bit-lut', 'lowrank+topk2bit', 'lowrank+topk2bit-wide', 'lowrank+topk2bit+rows')"),
     ("data-path", 3, "run-config key 'data-path'=3: expected a string like the default ''"),
@@ -166,6 +170,24 @@ def test_every_run_config_key_has_a_bad_value_case():
 def test_a_relay_needs_synchronous_rounds_and_the_plain_average(extra, message):
     raises_with({**pyproject_config(), "payload-dtype": "topk2bit-relay", **extra}, message)
     assert load_app_config({**pyproject_config(), "payload-dtype": "topk2bit-relay"}).payload_dtype == "topk2bit-relay"
+
+
+def test_the_late_outer_lr_needs_rounds_to_be_late_in():
+    """`outer-late-lr` with `late-from-step`: accepted for a synchronous variant; an asynchronous method,
+    which steps once per arrival, refuses a late lr of its own outer step (`diloco_outer`)."""
+    from lordo_fed.optim.config import InnerConfig
+    from lordo_fed.rounds.config import RoundConfig
+    from lordo_fed.rounds.methods import resolve_method
+    from lordo_fed.rounds.outer import OuterConfig
+
+    late = load_app_config({**pyproject_config(), "outer-late-lr": 2.0, "late-from-step": 96})
+    assert (late.outer.late_lr, late.rounds.late_from_step) == (2.0, 96)
+    rounds = RoundConfig(late_from_step=96)
+    with pytest.raises(ValueError, match=re.escape("diloco_outer.late_lr=2.0: the asynchronous method 'heloco' steps "
+                                                   "once per arrival, with no rounds to be late; expected 0")):
+        resolve_method("heloco", InnerConfig(), rounds, OuterConfig(), OuterConfig(name="nesterov", late_lr=2.0))
+    assert resolve_method("diloco", InnerConfig(), rounds, OuterConfig(),
+                          OuterConfig(name="nesterov", late_lr=2.0)).outer.late_lr == 2.0
 
 
 def test_good_edge_values_are_accepted():

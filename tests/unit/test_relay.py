@@ -42,16 +42,18 @@ def replies(round_idx: int, feedback: list[ErrorFeedback], tokens=(300, 100, 200
     return out
 
 
-@pytest.mark.parametrize("mean,clip", [("all", False), ("contributors", False), ("contributors", True)])
-def test_every_worker_replays_the_servers_theta_bit_for_bit(mean, clip):
+@pytest.mark.parametrize("mean,clip,late_lr", [("all", False, 0.0), ("contributors", False, 0.0),
+                                               ("contributors", True, 0.0), ("all", False, 2.0)])
+def test_every_worker_replays_the_servers_theta_bit_for_bit(mean, clip, late_lr):
     """Four rounds of mocked compressed replies through the real aggregator (outer average, lr 1.3):
     from round 2 each state carries the last round's replies, not θ, and a worker's copy after the
     replay equals the server's θ exactly; a worker that missed a round is refused the relay and
-    gets θ whole (`resync_state`); a skipped round relays nothing and θ stays."""
+    gets θ whole (`resync_state`); a skipped round relays nothing and θ stays. With a late outer lr
+    from round 3 on (`outer.late_lr`), the state relaying round 3 carries it and the replay follows."""
     torch.manual_seed(0)
-    rc = rounds_config(sparse_mean=mean, clip_median=clip)
+    rc = rounds_config(sparse_mean=mean, clip_median=clip, late_from_step=2 if late_lr else 0)
     theta0 = {name: torch.randn(shape) for name, shape in NAMES.items()}
-    agg = Aggregator(theta0, {}, rc, Average(lr=1.3), None, payload=RELAY)
+    agg = Aggregator(theta0, {}, rc, Average(lr=1.3), None, payload=RELAY, late_lr=late_lr)
     workers = [Downlink(RELAY, rc) for _ in range(3)]
     feedback = [ErrorFeedback(decay=0.9) for _ in range(3)]
     for r in range(1, 6):
@@ -60,7 +62,8 @@ def test_every_worker_replays_the_servers_theta_bit_for_bit(mean, clip):
         if r == 5:  # round 4 was skipped: nothing to replay
             assert state.params_delta and state.relay == []
         elif r > 1:
-            assert [u.worker_id for u in state.relay] == [0, 1, 2] and state.outer_lr == 1.3
+            assert [u.worker_id for u in state.relay] == [0, 1, 2]
+            assert state.outer_lr == (late_lr if late_lr and r - 1 >= 3 else 1.3)  # the relayed round's lr
             assert all(not u.moments for u in state.relay)
         for m, w in enumerate(workers):
             if r == 3 and m == 2:  # worker 2 missed round 2: it holds round 1's copy
@@ -250,13 +253,15 @@ def run_relayed(agg: Aggregator, rounds: dict[int, list[WorkerUpdate]], which, s
     return out
 
 
-def test_a_resumed_run_relays_on_as_the_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("late_lr", [0.0, 2.0])
+def test_a_resumed_run_relays_on_as_the_uninterrupted_one(tmp_path, late_lr):
     """The checkpoint keeps the replies the next state relays: a run resumed after round 2, or after the
     skipped round 4 (through the checkpoint's files), sends the uninterrupted run's states byte for byte,
-    relayed, not θ whole, and ends at its θ bit for bit; a worker that held θ_c replays them to it."""
-    rc = rounds_config()
+    relayed, not θ whole, and ends at its θ bit for bit; a worker that held θ_c replays them to it. With a
+    late outer lr from round 3 on, the run resumed after round 2 takes it from there as the uninterrupted one."""
+    rc = rounds_config(late_from_step=2 if late_lr else 0)
     fresh = lambda: Aggregator({n: torch.zeros(s) for n, s in NAMES.items()}, {}, rc, Average(lr=1.3), None,
-                               payload=RELAY)
+                               payload=RELAY, late_lr=late_lr)
     torch.manual_seed(0)
     fb = [ErrorFeedback(decay=0.9) for _ in range(3)]
     rounds = {r: replies(r, fb) for r in range(1, 7)}  # mocked replies: the same for every run
