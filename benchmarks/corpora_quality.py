@@ -201,9 +201,12 @@ def horizon_overrides(rounds: int, quick: bool) -> tuple[str, ...]:
 
 def run_of(corpus: str, method: str, trial: Trial, rounds: int, seed: int, quick: bool,
            path: Path | None = None) -> Run:
-    """One run of `trial` on `corpus`: a shipped one by name, or a local one (`--corpus`) at `path`."""
+    """One run of `trial` on `corpus`: a shipped one by name, or a local one (`--corpus`) at `path`. A local
+    file's run is cached under its name and the start of its sha256, so other text under the same name runs anew."""
     k = 4 if quick else 32
-    return Run(f"{corpus}_{method}_{trial.name}_R{rounds}_s{seed}", corpus, method,
+    digest = local_corpus(path).get("sha256", "") if corpus not in CORPORA and path is not None else ""
+    name = f"{corpus}-{digest[:12]}" if digest else corpus
+    return Run(f"{name}_{method}_{trial.name}_R{rounds}_s{seed}", corpus, method,
                (f"data.path={path or CORPORA[corpus]}", f"seed={seed}", *horizon_overrides(rounds, quick),
                 *trial.resolved(rounds * k)))  # the trial's last: it may change K (`EARLY`)
 
@@ -488,8 +491,8 @@ def main() -> None:
     parser.add_argument("--corpus", action="append", default=[], metavar="NAME=PATH",
                         help="a local corpus (a file or folder lordo_fed.data reads) under a name of its own, for "
                         "--corpora; e.g. code-large=/tmp/stdlib_large.txt from scripts/make_stdlib_corpus.py, which "
-                        "64 rounds read less than once. Runs are cached under --work by the name: other text under a name already "
-                        "run needs another --work or --fresh. Repeatable")
+                        "64 rounds read less than once. A file's runs are cached under --work by its name and sha256, so "
+                        "other text under the same name runs anew. Repeatable")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)} "
                         "(a probe part runs these methods' probes, and low-rank DDP's, every gap's reference)")
     parser.add_argument("--seeds", default=None, help="comma-separated seeds of the table (default 0,1) or of the "

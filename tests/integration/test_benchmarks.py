@@ -134,6 +134,13 @@ def test_corpora_quality_quick(tmp_path):
                              ("prose", m, t, 0))
         else:
             assert v != ppl[("prose", m, t)]
+    # other text under the same name and --work runs anew (the cache knows a file by its sha256), not from the cache
+    (tmp_path / "local.txt").write_bytes(text[:200_000])
+    other = run_quick("corpora_quality.py", tmp_path, "--part", "early", "--corpus", f"tail={tmp_path / 'local.txt'}",
+                      "--corpora", "tail", "--work", str(tmp_path / "work"))
+    assert other["config"]["local_corpora"]["tail"]["bytes"] == 200_000
+    assert all(r["val_ppl"] != ppl[("tail", r["method"], r["trial"])] for r in other["rows"])
+    assert len({p.name.split("_")[0] for p in (tmp_path / "work").glob("tail-*")}) == 2
     for args, expected in ((("--corpus", "prose=/tmp"), "none of the shipped"),
                            (("--corpus", f"x={tmp_path / 'absent.txt'}"), "no file or folder at"),
                            (("--corpus", f"x={tmp_path / 'local.txt'}", "--corpora", "y"), "expected some of")):
