@@ -300,6 +300,8 @@ class LoRDOStrategy(Strategy):
         record = self.recorder.round_record(r, rl, (metrics or {}).get("train_loss"), self.tokens, self.cum_bytes,
                                             seconds, aggregation_seconds, self.courier.take_refusals(),
                                             self.validate if due else None)
+        if metrics and "outer_lr" in metrics:  # a late outer lr is set: the lr this round stepped with
+            record["outer_lr"] = metrics["outer_lr"]
         self.recorder.add(record)
         self.recorder.save(r, self.aggregator.state_dict(), self.tokens, self.cum_bytes,
                            extra={"relay_partitions": {str(n): p for n, p in self._partitions.items()}})

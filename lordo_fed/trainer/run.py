@@ -130,7 +130,7 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
             "round": r, "step": step, "tokens": tokens, "train_loss": result.metrics.get("train_loss"),
             "delta_norm": result.metrics.get("delta_norm"),
             **{k: result.metrics[k] for k in ("delta_stable_rank", "delta_in_subspace", "delta_retention",
-                                              "sparse_support_shared", *DIAGNOSTIC_METRICS)
+                                              "sparse_support_shared", "outer_lr", *DIAGNOSTIC_METRICS)
                if k in result.metrics},
             "bytes_sent_per_worker": sent, "bytes_received_per_worker": received,
             "bytes_sent_per_worker_per_step": sent / K, "bytes_received_per_worker_per_step": received / K,

@@ -73,8 +73,8 @@ EXTENDED = pytest.mark.extended  # in the extended lane: the CI lane runs the ot
                                            pytest.param("lordo_global", EF_OPTIONS, marks=EXTENDED),
                                            pytest.param("diloco", SPARSELOCO, marks=EXTENDED),
                                            pytest.param("desloc", {"local-steps-ramp": "1,2"}, marks=EXTENDED),
-                                           pytest.param("lordo_local", {"late-local-steps": 1, "late-from-step": 3},
-                                                        marks=EXTENDED),
+                                           pytest.param("lordo_local", {"late-local-steps": 1, "late-from-step": 3,
+                                                                        "outer-late-lr": 1.5}, marks=EXTENDED),
                                            ("lordo_global", {"preset": "lordo-sparse", "model-preset": "tiny",
                                                              "rank": 4}),
                                            ("diloco", {"preset": "diloco-sparse", "payload-dtype": "topk2bit-relay"})])
@@ -84,7 +84,7 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     θ − θ_c at 12%, Rice-coded positions, β = 0.95 error feedback, each index averaged over its senders) and
     DES-LOC (AdamW, states averaged at their own periods; here with its first rounds ramped: 1 step, then
     2, the learning-rate schedule's steps as the reference trainer's); LoRDO-Local with its late rounds
-    short (round 2 starts at step 3 and runs 1 step); LoRDO-Global with the
+    short (round 2 starts at step 3 and runs 1 step) and stepped with their own outer lr; LoRDO-Global with the
     embedding's and norms' moments averaged every second round only (dense-sync-factor=2) in
     overlapped rounds (overlap-delay=2), and
     with the error-feedback options and the two-phase switch (E crosses the wire both ways; the
@@ -108,6 +108,8 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     assert records[-1]["val_loss"] < records[0]["val_loss"]
     assert (out / "val_loss.png").exists() and (out / "bytes.png").exists()
     assert "lordo-fed: metrics" in proc.stdout
+    if "outer-late-lr" in extra:  # round 2 is late: the server stepped it with the late lr
+        assert [r["outer_lr"] for r in records[1:]] == [1.0, extra["outer-late-lr"]]
 
     tensors, meta = load_checkpoint(out / "checkpoints")
     assert meta["round"] == 2
