@@ -41,7 +41,7 @@ from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.rounds.bases import fit_projections, initial_projections, low_rank_shape
 from lordo_fed.rounds.outer import Average, OuterOptimizer
 from lordo_fed.rounds.relay import relay_checkpoint, relayed_form, relayed_from_checkpoint
-from lordo_fed.rounds.sparse import contributor_mean, support_overlap
+from lordo_fed.rounds.sparse import add_weighted, contributor_mean, support_overlap
 from lordo_fed.rounds.screening import ReplyRef
 from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import Encoded, SparseValues, encode, plus_decoded
@@ -100,8 +100,7 @@ class Aggregator:
         self.ranks = dict(ranks)
         self.rounds = rounds
         self.outer = outer
-        self._lrs = (outer.lr, late_lr or outer.lr)
-        """The outer lr before the late rounds and in them."""
+        self._lrs = (outer.lr, late_lr or outer.lr)  # the outer lr before the late rounds and in them
         self.projection = projection
         self.seed = seed
         self.outlier_factor = outlier_factor
@@ -424,11 +423,11 @@ class Aggregator:
             d = update.delta[name]
             if bases and name in update.coords:
                 d = lowrank.join(d.dense() if isinstance(d, SparseValues) else d, update.coords[name], *bases[name])
-            _add_weighted(delta_sums, name, d, weight * clip)
+            add_weighted(delta_sums, name, d, weight * clip)
             if senders is not None and name in senders:  # the indices this reply sent (top-k: its non-zeros)
                 sent = d.sent() if isinstance(d, SparseValues) else d != 0
                 if support is not None and name in support:
-                    _add_weighted(support, name, sent, weight)
+                    add_weighted(support, name, sent, weight)
                 # one byte an index, saturated at 2: all support_overlap reads is "none, one, more"
                 count = senders[name]
                 senders[name] = sent.to(torch.uint8) if count is None else torch.clamp_max(count + sent, 2)
@@ -441,7 +440,7 @@ class Aggregator:
             kind = split_moment_key(key)[0]
             if kind != "ef":
                 value = restep(value, kind, update.opt_step, opt_step, betas, self.bias_correction)
-            _add_weighted(moment_sums, key, value, weight / moment_norms[key])
+            add_weighted(moment_sums, key, value, weight / moment_norms[key])
 
     def _topk_names(self, bases: Mapping[str, tuple[Tensor, str]]) -> list[str]:
         """The parameters whose Δ travels top-k alone (not rebuilt from coordinates in a shared basis,
@@ -593,19 +592,3 @@ class Aggregator:
                 self._resync_all = True
             self._relayed = relayed_from_checkpoint(sd, self.round, self.payload) if self.payload.relay else None
 
-
-def _add_weighted(sums: dict[str, Tensor], key: str, t: Tensor | SparseValues, weight: float) -> None:
-    """sums[key] += weight · t in fp32 (created as zeros on first use). Every average of the
-    aggregator is a sequence of these additions, so its result depends only on the order of the
-    terms, not on whether they were held in memory together, or a top-k term kept sparse
-    (`SparseValues.add_to`: the same additions, bit for bit)."""
-    acc = sums.get(key)
-    if acc is None:
-        device = t.values.device if isinstance(t, SparseValues) else t.device
-        acc = sums[key] = torch.zeros(tuple(t.shape), dtype=torch.float32, device=device)
-    elif tuple(acc.shape) != tuple(t.shape):
-        raise ValueError(f"{key}: shape {tuple(t.shape)} added to a sum of shape {tuple(acc.shape)}")
-    if isinstance(t, SparseValues):
-        t.add_to(acc, weight)
-    else:
-        acc.add_(t.float(), alpha=weight)
