@@ -213,9 +213,10 @@ def test_node_settings_for_asynchronous_rounds_are_checked(tmp_path):
         Job("train", 8, run, (), {"partition-id": 2}).local_steps(runtime_for(Job("train", 8, run, (), {})))
     # Asynchronous rounds run on the gRPC data plane too (sessions: lordo_fed/node/session.py).
     assert load_app_config({"variant": "heloco", "data-plane": "grpc", "data-plane-insecure": True}).data_plane.mode == "grpc"
-    cfg = load_app_config({"variant": "async_lordo", "sync-ef": True})
-    with pytest.raises(ValueError, match="rounds.sync_ef=True with the asynchronous method 'async_lordo'"):
-        resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
+    # the method's own checks run when the run's settings load, naming the run-config key
+    with pytest.raises(ValueError, match="run-config key 'sync-ef': rounds.sync_ef=True with the asynchronous method "
+                                         "'async_lordo'"):
+        load_app_config({"variant": "async_lordo", "sync-ef": True})
 
 
 def test_async_lordo_learns_with_stale_bases(tmp_path):
