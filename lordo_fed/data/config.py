@@ -19,6 +19,8 @@ DEFAULT_CORPUS: Path = Path(__file__).resolve().parents[1] / "corpora" / "tinysh
 """The corpus of an empty `DataConfig.path` (shipped with the package)."""
 PARTITIONS = ("iid", "by_source", "dirichlet")
 """The ways to split the train tokens among clients (lordo_fed.data.partition)."""
+EVAL_WINDOWS = ("first", "spread")
+"""Which windows of the held-out split a capped validation pass reads (lordo_fed.data.dataset.validation_batches)."""
 
 
 @dataclass
@@ -39,6 +41,9 @@ class DataConfig:
     val_path: str = setting("val-path", "")
     """A separate evaluation corpus (file or directory, same tokenizer) evaluated instead of the tail
     split, so quality is measured on text no run trained on; the train corpus is then used whole."""
+    eval_windows: str = "first"
+    """Which windows of the held-out split a validation pass capped at `eval_batches` reads: "first" (its
+    start, as the figures in docs/results.md were measured) or "spread" (evenly spaced over all of it)."""
     seq_len: int = setting("seq-len", 128)
     """Tokens per training sequence (the model's context length)."""
     batch_size: int = setting("batch-size", 16)
@@ -75,6 +80,8 @@ class DataConfig:
             raise bad("cache_dir", 'a string (a directory, or "" for ~/.cache/lordo_fed/tokens)')
         if not is_real(self.val_fraction) or not 0.0 <= self.val_fraction < 1.0:
             raise bad("val_fraction", "a number in [0, 1)")
+        if self.eval_windows not in EVAL_WINDOWS:
+            raise bad("eval_windows", f"one of {EVAL_WINDOWS}")
         if not is_int(self.seq_len) or self.seq_len < 1:
             raise bad("seq_len", "an int >= 1")
         if not is_int(self.batch_size) or self.batch_size < 1:

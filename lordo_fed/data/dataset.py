@@ -68,14 +68,16 @@ class TokenShard:
 
 
 def validation_batches(
-    tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: Optional[int] = None
+    tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: Optional[int] = None, spread: bool = False
 ) -> list[Batch]:
-    """Fixed evaluation batches: consecutive non-overlapping windows from the start.
+    """Fixed evaluation batches of consecutive non-overlapping windows.
 
-    Window j is x = tokens[j*T : (j+1)*T], y = tokens[j*T+1 : (j+1)*T+1]. Windows are grouped
-    into batches of batch_size in order; only the last batch may be smaller. Deterministic,
-    so validation loss is comparable across runs and rounds. Returns [] if there are fewer
-    than seq_len+1 tokens.
+    Window j is x = tokens[j*T : (j+1)*T], y = tokens[j*T+1 : (j+1)*T+1]. With `max_batches` only
+    max_batches * batch_size windows are read: the first ones, or with `spread` windows evenly spaced
+    over the whole split (j = i * W // n of W windows), so that a capped pass samples all of the
+    held-out text rather than its first files. Windows are grouped into batches of batch_size in
+    order; only the last batch may be smaller. Deterministic, so validation loss is comparable across
+    runs and rounds. Returns [] if there are fewer than seq_len+1 tokens.
     """
     if batch_size < 1 or seq_len < 1:
         raise ValueError(
@@ -84,16 +86,14 @@ def validation_batches(
         )
     if max_batches is not None and max_batches < 0:
         raise ValueError(f"validation_batches: max_batches={max_batches!r}: expected None or >= 0")
-    n_windows = max(0, (len(tokens) - 1) // seq_len)
-    if max_batches is not None:
-        n_windows = min(n_windows, max_batches * batch_size)
+    total = max(0, (len(tokens) - 1) // seq_len)
+    n = total if max_batches is None else min(total, max_batches * batch_size)
+    windows = np.arange(n) * total // n if spread and n else np.arange(n)
     out = []
-    for first in range(0, n_windows, batch_size):
-        count = min(batch_size, n_windows - first)
-        # One contiguous read per batch: windows overlap their neighbour by the y token.
-        chunk = np.asarray(tokens[first * seq_len : (first + count) * seq_len + 1], dtype=np.int64)
-        idx = np.arange(count)[:, None] * seq_len + np.arange(seq_len + 1)
-        w = torch.from_numpy(chunk[idx])
+    for first in range(0, n, batch_size):
+        rows = [np.asarray(tokens[j * seq_len : (j + 1) * seq_len + 1], dtype=np.int64)
+                for j in windows[first : first + batch_size]]
+        w = torch.from_numpy(np.stack(rows))
         out.append((w[:, :-1].contiguous(), w[:, 1:].contiguous()))
     return out
 
@@ -138,7 +138,8 @@ class Dataset:
     def val_batches(self, max_batches: Optional[int] = None) -> list[Batch]:
         """validation_batches(val_tokens) at the config's batch_size and seq_len."""
         cfg = self.config
-        batches = validation_batches(self.val_tokens, cfg.batch_size, cfg.seq_len, max_batches)
+        batches = validation_batches(self.val_tokens, cfg.batch_size, cfg.seq_len, max_batches,
+                                     spread=cfg.eval_windows == "spread")
         if not batches and (cfg.val_fraction > 0 or cfg.val_path) and max_batches != 0:
             source = f"val_path {cfg.val_path!r}" if cfg.val_path else "validation split"
             remedy = "use a longer evaluation corpus" if cfg.val_path else "raise DataConfig.val_fraction"

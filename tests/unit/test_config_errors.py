@@ -227,6 +227,7 @@ PRESET_CASES = [
     ("data.tokenizer", "", "run-config key 'tokenizer': DataConfig.tokenizer='': expected 'byte' or a path to a local "
                            "tokenizer.json"),
     ("data.val_fraction", 1.0, "DataConfig.val_fraction=1.0: expected a number in [0, 1)"),
+    ("data.eval_windows", "last", "DataConfig.eval_windows='last': expected one of ('first', 'spread')"),
     ("data.partition", "random", "run-config key 'partition': DataConfig.partition='random': expected one of ('iid', "
                                  "'by_source', 'dirichlet')"),
     ("data.dirichlet_alpha", 0.0, "DataConfig.dirichlet_alpha=0.0: expected a finite number > 0"),

@@ -179,6 +179,13 @@ def test_default_corpus_loads(tmp_path: Path):
     ds = load_dataset(DataConfig(cache_dir=str(tmp_path / "cache")), num_clients=2)
     assert ds.vocab_size == 256 and ds.corpus.num_tokens == DEFAULT_CORPUS.stat().st_size
     assert len(ds.train_shards) == 2 and len(ds.val_batches(max_batches=2)) == 2
+    # eval_windows='spread': the last window of a one-batch pass lies in the split's last part, not its start
+    spread = load_dataset(DataConfig(cache_dir=str(tmp_path / "cache"), eval_windows="spread"), num_clients=2)
+    x = spread.val_batches(max_batches=1)[0][0]
+    T = spread.config.seq_len
+    start = (len(spread.val_tokens) - 1) // T * (len(x) - 1) // len(x) * T
+    assert torch.equal(x[-1], torch.from_numpy(spread.val_tokens[start:start + T].astype(np.int64)))
+    assert start > len(spread.val_tokens) // 2
     x, y = ds.train_shards[1].batch(0, 4, 32, seed=0)
     assert x.shape == (4, 32) and x.dtype == torch.long
 
@@ -342,6 +349,23 @@ def test_validation_batches_sequential():
     again = validation_batches(tokens, 2, 10, max_batches=2)
     assert len(again) == 2 and all(torch.equal(a[0], b[0]) for a, b in zip(again, batches))
     assert validation_batches(tokens[:5], 2, 10) == []
+
+
+def test_spread_validation_windows_sample_the_whole_split():
+    """`spread`: a capped pass reads windows evenly spaced over the split (4 of 9 windows: 0, 2, 4, 6),
+    each the window the uncapped pass reads there; uncapped, it reads every window, as `first` does."""
+    tokens = np.arange(100, dtype=np.uint16)
+    every = [x for b in validation_batches(tokens, 2, 10) for x in zip(*b)]
+    spread = validation_batches(tokens, 2, 10, max_batches=2, spread=True)
+    got = [x for b in spread for x in zip(*b)]
+    assert [b[0].shape[0] for b in spread] == [2, 2] and len(got) == 4
+    for (x, y), j in zip(got, (0, 2, 4, 6)):
+        assert torch.equal(x, every[j][0]) and torch.equal(y, every[j][1])
+    assert [x[0].item() for x, _ in got] == [0, 20, 40, 60]
+    whole = validation_batches(tokens, 2, 10, spread=True)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(whole, validation_batches(tokens, 2, 10)))
+    with pytest.raises(ValueError, match=r"DataConfig.eval_windows='middle': expected one of \('first', 'spread'\)"):
+        DataConfig(eval_windows="middle").validate()
 
 
 # ----------------------------------------------------------------------------- config
