@@ -65,6 +65,8 @@ METHODS = ("ddp", "lowrank_ddp", "diloco", "lordo_global", "lordo_local")
 HORIZONS = (16, 64)
 """Rounds of K = 32 (small_cpu.yaml's K); the first is the tuning horizon."""
 CONFIG = "small_cpu"
+SPREAD = "data.eval_windows=spread"
+"""`--eval-windows spread`'s override, added to every run's."""
 
 
 @dataclass(frozen=True)
@@ -200,12 +202,13 @@ def horizon_overrides(rounds: int, quick: bool) -> tuple[str, ...]:
 
 
 def run_of(corpus: str, method: str, trial: Trial, rounds: int, seed: int, quick: bool,
-           path: Path | None = None) -> Run:
+           path: Path | None = None, spread: bool = False) -> Run:
     """One run of `trial` on `corpus`: a shipped one by name, or a local one (`--corpus`) at `path`. A local
-    file's run is cached under its name and the start of its sha256, so other text under the same name runs anew."""
+    file's run is cached under its name and the start of its sha256, so other text under the same name runs anew,
+    and a run validated on spread windows (`--eval-windows spread`) under `-spread`."""
     k = 4 if quick else 32
     digest = local_corpus(path).get("sha256", "") if corpus not in CORPORA and path is not None else ""
-    name = f"{corpus}-{digest[:12]}" if digest else corpus
+    name = (f"{corpus}-{digest[:12]}" if digest else corpus) + ("-spread" if spread else "")
     return Run(f"{name}_{method}_{trial.name}_R{rounds}_s{seed}", corpus, method,
                (f"data.path={path or CORPORA[corpus]}", f"seed={seed}", *horizon_overrides(rounds, quick),
                 *trial.resolved(rounds * k)))  # the trial's last: it may change K (`EARLY`)
@@ -312,7 +315,7 @@ def _train(spec: tuple) -> dict:
 
     logging.basicConfig(level=logging.WARNING)
     corpus, path, method, trial, rounds, seed, quick, work, fresh, base = spec
-    run = run_of(corpus, method, trial, rounds, seed, quick, path)
+    run = run_of(corpus, method, trial, rounds, seed, quick, path, spread=SPREAD in base)
     result = execute(run, False, work, fresh, base, CONFIG)
     print(f"{run.label}: val ppl {result['val_ppl']:.3f} ({result['wall_seconds']:.0f} s)", flush=True)
     return row_of(result, corpus, trial.name, rounds, seed)
@@ -502,6 +505,10 @@ def main() -> None:
                         "first horizon only, from a device session cut short)")
     parser.add_argument("--work", default=None, help="folder of the per-run outputs (default: outputs/corpora_quality, "
                         "or a temporary one with --quick)")
+    parser.add_argument("--eval-windows", default="first", choices=("first", "spread"),
+                        help="which windows of each held-out split the validation passes read: its start (as the "
+                        "committed figures were measured) or windows spread evenly over all of it (data.eval_windows; "
+                        "on code-large the start is three files)")
     parser.add_argument("--fresh", action="store_true", help="rerun runs that already have a result in --work")
     parser.add_argument("--best", default="", help="the table's trial of each method, skipping the tuning, e.g. "
                         "'lowrank_ddp=ef0.9,lordo_global=ef0.9' (the best of an earlier tuning: a device session "
@@ -571,7 +578,8 @@ def main() -> None:
     trials = {m: TRIALS[m][:2] if args.quick else TRIALS[m] for m in methods}
     work = Path(args.work) if args.work else (Path(tempfile.mkdtemp(prefix="corpora-")) if args.quick
                                               else ROOT / "outputs" / "corpora_quality")
-    base = (*(QUICK_OVERRIDES if args.quick else ()), "threads=1", f"device={args.device}")
+    base = (*(QUICK_OVERRIDES if args.quick else ()), "threads=1", f"device={args.device}",
+            *((SPREAD,) if args.eval_windows == "spread" else ()))
     started = time.perf_counter()
 
     def train(runs: list[tuple[str, str, Trial, int, int]]) -> list[dict]:

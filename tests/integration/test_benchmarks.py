@@ -141,6 +141,12 @@ def test_corpora_quality_quick(tmp_path):
     assert other["config"]["local_corpora"]["tail"]["bytes"] == 200_000
     assert all(r["val_ppl"] != ppl[("tail", r["method"], r["trial"])] for r in other["rows"])
     assert len({p.name.split("_")[0] for p in (tmp_path / "work").glob("tail-*")}) == 2
+    # --eval-windows spread: the same runs validated on windows spread over the split, cached apart from the others
+    spread = run_quick("corpora_quality.py", tmp_path, "--part", "early", "--corpus", f"tail={tmp_path / 'local.txt'}",
+                       "--corpora", "tail", "--eval-windows", "spread", "--work", str(tmp_path / "work"))
+    assert all(r["val_ppl"] != o["val_ppl"] for r, o in zip(spread["rows"], other["rows"]))
+    assert {(r["method"], r["trial"]) for r in spread["rows"]} == {(r["method"], r["trial"]) for r in other["rows"]}
+    assert len(list((tmp_path / "work").glob("tail-*-spread_*"))) == len(spread["rows"])
     for args, expected in ((("--corpus", "prose=/tmp"), "none of the shipped"),
                            (("--corpus", f"x={tmp_path / 'absent.txt'}"), "no file or folder at"),
                            (("--corpus", f"x={tmp_path / 'local.txt'}", "--corpora", "y"), "expected some of")):
