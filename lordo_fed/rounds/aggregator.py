@@ -87,7 +87,7 @@ class Aggregator:
         fit_device: where the projections are fitted (batched, `fit_projections`): the server's
             GPU when it has one; θ, the outer state and the sums stay on the host.
         late_lr: the outer lr of the late rounds (`rounds.first_late_round()` on; 0: the outer
-            optimizer's own lr throughout; docs/algorithm.md, "The last rounds").
+            optimizer's own lr throughout; docs/algorithm.md, "The outer lr of the last rounds").
     """
 
     def __init__(self, params: dict[str, Tensor], ranks: dict[str, int], rounds: RoundConfig, outer: OuterOptimizer,
