@@ -58,7 +58,7 @@ from lordo_fed.rounds.outer import OuterConfig
 from lordo_fed.wire.messages import GlobalState, WorkerUpdate
 from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.rounds.downlink import Downlink
-from lordo_fed.rounds.relay import for_worker, relayed_form, replay
+from lordo_fed.rounds.relay import for_worker, relayed_form, relayed_of, replay
 from lordo_fed.rounds.screening import ReplyRef
 from lordo_fed.optim.projection import projection_side
 from lordo_fed.wire import lowrank
@@ -280,7 +280,9 @@ def _server_round(agg, deltas: list[dict[str, Encoded]], model_id: str, specs, p
         if reason is not None:
             raise RuntimeError(reason)
         load = None if path == "sparse-once" else (lambda data=data: decode_update(data, model_id, codecs=specs))
-        relayed = (lambda data=data: decode_update(data, model_id, codecs=specs, keep_compressed=True)) if relay else None
+        # a relay sends on the bytes the sparse decode checked, as `Courier.screened` does (`relayed_of`)
+        reply = relayed_of(update) if relay else None
+        relayed = (lambda reply=reply: reply) if relay else None
         refs.append(ReplyRef.of(update, load=load, norm=norm, relayed=relayed))
         del update
     t1 = time.perf_counter()

@@ -30,6 +30,7 @@ from lordo_fed.wire.codec import PayloadError
 from lordo_fed.wire.compress import SparseValues
 from lordo_fed.wire.decode import decode_update
 from lordo_fed.wire.encode import StreamingEncode, encode_global_state
+from lordo_fed.rounds.relay import relayed_of
 from lordo_fed.rounds.screening import ReplyRef
 from lordo_fed.wire.messages import GlobalState, WorkerUpdate
 from lordo_fed.wire.payload import Payload
@@ -255,6 +256,13 @@ class Courier:
         return decode_update(payload, expected_model_id=self.model_id, adopt=adopt, codecs=self.codecs,
                              keep_compressed=keep_compressed, sparse=sparse)
 
+    def _relayed(self, update: WorkerUpdate, source: Callable[[], Any]) -> Callable[[], WorkerUpdate]:
+        """A relaying preset: the reply as the next state relays it (`ReplyRef.relayed`), taken from the bytes
+        its screening decode checked (`relay.relayed_of`: no second decode), or decoded again as received when
+        a Δ tensor is not a top-k one kept sparse. Either way it owns its bytes: it outlives the upload."""
+        reply = relayed_of(update)
+        return (lambda: reply) if reply is not None else (lambda: self.decode(source(), keep_compressed=True))
+
     @contextlib.contextmanager
     def screened(self, replies: Iterable[Message], round_idx: int, phase: str,
                  check: Callable[[WorkerUpdate], tuple[str | None, float]],
@@ -325,7 +333,7 @@ class Courier:
                     load = (lambda index=len(entries): load_kept(index))
                 else:
                     load = (lambda source=source: self.decode(source(), sparse=True))
-                relayed = (lambda source=source: self.decode(source(), keep_compressed=True)) if self.relay else None
+                relayed = self._relayed(update, source) if self.relay else None
                 ref = ReplyRef.of(update, load=load, norm=norm, relayed=relayed)
                 del update
                 entries.append((f"{who} (partition {ref.worker_id})", ref, size, msg.content.get("metrics", MetricRecord()),

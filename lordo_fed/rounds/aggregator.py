@@ -41,7 +41,7 @@ from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.rounds.bases import fit_projections, initial_projections, low_rank_shape
 from lordo_fed.rounds.outer import Average, OuterOptimizer
 from lordo_fed.rounds.relay import relay_checkpoint, relayed_form, relayed_from_checkpoint
-from lordo_fed.rounds.sparse import add_weighted, contributor_mean, support_overlap
+from lordo_fed.rounds.sparse import add_sent, add_weighted, contributor_mean, support_overlap
 from lordo_fed.rounds.screening import ReplyRef
 from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import Encoded, SparseValues, encode, plus_decoded
@@ -425,12 +425,7 @@ class Aggregator:
                 d = lowrank.join(d.dense() if isinstance(d, SparseValues) else d, update.coords[name], *bases[name])
             add_weighted(delta_sums, name, d, weight * clip)
             if senders is not None and name in senders:  # the indices this reply sent (top-k: its non-zeros)
-                sent = d.sent() if isinstance(d, SparseValues) else d != 0
-                if support is not None and name in support:
-                    add_weighted(support, name, sent, weight)
-                # one byte an index, saturated at 2: all support_overlap reads is "none, one, more"
-                count = senders[name]
-                senders[name] = sent.to(torch.uint8) if count is None else torch.clamp_max(count + sent, 2)
+                add_sent(senders, support, name, d, weight)
         if lengths is not None:
             lengths.append(clip * screening.delta_norm(update))
         if moment_sums is None:  # round-0 gradients: Δ only

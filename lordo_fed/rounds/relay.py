@@ -27,7 +27,7 @@ from torch import Tensor
 from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.rounds.outer import Average
 from lordo_fed.wire.codec import PayloadError
-from lordo_fed.wire.compress import decoded
+from lordo_fed.wire.compress import SparseValues, decoded
 from lordo_fed.wire.decode import decode_update
 from lordo_fed.wire.encode import encode_update
 from lordo_fed.wire.messages import GlobalState, WorkerUpdate
@@ -44,6 +44,15 @@ def relayed_form(update: WorkerUpdate) -> WorkerUpdate:
     moments, metrics or coordinates."""
     return WorkerUpdate(worker_id=update.worker_id, round=update.round, delta=dict(update.delta), moments={},
                         tokens=update.tokens, opt_step=update.opt_step)
+
+
+def relayed_of(update: WorkerUpdate) -> WorkerUpdate | None:
+    """`relayed_form` of a reply decoded with its top-k Δ kept sparse (`decode_update(sparse=True)`), from the
+    bytes each `SparseValues` was decoded from, so that the server decodes a relayed reply once; None when a Δ
+    tensor is not such a top-k one (it must then be decoded as received: `keep_compressed`)."""
+    if not all(isinstance(d, SparseValues) and d.encoded is not None for d in update.delta.values()):
+        return None
+    return relayed_form(dataclasses.replace(update, delta={n: d.encoded for n, d in update.delta.items()}))
 
 
 def reply_bytes(reply: WorkerUpdate) -> memoryview:

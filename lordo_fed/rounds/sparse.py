@@ -21,11 +21,36 @@ def contributor_mean(total: Tensor, weight: Tensor | None) -> Tensor:
 
 def support_overlap(senders: Mapping[str, Tensor]) -> dict[str, float]:
     """`sparse_support_shared`: the share of the indices sent this round that more than one worker
-    sent (0: the workers' top-k supports are disjoint, 1: they all chose the same indices)."""
-    sent = sum(int((s > 0).sum()) for s in senders.values())
+    sent (0: the workers' top-k supports are disjoint, 1: they all chose the same indices), from the
+    counts `add_sent` keeps (0, 1, 2 = more; a count of 2 is the one whose bit 1 is set)."""
+    sent = sum(int(torch.count_nonzero(s)) for s in senders.values())
     if not sent:
         return {}
-    return {"sparse_support_shared": sum(int((s > 1).sum()) for s in senders.values()) / sent}
+    return {"sparse_support_shared": sum(int(torch.count_nonzero(s >> 1)) for s in senders.values()) / sent}
+
+
+def add_sent(senders: dict[str, Tensor | None], support: dict[str, Tensor | None] | None, key: str,
+             t: Tensor | SparseValues, weight: float) -> None:
+    """One reply's indices (its non-zeros) into the round's counts: senders[key], how many replies sent
+    each index (one byte, saturated at 2: all `support_overlap` reads is none, one, more), and, where
+    `support` has the key (the contributor mean's normaliser), support[key] += weight at each. A top-k
+    term stays sparse: the same counts and the same fp32 additions as its dense mask, on its positions."""
+    if isinstance(t, SparseValues):
+        device = t.values.device
+        positions = t.positions.to(device)[t.values != 0]
+        if support is not None and key in support:
+            add_weighted(support, key, SparseValues(positions, torch.ones(len(positions), device=device), t.shape), weight)
+        count = senders.get(key)
+        if count is None:
+            count = senders[key] = torch.zeros(tuple(t.shape), dtype=torch.uint8, device=device)
+        flat = count.view(-1)
+        flat[positions] = flat[positions].add_(1).clamp_max_(2)
+        return
+    sent = t != 0
+    if support is not None and key in support:
+        add_weighted(support, key, sent, weight)
+    count = senders.get(key)
+    senders[key] = sent.to(torch.uint8) if count is None else torch.clamp_max(count + sent, 2)
 
 
 def add_weighted(sums: dict[str, Tensor], key: str, t: Tensor | SparseValues, weight: float) -> None:

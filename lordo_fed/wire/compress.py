@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import torch
@@ -338,10 +338,14 @@ class SparseValues:
     positions: Tensor
     values: Tensor
     shape: tuple[int, ...]
+    encoded: Encoded | None = field(default=None, compare=False, repr=False)
+    """The bytes it was decoded from (`decode_sparse`), checked: what a relaying server sends on
+    (lordo_fed.rounds.relay.relayed_of), so that a reply it keeps sparse is not decoded twice."""
 
     @property
     def nbytes(self) -> int:
-        return self.positions.numel() * self.positions.element_size() + self.values.numel() * self.values.element_size()
+        return (self.positions.numel() * self.positions.element_size() + self.values.numel() * self.values.element_size()
+                + (self.encoded.nbytes if self.encoded is not None else 0))
 
     def dense(self) -> Tensor:
         """The tensor as `decode` gives it."""
@@ -356,12 +360,6 @@ class SparseValues:
         flat, positions = acc.view(-1), self.positions.to(acc.device)
         flat[positions] = flat[positions].add_(self.values.to(acc.device), alpha=alpha)
 
-    def sent(self) -> Tensor:
-        """The bool mask of non-zero values, as `self.dense() != 0` gives it."""
-        mask = torch.zeros(math.prod(self.shape), dtype=torch.bool, device=self.values.device)
-        mask[self.positions[self.values != 0]] = True
-        return mask.view(self.shape)
-
 
 def decode_sparse(enc: Encoded, label: str = "tensor") -> Tensor | SparseValues:
     """What `decode` gives, as `SparseValues` for an untiled top-k (the dense tensor, shaped, otherwise);
@@ -373,7 +371,7 @@ def decode_sparse(enc: Encoded, label: str = "tensor") -> Tensor | SparseValues:
         positions, values = _topk_parts(enc, label)
     except CompressionError as err:
         raise _named(err, label) from None
-    return SparseValues(positions + chunk_offsets(enc.numel, spec.chunk, spec.k), values.float(), tuple(enc.shape))
+    return SparseValues(positions + chunk_offsets(enc.numel, spec.chunk, spec.k), values.float(), tuple(enc.shape), enc)
 
 
 def plus_decoded(x: Tensor, enc: Encoded, label: str = "tensor") -> Tensor:

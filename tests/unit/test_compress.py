@@ -200,9 +200,9 @@ def test_hostile_encodings_are_refused_with_a_reason(case, decoder):
     + ("-tiled" if s.tile else ""))
 def test_sparse_values_stand_for_the_dense_decode_bit_for_bit(spec):
     """What the server does with a top-k reply kept sparse, against the same with its dense decode:
-    `dense()` is `decode`, `add_to` is `acc.add_(decode, alpha=w)` and `sent()` is `decode != 0`, bit for
-    bit, with a zero among the kept values, a tail chunk, and a sum that already holds values; a tiled top-k
-    and a dense codec come back decoded."""
+    `dense()` is `decode` and `add_to` is `acc.add_(decode, alpha=w)`, bit for bit, with a zero among the
+    kept values, a tail chunk, and a sum that already holds values; it keeps the bytes it was decoded from
+    (`encoded`); a tiled top-k and a dense codec come back decoded."""
     from lordo_fed.wire.compress import SparseValues, decode_sparse, plus_decoded
 
     g = torch.Generator().manual_seed(3)
@@ -218,7 +218,7 @@ def test_sparse_values_stand_for_the_dense_decode_bit_for_bit(spec):
     else:
         assert isinstance(got, SparseValues) and got.shape == tuple(x.shape)
         assert torch.equal(got.dense(), dense)
-        assert torch.equal(got.sent(), dense != 0)
+        assert got.encoded is enc
         for w in (1.0, 0.3141592653, 1 / 3):
             acc, want = base.clone(), base.clone()
             got.add_to(acc, w)

@@ -20,7 +20,7 @@ from lordo_fed.wire.compress import ErrorFeedback
 from lordo_fed.wire.decode import decode_global_state
 from lordo_fed.wire.encode import encode_global_state, encode_update
 from lordo_fed.metrics import tensor_bytes
-from lordo_fed.wire.messages import WorkerUpdate
+from lordo_fed.wire.messages import GlobalState, WorkerUpdate
 from lordo_fed.wire.payload import PRESETS, resolve_payload
 
 RELAY = resolve_payload("topk2bit-relay").codecs
@@ -533,3 +533,34 @@ def test_a_hostile_relay_is_refused_with_a_reason(case, message):
         data = msg.SerializeToString()
     with pytest.raises(PayloadError, match=message):
         decode_global_state(data, "m", codecs=specs)
+
+
+def test_the_relayed_form_of_a_sparse_decode_is_the_reply_as_received():
+    """The server keeps a top-k reply sparse after screening it and relays it from the bytes that decode
+    checked (`relayed_of`, no second decode): the same `Encoded` per tensor, byte for byte, as decoding the
+    payload again as received (`keep_compressed`, what it did before), and the same state on the wire. A
+    reply whose Δ has a tensor that is not top-k (int8 here) has no such form: it is decoded as received."""
+    from lordo_fed.rounds.relay import relayed_form, relayed_of
+    from lordo_fed.wire.decode import decode_update
+
+    torch.manual_seed(1)
+    specs = RELAY.specs()
+    for reply in replies(2, [ErrorFeedback(decay=0.9) for _ in range(3)]):
+        data = bytes(encode_update(reply, "m"))
+        fast = relayed_of(decode_update(data, "m", codecs=specs, sparse=True))
+        slow = relayed_form(decode_update(data, "m", codecs=specs, keep_compressed=True))
+        assert fast == slow and list(fast.delta) == list(slow.delta)  # every Encoded field, bytes included
+        state = GlobalState(round=3, params={}, projections={}, moments={}, opt_step=2, params_delta=True,
+                            relay=[fast], outer_lr=1.0)
+        assert bytes(encode_global_state(state, "m")) == bytes(encode_global_state(
+            dataclasses.replace(state, relay=[slow]), "m"))
+    int8 = resolve_payload("int8").codecs
+    dense = WorkerUpdate(worker_id=0, round=1, delta={"w": int8_encoded(torch.randn(8, 8))}, moments={}, tokens=1,
+                         opt_step=1)
+    assert relayed_of(decode_update(bytes(encode_update(dense, "m")), "m", codecs=int8.specs(), sparse=True)) is None
+
+
+def int8_encoded(x: torch.Tensor):
+    from lordo_fed.wire.compress import encode
+
+    return encode(x, resolve_payload("int8").codecs.delta_spec("w", tuple(x.shape)))

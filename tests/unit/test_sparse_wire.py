@@ -245,3 +245,37 @@ def test_bases_from_the_downlink_is_lordo_globals():
     rounds = RoundConfig(sync_exp_avg_every=0, sync_exp_avg_sq_every=0, bases_from="downlink")
     with pytest.raises(ValueError, match="rounds.bases_from='downlink' with method 'diloco'"):
         resolve_method("diloco", InnerConfig(), rounds, OuterConfig())
+
+
+def test_a_top_k_reply_kept_sparse_counts_its_senders_as_its_dense_decode():
+    """`add_sent` on three replies' top-k Δ kept sparse (`SparseValues`) against the same on their dense
+    decodes, the simple path: the same counts (0, 1, 2 = more) and the same contributor-mean normaliser, bit
+    for bit, with supports that overlap, a zero among the kept values and a tail chunk; `support_overlap`
+    against the share counted by hand from the decodes."""
+    from lordo_fed.rounds.sparse import add_sent, support_overlap
+    from lordo_fed.wire.compress import SparseValues, decode_sparse, encode
+
+    g = torch.Generator().manual_seed(5)
+    spec = CodecSpec("topk", bits=2, chunk=256, density=0.1, levels="sign", index_coding="rice")
+    common = torch.randn(70, 11, generator=g)  # shared large entries: the supports overlap
+    dense, sparse = [], []
+    for m in range(3):
+        x = common + 0.7 * torch.randn(70, 11, generator=g)
+        x[0, :40] = 0.0  # the first chunk keeps zeros
+        enc = encode(x, spec)
+        dense.append(decode(enc).view(x.shape))
+        sparse.append(decode_sparse(enc))
+        assert isinstance(sparse[-1], SparseValues)
+    weights = (0.5, 0.3141592653, 1 / 3)
+    got = {"senders": {"w": None}, "support": {"w": None}}
+    want = {"senders": {"w": None}, "support": {"w": None}}
+    for w, s, d in zip(weights, sparse, dense):
+        add_sent(got["senders"], got["support"], "w", s, w)
+        add_sent(want["senders"], want["support"], "w", d, w)
+    assert torch.equal(got["senders"]["w"], want["senders"]["w"])
+    assert torch.equal(got["support"]["w"], want["support"]["w"])
+    count = sum((d != 0).int() for d in dense)
+    assert torch.equal(got["senders"]["w"], count.clamp_max(2).to(torch.uint8))
+    shared = int((count > 1).sum()) / int((count > 0).sum())
+    assert 0.1 < shared < 0.9  # the case tests overlap, not disjoint or equal supports
+    assert support_overlap(got["senders"]) == {"sparse_support_shared": pytest.approx(shared, abs=0)}
