@@ -183,6 +183,8 @@ EXCHANGES: list[tuple[str, Trial]] = [
             "rounds.late_from_step={decay}"),
     derived("lordo_local", "k8-int8-late-outer2", "rounds.local_steps=8", "payload_dtype=int8", "outer.late_lr=2.0",
             "rounds.late_from_step={decay}"),
+    derived("lordo_global", "k4-int8", "rounds.local_steps=4", "payload_dtype=int8"),
+    derived("lordo_local", "k4-int8", "rounds.local_steps=4", "payload_dtype=int8"),
 ]
 """`--part exchanges`: the early-round gap against the bytes it is allowed, at today's defaults. Section 16
 closed it with more exchanges (K = 8: 4x the bytes); the int8 payload (within 1% of fp32, section 12)
@@ -193,7 +195,9 @@ table's own trials (its cache); the gaps are to low-rank DDP, the bytes to LoRDO
 seventh's two changes (more exchanges, int8) costs LoRDO-Local at 64 rounds; the ninth, the seventh with each
 worker's bases refitted every 32 steps as at K = 32 (`inner.proj_interval`; 0, the default, refits every K
 steps), whether the cost is the refits (docs/results.md, section 17, part eight). The last two are the seventh and
-the third with an outer lr of 2 = √M in WSD's decay (`outer.late_lr`: the `workers` part's `late-outer2`)."""
+the third with an outer lr of 2 = √M in WSD's decay (`outer.late_lr`: the `workers` part's `late-outer2`). The
+last two are K = 4 with int8 (about twice K = 32's bytes): whether more exchanges still close the 16-round gap
+where K = 8 with int8 leaves it above 3% (docs/results.md, section 17, part eleven)."""
 
 def horizon_overrides(rounds: int, quick: bool) -> tuple[str, ...]:
     """`rounds` rounds of small_cpu's K = 32, eight evaluations (quick: rounds of QUICK_OVERRIDES' K = 4)."""
