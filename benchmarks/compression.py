@@ -287,7 +287,8 @@ def _server_round(agg, deltas: list[dict[str, Encoded]], model_id: str, specs, p
         del update
     t1 = time.perf_counter()
     agg.aggregate_refs(refs)
-    agg.client_copy()  # what the next round's resync and commit need: θ_c after this round's change
+    if agg.client_params is not None:  # a relaying server keeps no θ_c: its replays give θ itself
+        agg.client_copy()  # what the next round's resync and commit need: θ_c after this round's change
     t2 = time.perf_counter()
     shared = agg.global_state()
     state = encode_global_state(shared, model_id, wire_dtype)

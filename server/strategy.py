@@ -163,7 +163,7 @@ class LoRDOStrategy(Strategy):
         with one, each node gets the state `_node_states` gives it, whole, through the ticket it holds
         (nodes that connected since the announcement with it)."""
         announced = self.courier.announced_at[r]
-        if self.aggregator.client_params is not None:
+        if self.aggregator.tracks_copy:
             nodes = sorted({*grid.get_node_ids(), *self.courier.announced_nodes(r)})
             ids = self.courier.publish_announced(grid, r, *self._node_states(r, nodes))
         else:

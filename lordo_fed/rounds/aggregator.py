@@ -127,10 +127,14 @@ class Aggregator:
             raise ValueError(f"outer={outer.name!r} with a relaying payload: every worker replays the server's outer "
                              "step from the relayed replies, which needs the plain average (outer.name='average', "
                              "any lr; its state is θ alone)")
+        self.tracks_copy = payload is not None and payload.tracks_copy
+        """A compressed downlink: every worker holds θ_c, and the state carries its change (or, with
+        `relay`, the replies that change it)."""
         self.client_params: dict[str, Tensor] | None = (
-            {n: p.clone() for n, p in self.params.items()} if payload is not None and payload.tracks_copy else None)
+            {n: p.clone() for n, p in self.params.items()} if self.tracks_copy and not payload.relay else None)
         """θ_c, what every worker that applied every round's state holds (θ0 at first): the server
-        keeps it exactly, so that both sides add the same decoded change to the same tensors."""
+        keeps it exactly, so that both sides add the same decoded change to the same tensors. Not with a
+        relay: each worker's replay gives θ itself, so θ is θ_c once the state is applied."""
         self._resync_all = False
         """θ_c unknown (resumed from a checkpoint without it): the next state carries θ whole."""
         self._relayed: list[WorkerUpdate] | None = None
@@ -176,7 +180,7 @@ class Aggregator:
 
     def client_copy(self) -> dict[str, Tensor]:
         """θ_c after this round's state is applied (θ itself without a compressed downlink)."""
-        if self.client_params is None:
+        if not self.tracks_copy:
             return self.params
         if not self.downlink_due() or self.payload.relay:  # a relay's replay gives θ itself
             return {n: p.clone() for n, p in self.params.items()}
@@ -186,7 +190,7 @@ class Aggregator:
     def downlink_due(self) -> bool:
         """Whether this round's state carries θ as the compressed change of the clients' copy."""
         relay_known = not self.payload.relay or self._relayed is not None if self.payload is not None else True
-        return self.client_params is not None and self.round > 1 and not self._resync_all and relay_known
+        return self.tracks_copy and self.round > 1 and not self._resync_all and relay_known
 
     def _downlink(self) -> dict[str, Encoded]:
         """θ − θ_c per parameter, compressed (deterministic: the same bytes every call); nothing with a
@@ -196,9 +200,10 @@ class Aggregator:
         return {n: encode(self.params[n] - self.client_params[n], self.payload.down) for n in self.params}
 
     def _commit_downlink(self) -> None:
-        """The round's state went out: θ_c becomes what the workers hold now."""
-        if self.client_params is not None:
-            self.client_params = self.client_copy()
+        """The round's state went out: θ_c becomes what the workers hold now (with a relay, θ itself)."""
+        if self.tracks_copy:
+            if self.client_params is not None:
+                self.client_params = self.client_copy()
             self._resync_all = False
 
     def skip_round(self) -> None:
@@ -585,5 +590,6 @@ class Aggregator:
             else:  # a checkpoint of a run without the compressed downlink: every worker gets θ whole once
                 self.client_params = {n: p.clone() for n, p in self.params.items()}
                 self._resync_all = True
-            self._relayed = relayed_from_checkpoint(sd, self.round, self.payload) if self.payload.relay else None
+        if self.tracks_copy and self.payload.relay:  # without them (an older checkpoint) θ goes whole once
+            self._relayed = relayed_from_checkpoint(sd, self.round, self.payload)
 

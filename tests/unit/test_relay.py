@@ -258,7 +258,8 @@ def test_a_resumed_run_relays_on_as_the_uninterrupted_one(tmp_path, late_lr):
     """The checkpoint keeps the replies the next state relays: a run resumed after round 2, or after the
     skipped round 4 (through the checkpoint's files), sends the uninterrupted run's states byte for byte,
     relayed, not θ whole, and ends at its θ bit for bit; a worker that held θ_c replays them to it. With a
-    late outer lr from round 3 on, the run resumed after round 2 takes it from there as the uninterrupted one."""
+    late outer lr from round 3 on, the run resumed after round 2 takes it from there as the uninterrupted one.
+    The server keeps no θ_c of its own (every replay gives θ), so the checkpoint holds θ once."""
     rc = rounds_config(late_from_step=2 if late_lr else 0)
     fresh = lambda: Aggregator({n: torch.zeros(s) for n, s in NAMES.items()}, {}, rc, Average(lr=1.3), None,
                                payload=RELAY, late_lr=late_lr)
@@ -274,6 +275,7 @@ def test_a_resumed_run_relays_on_as_the_uninterrupted_one(tmp_path, late_lr):
     for at, relayed in ((2, 3), (4, 0)):
         tensors, _ = load_checkpoint(tmp_path / f"r{at}")
         assert int(tensors["counter/relayed"]) == relayed
+        assert not any(k.startswith("client/") for k in tensors)  # θ is θ_c once replayed: no second copy kept
         resumed = fresh()
         resumed.load_state_dict(tensors)
         worker = Downlink(RELAY, rc)
