@@ -142,6 +142,10 @@ class Aggregator:
         resume: the next state carries θ whole)."""
         self._encoded: tuple[int, GlobalState] | None = None
         """The compressed state of a round, encoded once (the round number changes with θ)."""
+        self._spare: dict[str, Tensor] = {}
+        """The last round's Δ sums, which nothing keeps: the next round zeroes and reuses them, where fresh
+        θ-sized sums cost their first-touch page faults every round (at 125m most of a relaying server's
+        sums; docs/results.md, section 12)."""
 
     # ----------------------------------------------------------------------------- state out
     def global_state(self) -> GlobalState:
@@ -337,7 +341,8 @@ class Aggregator:
         # each moment is the mean over the replies that carry it: its own normaliser
         moment_norms = {key: sum(w for r, w in zip(refs, weights) if key in r.moment_keys)
                         for key in sorted({k for r in refs for k in r.moment_keys})}
-        delta_sums: dict[str, Tensor] = {}
+        delta_sums: dict[str, Tensor] = {n: t.zero_() for n, t in self._spare.items()}  # add_weighted adds into them
+        self._spare = {}
         moment_sums: dict[str, Tensor] = {}
         bases = self._bases()
         topk = self._topk_names(bases)
@@ -368,6 +373,7 @@ class Aggregator:
             self.projections = new
         self.moments = moments
         self._relayed = relayed
+        self._spare = delta_sums  # the outer step, the refit and the diagnostics keep none of them
 
         metrics = {
             "train_loss": sum(w * r.metrics.get("train_loss", math.nan) for r, w in zip(refs, weights)),
