@@ -397,7 +397,8 @@ def early(train, rounds: int, out: str, quick: bool, part: str = "early", corpor
           only: tuple[str, ...] = ()) -> None:
     """The `EARLY` (or `LATE`, `WORKERS`, `EXCHANGES`) probes of `methods` on every corpus and seed: validation
     perplexity and the gap to low-rank DDP (the probes' first run, always run) on the same corpus and seed, and the
-    bytes against LoRDO-Global's own K = 32 run (the second; None when LoRDO-Global is not among `methods`).
+    bytes against LoRDO-Global's own K = 32 run (the second; None when LoRDO-Global is not among `methods`);
+    the figure beside the JSON plots every run of the lowest seed against tokens and bytes.
     `local`: the local corpora's `local_corpora` entries, recorded with the result; `only`: the names of the
     probes to run besides those two references (all when empty)."""
     probes = PROBES[part]
@@ -422,7 +423,9 @@ def early(train, rounds: int, out: str, quick: bool, part: str = "early", corpor
                                                       "probes": [{"method": m, "name": t.name, "overrides": list(t.overrides)}
                                                                  for m, t in probes]})
     result["rows"] = [{k: v for k, v in r.items() if k != "curve"} for r in rows]
-    print(f"wrote {write_json(result, out)}")
+    written = write_json(result, out)
+    plot(rows, png_path(written), rounds)  # validation loss against tokens and bytes, the lowest seed
+    print(f"wrote {written} and {png_path(written)}")
 
 
 READ = ("benchmarks/results/cpu_corpora_quality_r64_*_lr0.5x*.json,"

@@ -101,9 +101,11 @@ def test_corpora_quality_quick(tmp_path):
     pooled = next(r for r in tuning if (r["method"], r["trial"], r["corpus"]) == ("lordo_global", trial.name, "prose"))
     assert alone["val_loss"] == pooled["val_loss"] and alone["bytes_per_worker"] == pooled["bytes_per_worker"]
     # --part early on two seeds: the probes on every corpus and seed, the tune's own runs (seed 0) taken from the
-    # cache, each gap to low-rank DDP of the same corpus and seed
+    # cache, each gap to low-rank DDP of the same corpus and seed, and their curves beside the JSON
+    (tmp_path / "corpora_quality.png").unlink(missing_ok=True)
     early = run_quick("corpora_quality.py", tmp_path, "--part", "early", "--seeds", "0,1",
                       "--work", str(tmp_path / "work"))["rows"]
+    assert (tmp_path / "corpora_quality.png").stat().st_size > 0
     assert sorted((r["method"], r["trial"], r["corpus"], r["seed"]) for r in early) == sorted(
         (m, t, c, s) for m, t in (("lowrank_ddp", "ef0.9"), ("lordo_global", "ef0.9"), ("lordo_global", "ef0.9-wu128"))
         for c in corpora for s in (0, 1))
@@ -297,16 +299,21 @@ def test_corpora_quality_probe_part_runs_the_given_methods(tmp_path):
 
     asked: list[tuple] = []
 
-    def train(runs):  # a fake trainer: perplexity and bytes made from the run's place in EXCHANGES
+    def train(runs):  # a fake trainer: perplexity and bytes made from the run's place in EXCHANGES, as `row_of` has them
         asked.extend(runs)
         order = [(m, t.name) for m, t in EXCHANGES]
-        return [{"corpus": c, "seed": s, "method": m, "trial": t.name, "val_ppl": 4.0 + order.index((m, t.name)) / 10 + s,
-                 "bytes_per_worker": 100 * (1 + order.index((m, t.name)))} for c, m, t, _, s in runs]
+        rows = [{"corpus": c, "seed": s, "method": m, "trial": t.name, "rounds": h,
+                 "val_ppl": 4.0 + order.index((m, t.name)) / 10 + s, "bytes_per_worker": 100 * (1 + order.index((m, t.name)))}
+                for c, m, t, h, s in runs]
+        for r in rows:
+            r["curve"] = {"tokens": [0, 64], "val_loss": [5.5, math.log(r["val_ppl"])], "bytes": [0, r["bytes_per_worker"]]}
+        return rows
 
     early(train, 16, str(tmp_path / "x.json"), False, "exchanges", ("code",), (0, 1), ("lordo_local",))
     assert [(m, t.name, s) for _, m, t, _, s in asked] == [(m, t.name, s) for s in (0, 1) for m, t in EXCHANGES
                                                            if m in ("lowrank_ddp", "lordo_local")]
     rows = json.loads((tmp_path / "x.json").read_text())["rows"]
+    assert (tmp_path / "x.png").stat().st_size > 0 and not any("curve" in r for r in rows)  # curves: the figure's
     local_k8 = next(r for r in rows if r["trial"] == "ef1-switch-lr0.5x-k8-int8" and r["seed"] == 1)
     assert local_k8["gap_lowrank_ddp"] == pytest.approx(5.6 / 5.0 - 1) and local_k8["bytes_vs_k32"] is None
     asked.clear()  # every method: the bytes against LoRDO-Global's K = 32 run (EXCHANGES' second)
