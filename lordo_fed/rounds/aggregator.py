@@ -143,9 +143,8 @@ class Aggregator:
         self._encoded: tuple[int, GlobalState] | None = None
         """The compressed state of a round, encoded once (the round number changes with θ)."""
         self._spare: dict[str, Tensor] = {}
-        """The last round's Δ sums, which nothing keeps: the next round zeroes and reuses them, where fresh
-        θ-sized sums cost their first-touch page faults every round (at 125m most of a relaying server's
-        sums; docs/results.md, section 12)."""
+        """The last round's Δ sums, which nothing keeps: zeroed and reused, where fresh θ-sized sums pay their
+        page faults every round (at 125m most of a relaying server's sums; docs/results.md, section 12)."""
 
     # ----------------------------------------------------------------------------- state out
     def global_state(self) -> GlobalState:
