@@ -48,7 +48,10 @@ part ten; the CPU ran seed 0): its second seed at both horizons on the GPU is
 `python3 scripts/make_stdlib_corpus.py /tmp/stdlib_large.txt` and then `--only corpora --corpora-args '--part table
 --best lowrank_ddp=ef0.9-lr0.5x,lordo_global=ef0.9-lr0.5x,lordo_local=ef1-switch-lr0.5x,diloco=average1-lr0.5x
 --methods lowrank_ddp,diloco,lordo_global,lordo_local --corpus code-large=/tmp/stdlib_large.txt --corpora code-large
---seeds 1'` (another Python gives other text: the result records its sha256).
+--seeds 1'` (another Python gives other text: the result records its sha256). Since (2026-12-01): the CPU ran
+code-large's second seed at 64 rounds with spread validation windows, and LoRDO-Local's `k8-int8-b0.9` probe (β1 0.9
+after its switch; section 17, part twelve). Next on the GPU: that probe on the shipped corpora, both seeds, both
+horizons: `--only corpora --corpora-args '--part exchanges --methods lordo_local --probes k8-int8,k8-int8-b0.9'`.
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH && python3 benchmarks/gpu_check.py --only tests,step16m,step125m
