@@ -200,7 +200,8 @@ the third with an outer lr of 2 = √M in WSD's decay (`outer.late_lr`: the `wor
 last two are K = 4 with int8 (about twice K = 32's bytes): whether more exchanges still close the 16-round gap
 where K = 8 with int8 leaves it above 3% (docs/results.md, section 17, part eleven). The very last is LoRDO-Local's
 K = 8 with int8 keeping β1 = 0.9 after its two-phase switch (the authors' switch sets β = (0.999, 0.999): a first
-moment that averages ~1,000 steps, which may be why LoRDO-Local gains least in WSD's decay, part ten)."""
+moment that averages ~1,000 steps: with it LoRDO-Local gains least in WSD's decay; docs/results.md, section 17,
+part twelve)."""
 
 def horizon_overrides(rounds: int, quick: bool) -> tuple[str, ...]:
     """`rounds` rounds of small_cpu's K = 32, eight evaluations (quick: rounds of QUICK_OVERRIDES' K = 4)."""
