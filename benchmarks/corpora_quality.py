@@ -186,6 +186,7 @@ EXCHANGES: list[tuple[str, Trial]] = [
     derived("lordo_global", "k4-int8", "rounds.local_steps=4", "payload_dtype=int8"),
     derived("lordo_local", "k4-int8", "rounds.local_steps=4", "payload_dtype=int8"),
     derived("lordo_local", "k8-int8-b0.9", "rounds.local_steps=8", "payload_dtype=int8", "inner.switch_betas=[0.9,0.999]"),
+    derived("lordo_local", "k32-b0.9", "inner.switch_betas=[0.9,0.999]"),
 ]
 """`--part exchanges`: the early-round gap against the bytes it is allowed, at today's defaults. Section 16
 closed it with more exchanges (K = 8: 4x the bytes); the int8 payload (within 1% of fp32, section 12)
@@ -198,10 +199,10 @@ worker's bases refitted every 32 steps as at K = 32 (`inner.proj_interval`; 0, t
 steps), whether the cost is the refits (docs/results.md, section 17, part eight). The last two are the seventh and
 the third with an outer lr of 2 = √M in WSD's decay (`outer.late_lr`: the `workers` part's `late-outer2`). The
 last two are K = 4 with int8 (about twice K = 32's bytes): whether more exchanges still close the 16-round gap
-where K = 8 with int8 leaves it above 3% (docs/results.md, section 17, part eleven). The very last is LoRDO-Local's
+where K = 8 with int8 leaves it above 3% (docs/results.md, section 17, part eleven). The next is LoRDO-Local's
 K = 8 with int8 keeping β1 = 0.9 after its two-phase switch (the authors' switch sets β = (0.999, 0.999): a first
 moment that averages ~1,000 steps: with it LoRDO-Local gains least in WSD's decay; docs/results.md, section 17,
-part twelve)."""
+part twelve); the last, the same at the default's K = 32 in fp32 (`k32-b0.9`)."""
 
 def horizon_overrides(rounds: int, quick: bool) -> tuple[str, ...]:
     """`rounds` rounds of small_cpu's K = 32, eight evaluations (quick: rounds of QUICK_OVERRIDES' K = 4)."""
