@@ -6,6 +6,7 @@ replay must give every worker the server's θ bit for bit, so the two runs are o
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -259,7 +260,8 @@ def test_a_resumed_run_relays_on_as_the_uninterrupted_one(tmp_path, late_lr):
     skipped round 4 (through the checkpoint's files), sends the uninterrupted run's states byte for byte,
     relayed, not θ whole, and ends at its θ bit for bit; a worker that held θ_c replays them to it. With a
     late outer lr from round 3 on, the run resumed after round 2 takes it from there as the uninterrupted one.
-    The server keeps no θ_c of its own (every replay gives θ), so the checkpoint holds θ once."""
+    The server keeps no θ_c of its own (every replay gives θ), so the checkpoint holds θ once; a checkpoint
+    written before that (θ_c under client/ beside θ) resumes to the same states and θ."""
     rc = rounds_config(late_from_step=2 if late_lr else 0)
     fresh = lambda: Aggregator({n: torch.zeros(s) for n, s in NAMES.items()}, {}, rc, Average(lr=1.3), None,
                                payload=RELAY, late_lr=late_lr)
@@ -272,10 +274,12 @@ def test_a_resumed_run_relays_on_as_the_uninterrupted_one(tmp_path, late_lr):
         golden.update(run_relayed(agg, rounds, range(len(golden) + 1, at + 1)))
         save_checkpoint(tmp_path / f"r{at}", at, agg.state_dict(), {"round": at})
     golden.update(run_relayed(agg, rounds, range(5, 7)))
-    for at, relayed in ((2, 3), (4, 0)):
+    for (at, relayed), older in itertools.product(((2, 3), (4, 0)), (False, True)):
         tensors, _ = load_checkpoint(tmp_path / f"r{at}")
         assert int(tensors["counter/relayed"]) == relayed
         assert not any(k.startswith("client/") for k in tensors)  # θ is θ_c once replayed: no second copy kept
+        if older:  # as an earlier version wrote it, with the server's θ_c (zeros here: used, they would show)
+            tensors.update({f"client/{n}": torch.zeros_like(tensors[f"param/{n}"]) for n in NAMES})
         resumed = fresh()
         resumed.load_state_dict(tensors)
         worker = Downlink(RELAY, rc)
