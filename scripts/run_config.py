@@ -2,6 +2,9 @@
 
     python scripts/run_config.py check APP STR...   # exit 2 naming each unknown key, with the keys meant,
                                                     # or the first bad value (as the ServerApp would)
+    python scripts/run_config.py check --local APP STR...
+                                                    # also the output-dir and resume (exit 2: the ServerApp
+                                                    # would refuse the run; 4: it would have nothing to do)
     python scripts/run_config.py get KEY STR...     # the merged value of KEY ('' when unset)
 
 Each STR is one `--run-config` value ('k=v k2="x"'); later strings win, as in `flwr run`, which
@@ -10,7 +13,10 @@ merges them with Flower's own parser (`flwr.common.config.parse_config_args`, us
 screen and names the key in the SuperLink's log alone; the scripts check first and name it. A bad
 value (`rank=-1`) the ServerApp would refuse only once Flower and its simulation engine had started;
 `check` composes the settings as the app does (`lordo_fed.app.config.load_app_config`, when the package
-is installed here) and refuses it in a second.
+is installed here) and refuses it in a second. `--local`, for a run whose ServerApp writes on this machine
+(scripts/simulate.sh): the output-dir and `resume` as the ServerApp checks them (server/records.py, `preflight`):
+a new run into another run's output-dir, or a resume of a finished run, is told in a second, not after Flower
+and its simulation engine have started.
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ def merged(strings: list[str]) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    local = argv[:2] == ["check", "--local"]
+    if local:
+        argv = argv[:1] + argv[2:]
     if len(argv) < 2 or argv[0] not in ("check", "get"):
         print(__doc__.strip().splitlines()[2], file=sys.stderr)
         return 2
@@ -62,25 +71,40 @@ def main(argv: list[str]) -> int:
               f"{Path(argv[1]).resolve() / 'pyproject.toml'}; docs/operations.md lists them)", file=sys.stderr)
     if unknown:
         return 2
-    return check_values(name, defaults, config)
+    return check_values(name, defaults, config, Path(argv[1]).resolve() if local else None)
 
 
-def check_values(name: str, defaults: dict, config: dict) -> int:
+def check_values(name: str, defaults: dict, config: dict, local: Path | None = None) -> int:
     """Compose the run's settings as the ServerApp does (pyproject.toml's defaults, then `config`,
     the keys given winning over the preset): exit status 2 with the app's own message for a bad value,
     0 when they compose, or when the app is not lordo-fed's or lordo_fed is not installed here (a
-    submit host needs Flower only)."""
+    submit host needs Flower only). With `local` (the app directory, whose ServerApp writes here): then
+    its output-dir and resume, exit status 2 with the ServerApp's refusal, 4 with its "nothing to do"."""
     if name != "lordo-fed":
         return 0
     try:
         from lordo_fed.app.config import load_app_config
+        from lordo_fed.checkpoint import CheckpointError
     except ImportError:
         return 0
     try:
-        load_app_config({**defaults, **config}, explicit=config)
+        cfg = load_app_config({**defaults, **config}, explicit=config)
     except ValueError as err:
         print(f"error: run-config: {err}", file=sys.stderr)
         return 2
+    if local is None:
+        return 0
+    sys.path.insert(0, str(local))  # the app's server package, as the ServerApp imports it
+    from server.records import preflight
+
+    try:
+        done = preflight(cfg, local)
+    except CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if done:
+        print(done)
+        return 4
     return 0
 
 

@@ -29,8 +29,10 @@ examples:
   $(basename "$0") "resume='outputs/flower/checkpoints'"   # continue a run (the same settings)
 
 One run per output directory: a new run into a directory that holds another run's checkpoints is
-refused (resume it, or give another output-dir). Exit status: 0 when the run finished, non-zero
-when it failed or was interrupted (then the round it reached and the resume command are printed).
+refused (resume it, or give another output-dir), before Flower starts, and so is a resume with other
+settings; a finished run resumed says "nothing to do". Exit status: 0 when the run finished (or had
+nothing to do), 2 when it was refused, other non-zero when it failed or was interrupted (then the
+round it reached and the resume command are printed).
 USAGE
 }
 
@@ -56,13 +58,18 @@ py="$(command -v python || command -v python3)"
 out="$("$py" "$HERE/run_config.py" get output-dir "$defaults" "${strings[@]}")" || exit 2
 [[ "$out" == /* ]] || out="$ROOT/$out"
 
+# The keys and values, then the output-dir and resume as the ServerApp checks them (it writes on this
+# machine): a refused run, or a finished one resumed, is told before Flower and Ray start.
+check=0; "$py" "$HERE/run_config.py" check --local "$ROOT" "$defaults" "${strings[@]}" || check=$?
+case "$check" in 0) ;; 4) exit 0 ;; *) exit 2 ;; esac
+
 run_configs=(--run-config "$defaults")
 for s in "${strings[@]}"; do run_configs+=(--run-config "$s"); done
 started="$(date +%s)"
 status=0; signal=""
 # In the background, so that a SIGINT/SIGTERM to this script alone reaches submit_run.sh, which
 # stops the run and everything it started (a background job starts with SIGINT ignored: TERM it).
-"$HERE/submit_run.sh" --connection local --stop-local-superlink \
+"$HERE/submit_run.sh" --connection local --stop-local-superlink --checked \
   --federation-config "num-supernodes=$clients client-resources-num-cpus=1" "${run_configs[@]}" &
 child=$!
 trap 'signal=INT; kill -TERM "$child" 2>/dev/null || true' INT

@@ -15,7 +15,7 @@ usage() {
 usage: $(basename "$0") [--superlink HOST:PORT] [--connection NAME] [--app DIR]
                      [--run-config 'k=v ...'] [--federation-config 'k=v ...']
                      [--root-certificates CA.pem] [--timeout SECONDS] [--dir DIR]
-                     [--stop-local-superlink]
+                     [--stop-local-superlink] [--checked]
                      [-- EXTRA flwr run ARGS]
 
   --superlink HOST:PORT   write connection NAME -> this SuperLink (its --port, default 8000) into
@@ -31,13 +31,14 @@ usage: $(basename "$0") [--superlink HOST:PORT] [--connection NAME] [--app DIR]
   --timeout SECONDS       stop waiting after this long; the run is then stopped (flwr stop)
   --dir DIR               where run logs and PID files go (default \$FLOWER_RUN_DIR or ./run/flower)
   --stop-local-superlink  stop the local simulation SuperLink (and its Ray) when the run ends
+  --checked               the run-config strings were checked already (scripts/simulate.sh): not again
 \$FLWR_HOME defaults to ~/.flwr (Flower's default).
 USAGE
   exit 2
 }
 
 superlink=""; connection=deployment; app=.; run_configs=(); run_strings=(); fed_configs=(); root_certs=""
-timeout_s=0; extra=(); stop_local=0
+timeout_s=0; extra=(); stop_local=0; checked=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --superlink) [[ $# -ge 2 && "$2" =~ ^[^[:space:]]+:[0-9]+$ ]] || usage; superlink="$2"; shift 2 ;;
@@ -49,6 +50,7 @@ while [[ $# -gt 0 ]]; do
     --timeout) [[ $# -ge 2 ]] && is_uint "$2" || usage; timeout_s="$2"; shift 2 ;;
     --dir) [[ $# -ge 2 ]] || usage; FLOWER_RUN_DIR="$2"; shift 2 ;;
     --stop-local-superlink) stop_local=1; shift ;;
+    --checked) checked=1; shift ;;
     --) shift; extra=("$@"); break ;;
     -h|--help) usage ;;
     *) echo "unknown argument: $1" >&2; usage ;;
@@ -60,7 +62,7 @@ flwr_bin="$(command -v flwr)"
 py="$(dirname "$flwr_bin")/python"; [[ -x "$py" ]] || py=python3
 flwr_home="${FLWR_HOME:-$HOME/.flwr}"
 # Unknown keys, named with the keys meant, before anything starts (a .toml file is Flower's to read).
-if (( ${#run_strings[@]} )) && [[ "${run_strings[0]}" != *.toml ]]; then
+if (( ! checked && ${#run_strings[@]} )) && [[ "${run_strings[0]}" != *.toml ]]; then
   "$py" "$HERE/run_config.py" check "$app" "${run_strings[@]}" || exit 2
 fi
 

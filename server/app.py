@@ -37,11 +37,9 @@ def main(grid: Grid, context: Context) -> None:
     cls = AsyncLoRDOStrategy if METHODS[cfg.variant].loop == "async" else LoRDOStrategy
     strategy = cls(cfg, explicit)
     recorder = strategy.recorder
-    if strategy.finished():
+    if recorder.finished():
         recorder.write_status("finished")
-        print(f"lordo-fed: the run in {strategy.out_dir} finished all {cfg.num_rounds} rounds already "
-              f"(round {recorder.last_round} checkpointed): nothing to do. To train longer, resume with a larger "
-              f"num-server-rounds.", flush=True)
+        print(recorder.nothing_to_do(), flush=True)
         return
     recorder.write_status("running")
     try:

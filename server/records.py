@@ -300,9 +300,21 @@ class Recorder:
         source = Path(path)
         if (source.is_dir() or source.name == "latest.json") and isinstance(meta.get("round"), int):
             source = (source if source.is_dir() else source.parent) / f"{checkpoint_stem(meta['round'])}.json"
-        check_compatible(meta, {"model_id": self.model_id, "config.model.preset": self.cfg.model.preset,
-                                "variant": self.cfg.variant}, source)
+        expected = {"model_id": self.model_id, "config.model.preset": self.cfg.model.preset, "variant": self.cfg.variant}
+        if not self.model_id:  # `preflight`, which builds no model: the preset and the method still tell a mismatch
+            del expected["model_id"]
+        check_compatible(meta, expected, source)
         return tensors, meta, source
+
+    def finished(self) -> bool:
+        """The run has checkpointed its last round already (a resumed run that is complete)."""
+        return self.last_round >= self.cfg.num_rounds
+
+    def nothing_to_do(self) -> str:
+        """What a complete run that was resumed says instead of training."""
+        return (f"lordo-fed: the run in {self.out_dir} finished all {self.cfg.num_rounds} rounds already "
+                f"(round {self.last_round} checkpointed): nothing to do. To train longer, resume with a larger "
+                f"num-server-rounds.")
 
     def warn_if_schedule_differs(self, meta: Mapping[str, Any]) -> None:
         """A warning when the resumed checkpoint's run had another num-server-rounds."""
@@ -312,6 +324,25 @@ class Recorder:
             # num-server-rounds continues fine but no longer matches an uninterrupted run.
             log.warning("the checkpoint's run had num-server-rounds=%s, this run has %d: the learning-rate "
                         "schedule differs from the original run's", saved_rounds, self.cfg.num_rounds)
+
+
+def preflight(cfg: AppConfig, base: Path) -> str | None:
+    """The ServerApp's checks of a run's output-dir and `resume` (`Recorder.claim_fresh`, `Recorder.load`,
+    `Recorder.adopt`), made before Flower starts, where the output-dir is on this machine
+    (scripts/simulate.sh): CheckpointError where the ServerApp would refuse the run, `nothing_to_do()`'s
+    message where it would not train, else None. Relative paths are taken from `base` (the app directory,
+    as simulate.sh takes them). Nothing is written."""
+    def here(path: str) -> Path:
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else base / p
+
+    recorder = Recorder(cfg, here(cfg.out_dir).resolve(), "")
+    if not cfg.resume:
+        recorder.claim_fresh()
+        return None
+    _, meta, source = recorder.load(str(here(cfg.resume)))
+    recorder.adopt(meta, source)
+    return recorder.nothing_to_do() if recorder.finished() else None
 
 
 def settings_differ(saved: Mapping[str, Any], now: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:

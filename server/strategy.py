@@ -365,7 +365,3 @@ class LoRDOStrategy(Strategy):
         self.resumed_tensors = {k: v for k, v in tensors.items() if k.startswith("async_acc/")}
         log.info("resumed from %s at round %d", source, self.aggregator.round)
         self.recorder.warn_if_schedule_differs(meta)
-
-    def finished(self) -> bool:
-        """The run has checkpointed its last round already (a resumed run that is complete)."""
-        return self.recorder.last_round >= self.cfg.num_rounds

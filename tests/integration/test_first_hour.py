@@ -1,6 +1,7 @@
 """A new user's first hour with the main job's script, on real Flower (the simulation engine):
 scripts/simulate.sh takes any run-config key and prints a resume line that works as printed, one
-run per output directory, a finished run resumed says "nothing to do", an interrupted run exits
+run per output directory, a finished run resumed says "nothing to do" (both told before Flower starts;
+the ServerApp's own refusals are tests/unit/test_run_identity.py's), an interrupted run exits
 non-zero naming its round and the resume command, the PID files exist while the run does, and a
 SIGTERM to the script's process group leaves nothing behind.
 
@@ -91,9 +92,11 @@ def test_overrides_reruns_and_resume_as_printed(user, tmp_path):
     assert meta["variant"] == "lordo_local" and meta["config"]["num_rounds"] == 2
     history = (out / "server.jsonl").read_bytes()
 
-    # a second run into the same output directory is refused, on the screen, and changes nothing
+    # a second run into the same output directory is refused, on the screen, and changes nothing; it is
+    # told before Flower starts (no run log: `flwr run` never ran), as the ServerApp would tell it
+    runs = sorted(p.name for p in Path(env["FLOWER_RUN_DIR"]).iterdir())
     again = simulate(app, env, "num-server-rounds=3", TINY, "rank=4")
-    assert again.returncode != 0
+    assert again.returncode == 2
     assert "already holds another run's checkpoints (round 2 of 2" in again.stdout, again.stdout[-4000:]
     assert f"resume='{out / 'checkpoints'}'" in again.stdout
     assert (out / "server.jsonl").read_bytes() == history
@@ -102,6 +105,7 @@ def test_overrides_reruns_and_resume_as_printed(user, tmp_path):
     done = simulate(app, env, *printed_resume(first.stdout))
     assert done.returncode == 0 and "finished all 2 rounds already" in done.stdout and "nothing to do" in done.stdout
     assert (out / "server.jsonl").read_bytes() == history
+    assert sorted(p.name for p in Path(env["FLOWER_RUN_DIR"]).iterdir()) == runs
 
     # a misspelt key is named on the screen, with the key meant, and nothing starts
     typo = simulate(app, env, "num-server-round=2")

@@ -305,7 +305,9 @@ def test_server_killed_after_round_2_resumes_to_the_uninterrupted_state(tmp_path
 def test_bad_resume_is_refused_before_round_1_and_loses_nothing(tmp_path, uninterrupted, deployment):
     """Resuming from a checkpoint of another model preset, of another method, or from a corrupt
     file: the ServerApp fails before round 1 naming the round file and the mismatch; the output
-    directory it shares with that checkpoint (checkpoints, metrics, client state) is unchanged."""
+    directory it shares with that checkpoint (checkpoints, metrics, client state) is unchanged. So
+    does a new run into that output directory (scripts/simulate.sh tells it before Flower starts;
+    `flwr run` itself reaches the ServerApp)."""
     out = tmp_path / "out"
     shutil.copytree(uninterrupted(), out)
     ckpt = out / "checkpoints"
@@ -314,6 +316,7 @@ def test_bad_resume_is_refused_before_round_1_and_loses_nothing(tmp_path, uninte
     # ('16m', not 'small': a run-config value equal to its pyproject.toml default does not
     # override the preset's, and the quickstart preset's model is 'tiny'.)
     cases = [
+        ("a new run", {}, "", [f"output-dir {out} already holds another run's checkpoints (round {ROUNDS} of {ROUNDS}"]),
         ("another model preset", {"model-preset": "16m"}, str(ckpt),
          [foreign + "model_id is '", "config.model.preset is 'tiny' in the checkpoint, expected '16m'"]),
         ("another method", {"variant": "diloco"}, str(ckpt),
@@ -337,7 +340,7 @@ def test_bad_resume_is_refused_before_round_1_and_loses_nothing(tmp_path, uninte
             assert text in result.stdout, f"{label}: {text!r} not in the output:\n{result.stdout[-3000:]}"
         assert "round 1:" not in result.stdout and "resumed from" not in result.stdout
         assert snapshot(out) == before, f"{label}: the output directory changed"
-        print(f"[reliability] resume from {label}: refused in {time.monotonic() - started:.1f} s")
+        print(f"[reliability] {label}: refused in {time.monotonic() - started:.1f} s")
 
 
 # ---------------------------------------------------------------------------------------------

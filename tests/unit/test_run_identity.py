@@ -14,7 +14,7 @@ import torch
 
 from lordo_fed.app.config import flat_defaults, load_app_config
 from lordo_fed.checkpoint import RUN_KEY, CheckpointError, describe_directory, load_checkpoint, save_checkpoint
-from server.records import Recorder, settings_differ
+from server.records import Recorder, preflight, settings_differ
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -139,3 +139,50 @@ def test_the_scripts_check_another_apps_keys_only(tmp_path):
                                              'num-server-rounds = 1\nrank = "x"\n')
     assert run_config.main(["check", str(tmp_path), "num-server-rounds=2 rank=-1"]) == 0
     assert run_config.main(["check", str(tmp_path), "ranks=1"]) == 2
+
+
+def tree(directory: Path) -> dict[str, int]:
+    """Every file under `directory`, with its modification time (ns): what a check must leave alone."""
+    return {str(p.relative_to(directory)): p.stat().st_mtime_ns for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_preflight_tells_what_the_serverapp_would_and_writes_nothing(tmp_path, capsys):
+    """scripts/simulate.sh checks the output-dir and resume before Flower starts (`run_config.py check --local`):
+    each refusal the ServerApp would make, and a finished run resumed, are told by `preflight` the same way."""
+    out = tmp_path / "out"
+    first = recorder(out, **{"num-server-rounds": 2})
+    first.claim_fresh()
+    first.save(1, {"param/w": torch.zeros(2)}, 10, 100)
+    first.save(2, {"param/w": torch.ones(2)}, 20, 200)
+    before = tree(tmp_path)
+    ckpt = out / "checkpoints"
+    cfg = lambda **kw: load_app_config({**flat_defaults(), "output-dir": str(out), "num-server-rounds": 2, **kw})
+    with pytest.raises(CheckpointError, match=r"output-dir .*out already holds another run's checkpoints \(round 2 of 2"):
+        preflight(cfg(), tmp_path)
+    with pytest.raises(CheckpointError, match="already holds another run's checkpoints"):  # relative: from the app dir
+        preflight(cfg(**{"output-dir": "out"}), tmp_path)
+    assert preflight(cfg(**{"output-dir": "elsewhere"}), tmp_path) is None
+    done = preflight(cfg(resume=str(ckpt)), tmp_path)
+    assert done == f"lordo-fed: the run in {out} finished all 2 rounds already (round 2 checkpointed): nothing to do. " \
+                  "To train longer, resume with a larger num-server-rounds."
+    assert preflight(cfg(resume="out/checkpoints", **{"num-server-rounds": 3}), tmp_path) is None  # more rounds: trains
+    with pytest.raises(CheckpointError, match=r"other settings: inner.rank is 8 there, 16 now"):
+        preflight(cfg(resume=str(ckpt), rank=16), tmp_path)
+    with pytest.raises(CheckpointError, match=r"variant"):  # another method's checkpoint
+        preflight(cfg(resume=str(ckpt), variant="lordo_local"), tmp_path)
+    with pytest.raises(CheckpointError, match="nowhere"):
+        preflight(cfg(resume=str(tmp_path / "nowhere")), tmp_path)
+    assert tree(tmp_path) == before
+
+    # the scripts' exit status: 2 refused (the ServerApp's message), 4 nothing to do, 0 go
+    spec = importlib.util.spec_from_file_location("run_config", ROOT / "scripts" / "run_config.py")
+    run_config = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_config)
+    capsys.readouterr()
+    assert run_config.main(["check", "--local", str(ROOT), f"output-dir='{out}' num-server-rounds=2"]) == 2
+    assert "error: output-dir" in capsys.readouterr().err
+    assert run_config.main(["check", "--local", str(ROOT), f"num-server-rounds=2 resume='{ckpt}'"]) == 4
+    assert "nothing to do" in capsys.readouterr().out
+    assert run_config.main(["check", str(ROOT), f"output-dir='{out}' num-server-rounds=2"]) == 0  # without --local
+    assert run_config.main(["check", "--local", str(ROOT), f"output-dir='{tmp_path / 'new'}'"]) == 0
+    assert tree(tmp_path) == before
