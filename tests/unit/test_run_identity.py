@@ -181,7 +181,7 @@ def test_preflight_tells_what_the_serverapp_would_and_writes_nothing(tmp_path, c
     capsys.readouterr()
     assert run_config.main(["check", "--local", str(ROOT), f"output-dir='{out}' num-server-rounds=2"]) == 2
     assert "error: output-dir" in capsys.readouterr().err
-    assert run_config.main(["check", "--local", str(ROOT), f"num-server-rounds=2 resume='{ckpt}'"]) == 4
+    assert run_config.main(["check", "--local", str(ROOT), f"output-dir='{out}' num-server-rounds=2 resume='{ckpt}'"]) == 4
     assert "nothing to do" in capsys.readouterr().out
     assert run_config.main(["check", str(ROOT), f"output-dir='{out}' num-server-rounds=2"]) == 0  # without --local
     assert run_config.main(["check", "--local", str(ROOT), f"output-dir='{tmp_path / 'new'}'"]) == 0
