@@ -177,6 +177,7 @@ def test_server_killed_mid_run_resumes_to_the_uninterrupted_state(tmp_path):
     print(f"async kill after record {killed_at}, resumed: max |Δ| against the uninterrupted run = {worst:.3g}")
 
 
+@pytest.mark.extended  # the CI lane runs the asynchronous deployment above; the speed matching: tests/unit/test_async_rounds.py
 def test_deployment_with_a_slowed_node(tmp_path):
     """A real SuperLink and two SuperNodes, each served by a node worker, node 2 slowed (node config
     `slowdown=3`): each node runs one session on the gRPC data plane (one Flower message each,

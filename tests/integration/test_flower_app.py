@@ -75,8 +75,8 @@ EXTENDED = pytest.mark.extended  # in the extended lane: the CI lane runs the ot
                                            pytest.param("desloc", {"local-steps-ramp": "1,2"}, marks=EXTENDED),
                                            pytest.param("lordo_local", {"late-local-steps": 1, "late-from-step": 3,
                                                                         "outer-late-lr": 1.5}, marks=EXTENDED),
-                                           ("lordo_global", {"preset": "lordo-sparse", "model-preset": "tiny",
-                                                             "rank": 4}),
+                                           pytest.param("lordo_global", {"preset": "lordo-sparse", "model-preset": "tiny",
+                                                                         "rank": 4}, marks=EXTENDED),
                                            ("diloco", {"preset": "diloco-sparse", "payload-dtype": "topk2bit-relay"})])
 def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     """Baselines run through the same app by config: DiLoCo (AdamW, Nesterov outer, no state

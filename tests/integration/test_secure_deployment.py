@@ -151,6 +151,7 @@ def free_port_pair() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
+@pytest.mark.extended  # the scripts' path of the TLS deployment the CI lane runs above
 def test_scripts_secure_mode(tmp_path):
     certs = tmp_path / "certs"
     generate_certs(certs, nodes=3)

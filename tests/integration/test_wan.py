@@ -228,6 +228,7 @@ def test_a_deployment_over_shaped_links_is_link_bound_and_exact(tmp_path):
 
 @needs_netns
 @pytest.mark.slow
+@pytest.mark.extended  # the CI lane runs the emulator's deployment above and its cleanup after a finished run
 def test_ctrl_c_and_a_failed_run_leave_nothing_behind(tmp_path):
     before = set(stale_namespaces())
     # Ctrl-C once the nodes are up and the run was submitted.
