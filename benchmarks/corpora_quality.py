@@ -187,6 +187,8 @@ EXCHANGES: list[tuple[str, Trial]] = [
     derived("lordo_local", "k4-int8", "rounds.local_steps=4", "payload_dtype=int8"),
     derived("lordo_local", "k8-int8-b0.9", "rounds.local_steps=8", "payload_dtype=int8", "inner.switch_betas=[0.9,0.999]"),
     derived("lordo_local", "k32-b0.9", "inner.switch_betas=[0.9,0.999]"),
+    derived("lordo_global", "k8-int8-switch-b0.9", "rounds.local_steps=8", "payload_dtype=int8",
+            "inner.switch_step={half}", "inner.switch_betas=[0.9,0.999]"),
 ]
 """`--part exchanges`: the early-round gap against the bytes it is allowed, at today's defaults. Section 16
 closed it with more exchanges (K = 8: 4x the bytes); the int8 payload (within 1% of fp32, section 12)
@@ -202,7 +204,9 @@ last two are K = 4 with int8 (about twice K = 32's bytes): whether more exchange
 where K = 8 with int8 leaves it above 3% (docs/results.md, section 17, part eleven). The next is LoRDO-Local's
 K = 8 with int8 keeping β1 = 0.9 after its two-phase switch (the authors' switch sets β = (0.999, 0.999): a first
 moment that averages ~1,000 steps: with it LoRDO-Local gains least in WSD's decay; docs/results.md, section 17,
-part twelve); the last, the same at the default's K = 32 in fp32 (`k32-b0.9`)."""
+part twelve); the next, the same at the default's K = 32 in fp32 (`k32-b0.9`); the last, LoRDO-Global's K = 8 with
+int8 given LoRDO-Local's two-phase switch at half the run with β1 0.9 after it (its best trial has no switch: whether
+the switch's halved lr and fresh moments help it in the decay as they help LoRDO-Local)."""
 
 def horizon_overrides(rounds: int, quick: bool) -> tuple[str, ...]:
     """`rounds` rounds of small_cpu's K = 32, eight evaluations (quick: rounds of QUICK_OVERRIDES' K = 4)."""
