@@ -51,7 +51,7 @@ part ten; the CPU ran seed 0): its second seed at both horizons on the GPU is
 --seeds 1'` (another Python gives other text: the result records its sha256). Since (2026-12-01): the CPU ran
 code-large's second seed at 64 rounds with spread validation windows, and LoRDO-Local's `k8-int8-b0.9` probe (β1 0.9
 after its switch; section 17, part twelve). Since (2026-12-02): the CPU ran that probe on the shipped corpora's
-two seeds at 16 rounds and on prose seed 0 at 64 (part thirteen). Next on the GPU: the rest of 64 rounds,
+two seeds at 16 rounds and on prose seed 0 at 64 (part thirteen). Since (2026-12-02, later): verse at 64 rounds, both seeds (part fourteen). Next on the GPU: the rest of 64 rounds,
 `--only corpora --corpora-args '--part exchanges --methods lordo_local --probes k8-int8,k8-int8-b0.9 --horizons 64'`.
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
