@@ -189,6 +189,10 @@ EXCHANGES: list[tuple[str, Trial]] = [
     derived("lordo_local", "k32-b0.9", "inner.switch_betas=[0.9,0.999]"),
     derived("lordo_global", "k8-int8-switch-b0.9", "rounds.local_steps=8", "payload_dtype=int8",
             "inner.switch_step={half}", "inner.switch_betas=[0.9,0.999]"),
+    derived("lordo_global", "k4", "rounds.local_steps=4"),
+    derived("lordo_global", "k4-int8-m8", "rounds.local_steps=4", "payload_dtype=int8", "rounds.sync_exp_avg_every=8",
+            "rounds.sync_exp_avg_sq_every=8"),
+    derived("lordo_global", "k4-int8-v8", "rounds.local_steps=4", "payload_dtype=int8", "rounds.sync_exp_avg_sq_every=8"),
 ]
 """`--part exchanges`: the early-round gap against the bytes it is allowed, at today's defaults. Section 16
 closed it with more exchanges (K = 8: 4x the bytes); the int8 payload (within 1% of fp32, section 12)
@@ -206,7 +210,10 @@ K = 8 with int8 keeping β1 = 0.9 after its two-phase switch (the authors' switc
 moment that averages ~1,000 steps: with it LoRDO-Local gains least in WSD's decay; docs/results.md, section 17,
 part twelve); the next, the same at the default's K = 32 in fp32 (`k32-b0.9`); the last, LoRDO-Global's K = 8 with
 int8 given LoRDO-Local's two-phase switch at half the run with β1 0.9 after it (its best trial has no switch: whether
-the switch's halved lr and fresh moments help it in the decay as they help LoRDO-Local)."""
+the switch's halved lr and fresh moments help it in the decay as they help LoRDO-Local). The last three ask what
+int8 costs LoRDO-Global at K = 4 (docs/results.md, section 17, part fifteen): K = 4 in fp32, and K = 4 with int8
+with both moments, or the second alone, averaged every 8 rounds (32 steps, as at K = 32) instead of every round:
+whether the cost is the moments' int8, quantised again at every exchange without error feedback."""
 
 def horizon_overrides(rounds: int, quick: bool) -> tuple[str, ...]:
     """`rounds` rounds of small_cpu's K = 32, eight evaluations (quick: rounds of QUICK_OVERRIDES' K = 4)."""
