@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 from lordo_fed.config import section, setting
 from lordo_fed.data import DataConfig
@@ -25,6 +25,9 @@ SPARSE_MEANS = ("all", "contributors")
 """`RoundConfig.sparse_mean`: how a top-k Δ is averaged."""
 BASES_FROM = ("server", "downlink")
 """`RoundConfig.bases_from`: who fits LoRDO-Global's shared bases."""
+EVERY_ROUND = (1, 1)
+"""(K_u, K_v) of a method that has no periods of its own (LoRDO-Global, as the paper: both moments averaged
+at every round's end); what `RoundConfig`'s None periods mean."""
 
 
 @dataclass
@@ -33,10 +36,10 @@ class RoundConfig:
 
     local_steps: int = setting("local-steps", 32)
     """K: local optimizer steps per round."""
-    sync_exp_avg_every: int = 1
-    """K_u: rounds between first-moment averages (0 = never: the moments stay local)."""
-    sync_exp_avg_sq_every: int = 1
-    """K_v: rounds between second-moment averages (0 = never)."""
+    sync_exp_avg_every: Optional[int] = setting("sync-exp-avg-every", None)
+    """K_u: rounds between first-moment averages (0 = never: the moments stay local; None = the method's own)."""
+    sync_exp_avg_sq_every: Optional[int] = setting("sync-exp-avg-sq-every", None)
+    """K_v: rounds between second-moment averages (0 = never; None = the method's own)."""
     dense_sync_factor: int = setting("dense-sync-factor", 1)
     """F: moments of parameters that are not low-rank (embeddings, norms; every AdamW parameter) are
     averaged every F·K_u and F·K_v rounds (1 = with the rest, the paper; 0 = never)."""
@@ -95,7 +98,9 @@ class RoundConfig:
                              "the global step the short rounds start at (> 0; for K throughout late_local_steps=0)")
         for name in ("sync_exp_avg_every", "sync_exp_avg_sq_every", "dense_sync_factor"):
             value = getattr(self, name)
-            if value < 0:
+            if value is None and name != "dense_sync_factor":
+                continue  # the method's own periods (`methods.resolve_method`)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"rounds.{name}={value!r}: expected an integer >= 0 (0 = never)")
         beta = self.wire_ef_decay
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
@@ -176,7 +181,9 @@ class RoundConfig:
         """Rounds between averages of each moment kind (0 = never) for a low-rank parameter, or
         for one that is not (DES-LOC's periods times `dense_sync_factor`)."""
         factor = 1 if low_rank else self.dense_sync_factor
-        return {"exp_avg": self.sync_exp_avg_every * factor, "exp_avg_sq": self.sync_exp_avg_sq_every * factor}
+        u = EVERY_ROUND[0] if self.sync_exp_avg_every is None else self.sync_exp_avg_every
+        v = EVERY_ROUND[1] if self.sync_exp_avg_sq_every is None else self.sync_exp_avg_sq_every
+        return {"exp_avg": u * factor, "exp_avg_sq": v * factor}
 
     def due(self, round_idx: int, low_rank: bool = True) -> tuple[str, ...]:
         """States averaged at the end of 1-based round `round_idx`, for a low-rank parameter or

@@ -36,7 +36,7 @@ from lordo_fed.model import lowrank_parameter_names
 from lordo_fed.optim.config import InnerConfig, build_inner_optimizer, resolved_proj_method
 from lordo_fed.rounds.outer import OuterConfig, build_outer_optimizer
 from lordo_fed.optim.projection import get_projection_method
-from lordo_fed.rounds.config import RoundConfig
+from lordo_fed.rounds.config import EVERY_ROUND, RoundConfig
 from lordo_fed.wire.payload import FP32, Payload
 from lordo_fed.rounds.ranks import NodeRanks
 from lordo_fed.rounds.worker import Worker
@@ -51,7 +51,7 @@ class MethodSpec:
     inner: dict = field(default_factory=dict)
     """Overrides of InnerConfig."""
     sync: tuple[int, int] | None = None
-    """(K_u, K_v) moment-sync periods; None keeps the RoundConfig's."""
+    """(K_u, K_v): the method's own moment-sync periods, used where the run sets none (None: `EVERY_ROUND`)."""
     diloco_outer: bool = False
     """Use the `diloco_outer` settings (Nesterov) instead of `outer`."""
     async_rule: AsyncRule | None = None
@@ -108,6 +108,20 @@ class MethodSettings:
     async_rule: AsyncRule | None = None
 
 
+def _sync_periods(name: str, spec: MethodSpec, rounds: RoundConfig) -> dict[str, int]:
+    """The moment-sync periods (K_u, K_v) method `name` runs: those the run sets, else the method's own
+    (`MethodSpec.sync`; `EVERY_ROUND` for one without). A method whose moments stay on each worker
+    (DiLoCo, LoRDO-Local: bases that differ between workers; the asynchronous AdamW methods) refuses
+    periods other than 0 rather than drop them."""
+    own = spec.sync if spec.sync is not None else EVERY_ROUND
+    given = {"sync_exp_avg_every": rounds.sync_exp_avg_every, "sync_exp_avg_sq_every": rounds.sync_exp_avg_sq_every}
+    for key, value in given.items():
+        if spec.sync == (0, 0) and value:
+            raise ValueError(f"rounds.{key}={value!r} with method {name!r}: its moments stay on each worker (0 = "
+                             "never averaged); expected 0 or unset (averaged moments: lordo_global, local_adam, desloc)")
+    return {key: mine if value is None else value for (key, value), mine in zip(given.items(), own)}
+
+
 def resolve_method(name: str, inner: InnerConfig, rounds: RoundConfig, outer: OuterConfig,
                    diloco_outer: OuterConfig | None = None) -> MethodSettings:
     """Apply method `name`'s overrides to the shared settings and validate the result."""
@@ -116,9 +130,7 @@ def resolve_method(name: str, inner: InnerConfig, rounds: RoundConfig, outer: Ou
     spec = METHODS[name]
     own = {k: v for k, v in METHOD_DEFAULTS[name].items() if getattr(inner, k) is None}
     inner = dataclasses.replace(inner, **own, **spec.inner).validate()
-    if spec.sync is not None:
-        rounds = dataclasses.replace(rounds, sync_exp_avg_every=spec.sync[0], sync_exp_avg_sq_every=spec.sync[1])
-    rounds.validate()
+    rounds = dataclasses.replace(rounds, **_sync_periods(name, spec, rounds.validate())).validate()
     if rounds.sync_ef and inner.name == "lordo" and inner.error_feedback and inner.ef_density < 1.0:
         raise ValueError(f"rounds.sync_ef=True with inner.ef_density={inner.ef_density!r}: averaging E across "
                          "workers needs the whole buffer; expected ef_density=1.0 or sync_ef=False")

@@ -105,3 +105,33 @@ def test_lr_and_ef_decay_left_empty_take_each_methods_own(monkeypatch):
     assert resolved({**base, "preset": "paper-16m", "variant": "lordo_local", "lr": ""}, explicit=("lr",)).lr == 1e-3
     with pytest.raises(ValueError, match=r"run-config key 'lr'='fast': expected a number or '' for the method's own"):
         load_app_config({**base, "lr": "fast"})
+
+
+def test_moment_sync_periods_left_empty_take_each_methods_own():
+    """'' leaves K_u and K_v to the method (LoRDO-Global every round, DES-LOC 3 and 6); a value the run sets
+    wins, for DES-LOC's periods as for LoRDO-Global's; a preset's periods stand unless the run sets the key.
+    What the rounds then average: part fifteen's setting (docs/results.md, section 17) both moments every 8th."""
+    from lordo_fed.rounds import methods
+
+    base = pyproject_config()
+
+    def resolved(run_config):
+        cfg = load_app_config(run_config)
+        return methods.resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer).rounds
+
+    def periods(rounds):
+        return rounds.sync_exp_avg_every, rounds.sync_exp_avg_sq_every
+
+    assert load_app_config(base).rounds.sync_exp_avg_every is None
+    assert periods(resolved(base)) == (1, 1)
+    assert periods(resolved({**base, "variant": "desloc"})) == (3, 6)
+    assert periods(resolved({**base, "variant": "desloc", "sync-exp-avg-every": 2})) == (2, 6)
+    assert periods(resolved({**base, "variant": "lordo_local"})) == (0, 0)
+    assert periods(resolved({**base, "preset": "lordo-sparse"})) == (0, 0)
+    with pytest.raises(ValueError, match=r"bases_from='downlink' with averaged states \(sync_exp_avg_every=0, "
+                                         r"sync_exp_avg_sq_every=4"):  # the preset's own bases need local moments
+        load_app_config({**base, "preset": "lordo-sparse", "sync-exp-avg-sq-every": 4})
+    every8 = resolved({**base, "sync-exp-avg-every": 8, "sync-exp-avg-sq-every": 8})
+    assert periods(every8) == (8, 8)
+    assert [r for r in range(1, 25) if every8.due(r)] == [8, 16, 24]
+    assert every8.due(16) == ("exp_avg", "exp_avg_sq")

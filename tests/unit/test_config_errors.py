@@ -40,6 +40,8 @@ RUN_CONFIG_CASES = [
                             "expected the global step the short rounds start at"),
     ("late-local-steps", -8, "run-config key 'late-local-steps': rounds.late_local_steps=-8: expected an integer >= 0"),
     ("late-from-step", -1, "run-config key 'late-from-step': rounds.late_from_step=-1: expected an integer >= 0"),
+    ("sync-exp-avg-every", -1, "run-config key 'sync-exp-avg-every': rounds.sync_exp_avg_every=-1: expected an integer >= 0 (0 = never)"),
+    ("sync-exp-avg-sq-every", 2.5, "run-config key 'sync-exp-avg-sq-every'=2.5: expected a number (an integer) or '' for the method's own"),
     ("dense-sync-factor", -1, "run-config key 'dense-sync-factor': rounds.dense_sync_factor=-1: expected an integer >= 0 (0 = never)"),
     ("rank", -1, "run-config key 'rank': inner.rank=-1: expected an integer > 0"),
     ("rank", 8.5, "run-config key 'rank'=8.5: expected a number (an integer) like the default 8"),
@@ -172,6 +174,14 @@ def test_a_relay_needs_synchronous_rounds_and_the_plain_average(extra, message):
     assert load_app_config({**pyproject_config(), "payload-dtype": "topk2bit-relay"}).payload_dtype == "topk2bit-relay"
 
 
+@pytest.mark.parametrize("variant", ["lordo_local", "diloco", "heloco"])
+def test_moment_sync_periods_are_refused_where_the_moments_stay_on_each_worker(variant):
+    raises_with({**pyproject_config(), "variant": variant, "sync-exp-avg-sq-every": 8},
+                f"run-config key 'sync-exp-avg-sq-every': rounds.sync_exp_avg_sq_every=8 with method {variant!r}: its "
+                "moments stay on each worker (0 = never averaged); expected 0 or unset")
+    load_app_config({**pyproject_config(), "variant": variant, "sync-exp-avg-sq-every": 0})  # 0 is what it runs
+
+
 def test_the_late_outer_lr_needs_rounds_to_be_late_in():
     """`outer-late-lr` with `late-from-step`: accepted for a synchronous variant; an asynchronous method,
     which steps once per arrival, refuses a late lr of its own outer step (`diloco_outer`)."""
@@ -217,8 +227,8 @@ PRESET_CASES = [
     ("inner.schedule", "linear", "inner.schedule='linear': expected one of ('wsd', 'cosine', 'constant')"),
     ("inner.decay_fraction", 1.5, "inner.decay_fraction=1.5: expected a number in [0, 1]"),
     ("inner.min_lr_ratio", -0.1, "inner.min_lr_ratio=-0.1: expected a number in [0, 1]"),
-    ("rounds.sync_exp_avg_every", -1, "rounds.sync_exp_avg_every=-1: expected an integer >= 0 (0 = never)"),
-    ("rounds.sync_exp_avg_sq_every", -2, "rounds.sync_exp_avg_sq_every=-2: expected an integer >= 0 (0 = never)"),
+    ("rounds.sync_exp_avg_every", -1, "run-config key 'sync-exp-avg-every': rounds.sync_exp_avg_every=-1: expected an integer >= 0 (0 = never)"),
+    ("rounds.sync_exp_avg_sq_every", -2, "run-config key 'sync-exp-avg-sq-every': rounds.sync_exp_avg_sq_every=-2: expected an integer >= 0 (0 = never)"),
     ("outer.beta", 1.5, "outer.beta=1.5: must be a number in [0, 1]"),
     ("outer.nu", -0.1, "outer.nu=-0.1: must be a number in [0, 1]"),
     ("outer.momentum", 2.0, "outer.momentum=2.0: must be a number in [0, 1]"),

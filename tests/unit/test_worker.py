@@ -54,13 +54,15 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
     return build_model(ModelConfig(preset="tiny"), VOCAB)
 
 
-def settings(method: str = "lordo_global", sync: tuple[int, int] = (1, 2), k: int = K):
+def settings(method: str = "lordo_global", sync: tuple[int, int] | None = (1, 2), k: int = K):
+    """`method`'s settings with moment-sync periods `sync` (None: the method's own, `MethodSpec.sync`)."""
     inner = InnerConfig(rank=RANK)
-    rounds = RoundConfig(local_steps=k, sync_exp_avg_every=sync[0], sync_exp_avg_sq_every=sync[1])
+    rounds = RoundConfig(local_steps=k, **({} if sync is None else dict(sync_exp_avg_every=sync[0],
+                                                                         sync_exp_avg_sq_every=sync[1])))
     return resolve_method(method, inner, rounds, OuterConfig())
 
 
-def setup(method: str = "lordo_global", sync: tuple[int, int] = (1, 2), model_seed: int = 0, k: int = K):
+def setup(method: str = "lordo_global", sync: tuple[int, int] | None = (1, 2), model_seed: int = 0, k: int = K):
     """(worker, aggregator) as the reference trainer builds them."""
     s = settings(method, sync, k)
     model = tiny_model(model_seed)
@@ -75,7 +77,7 @@ def setup(method: str = "lordo_global", sync: tuple[int, int] = (1, 2), model_se
     return worker, aggregator
 
 
-def fresh_worker(method: str = "lordo_global", sync: tuple[int, int] = (1, 2), model_seed: int = 1, worker_id=0,
+def fresh_worker(method: str = "lordo_global", sync: tuple[int, int] | None = (1, 2), model_seed: int = 1, worker_id=0,
                  k: int = K):
     """Another worker with its own (differently initialised) model and a new optimizer."""
     s = settings(method, sync, k)
@@ -96,7 +98,7 @@ def snapshot(state: GlobalState) -> GlobalState:
 
 @pytest.mark.parametrize("method", ["lordo_global", "local_adam"])
 def test_train_round_returns_the_pseudo_gradient(method):
-    worker, agg = setup(method)
+    worker, agg = setup(method, sync=(1, 2) if method == "lordo_global" else None)
     state = snapshot(agg.global_state())
     names = [n for n, _ in worker.model.named_parameters()]
     update = worker.train_round(state)
@@ -257,7 +259,7 @@ def test_two_phase_switch_inside_a_round():
 
 
 def test_no_moments_when_never_due():
-    worker, agg = setup("diloco")
+    worker, agg = setup("diloco", sync=None)
     u = worker.train_round(agg.global_state())
     assert u.moments == {}
     assert not isinstance(worker.optimizer, LoRDO)
@@ -338,7 +340,7 @@ def test_local_moments_are_rotated_before_the_averaged_ones_are_loaded():
 
 
 def test_projections_need_a_lordo_optimizer():
-    worker, agg = setup("local_adam")
+    worker, agg = setup("local_adam", sync=None)
     state = GlobalState(round=1, params=agg.params, projections={WQ: torch.eye(4, 64)})
     with pytest.raises(ValueError, match="not LoRDO"):
         worker.load_global_state(state)
@@ -363,12 +365,13 @@ def test_late_joiner_adopts_the_shared_step_count():
 def test_late_joiner_with_only_the_first_moment_due_starts_afresh(method, rounds_before):
     # lordo_global with periods (1, 2): round 2's state has exp_avg only;
     # desloc (AdamW, periods (3, 6)): round 4's state has exp_avg only
-    worker, agg = setup(method, sync=(1, 2))
+    sync = (1, 2) if method == "lordo_global" else None
+    worker, agg = setup(method, sync=sync)
     for _ in range(rounds_before):
         agg.aggregate([worker.train_round(agg.global_state())])
     state = snapshot(agg.global_state())
     assert {k.split("/")[0] for k in state.moments} == {"exp_avg"}
-    late = fresh_worker(method, sync=(1, 2))
+    late = fresh_worker(method, sync=sync)
     update = late.train_round(state)
     assert update.opt_step == K  # u, v and the step count started at zero, as a new optimizer's
     for key, value in update.moments.items():
@@ -389,23 +392,24 @@ def test_late_joiners_update_is_the_size_of_an_established_workers(method):
     the size of any Adam's first step (all coordinates near ±lr: ~5x an established worker's on
     this tiny model), and its whole round is bit for bit a new optimizer's."""
     k = 8
-    worker, agg = setup(method, sync=(1, 2), k=k)  # desloc keeps its own periods (3, 6)
+    sync = (1, 2) if method == "lordo_global" else None  # desloc: its own periods (3, 6)
+    worker, agg = setup(method, sync=sync, k=k)
     for _ in range(9):
         agg.aggregate([worker.train_round(agg.global_state())])
     state = snapshot(agg.global_state())
     assert {key.split("/")[0] for key in state.moments} == {"exp_avg"} and state.opt_step == 9 * k
     blank_state = dataclasses.replace(snapshot(state), moments={}, opt_step=0)  # what a new optimizer knows
     first_step = {}
-    for name, w, st in (("established", worker, state), ("joiner", fresh_worker(method, sync=(1, 2), k=k), state),
-                        ("new optimizer", fresh_worker(method, sync=(1, 2), k=k), blank_state)):
+    for name, w, st in (("established", worker, state), ("joiner", fresh_worker(method, sync=sync, k=k), state),
+                        ("new optimizer", fresh_worker(method, sync=sync, k=k), blank_state)):
         w.load_global_state(snapshot(st))
         before = {n: p.detach().clone() for n, p in w.params.items()}
         w.local_steps(9 * k, 1)
         first_step[name] = _norm({n: before[n] - p.detach() for n, p in w.params.items()})
     assert first_step["joiner"] <= first_step["new optimizer"] * (1 + 1e-6), first_step
     assert first_step["joiner"] < 10 * first_step["established"], first_step
-    joined = fresh_worker(method, sync=(1, 2), k=k).train_round(snapshot(state))
-    blank = fresh_worker(method, sync=(1, 2), k=k).train_round(blank_state)
+    joined = fresh_worker(method, sync=sync, k=k).train_round(snapshot(state))
+    blank = fresh_worker(method, sync=sync, k=k).train_round(blank_state)
     for n in joined.delta:
         assert torch.equal(joined.delta[n], blank.delta[n]), n
 
@@ -414,7 +418,7 @@ def test_a_skipped_round_leaves_step_counts_and_moments_consistent():
     """After a round the server skipped (fewer replies than min_clients) the worker is re-sent the
     same state: its step count must come back to the state's, and the moments it keeps must be
     rescaled so their bias-corrected values (what the step uses) do not change."""
-    worker, agg = setup("desloc", sync=(1, 2))
+    worker, agg = setup("desloc", sync=None)  # its own periods (3, 6)
     for _ in range(3):
         agg.aggregate([worker.train_round(agg.global_state())])
     state = snapshot(agg.global_state())
@@ -494,12 +498,12 @@ def test_restored_worker_continues_bit_identically():
 
 
 def test_restored_adamw_worker_continues_bit_identically():
-    original, agg = setup("desloc")
+    original, agg = setup("desloc", sync=None)
     agg.aggregate([original.train_round(agg.global_state())])
     buf = io.BytesIO()
     torch.save(original.state_dict(), buf)
     buf.seek(0)
-    restored = fresh_worker("desloc", model_seed=1)
+    restored = fresh_worker("desloc", sync=None, model_seed=1)
     restored.load_state_dict(torch.load(buf, weights_only=True))
     state = snapshot(agg.global_state())
     _assert_same_update(original.train_round(state), restored.train_round(state))
