@@ -72,7 +72,8 @@ EXTENDED = pytest.mark.extended  # in the extended lane: the CI lane runs the ot
 @pytest.mark.parametrize("variant,extra", [("lordo_global", {"dense-sync-factor": 2, "overlap-delay": 2}),
                                            pytest.param("lordo_global", EF_OPTIONS, marks=EXTENDED),
                                            pytest.param("diloco", SPARSELOCO, marks=EXTENDED),
-                                           pytest.param("desloc", {"local-steps-ramp": "1,2"}, marks=EXTENDED),
+                                           pytest.param("desloc", {"local-steps-ramp": "1,2", "sync-exp-avg-every": 2},
+                                                        marks=EXTENDED),
                                            pytest.param("lordo_local", {"late-local-steps": 1, "late-from-step": 3,
                                                                         "outer-late-lr": 1.5}, marks=EXTENDED),
                                            pytest.param("lordo_global", {"preset": "lordo-sparse", "model-preset": "tiny",
@@ -83,7 +84,8 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     sync; here with SparseLoCo's wire: every tensor top-k 2-bit both ways, the server re-sparsifying
     θ − θ_c at 12%, Rice-coded positions, β = 0.95 error feedback, each index averaged over its senders) and
     DES-LOC (AdamW, states averaged at their own periods; here with its first rounds ramped: 1 step, then
-    2, the learning-rate schedule's steps as the reference trainer's); LoRDO-Local with its late rounds
+    2, the learning-rate schedule's steps as the reference trainer's, and its first moment averaged every
+    2nd round where its own period is 3); LoRDO-Local with its late rounds
     short (round 2 starts at step 3 and runs 1 step) and stepped with their own outer lr; LoRDO-Global with the
     embedding's and norms' moments averaged every second round only (dense-sync-factor=2) in
     overlapped rounds (overlap-delay=2), and
@@ -124,6 +126,9 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     assert records[-1]["tokens"] == 2 * steps * 4 * 32 and records[-1]["step"] == steps
     if "dense-sync-factor" in extra:  # round 1 sends the low-rank moments only, round 2 the full-size ones too
         assert records[1]["bytes_received_per_client"] < records[2]["bytes_received_per_client"]
+    if "sync-exp-avg-every" in extra:  # round 1 sends Δ alone, round 2 Δ and the first moment (its own period: 3)
+        params = 4 * sum(t.numel() for t in reference.values())
+        assert records[2]["bytes_received_per_client"] - records[1]["bytes_received_per_client"] >= params, records
     if extra.get("payload-dtype") == "topk2bit-both-wide":  # ~3% x (2 + 7) bits up, 12% x (2 + 5) down from round 2
         plain = 4 * sum(t.numel() for t in reference.values())
         assert all(r["bytes_received_per_client"] < plain / 8 for r in records[1:]), records
