@@ -32,13 +32,12 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from lordo_fed.metrics import stable_rank
 from lordo_fed.optim.bias import restep
-from lordo_fed.optim.projection import ProjectionMethod, project, projection_side
-from lordo_fed.optim.rotation import rotate_moments
+from lordo_fed.optim.projection import ProjectionMethod, projection_side
 from lordo_fed.rounds import screening
 from lordo_fed.rounds.config import RoundConfig
-from lordo_fed.rounds.bases import fit_projections, initial_projections, low_rank_shape
+from lordo_fed.rounds.bases import (
+    fit_projections, initial_projections, low_rank_shape, rotate_into, subspace_diagnostics)
 from lordo_fed.rounds.outer import Average, OuterOptimizer
 from lordo_fed.rounds.relay import relay_checkpoint, relayed_form, relayed_from_checkpoint
 from lordo_fed.rounds.sparse import add_sent, add_weighted, contributor_mean, support_overlap
@@ -46,7 +45,7 @@ from lordo_fed.rounds.screening import ReplyRef
 from lordo_fed.wire import lowrank
 from lordo_fed.wire.compress import Encoded, SparseValues, encode, plus_decoded
 from lordo_fed.wire.messages import (
-    DIAGNOSTIC_METRICS, MOMENT_KEYS, GlobalState, WorkerUpdate, moment_key, split_moment_key)
+    DIAGNOSTIC_METRICS, GlobalState, WorkerUpdate, split_moment_key)
 from lordo_fed.wire.payload import PayloadCodecs
 
 log = logging.getLogger(__name__)
@@ -360,7 +359,8 @@ class Aggregator:
         self._commit_downlink()  # before θ moves: the change the workers applied this round
         self.outer.lr = self.outer_lr(self.round)
         self.outer.step(self.params, delta)
-        diagnostics = self._diagnostics(delta) if self.diagnostics else {}
+        diagnostics = (subspace_diagnostics(delta, self.ranks, self.projection, self.projections)
+                       if self.diagnostics else {})
         delta_norm = screening.norm_of(delta.values())
         if lengths:  # the length of Δ̄ against the replies'
             diagnostics["delta_retention"] = delta_norm / max(sum(w * n for w, n in zip(weights, lengths)), 1e-30)
@@ -368,7 +368,8 @@ class Aggregator:
         if self.projection is not None and self.rounds.bases_from == "server":
             new = fit_projections(delta, self.ranks, self.projection, self.seed + 7919 * self.round, self.fit_device)
             if self.rotate:
-                moments = self._rotate(moments, self.projections, new)
+                moments = rotate_into(moments, {n: tuple(self.params[n].shape) for n in new}, self.projection,
+                                      self.projections, new, self.opt_step, self.round_betas(), self.bias_correction)
             self.projections = new
         self.moments = moments
         self._relayed = relayed
@@ -461,26 +462,6 @@ class Aggregator:
         last_step = self.rounds.steps_before(self.round + 1) - 1
         return self.switch_betas if 0 < self.switch_step <= last_step else self.betas
 
-    def _diagnostics(self, delta: dict[str, Tensor]) -> dict[str, float]:
-        """Mean stable rank of Δ̄ over the low-rank matrices and, when the server owns the
-        projections, the share of ||Δ̄||² that lies in this round's shared subspace.
-
-        Without the QH term (ω = 1) every low-rank update is P·(something), so the share tends to
-        1 and the refit P' = top-r(Δ̄) spans the same subspace: LoRDO's stagnation pathology.
-        """
-        if not self.ranks:
-            return {}
-        out = {"delta_stable_rank": sum(stable_rank(delta[n]) for n in self.ranks) / len(self.ranks)}
-        if self.projection is not None and self.projections:
-            inside = total = 0.0
-            for n in self.ranks:
-                basis, side = self._basis(n)
-                d = delta[n].float().cpu()
-                inside += float(project(d, basis, side).square().sum())
-                total += float(d.square().sum())
-            out["delta_in_subspace"] = inside / total if total > 0 else 0.0
-        return out
-
     # ----------------------------------------------------------------------------- projections
     @property
     def needs_gradient_init(self) -> bool:
@@ -534,25 +515,6 @@ class Aggregator:
     def _bases(self) -> dict[str, tuple[Tensor, str]]:
         """The bases of `coords_expected()`, to rebuild Δ."""
         return {name: self._basis(name) for name in self.coords_expected()}
-
-    def _rotate(self, moments: dict[str, Tensor], old: dict[str, Tensor], new: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Move averaged low-rank moments from the old shared basis into the new one."""
-        out = dict(moments)
-        for name in self.ranks:
-            u_key, v_key = (moment_key(k, name) for k in MOMENT_KEYS)
-            if u_key not in moments and v_key not in moments:
-                continue
-            side = projection_side(self.params[name].shape)
-            shape = tuple(self.params[name].shape)
-            old_b = self.projection.basis(old[name], shape, side)
-            new_b = self.projection.basis(new[name], shape, side)
-            u, v = rotate_moments(moments.get(u_key), moments.get(v_key), old_b, new_b, side, self.opt_step,
-                                  self.round_betas(), self.bias_correction)
-            if u is not None:
-                out[u_key] = u
-            if v is not None:
-                out[v_key] = v
-        return out
 
     # ----------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Tensor]:

@@ -1,5 +1,6 @@
 """LoRDO-Global's shared bases: their shapes, the seeded bases of round 1, and the batched refit to
-the round's pseudo-gradient (docs/algorithm.md, "One round"; Jovanović et al., LoRDO, arXiv 2602.04396)."""
+the round's pseudo-gradient, the averaged moments rotated into the new bases, and the diagnostic share of
+Δ̄ inside them (docs/algorithm.md, "One round"; Jovanović et al., LoRDO, arXiv 2602.04396)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import math
 import torch
 from torch import Tensor
 
-from lordo_fed.optim.projection import ProjectionMethod, projection_side
+from lordo_fed.metrics import stable_rank
+from lordo_fed.optim.projection import ProjectionMethod, project, projection_side
+from lordo_fed.optim.rotation import rotate_moments
+from lordo_fed.wire.messages import MOMENT_KEYS, moment_key
 
 
 def low_rank_shape(shape: tuple[int, int], rank: int) -> tuple[int, int]:
@@ -45,7 +49,6 @@ _MAX_STACK_BYTES = 1 << 28
 """At most 256 MB of pseudo-gradients stacked at once by `fit_projections`."""
 
 
-
 def initial_projections(shapes: dict[str, tuple[int, int]], ranks: dict[str, int], method: ProjectionMethod,
                         seed: int) -> dict[str, Tensor]:
     """The projections of round 1, before any pseudo-gradient exists (seeded, same everywhere)."""
@@ -53,3 +56,49 @@ def initial_projections(shapes: dict[str, tuple[int, int]], ranks: dict[str, int
         name: method.initial(shapes[name], rank, projection_side(shapes[name]), seed=seed + i)
         for i, (name, rank) in enumerate(sorted(ranks.items()))
     }
+
+
+def rotate_into(moments: dict[str, Tensor], shapes: dict[str, tuple[int, int]], method: ProjectionMethod,
+                old: dict[str, Tensor], new: dict[str, Tensor], opt_step: int, betas: tuple[float, float],
+                bias_correction: bool) -> dict[str, Tensor]:
+    """The averaged low-rank moments moved from the `old` shared bases into the `new` ones (LDAdam's
+    rule, `rotate_moments`; Robert et al., arXiv 2410.16103), for every parameter of `new` that carries
+    either moment; the rest as they are. `shapes`: each parameter's p×q (θ's)."""
+    out = dict(moments)
+    for name in new:
+        u_key, v_key = (moment_key(k, name) for k in MOMENT_KEYS)
+        if u_key not in moments and v_key not in moments:
+            continue
+        shape = shapes[name]
+        side = projection_side(shape)
+        u, v = rotate_moments(moments.get(u_key), moments.get(v_key), method.basis(old[name], shape, side),
+                              method.basis(new[name], shape, side), side, opt_step, betas, bias_correction)
+        if u is not None:
+            out[u_key] = u
+        if v is not None:
+            out[v_key] = v
+    return out
+
+
+def subspace_diagnostics(delta: dict[str, Tensor], ranks: dict[str, int], method: ProjectionMethod | None,
+                         projections: dict[str, Tensor]) -> dict[str, float]:
+    """Mean stable rank of Δ̄ over the low-rank matrices and, with shared bases (`method` and
+    `projections`), the share of ||Δ̄||² that lies in the round's shared subspace.
+
+    Without the QH term (ω = 1) every low-rank update is P·(something), so the share tends to
+    1 and the refit P' = top-r(Δ̄) spans the same subspace: LoRDO's stagnation pathology.
+    """
+    if not ranks:
+        return {}
+    out = {"delta_stable_rank": sum(stable_rank(delta[n]) for n in ranks) / len(ranks)}
+    if method is not None and projections:
+        inside = total = 0.0
+        for n in ranks:
+            d = delta[n].float().cpu()
+            shape = tuple(d.shape)
+            side = projection_side(shape)
+            basis = method.basis(projections[n], shape, side).float().cpu()
+            inside += float(project(d, basis, side).square().sum())
+            total += float(d.square().sum())
+        out["delta_in_subspace"] = inside / total if total > 0 else 0.0
+    return out
