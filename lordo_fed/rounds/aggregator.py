@@ -368,8 +368,7 @@ class Aggregator:
         if self.projection is not None and self.rounds.bases_from == "server":
             new = fit_projections(delta, self.ranks, self.projection, self.seed + 7919 * self.round, self.fit_device)
             if self.rotate:
-                moments = rotate_into(moments, {n: tuple(self.params[n].shape) for n in new}, self.projection,
-                                      self.projections, new, self.opt_step, self.round_betas(), self.bias_correction)
+                moments = self.rotated_moments(moments, self.projections, new)
             self.projections = new
         self.moments = moments
         self._relayed = relayed
@@ -515,6 +514,13 @@ class Aggregator:
     def _bases(self) -> dict[str, tuple[Tensor, str]]:
         """The bases of `coords_expected()`, to rebuild Δ."""
         return {name: self._basis(name) for name in self.coords_expected()}
+
+    def rotated_moments(self, moments: dict[str, Tensor], old: dict[str, Tensor],
+                        new: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Averaged low-rank moments moved from the shared bases `old` into `new` at the current step
+        count and betas (`bases.rotate_into`)."""
+        return rotate_into(moments, {n: tuple(self.params[n].shape) for n in new}, self.projection, old, new,
+                           self.opt_step, self.round_betas(), self.bias_correction)
 
     # ----------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Tensor]:

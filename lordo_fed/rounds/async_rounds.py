@@ -355,7 +355,7 @@ class AsyncServer:
         theirs = {k: restep(v.float(), split_moment_key(k)[0], update.opt_step, count, betas, bias)
                   for k, v in update.moments.items()}
         if pull.basis != self.basis and agg.rotate:
-            theirs = agg._rotate(theirs, self._bases[pull.basis], agg.projections)
+            theirs = agg.rotated_moments(theirs, self._bases[pull.basis], agg.projections)
         a = 1.0 / self.workers
         for k, v in theirs.items():
             mine[k] = v.clone() if k not in mine else mine[k] * (1.0 - a) + v * a
@@ -373,7 +373,7 @@ class AsyncServer:
         new = fit_projections(self.accumulated, agg.ranks, agg.projection, agg.seed + 7919 * (self.basis + 1),
                               agg.fit_device)
         if agg.rotate:
-            agg.moments = agg._rotate(agg.moments, agg.projections, new)
+            agg.moments = agg.rotated_moments(agg.moments, agg.projections, new)
         if self._held.get(self.basis):
             self._bases[self.basis] = agg.projections
         agg.projections = new

@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from lordo_fed.wire.decode import decode_update
 from lordo_fed.wire.encode import encode_update
 from lordo_fed.rounds.aggregator import Aggregator, RoundResult
-from lordo_fed.rounds.bases import fit_projections, low_rank_shape, rotate_into, subspace_diagnostics
+from lordo_fed.rounds.bases import fit_projections, low_rank_shape, subspace_diagnostics
 from lordo_fed.optim.bias import restep
 from lordo_fed.rounds.outer import QHM, Average, Nesterov, OuterConfig
 from lordo_fed.optim.projection import SVDProjection, projection_side
@@ -862,8 +862,7 @@ def oracle_round(agg: Aggregator, updates: list[WorkerUpdate]) -> RoundResult:
         norm = sum(w for _, w in have)
         moments[key] = weighted_sum([x for x, _ in have], [w / norm for _, w in have])
     new = fit_projections(delta, agg.ranks, agg.projection, agg.seed + 7919 * agg.round)
-    agg.moments = rotate_into(moments, {n: tuple(agg.params[n].shape) for n in new}, agg.projection, agg.projections,
-                              new, agg.opt_step, agg.round_betas(), agg.bias_correction)
+    agg.moments = agg.rotated_moments(moments, agg.projections, new)
     agg.projections = new
     metrics = {
         "train_loss": sum(w * u.metrics["train_loss"] for u, w in zip(good, weights)),
