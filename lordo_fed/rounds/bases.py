@@ -62,7 +62,7 @@ def rotate_into(moments: dict[str, Tensor], shapes: dict[str, tuple[int, int]], 
                 old: dict[str, Tensor], new: dict[str, Tensor], opt_step: int, betas: tuple[float, float],
                 bias_correction: bool) -> dict[str, Tensor]:
     """The averaged low-rank moments moved from the `old` shared bases into the `new` ones (LDAdam's
-    rule, `rotate_moments`; Robert et al., arXiv 2410.16103), for every parameter of `new` that carries
+    rule, Robert et al. 2024: lordo_fed.optim.rotation.rotate_moments), for every parameter of `new` that carries
     either moment; the rest as they are. `shapes`: each parameter's p×q (θ's)."""
     out = dict(moments)
     for name in new:
