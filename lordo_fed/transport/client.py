@@ -17,9 +17,8 @@ import grpc
 
 from lordo_fed.transport.checksum import CHECKSUMS, checksum_of, is_digest, new_digest
 from lordo_fed.wire.protowire import new_buffer
-from lordo_fed.transport.framing import frame, unframe
-from lordo_fed.transport.server import (CHUNK_BYTES, CHUNK_DATA, DOWNLOAD_METHOD, UPLOAD_DATA, UPLOAD_METHOD,
-                                        raw_bytes, channel_options)
+from lordo_fed.transport.framing import CHUNK_DATA, UPLOAD_DATA, frame, unframe
+from lordo_fed.transport.server import CHUNK_BYTES, DOWNLOAD_METHOD, UPLOAD_METHOD, raw_bytes, channel_options
 from lordo_fed.v1 import dataplane_pb2 as pb
 
 

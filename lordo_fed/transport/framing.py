@@ -22,6 +22,9 @@ from lordo_fed.wire.protowire import WT_LEN, Irregular, key, read_key, read_leng
 
 M = TypeVar("M", bound=Message)
 
+CHUNK_DATA, UPLOAD_DATA = 1, 5
+"""Field numbers of `data` in Chunk and UploadChunk (proto/lordo_fed/v1/dataplane.proto)."""
+
 
 def frame(head: M, field: int, data) -> bytes:
     """The serialized message `head` with bytes field `field` set to `data` (any buffer): the

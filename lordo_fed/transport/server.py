@@ -38,21 +38,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import grpc
 
 from lordo_fed.transport.checksum import CHECKSUMS, check_kind, digest_of
-from lordo_fed.transport.framing import unframe
+from lordo_fed.transport.framing import UPLOAD_DATA, unframe
+from lordo_fed.transport.handlers import DataPlaneHandlers, Refusal, Refused, Upload
 from lordo_fed.transport.tokens import DOWNLOAD, UPLOAD, TokenError, TokenIssuer
 from lordo_fed.v1 import dataplane_pb2 as pb
-from lordo_fed.wire.protowire import new_buffer
 
 if TYPE_CHECKING:  # the data plane loads without torch (tests/unit/test_layout.py): duck-typed at run time
     from lordo_fed.wire.encode import StreamingEncode
@@ -69,8 +67,6 @@ MESSAGE_LIMIT = CHUNK_BYTES + (1 << 20)
 SERVICE = "lordo_fed.v1.DataPlane"
 DOWNLOAD_METHOD = f"/{SERVICE}/Download"
 UPLOAD_METHOD = f"/{SERVICE}/Upload"
-CHUNK_DATA, UPLOAD_DATA = 1, 5
-"""Field numbers of `data` in Chunk and UploadChunk (lordo_fed.transport.framing)."""
 
 
 def raw_bytes(raw: bytes) -> bytes:
@@ -95,63 +91,7 @@ def channel_options() -> list[tuple[str, int]]:
             ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES), ("grpc.http2.bdp_probe", 1)]
 
 
-@dataclass
-class Upload:
-    """A verified reply: exactly `size` bytes whose digest is `digest`, held in memory (`data`)
-    or spilled to the spool file `path`. `buffer()` gives the bytes either way (an mmap of the
-    file: the page cache, not the process, holds a spilled reply); `discard()` frees them."""
-
-    node_id: int
-    round: int
-    size: int
-    digest: str
-    """Lowercase hex, of the data plane's checksum kind."""
-    seconds: float
-    """From the first to the last byte received."""
-    data: memoryview | None = None
-    """The bytes, when held in memory: the first `size` bytes of a buffer the data plane reuses
-    for later uploads once this one is discarded (no view of it may outlive `discard()`)."""
-    path: Path | None = None
-    _base: memoryview | None = None
-    _release: Callable[[memoryview], None] | None = None
-
-    def buffer(self) -> memoryview:
-        if self.data is not None:
-            return memoryview(self.data)
-        if self.path is None:
-            raise RuntimeError(f"upload of node {self.node_id} (round {self.round}) was discarded")
-        if self.size == 0:
-            return memoryview(b"")
-        with open(self.path, "rb") as f:
-            return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-
-    def discard(self) -> None:
-        if self._base is not None and self._release is not None:
-            self._release(self._base)
-        self.data, self._base = None, None
-        if self.path is not None:
-            self.path.unlink(missing_ok=True)
-            self.path = None
-
-
-@dataclass(frozen=True)
-class Refusal:
-    node_id: int
-    round: int
-    what: str
-    """'download' or 'upload'."""
-    reason: str
-
-
-class Refused(Exception):
-    """A call the data plane refuses: the gRPC status it ends with, and the reason (logged)."""
-
-    def __init__(self, code: grpc.StatusCode, reason: str):
-        super().__init__(reason)
-        self.code = code
-
-
-class DataPlaneServer:
+class DataPlaneServer(DataPlaneHandlers):
     """Serves one run's rounds; start() binds, publish() opens a round, upload() collects replies."""
 
     def __init__(self, spool_dir: str | os.PathLike, bind: str = "127.0.0.1", port: int = 0,
@@ -244,14 +184,11 @@ class DataPlaneServer:
         self._server = grpc.aio.server(options=channel_options())
         # The generated servicer's handlers, with the chunks (de)serialized by framing.py: same
         # wire bytes, the payload copied once (the generated stubs interoperate).
-        from lordo_fed.transport.handlers import Servicer  # (it imports this module)
-
-        servicer = Servicer(self)
         handlers = {
             "Download": grpc.unary_stream_rpc_method_handler(
-                servicer.Download, request_deserializer=pb.DownloadRequest.FromString, response_serializer=raw_bytes),
+                self._serve_download, request_deserializer=pb.DownloadRequest.FromString, response_serializer=raw_bytes),
             "Upload": grpc.stream_unary_rpc_method_handler(
-                servicer.Upload, request_deserializer=_upload_chunk,
+                self._serve_upload, request_deserializer=_upload_chunk,
                 response_serializer=pb.UploadReceipt.SerializeToString),
         }
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
@@ -468,36 +405,6 @@ class DataPlaneServer:
         if node not in self._session_events:
             self._session_events[node] = asyncio.Event()
         return self._session_events[node]
-
-    def _take_buffer(self, nbytes: int) -> memoryview | None:
-        """A buffer of at least `nbytes` for an upload (a spare one when one fits), counted against
-        the memory budget with the spares; None when the budget cannot hold it (the upload spills).
-        A new one is `new_buffer`'s: not zero-filled (a `bytearray`'s memset of 200 MB ran on the
-        event loop, every stream waiting). Spares are told apart by identity, never by `==`, which
-        would compare their contents."""
-        with self._lock:
-            fits = [b for b in self._spare if len(b) >= nbytes]
-            if fits:
-                buf = min(fits, key=len)
-                self._drop_spare(buf)
-                self._memory_used += len(buf)
-                return buf
-            while self._spare and self._memory_used + sum(map(len, self._spare)) + nbytes > self.memory_budget:
-                self._drop_spare(min(self._spare, key=len))  # make room: smallest spares first
-            if self._memory_used + sum(map(len, self._spare)) + nbytes > self.memory_budget:
-                return None
-            self._memory_used += nbytes
-        return new_buffer(nbytes)
-
-    def _drop_spare(self, buf: memoryview) -> None:
-        self._spare = [b for b in self._spare if b is not buf]
-
-    def _release(self, buf: memoryview) -> None:
-        """An upload's buffer is free: kept as a spare while the budget holds it."""
-        with self._lock:
-            self._memory_used -= len(buf)
-            if self._memory_used + sum(map(len, self._spare)) + len(buf) <= self.memory_budget:
-                self._spare.append(buf)
 
     def take_refusals(self) -> list[Refusal]:
         with self._lock:

@@ -1,5 +1,5 @@
 """The layout holds (docs/architecture.md): imports run one way down the layers, Flower stays in
-its adapter, no module reaches into another's private names, no module grows past ~600 lines,
+its adapter, no module reaches into another's private names (imports or attributes), no module grows past ~600 lines,
 nothing cites a file outside the repository, and no downloaded wheel sits in the checkout."""
 
 from __future__ import annotations
@@ -99,6 +99,37 @@ def test_no_module_imports_another_modules_private_names():
                for module, path in MODULES.items() for target, names, line in imports_of(path, module)
                for name in names if name.startswith("_") and not name.startswith("__") and target != module]
     assert private == []
+
+
+def defined_names(path: Path) -> set[str]:
+    """Every name `path` defines: its functions, classes and methods, the attributes it assigns (on
+    any object) and its variables."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+DEFINED = {module: defined_names(path) for module, path in MODULES.items()}
+
+
+def test_no_module_reads_another_modules_private_attributes():
+    """`x._name` where `_name` is another module's and not this one's, on anything but `self` or
+    `cls` (a method of a class and its base classes share its state). Torch's and the standard
+    library's private names (`torch._foreach_mul_`, `Tensor._version`) are not the project's."""
+    ours = {name for names in DEFINED.values() for name in names if name.startswith("_") and not name.startswith("__")}
+    reaching = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in ours and node.attr not in DEFINED[module]
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                reaching.append(f"{path.relative_to(ROOT)}:{node.lineno} reads {ast.unparse(node)}")
+    assert reaching == []
 
 
 @pytest.mark.parametrize("top", ["lordo_fed", "server", "client", "harness"])

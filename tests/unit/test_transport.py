@@ -646,8 +646,7 @@ def fake_download_server(messages: list[bytes]):
 def test_a_download_refuses_a_trailing_digest_out_of_place(case, reason):
     """What a node accepts after a header without digest: one digest of the ticket's kind, after exactly
     the declared bytes; anything else ends the download with a reason, and nothing is returned."""
-    from lordo_fed.transport.framing import frame
-    from lordo_fed.transport.server import CHUNK_DATA
+    from lordo_fed.transport.framing import CHUNK_DATA, frame
 
     data = b"12345678"
     right = DIGESTS["xxh3"](data)
