@@ -421,7 +421,8 @@ def early(train, rounds: int, out: str, quick: bool, part: str = "early", corpor
     """The `EARLY` (or `LATE`, `WORKERS`, `EXCHANGES`) probes of `methods` on every corpus and seed: validation
     perplexity and the gap to low-rank DDP (the probes' first run, always run) on the same corpus and seed, and the
     bytes against LoRDO-Global's own K = 32 run (the second; None when LoRDO-Global is not among `methods`);
-    the figure beside the JSON plots every run of the lowest seed against tokens and bytes.
+    the figure beside the JSON plots every run of the lowest seed against tokens and bytes, and each row keeps its
+    validation curve (`--part best-points` reads it).
     `local`: the local corpora's `local_corpora` entries, recorded with the result; `only`: the names of the
     probes to run besides those two references (all when empty)."""
     probes = PROBES[part]
@@ -445,7 +446,7 @@ def early(train, rounds: int, out: str, quick: bool, part: str = "early", corpor
                                                       "corpora": list(corpora), "local_corpora": local or {},
                                                       "probes": [{"method": m, "name": t.name, "overrides": list(t.overrides)}
                                                                  for m, t in probes]})
-    result["rows"] = [{k: v for k, v in r.items() if k != "curve"} for r in rows]
+    result["rows"] = rows  # with their curves: `--part best-points` reads a probe part's file as it reads a table's
     written = write_json(result, out)
     plot(rows, png_path(written), rounds)  # validation loss against tokens and bytes, the lowest seed
     print(f"wrote {written} and {png_path(written)}")

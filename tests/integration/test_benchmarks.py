@@ -295,7 +295,7 @@ def test_corpora_quality_probe_part_runs_the_given_methods(tmp_path):
     """--methods narrows a probe part to those methods' probes, low-rank DDP (every gap's reference) always kept;
     without LoRDO-Global's K = 32 run there is no bytes ratio to it."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from corpora_quality import EXCHANGES, early
+    from corpora_quality import EXCHANGES, best_points, early
 
     asked: list[tuple] = []
 
@@ -313,9 +313,13 @@ def test_corpora_quality_probe_part_runs_the_given_methods(tmp_path):
     assert [(m, t.name, s) for _, m, t, _, s in asked] == [(m, t.name, s) for s in (0, 1) for m, t in EXCHANGES
                                                            if m in ("lowrank_ddp", "lordo_local")]
     rows = json.loads((tmp_path / "x.json").read_text())["rows"]
-    assert (tmp_path / "x.png").stat().st_size > 0 and not any("curve" in r for r in rows)  # curves: the figure's
+    assert (tmp_path / "x.png").stat().st_size > 0 and all(r["curve"]["val_loss"] for r in rows)
     local_k8 = next(r for r in rows if r["trial"] == "ef1-switch-lr0.5x-k8-int8" and r["seed"] == 1)
     assert local_k8["gap_lowrank_ddp"] == pytest.approx(5.6 / 5.0 - 1) and local_k8["bytes_vs_k32"] is None
+    # the rows keep their curves, so `--part best-points` reads a probe part's file: every run, the same end gaps
+    read = {(r["trial"], r["seed"]): r for r in best_points([tmp_path / "x.json"], 16)}
+    assert set(read) == {(r["trial"], r["seed"]) for r in rows}
+    assert read[("ef1-switch-lr0.5x-k8-int8", 1)]["gap_lowrank_ddp"] == pytest.approx(local_k8["gap_lowrank_ddp"])
     asked.clear()  # every method: the bytes against LoRDO-Global's K = 32 run (EXCHANGES' second)
     early(train, 16, str(tmp_path / "y.json"), False, "exchanges", ("code",), (0,))
     assert len(asked) == len(EXCHANGES)
