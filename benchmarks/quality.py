@@ -28,13 +28,15 @@ Writes benchmarks/results/quality.json and quality.png.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from lordo_fed.device import pick_device
 from lordo_fed.optim.config import resolved_proj_method
-from lordo_fed.rounds.methods import resolve_method
+from lordo_fed.checkpoint import list_checkpoints
+from lordo_fed.rounds.methods import METHODS, resolve_method
 
 try:
     from benchmarks.common import make_parser, new_figure, png_path, result_header, write_json
@@ -139,17 +141,32 @@ def compose(run: Run, quick: bool, out_dir: Path, base: tuple[str, ...] = (), co
     return OmegaConf.to_object(raw)
 
 
+CHECKPOINT_EVERY = 8
+"""Rounds between the checkpoints of a benchmark's run (`checkpoint_every`; asynchronous methods: none): a run
+killed part-way continues from its newest one when the benchmark is started again, and ends as it would have
+(lordo_fed.trainer.checkpoints); they are deleted once the run's result is written."""
+
+
 def execute(run: Run, quick: bool, work: Path, fresh: bool, base: tuple[str, ...] = (),
             config: str = "quality_cpu") -> dict:
-    """Train one run (or load its cached result); returns its summary and curves (validation loss
-    against rounds, tokens and the bytes a worker sent and received so far)."""
+    """Train one run (or load its cached result, or continue it from its checkpoint); returns its summary and
+    curves (validation loss against rounds, tokens and the bytes a worker sent and received so far).
+    `resumed_from_round`: the round a killed run continued from (0: trained in one go), whose `wall_seconds`
+    are then those of the continued part only."""
     from lordo_fed.trainer.cli import train
 
     out_dir = work / run.label
     done = out_dir / "result.json"
     if done.exists() and not fresh:
         return json.loads(done.read_text())
+    checkpoints = out_dir / "checkpoints"
+    if fresh:
+        shutil.rmtree(checkpoints, ignore_errors=True)
     cfg = compose(run, quick, out_dir, base, config)
+    if METHODS[run.method].loop != "async":
+        cfg.checkpoint_every = CHECKPOINT_EVERY
+    mine = checkpoints / run.method
+    resumed = max((r for r, _ in list_checkpoints(mine)), default=0) if cfg.checkpoint_every and mine.is_dir() else 0
     method = resolve_method(run.method, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
     started = time.perf_counter()
     summary = train(cfg)[run.method]
@@ -162,7 +179,7 @@ def execute(run: Run, quick: bool, work: Path, fresh: bool, base: tuple[str, ...
         **{k: getattr(method.inner, k) for k in ("lr", "ef_decay")},  # the method's own where the run left them
         "B": cfg.data.batch_size, "proj_method": resolved_proj_method(cfg.inner, pick_device(cfg.device)),
         "seed": cfg.seed, **summary,
-        "wall_seconds": time.perf_counter() - started,
+        "wall_seconds": time.perf_counter() - started, "resumed_from_round": resumed,
         "curve": {"round": [r["round"] for r in evals], "tokens": [r["tokens"] for r in evals],
                   "val_loss": [r["val_loss"] for r in evals],
                   "bytes": [r.get("cum_bytes_sent_per_worker", 0) + r.get("cum_bytes_received_per_worker", 0)
@@ -173,6 +190,7 @@ def execute(run: Run, quick: bool, work: Path, fresh: bool, base: tuple[str, ...
         },
     }
     done.write_text(json.dumps(result, indent=1))
+    shutil.rmtree(checkpoints, ignore_errors=True)  # the result is the run's now
     return result
 
 

@@ -549,9 +549,13 @@ class Aggregator:
         for n, p in params.items():
             if tuple(p.shape) != tuple(self.params[n].shape):
                 raise ValueError(f"checkpoint parameter {n} has shape {tuple(p.shape)}, model has {tuple(self.params[n].shape)}")
-        self.params = {n: p.float().clone() for n, p in params.items()}
+        # in the model's order, not the file's (safetensors sorts its names): sums over θ's tensors (Δ̄'s norm)
+        # add in the order an uninterrupted run adds them, so a resumed run's records are its records to the bit
+        self.params = {n: params[n].float().clone() for n in self.params}
         self.outer.load_state_dict(part("outer/"))
-        self.projections = {k: v.clone() for k, v in part("proj/").items()}
+        saved = part("proj/")  # in the ranks' order too, as fit_projections makes them
+        self.projections = {k: saved[k].clone() for k in [*(n for n in self.ranks if n in saved),
+                                                          *(n for n in saved if n not in self.ranks)]}
         self.moments = {k: v.clone() for k, v in part("moment/").items()}
         self.round = int(sd["counter/round"])
         self.opt_step = int(sd["counter/opt_step"])

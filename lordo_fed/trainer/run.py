@@ -28,6 +28,7 @@ from lordo_fed.rounds.build import build_run
 from lordo_fed.rounds.methods import MethodSettings, make_worker
 from lordo_fed.rounds.relay import for_worker
 from lordo_fed.rounds.worker import Worker
+from lordo_fed.trainer.checkpoints import Checkpoints, part
 from lordo_fed.trainer.config import TrainConfig
 from lordo_fed.wire.compress import decoded
 from lordo_fed.wire.messages import DIAGNOSTIC_METRICS, GlobalState, WorkerUpdate
@@ -73,6 +74,12 @@ class StepBar:
         """One step of all the workers at once."""
         self.bar.update(1)
 
+    def skip(self, steps: int) -> None:
+        """`steps` steps done before a resumed run started (`trainer.checkpoints`)."""
+        self._worker_steps += steps * self.workers
+        self._shown += steps
+        self.bar.update(steps)
+
     def set_postfix(self, **kw: str) -> None:
         self.bar.set_postfix(**kw)
 
@@ -93,17 +100,28 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         if isinstance(w.optimizer, LoRDO):
             w.optimizer.track_update_split = cfg.diagnostics
     num_rounds = rc.rounds_in(cfg.total_steps)
-    sent_total = received_total = 0
-    if aggregator.needs_gradient_init:
-        request = aggregator.gradient_request()
-        gradients = [w.gradient(request, sorted(run.ranks)) for w in workers]
-        aggregator.init_projections(gradients)
-        received_total += tensor_bytes(request.tensors())
-        sent_total += max(tensor_bytes(g.tensors()) for g in gradients)
-    tokens = 0
-    ctx.emit({**_eval_record(ctx, model, settings, 0, 0, 0), "virtual_time": 0.0})
+    checkpoints = Checkpoints(cfg, settings.name, ctx.emit)
+    sent_total = received_total = tokens = 0
     bar = StepBar(ctx, settings.name)
-    for _ in range(num_rounds):
+    resumed = checkpoints.load()  # a run started again: the aggregator, the workers and the counters as saved
+    if resumed is not None:
+        aggregator.load_state_dict(part(resumed.tensors, "server/"))
+        for w, meta in zip(workers, resumed.counters["workers"]):
+            w.load_flat_state(part(resumed.tensors, f"worker{w.worker_id}/"), meta)
+        tokens, sent_total, received_total = (resumed.counters[k] for k in ("tokens", "sent", "received"))
+        with torch.no_grad():  # θ as the last round left it (what a run resumed after its last round returns)
+            for n, p in model.named_parameters():
+                p.copy_(aggregator.params[n])
+        bar.skip(rc.steps_before(resumed.round + 1))
+    else:
+        if aggregator.needs_gradient_init:
+            request = aggregator.gradient_request()
+            gradients = [w.gradient(request, sorted(run.ranks)) for w in workers]
+            aggregator.init_projections(gradients)
+            received_total += tensor_bytes(request.tensors())
+            sent_total += max(tensor_bytes(g.tensors()) for g in gradients)
+        checkpoints.record({**_eval_record(ctx, model, settings, 0, 0, 0), "virtual_time": 0.0})
+    for _ in range(resumed.round if resumed else 0, num_rounds):
         state = aggregator.global_state()
         # each worker's own state: a relaying one leaves out the worker's own reply (relay.for_worker)
         states = [for_worker(state, w.worker_id) for w in workers]
@@ -142,7 +160,13 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         }
         if r % cfg.eval_every == 0 or r == num_rounds:
             record.update(_eval_record(ctx, model, settings, r, step, tokens))
-        ctx.emit({"method": settings.name, **record})
+        checkpoints.record({"method": settings.name, **record})
+        if checkpoints.due(r, num_rounds):
+            flat = [w.flat_state() for w in workers]
+            checkpoints.save(r, {"server/": aggregator.state_dict(),
+                                 **{f"worker{w.worker_id}/": tensors for w, (tensors, _) in zip(workers, flat)}},
+                             {"tokens": tokens, "sent": sent_total, "received": received_total,
+                              "workers": [meta for _, meta in flat]})
     bar.close()
     return model
 
@@ -286,12 +310,26 @@ def run_ddp(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         for n, stored in initial.items():
             optimizer.set_projection(params[n], stored)
         anchor = {n: params[n].detach().float().clone() for n in ranks}
-    ctx.emit(_eval_record(ctx, model, settings, 0, 0, 0))
+    checkpoints = Checkpoints(cfg, settings.name, ctx.emit)
     bar = StepBar(ctx, settings.name)
     tokens = cum_bytes = 0  # per worker, per direction
+    resumed = checkpoints.load()  # a run started again: θ, the optimizer, the cursors and the bases' anchor
+    if resumed is not None:
+        with torch.no_grad():
+            for n, p in part(resumed.tensors, "param/").items():
+                params[n].copy_(p)
+        first.load_flat_state(part(resumed.tensors, "worker/"), resumed.counters["worker"])
+        for w, cursor in zip(workers, resumed.counters["cursors"]):
+            w.cursor = cursor
+        if server_proj:
+            anchor = {n: t.to(ctx.device) for n, t in part(resumed.tensors, "anchor/").items()}
+        tokens, cum_bytes = resumed.counters["tokens"], resumed.counters["bytes"]
+        bar.skip(resumed.round * K)
+    else:
+        checkpoints.record(_eval_record(ctx, model, settings, 0, 0, 0))
     losses: list[torch.Tensor] = []  # device scalars, read once per record
     started = time.perf_counter()
-    for step in range(cfg.total_steps):
+    for step in range(resumed.round * K if resumed else 0, cfg.total_steps):
         # The all-reduce: the mean of the M workers' gradients (each loss scaled by 1/M).
         for w in workers:
             losses.append(w.forward_backward(w.cursor, scale=1.0 / cfg.workers))
@@ -322,7 +360,13 @@ def run_ddp(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         bar.set_postfix(loss=f"{record['train_loss']:.3f}")
         if r % cfg.eval_every == 0 or step + 1 == cfg.total_steps:
             record.update(_eval_record(ctx, model, settings, r, step + 1, tokens))
-        ctx.emit(record)
+        checkpoints.record(record)
+        if checkpoints.due(r, cfg.total_steps // K):
+            tensors, meta = first.flat_state()  # the one optimizer every worker steps, and the first's cursor
+            checkpoints.save(r, {"param/": {n: p.detach() for n, p in params.items()}, "worker/": tensors,
+                                 **({"anchor/": anchor} if server_proj else {})},
+                             {"tokens": tokens, "bytes": cum_bytes, "worker": meta,
+                              "cursors": [w.cursor for w in workers]})
     bar.close()
     return model
 

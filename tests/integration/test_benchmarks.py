@@ -59,6 +59,43 @@ def test_quality_quick(tmp_path):
     assert all(r == 0 for r in without["update_out_in_ratio"])  # ω = 1: nothing outside the subspace
 
 
+def test_a_benchmark_run_killed_part_way_continues_from_its_checkpoint(tmp_path):
+    """`quality.execute` (every quality benchmark's runs) checkpoints a run every `CHECKPOINT_EVERY` rounds: a
+    run killed after one continues from it when the benchmark starts again and ends with the uninterrupted run's
+    curve to the bit; the checkpoints go once its result is written."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from quality import CHECKPOINT_EVERY, Run, compose, execute
+
+    from lordo_fed.data import load_dataset
+    from lordo_fed.device import pick_device
+    from lordo_fed.rounds.methods import resolve_method
+    from lordo_fed.trainer.run import RunContext, run_method
+
+    run = Run("resume", "test", "lordo_global", ("total_steps=40",))  # quick: 10 rounds of K = 4
+    whole = execute(run, True, tmp_path / "whole", False)
+    out = tmp_path / "killed" / run.label
+    cfg = compose(run, True, out)
+    cfg.checkpoint_every = CHECKPOINT_EVERY
+
+    class Killed(Exception):
+        pass
+
+    def emit(record: dict) -> None:  # killed as it records the round after the checkpoint of round 8
+        if record.get("round") == CHECKPOINT_EVERY + 1 and "train_loss" in record:
+            raise Killed
+
+    dataset = load_dataset(cfg.data, cfg.workers)
+    ctx = RunContext(cfg, dataset, pick_device(cfg.device), dataset.val_batches(cfg.eval_batches), emit)
+    with pytest.raises(Killed):
+        run_method(ctx, resolve_method(run.method, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer))
+    assert (out / "checkpoints" / run.method / "latest.json").exists()
+    continued = execute(run, True, tmp_path / "killed", False)
+    assert (whole["resumed_from_round"], continued["resumed_from_round"]) == (0, CHECKPOINT_EVERY)
+    assert continued["curve"] == whole["curve"] and len(whole["curve"]["val_loss"]) == 11
+    assert (continued["val_loss"], continued["tokens"]) == (whole["val_loss"], whole["tokens"])
+    assert not (out / "checkpoints").exists() and not (tmp_path / "whole" / run.label / "checkpoints").exists()
+
+
 @pytest.mark.extended
 def test_corpora_quality_quick(tmp_path):
     result = run_quick("corpora_quality.py", tmp_path, "--jobs", "2", "--work", str(tmp_path / "work"))

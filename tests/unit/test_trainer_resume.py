@@ -1,0 +1,118 @@
+"""The reference trainer's checkpoints (lordo_fed.trainer.checkpoints): a run killed after a round and started
+again with the same settings ends where the uninterrupted run ends, bit for bit, and writes the same records."""
+
+import json
+
+import pytest
+import torch
+
+from lordo_fed.checkpoint import CheckpointError, list_checkpoints
+from lordo_fed.data import DataConfig
+from lordo_fed.model import ModelConfig
+from lordo_fed.optim.config import InnerConfig
+from lordo_fed.rounds.config import RoundConfig
+from lordo_fed.rounds.methods import resolve_method
+from lordo_fed.trainer.cli import train
+from lordo_fed.trainer.config import TrainConfig
+from lordo_fed.trainer.run import RunContext, run_method
+from lordo_fed.data import load_dataset
+from lordo_fed.device import pick_device
+
+TIMES = ("round_seconds", "aggregation_seconds")
+"""Wall-clock fields of a record: the only ones a continued run may write differently."""
+
+
+class Killed(Exception):
+    """The failure injected into a run: raised by its emit, as a kill between two rounds."""
+
+
+def config(out, method: str, **kw) -> TrainConfig:
+    base = dict(methods=[method], workers=2, total_steps=12, eval_batches=2, eval_every=2, out_dir=str(out),
+                progress=False, checkpoint_every=2, model=ModelConfig(preset="tiny"),
+                data=DataConfig(cache_dir=str(out / "cache"), seq_len=32, batch_size=4),
+                inner=InnerConfig(rank=4, warmup_steps=2, lr=5e-3, omega=0.9), rounds=RoundConfig(local_steps=2))
+    base.update(kw)
+    return TrainConfig(**base).validate()
+
+
+def run(cfg: TrainConfig, kill_at_round: int | None = None) -> tuple[dict, list]:
+    """`cfg`'s method run in this process; with `kill_at_round`, killed as it emits that round's record (the
+    round after a checkpoint: what the checkpoint holds is all a continued run has)."""
+    records: list = []
+
+    def emit(record: dict) -> None:
+        if record.get("round") == kill_at_round and "train_loss" in record:
+            raise Killed
+        records.append(record)
+
+    dataset = load_dataset(cfg.data, cfg.workers)
+    ctx = RunContext(cfg, dataset, pick_device("cpu"), dataset.val_batches(cfg.eval_batches), emit)
+    settings = resolve_method(cfg.methods[0], cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
+    model = run_method(ctx, settings)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, records
+
+
+def untimed(records: list) -> list:
+    return [{k: v for k, v in json.loads(json.dumps(r, default=float)).items() if k not in TIMES} for r in records]
+
+
+@pytest.mark.parametrize("method,extra", [
+    ("lordo_global", {}),
+    ("lordo_global", {"payload_dtype": "int8", "rounds": RoundConfig(local_steps=2, local_steps_ramp=[1, 1])}),
+    ("lordo_local", {}),
+    ("diloco", {}),
+    ("lowrank_ddp", {}),
+    ("ddp", {}),
+])
+def test_a_killed_run_continued_ends_where_the_uninterrupted_run_ends(tmp_path, method, extra):
+    whole, whole_records = run(config(tmp_path / "whole", method, **extra))
+    cfg = config(tmp_path / "killed", method, **extra)
+    with pytest.raises(Killed):
+        run(cfg, kill_at_round=5)  # rounds 1-4 done, the checkpoint of round 4 written
+    assert [r for r, _ in list_checkpoints(tmp_path / "killed" / "checkpoints" / method)] == [2, 4]
+    continued, records = run(cfg)
+    for name, p in whole.items():
+        assert torch.equal(continued[name], p), name
+    assert untimed(records) == untimed(whole_records)  # the records before the kill emitted again, then the rest
+
+
+def test_a_continued_run_writes_the_whole_history_once_and_a_finished_run_trains_nothing(tmp_path):
+    """Through `train` (what lordo-train and the benchmarks call): the JSONL of a killed and continued run is
+    the uninterrupted run's, and a run started again after its last checkpoint loads it and ends at once."""
+    whole = train(config(tmp_path / "whole", "lordo_global"))["lordo_global"]
+    cfg = config(tmp_path / "killed", "lordo_global")
+    with pytest.raises(Killed):
+        run(cfg, kill_at_round=3)
+    continued = train(cfg)["lordo_global"]
+    assert (continued["val_loss"], continued["tokens"]) == (whole["val_loss"], whole["tokens"])
+    lines = [untimed([json.loads(x) for x in (tmp_path / d / "lordo_global.jsonl").read_text().splitlines()])
+             for d in ("whole", "killed")]
+    assert lines[0] == lines[1] and [r["round"] for r in lines[1] if "val_loss" in r] == [0, 2, 4, 6]
+    again = train(cfg)["lordo_global"]  # the checkpoint of the last round: nothing left to train
+    assert again["val_loss"] == whole["val_loss"] and again["seconds"] < continued["seconds"] + 1.0
+
+
+def test_a_checkpoint_of_other_settings_is_refused_naming_them(tmp_path):
+    cfg = config(tmp_path, "lordo_global")
+    with pytest.raises(Killed):
+        run(cfg, kill_at_round=3)
+    other = config(tmp_path, "lordo_global", inner=InnerConfig(rank=4, warmup_steps=2, lr=1e-3, omega=0.9))
+    with pytest.raises(CheckpointError, match=r"config.inner.lr is 0.005 in the checkpoint, expected 0.001"):
+        run(other)
+    assert [r for r, _ in list_checkpoints(tmp_path / "checkpoints" / "lordo_global")] == [2]  # nothing overwritten
+    moved = config(tmp_path, "lordo_global", progress=True, threads=1)  # how it shows and runs: not compared
+    run(moved)
+
+
+@pytest.mark.parametrize("value,expected", [
+    (-1, r"checkpoint_every=-1: expected an integer >= 0"),
+    (True, r"checkpoint_every=True: expected an integer >= 0"),
+])
+def test_checkpoint_every_bad_values(tmp_path, value, expected):
+    with pytest.raises(ValueError, match=expected):
+        config(tmp_path, "lordo_global", checkpoint_every=value)
+
+
+def test_asynchronous_methods_refuse_checkpoints(tmp_path):
+    with pytest.raises(ValueError, match=r"checkpoint_every=2 with the asynchronous methods \['heloco'\]"):
+        config(tmp_path, "heloco")
