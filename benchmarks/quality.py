@@ -151,8 +151,8 @@ def execute(run: Run, quick: bool, work: Path, fresh: bool, base: tuple[str, ...
             config: str = "quality_cpu") -> dict:
     """Train one run (or load its cached result, or continue it from its checkpoint); returns its summary and
     curves (validation loss against rounds, tokens and the bytes a worker sent and received so far).
-    `resumed_from_round`: the round a killed run continued from (0: trained in one go), whose `wall_seconds`
-    are then those of the continued part only."""
+    `resumed_from_round`: the round a killed run continued from (0: trained in one go); `wall_seconds`: the
+    method's training, a killed run's part before its kill included (the trainer's summary `seconds`)."""
     from lordo_fed.trainer.cli import train
 
     out_dir = work / run.label
@@ -168,7 +168,6 @@ def execute(run: Run, quick: bool, work: Path, fresh: bool, base: tuple[str, ...
     mine = checkpoints / run.method
     resumed = max((r for r, _ in list_checkpoints(mine)), default=0) if cfg.checkpoint_every and mine.is_dir() else 0
     method = resolve_method(run.method, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
-    started = time.perf_counter()
     summary = train(cfg)[run.method]
     history = [json.loads(line) for line in (out_dir / f"{run.method}.jsonl").read_text().splitlines()]
     evals = [r for r in history if "val_loss" in r]
@@ -179,7 +178,7 @@ def execute(run: Run, quick: bool, work: Path, fresh: bool, base: tuple[str, ...
         **{k: getattr(method.inner, k) for k in ("lr", "ef_decay")},  # the method's own where the run left them
         "B": cfg.data.batch_size, "proj_method": resolved_proj_method(cfg.inner, pick_device(cfg.device)),
         "seed": cfg.seed, **summary,
-        "wall_seconds": time.perf_counter() - started, "resumed_from_round": resumed,
+        "wall_seconds": summary["seconds"], "resumed_from_round": resumed,
         "curve": {"round": [r["round"] for r in evals], "tokens": [r["tokens"] for r in evals],
                   "val_loss": [r["val_loss"] for r in evals],
                   "bytes": [r.get("cum_bytes_sent_per_worker", 0) + r.get("cum_bytes_received_per_worker", 0)

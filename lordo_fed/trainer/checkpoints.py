@@ -11,8 +11,8 @@ differ, before anything is written (docs/operations.md, "The reference trainer's
 What a checkpoint holds: the loop's tensors under prefixes of its own (synchronous rounds: the aggregator's
 `state_dict()` under `server/` and each worker's `flat_state()` under `worker<m>/`; DDP: θ, the one
 optimizer and the anchor of the server's bases), the RNG states, and in its metadata the run's settings,
-the loop's counters and every record emitted so far, which the continued run emits again so that
-`<method>.jsonl` holds the whole run once.
+the loop's counters, the wall-clock seconds trained so far and every record emitted so far, which the
+continued run emits again so that `<method>.jsonl` (and its TensorBoard log) holds the whole run once.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from torch import Tensor
 
@@ -71,27 +72,35 @@ class Checkpoints:
     The loop calls `load()` before it starts (None: start fresh) and `save()` after each round's record;
     `record()` wraps the run's emit so that the records go into the next checkpoint too."""
 
-    def __init__(self, cfg: Any, method: str, emit: Callable[[dict], None]) -> None:
-        self.every = cfg.checkpoint_every
-        self.directory = Path(cfg.out_dir) / "checkpoints" / method
-        self.settings = settings_of(cfg, method)
+    def __init__(self, ctx: Any, method: str) -> None:
+        self.every = ctx.cfg.checkpoint_every
+        self.directory = Path(ctx.cfg.out_dir) / "checkpoints" / method
+        self.settings = settings_of(ctx.cfg, method)
         self.history: list[dict] = []
-        self._emit = emit
+        self._ctx = ctx
+        self._started = time.perf_counter()
+
+    def seconds(self) -> float:
+        """Wall-clock seconds this run has trained: the killed parts' (as their checkpoint saved them) and this
+        process's since the loop began."""
+        return self._ctx.seconds_before + time.perf_counter() - self._started
 
     def record(self, record: dict) -> None:
         """Emit `record` and keep it for the next checkpoint (as JSON reads it back: plain numbers)."""
-        self._emit(record)
+        self._ctx.emit(record)
         self.history.append(json.loads(json.dumps(record, default=float)))
 
     def load(self) -> Resumed | None:
         """The newest checkpoint of this method in the folder, its RNG states restored and its records emitted
         again; None without `checkpoint_every` or a checkpoint. CheckpointError (a ValueError) naming each
-        setting that differs when the checkpoint is another run's."""
+        setting that differs when the checkpoint is another run's. The run's context gets the seconds trained
+        before (`RunContext.seconds_before`), which the run's summary adds to its own."""
         if not self.every or not self.directory.is_dir() or not list_checkpoints(self.directory):
             return None
         tensors, meta = load_checkpoint(self.directory)
         check_compatible(meta, dotted(self.settings), self.directory)
         set_rng_state(tensors)
+        self._ctx.seconds_before = float(meta.get("seconds", 0.0))
         for record in meta["history"]:
             self.record(record)
         log.info("%s: resumed from %s at round %d", self.settings["method"], self.directory, meta["round"])
@@ -106,5 +115,6 @@ class Checkpoints:
         the records so far; the two newest are kept."""
         tensors = {f"{prefix}{k}": v for prefix, named in parts.items() for k, v in named.items()}
         tensors.update(rng_state())
-        meta = {**self.settings, "round": round_idx, "counters": counters, "history": self.history}
+        meta = {**self.settings, "round": round_idx, "counters": counters, "history": self.history,
+                "seconds": self.seconds()}
         save_checkpoint(self.directory, round_idx, tensors, meta, keep=2)

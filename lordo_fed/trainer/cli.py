@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -46,15 +47,20 @@ def train(cfg: TrainConfig) -> dict[str, dict]:
     for method in cfg.methods:
         settings = resolve_method(method, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
         history: list[dict] = []
-        (out / f"{method}.jsonl").unlink(missing_ok=True)  # a fresh run of this method
+        # A fresh log of this method: a run continued from its checkpoint emits its earlier records again.
+        (out / f"{method}.jsonl").unlink(missing_ok=True)
+        if cfg.tensorboard:
+            shutil.rmtree(out / "tb" / method, ignore_errors=True)
         started = time.perf_counter()
         with MetricsWriter(out, method, tensorboard=cfg.tensorboard) as writer:
             def emit(record: dict) -> None:
                 history.append(record)
                 writer.write(record)
-            run_method(RunContext(cfg, dataset, device, val_batches, emit), settings)
+            ctx = RunContext(cfg, dataset, device, val_batches, emit)
+            run_method(ctx, settings)
         histories[method] = history
-        summary[method] = _summarise(history, time.perf_counter() - started)
+        # a continued run's seconds: those before its kill (its checkpoint's) and this process's
+        summary[method] = _summarise(history, time.perf_counter() - started + ctx.seconds_before)
         log.info("%s: %s", method, summary[method])
     plot_curves(histories, "tokens", "val_loss", out / "val_loss.png", title="Validation loss against tokens")
     (out / "summary.json").write_text(json.dumps({"config": _plain(cfg), "methods": summary}, indent=2))

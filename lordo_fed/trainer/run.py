@@ -46,6 +46,8 @@ class RunContext:
     device: torch.device
     val_batches: list
     emit: RecordFn
+    seconds_before: float = 0.0
+    """Wall-clock seconds a resumed run trained before it was killed (its checkpoint's; trainer.checkpoints)."""
 
 
 class StepBar:
@@ -100,7 +102,7 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         if isinstance(w.optimizer, LoRDO):
             w.optimizer.track_update_split = cfg.diagnostics
     num_rounds = rc.rounds_in(cfg.total_steps)
-    checkpoints = Checkpoints(cfg, settings.name, ctx.emit)
+    checkpoints = Checkpoints(ctx, settings.name)
     sent_total = received_total = tokens = 0
     bar = StepBar(ctx, settings.name)
     resumed = checkpoints.load()  # a run started again: the aggregator, the workers and the counters as saved
@@ -310,7 +312,7 @@ def run_ddp(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         for n, stored in initial.items():
             optimizer.set_projection(params[n], stored)
         anchor = {n: params[n].detach().float().clone() for n in ranks}
-    checkpoints = Checkpoints(cfg, settings.name, ctx.emit)
+    checkpoints = Checkpoints(ctx, settings.name)
     bar = StepBar(ctx, settings.name)
     tokens = cum_bytes = 0  # per worker, per direction
     resumed = checkpoints.load()  # a run started again: θ, the optimizer, the cursors and the bases' anchor

@@ -2,6 +2,7 @@
 again with the same settings ends where the uninterrupted run ends, bit for bit, and writes the same records."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -35,9 +36,10 @@ def config(out, method: str, **kw) -> TrainConfig:
     return TrainConfig(**base).validate()
 
 
-def run(cfg: TrainConfig, kill_at_round: int | None = None) -> tuple[dict, list]:
+def run(cfg: TrainConfig, kill_at_round: int | None = None, seconds_before: float = 0.0) -> tuple[dict, list]:
     """`cfg`'s method run in this process; with `kill_at_round`, killed as it emits that round's record (the
-    round after a checkpoint: what the checkpoint holds is all a continued run has)."""
+    round after a checkpoint: what the checkpoint holds is all a continued run has). `seconds_before`: as if
+    this run had itself been continued after that many seconds' training."""
     records: list = []
 
     def emit(record: dict) -> None:
@@ -46,7 +48,7 @@ def run(cfg: TrainConfig, kill_at_round: int | None = None) -> tuple[dict, list]
         records.append(record)
 
     dataset = load_dataset(cfg.data, cfg.workers)
-    ctx = RunContext(cfg, dataset, pick_device("cpu"), dataset.val_batches(cfg.eval_batches), emit)
+    ctx = RunContext(cfg, dataset, pick_device("cpu"), dataset.val_batches(cfg.eval_batches), emit, seconds_before)
     settings = resolve_method(cfg.methods[0], cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
     model = run_method(ctx, settings)
     return {n: p.detach().clone() for n, p in model.named_parameters()}, records
@@ -82,14 +84,19 @@ def test_a_continued_run_writes_the_whole_history_once_and_a_finished_run_trains
     whole = train(config(tmp_path / "whole", "lordo_global"))["lordo_global"]
     cfg = config(tmp_path / "killed", "lordo_global")
     with pytest.raises(Killed):
-        run(cfg, kill_at_round=3)
+        run(cfg, kill_at_round=3, seconds_before=1000.0)  # its checkpoint: 1000 s and this part's
+    started = time.perf_counter()
     continued = train(cfg)["lordo_global"]
+    # the summary's seconds: the killed parts' (from the checkpoint) and the continued part's
+    assert 1000.0 < continued["seconds"] < 1000.0 + 2 * (time.perf_counter() - started) + 60.0
     assert (continued["val_loss"], continued["tokens"]) == (whole["val_loss"], whole["tokens"])
     lines = [untimed([json.loads(x) for x in (tmp_path / d / "lordo_global.jsonl").read_text().splitlines()])
              for d in ("whole", "killed")]
     assert lines[0] == lines[1] and [r["round"] for r in lines[1] if "val_loss" in r] == [0, 2, 4, 6]
+    started = time.perf_counter()
     again = train(cfg)["lordo_global"]  # the checkpoint of the last round: nothing left to train
-    assert again["val_loss"] == whole["val_loss"] and again["seconds"] < continued["seconds"] + 1.0
+    assert again["val_loss"] == whole["val_loss"]
+    assert again["seconds"] - continued["seconds"] <= time.perf_counter() - started
 
 
 def test_a_checkpoint_of_other_settings_is_refused_naming_them(tmp_path):
@@ -116,3 +123,34 @@ def test_checkpoint_every_bad_values(tmp_path, value, expected):
 def test_asynchronous_methods_refuse_checkpoints(tmp_path):
     with pytest.raises(ValueError, match=r"checkpoint_every=2 with the asynchronous methods \['heloco'\]"):
         config(tmp_path, "heloco")
+
+
+def test_a_continued_run_logs_each_step_to_tensorboard_once(tmp_path, monkeypatch):
+    """With `tensorboard`, the log of a run killed inside `train` and continued holds each (tag, step) once, as
+    the uninterrupted run's does: the earlier records emitted again replace the killed part's log."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    from lordo_fed.metrics import MetricsWriter
+
+    def logged(directory) -> list:
+        return sorted((v.tag, e.step) for f in sorted(directory.iterdir()) for e in EventFileLoader(str(f)).Load()
+                      for v in e.summary.value)
+
+    train(config(tmp_path / "whole", "lordo_global", tensorboard=True))
+    cfg = config(tmp_path / "killed", "lordo_global", tensorboard=True)
+    write = MetricsWriter.write
+
+    def killed_at_round_5(self, record):
+        if record.get("round") == 5 and "train_loss" in record:
+            raise Killed
+        write(self, record)
+
+    monkeypatch.setattr(MetricsWriter, "write", killed_at_round_5)
+    with pytest.raises(Killed):
+        train(cfg)
+    monkeypatch.setattr(MetricsWriter, "write", write)
+    killed = logged(tmp_path / "killed" / "tb" / "lordo_global")
+    assert killed and max(step for _, step in killed) == 8  # rounds 1-4 of K = 2 logged before the kill
+    train(cfg)
+    whole, continued = (logged(tmp_path / d / "tb" / "lordo_global") for d in ("whole", "killed"))
+    assert continued == whole and len(set(whole)) == len(whole)
