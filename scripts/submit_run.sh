@@ -95,8 +95,10 @@ run_id() { grep -o 'Successfully started run [0-9]*' "$log" 2>/dev/null | grep -
 # record_local_superlink: a ':local:' connection makes flwr start a background simulation
 # SuperLink (identified by its log file under this FLWR_HOME); its PID goes to a PID file as soon
 # as it exists, so that scripts/stop_all.sh finds it while the run is still going.
+# Fails while the address is unknown (a fresh FLWR_HOME before flwr wrote config.toml), to be called again.
 record_local_superlink() {
   [[ -n "$address" ]] || address="$(read_address)"
+  [[ -n "$address" ]] || return 1
   [[ "$address" == :local* ]] || return 0
   local pid
   pid="$(pgrep -f -- "$local_pattern" | head -n1 || true)"

@@ -70,49 +70,6 @@ def printed_resume(output: str) -> list[str]:
     return shlex.split(line.group(1))[1:]
 
 
-def test_overrides_reruns_and_resume_as_printed(user, tmp_path):
-    app, env = user
-    out = tmp_path / "out"
-    assert "usage: simulate.sh" in simulate(app, env, "--help").stdout and not out.exists()  # runs nothing
-
-    # a user's first run: no Flower config yet (flwr writes its own); the script still finds and
-    # stops the local SuperLink flwr starts (it was left running: the fixture finds what is left)
-    (Path(env["FLWR_HOME"]) / "config.toml").unlink()
-    # a preset given on the command line wins over the script's default (it was refused as a
-    # duplicate key before), and keys given after the first string reach the run
-    first = simulate(app, env, "preset='lordo-local'", "num-server-rounds=2", TINY, "rank=4")
-    assert first.returncode == 0, first.stdout[-4000:]
-    records = [json.loads(line) for line in (out / "server.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in records] == [0, 1, 2]
-    assert "SuperLink still running" not in first.stdout  # the script stops it: no advice to stop it
-    superlink = find_pids({}, cmdline_contains=["flower-superlink", str(Path(env["FLWR_HOME"]) / "local-superlink")])
-    assert not superlink, f"the local SuperLink of the first run is still running: {sorted(superlink)}"
-    meta = json.loads((out / "checkpoints" / "round_00002.json").read_text())["meta"]
-    assert meta["config"]["inner"]["rank"] == 4 and meta["config"]["model"]["preset"] == "tiny"
-    assert meta["variant"] == "lordo_local" and meta["config"]["num_rounds"] == 2
-    history = (out / "server.jsonl").read_bytes()
-
-    # a second run into the same output directory is refused, on the screen, and changes nothing; it is
-    # told before Flower starts (no run log: `flwr run` never ran), as the ServerApp would tell it
-    runs = sorted(p.name for p in Path(env["FLOWER_RUN_DIR"]).iterdir())
-    again = simulate(app, env, "num-server-rounds=3", TINY, "rank=4")
-    assert again.returncode == 2
-    assert "already holds another run's checkpoints (round 2 of 2" in again.stdout, again.stdout[-4000:]
-    assert f"resume='{out / 'checkpoints'}'" in again.stdout
-    assert (out / "server.jsonl").read_bytes() == history
-
-    # the resume line printed after the first run, as printed: a finished run has nothing to do
-    done = simulate(app, env, *printed_resume(first.stdout))
-    assert done.returncode == 0 and "finished all 2 rounds already" in done.stdout and "nothing to do" in done.stdout
-    assert (out / "server.jsonl").read_bytes() == history
-    assert sorted(p.name for p in Path(env["FLOWER_RUN_DIR"]).iterdir()) == runs
-
-    # a misspelt key is named on the screen, with the key meant, and nothing starts
-    typo = simulate(app, env, "num-server-round=2")
-    assert typo.returncode == 2 and "unknown run-config key 'num-server-round'; did you mean 'num-server-rounds'?" \
-        in typo.stdout
-
-
 def wait_round(out: Path, at_least: int, timeout: float = 180) -> None:
     def reached() -> bool:
         try:
@@ -136,26 +93,73 @@ def training(app: Path, env: dict, out: Path, *args: str) -> Iterator[subprocess
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_an_interrupted_run_fails_names_its_round_and_resumes_as_printed(user, tmp_path):
+def test_overrides_an_interrupt_reruns_and_resume_as_printed(user, tmp_path):
+    """A user's first run, with overrides, interrupted after round 1 (the issue's case: `flwr run` alone
+    gets the SIGINT): the script exits non-zero naming the round reached and the resume command; a second
+    run into that output directory is refused; the resume as printed finishes the run; resumed again, it
+    has nothing to do; a misspelt key is named."""
     app, env = user
     out, run_dir = tmp_path / "out", tmp_path / "run"
-    with training(app, env, out, "num-server-rounds=6", TINY, SLOW) as proc:
+    assert "usage: simulate.sh" in simulate(app, env, "--help").stdout and not out.exists()  # runs nothing
+
+    # a user's first run: no Flower config yet (flwr writes its own); the script still finds and
+    # stops the local SuperLink flwr starts (it was left running: the fixture finds what is left)
+    (Path(env["FLWR_HOME"]) / "config.toml").unlink()
+    # a preset given on the command line wins over the script's default (it was refused as a
+    # duplicate key before), and keys given after the first string reach the run
+    with training(app, env, out, "preset='lordo-local'", "num-server-rounds=6", TINY, SLOW, "rank=4") as proc:
         # while it runs, every process the script started is on file, and stop_all.sh would find it
         pids = {f.name: int(f.read_text()) for f in run_dir.glob("*.pid")}
         assert set(pids) == {"flwr-run.pid", "local-superlink.pid"} and all(map(pid_alive, pids.values()))
-        os.kill(pids["flwr-run.pid"], signal.SIGINT)  # the issue's case: flwr run alone interrupted
+        os.kill(pids["flwr-run.pid"], signal.SIGINT)
         output, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0, output[-4000:]
     status = json.loads((out / "run.json").read_text())
-    assert status["status"] == "running" and 1 <= status["round"] < 6, output[-4000:]
-    assert "the run did not finish" in output and f"reached round {status['round']} of 6" in output
+    reached = status["round"]
+    assert status["status"] == "running" and 1 <= reached < 6, output[-4000:]
+    assert "the run did not finish" in output and f"reached round {reached} of 6" in output
     assert "finished (log" not in output and "metrics:" not in output
     assert not list(run_dir.glob("*.pid"))
+    assert not pid_alive(pids["local-superlink.pid"]), "the interrupted run's local SuperLink is still running"
+    # the newest checkpoint (run.json follows each one at once: the same round, unless the kill fell between)
+    saved = json.loads((out / "checkpoints" / "latest.json").read_text())["round"]
+    assert saved in (reached, reached + 1)
+    meta = json.loads((out / "checkpoints" / f"round_{saved:05d}.json").read_text())["meta"]
+    assert meta["config"]["inner"]["rank"] == 4 and meta["config"]["model"]["preset"] == "tiny"
+    assert meta["variant"] == "lordo_local" and meta["config"]["num_rounds"] == 6
+    history = (out / "server.jsonl").read_bytes()
 
+    # a second run into the same output directory is refused, on the screen, and changes nothing; it is
+    # told before Flower starts (no run log: `flwr run` never ran), as the ServerApp would tell it
+    runs = sorted(p.name for p in run_dir.iterdir())
+    again = simulate(app, env, "num-server-rounds=3", TINY, "rank=4")
+    assert again.returncode == 2
+    assert f"already holds another run's checkpoints (round {saved} of 6" in again.stdout, again.stdout[-4000:]
+    assert f"resume='{out / 'checkpoints'}'" in again.stdout
+    assert (out / "server.jsonl").read_bytes() == history
+    assert sorted(p.name for p in run_dir.iterdir()) == runs
+
+    # the resume line the interrupted run printed, as printed: it trains the rest
     resumed = simulate(app, env, *printed_resume(output))
     assert resumed.returncode == 0, resumed.stdout[-4000:]
-    assert f"at round {status['round'] + 1}" in resumed.stdout
+    assert f"at round {saved + 1}" in resumed.stdout
     assert [json.loads(x)["round"] for x in (out / "server.jsonl").read_text().splitlines()] == list(range(7))
+    assert "SuperLink still running" not in resumed.stdout  # the script stops it: no advice to stop it
+    superlink = find_pids({}, cmdline_contains=["flower-superlink", str(Path(env["FLWR_HOME"]) / "local-superlink")])
+    assert not superlink, f"the local SuperLink of the resumed run is still running: {sorted(superlink)}"
+    history = (out / "server.jsonl").read_bytes()
+
+    # the resume line printed after the finished run, as printed: a finished run has nothing to do
+    runs = sorted(p.name for p in run_dir.iterdir())
+    done = simulate(app, env, *printed_resume(resumed.stdout))
+    assert done.returncode == 0 and "finished all 6 rounds already" in done.stdout and "nothing to do" in done.stdout
+    assert (out / "server.jsonl").read_bytes() == history
+    assert sorted(p.name for p in run_dir.iterdir()) == runs
+
+    # a misspelt key is named on the screen, with the key meant, and nothing starts
+    typo = simulate(app, env, "num-server-round=2")
+    assert typo.returncode == 2 and "unknown run-config key 'num-server-round'; did you mean 'num-server-rounds'?" \
+        in typo.stdout
 
 
 @pytest.mark.extended
@@ -174,6 +178,7 @@ def test_sigterm_to_the_scripts_process_group_ends_the_whole_tree(user, tmp_path
     assert not left, [" ".join(open(f"/proc/{p}/cmdline").read().split("\0"))[:200] for p in left]
 
 
+@pytest.mark.extended  # a second way to interrupt a run: the CI lane interrupts `flwr run` and checks the PID files
 def test_stop_all_stops_a_run_in_progress(user, tmp_path):
     """The PID files are written when the processes start, not after `flwr run` returns: stop_all.sh
     used to say "nothing to stop" while the run trained on."""

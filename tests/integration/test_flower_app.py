@@ -97,8 +97,8 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     change (round 2's state carries no bases). The relay (`topk2bit-relay`, on `diloco-sparse`'s plain average):
     round 2's state carries round 1's top-k reply of the other client (each kept its own), and each client
     replays the round to the server's θ.
-    Plain LoRDO-Global and the `lowrank+topk2bit+rows`
-    payload are the deployment test's, bit for bit, below (inside Flower's messages and on the data plane)."""
+    Plain LoRDO-Global on the data plane is the TLS deployment's (tests/integration/test_secure_deployment.py), and
+    the `lowrank+topk2bit+rows` payload the deployment test's below, bit for bit."""
     run_config = tiny_run_config(tmp_path, variant=variant, **extra)
     env = flower_env(tmp_path)
     proc = run_simulation(APP, env, num_supernodes=2, run_config=run_config, timeout=240, check=True,
@@ -195,21 +195,67 @@ def test_a_resumed_relay_run_relays_on_and_ends_as_the_uninterrupted_one(tmp_pat
     assert params and all(torch.equal(ended[k], expected[k]) for k in params)
 
 
-PLANE_EXTRA = {"grpc-compressed": {"payload-dtype": "lowrank+topk2bit+rows"},
+PLANE_EXTRA = {"flower": {"data-plane": "flower"},
+               "grpc-compressed": {"payload-dtype": "lowrank+topk2bit+rows"},
                "grpc-relay": {"variant": "diloco", "preset": "diloco-sparse", "payload-dtype": "topk2bit-relay"}}
-"""The deployment test's run-config keys per case besides the data plane (none: plain LoRDO-Global)."""
+"""The deployment tests' run-config keys per case besides the plaintext data plane. Plain LoRDO-Global on the
+data plane is the TLS deployment's, bit for bit (tests/integration/test_secure_deployment.py)."""
 
 
-def test_deployment_on_both_data_planes_matches_the_reference_and_bad_configs_stop(tmp_path):
-    """A real SuperLink and two SuperNodes: the payloads over the gRPC data plane (plaintext,
-    explicitly insecure) and inside Flower's messages end at the same θ as the reference trainer,
-    bit for bit (round 1's θ0 built by the clients from the seed, not sent), and so do compressed
-    payloads over the data plane (lowrank+topk2bit+rows: Δ up as coordinates in the shared basis
-    plus a residual, with error feedback, θ down as the int8 change of the clients' copy, which each
-    node keeps in its state), and the relay over the data plane (DiLoCo, `topk2bit-relay`: round 2's
-    state is each node's own blob, the other node's reply without its own, which its ClientApp process
-    kept in its node store); bad values stop a run before round 1
-    with a message naming them."""
+def run_planes(dep: Deployment, tmp_path: Path, planes: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
+    """Each case of `PLANE_EXTRA` in `planes` run for 2 rounds in `dep`, its records checked; θ by case."""
+    thetas = {}
+    for plane in planes:
+        out = tmp_path / plane
+        extra = PLANE_EXTRA[plane]
+        on_grpc = extra.get("data-plane", "grpc") == "grpc"
+        dep.run(APP, tiny_run_config(tmp_path, **{"output-dir": str(out), "data-plane": "grpc",
+                                                  "data-plane-insecure": on_grpc, **extra}),
+                timeout=240, check=True)
+        records = server_records(out)
+        assert [r["round"] for r in records] == [0, 1, 2]
+        assert all(r["clients_ok"] == 2 and r["clients_missing"] == 0 for r in records[1:])
+        assert records[-1]["val_loss"] < records[0]["val_loss"]
+        assert ("upload_seconds" in records[1]) == on_grpc
+        # on the data plane round 2's tickets went out while round 1 ran, compressed downlink or not
+        announced = [r["phase_seconds"].get("announced", 0) < 0 for r in records[1:]]
+        assert announced == [False, on_grpc], records
+        tensors, _ = load_checkpoint(out / "checkpoints")
+        thetas[plane] = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
+        # θ0 is the seeded init both sides build: round 1 sends no θ, round 2 sends θ (compressed:
+        # the int8 change of the clients' copy, about a quarter of it).
+        theta_bytes = 4 * sum(t.numel() for t in thetas[plane].values())
+        if plane == "grpc-relay":  # round 2: one reply down (the other node's), not both
+            assert records[2]["bytes_sent_per_client"] < 1.5 * records[1]["bytes_received_per_client"], records
+            assert records[2]["bytes_sent_per_client"] < theta_bytes / 8, records
+        elif plane == "grpc-compressed":
+            assert records[1]["bytes_sent_per_client"] < theta_bytes / 4 < records[2]["bytes_sent_per_client"]
+            assert records[2]["bytes_sent_per_client"] < theta_bytes / 2, records
+            # up: Δ as r·max(p, q) int8 coordinates + a ~3% x (2 + 12)-bit residual, moments 8 bits
+            assert all(r["bytes_received_per_client"] < theta_bytes / 2 for r in records[1:]), records
+        else:
+            assert records[1]["bytes_sent_per_client"] < theta_bytes <= records[2]["bytes_sent_per_client"], records
+        if on_grpc:
+            assert not list((out / "dataplane_spool").glob("*")), "spooled replies left behind"
+    return thetas
+
+
+def assert_match_the_reference(tmp_path: Path, thetas: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Each case's θ against the reference trainer on that case's training settings, bit for bit."""
+    for plane, theta in thetas.items():
+        extra = {k: v for k, v in PLANE_EXTRA[plane].items() if k != "data-plane"}
+        reference = reference_theta(tiny_run_config(tmp_path, **extra), workers=2)
+        worst = max((theta[n] - reference[n]).abs().max().item() for n in reference)
+        assert worst == 0.0, f"{plane}: max |θ_deployment − θ_reference| = {worst}"
+
+
+def test_deployment_on_the_data_plane_matches_the_reference_and_bad_configs_stop(tmp_path):
+    """A real SuperLink and two SuperNodes: compressed payloads over the gRPC data plane (plaintext,
+    explicitly insecure; lowrank+topk2bit+rows: Δ up as coordinates in the shared basis plus a
+    residual, with error feedback, θ down as the int8 change of the clients' copy, which each node
+    keeps in its state) end at the same θ as the reference trainer, bit for bit (round 1's θ0 built
+    by the clients from the seed, not sent); bad values stop a run before round 1 with a message
+    naming them."""
     with Deployment(tmp_path, num_nodes=2) as dep:
         bad = dep.run(APP, tiny_run_config(tmp_path, omega=1.5, **{"output-dir": str(tmp_path / "bad")}), timeout=120)
         assert "run-config key 'omega': inner.omega=1.5: expected a number in [0, 1]" in bad.stdout
@@ -217,48 +263,24 @@ def test_deployment_on_both_data_planes_matches_the_reference_and_bad_configs_st
         no_tls = dep.run(APP, tiny_run_config(tmp_path, **{"output-dir": str(tmp_path / "no_tls")}), timeout=120)
         assert "data-plane='grpc' needs TLS: set data-plane-certfile and data-plane-keyfile" in no_tls.stdout
         assert not (tmp_path / "no_tls" / "server.jsonl").exists()
-
-        thetas = {}
-        for plane in ("grpc", "flower", "grpc-compressed", "grpc-relay"):
-            out = tmp_path / plane
-            extra = PLANE_EXTRA.get(plane, {})
-            dep.run(APP, tiny_run_config(tmp_path, **{"output-dir": str(out), "data-plane": plane.split("-")[0],
-                                                      "data-plane-insecure": plane.startswith("grpc"), **extra}),
-                    timeout=240, check=True)
-            records = server_records(out)
-            assert [r["round"] for r in records] == [0, 1, 2]
-            assert all(r["clients_ok"] == 2 and r["clients_missing"] == 0 for r in records[1:])
-            assert records[-1]["val_loss"] < records[0]["val_loss"]
-            assert ("upload_seconds" in records[1]) == plane.startswith("grpc")
-            # on the data plane round 2's tickets went out while round 1 ran, compressed downlink or not
-            announced = [r["phase_seconds"].get("announced", 0) < 0 for r in records[1:]]
-            assert announced == [False, plane.startswith("grpc")], records
-            tensors, _ = load_checkpoint(out / "checkpoints")
-            thetas[plane] = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
-            # θ0 is the seeded init both sides build: round 1 sends no θ, round 2 sends θ (compressed:
-            # the int8 change of the clients' copy, about a quarter of it).
-            theta_bytes = 4 * sum(t.numel() for t in thetas[plane].values())
-            if plane == "grpc-relay":  # round 2: one reply down (the other node's), not both
-                assert records[2]["bytes_sent_per_client"] < 1.5 * records[1]["bytes_received_per_client"], records
-                assert records[2]["bytes_sent_per_client"] < theta_bytes / 8, records
-            elif extra:
-                assert records[1]["bytes_sent_per_client"] < theta_bytes / 4 < records[2]["bytes_sent_per_client"]
-                assert records[2]["bytes_sent_per_client"] < theta_bytes / 2, records
-                # up: Δ as r·max(p, q) int8 coordinates + a ~3% x (2 + 12)-bit residual, moments 8 bits
-                assert all(r["bytes_received_per_client"] < theta_bytes / 2 for r in records[1:]), records
-            else:
-                assert records[1]["bytes_sent_per_client"] < theta_bytes <= records[2]["bytes_sent_per_client"], records
-        assert not list((tmp_path / "grpc" / "dataplane_spool").glob("*")), "spooled replies left behind"
+        thetas = run_planes(dep, tmp_path, ("grpc-compressed",))
         pids = dep.all_pids()
     from harness.processes import alive
 
     assert not alive(pids)
-    references = {}  # by the planes' settings: the plain grpc and flower runs share theirs
-    for plane, theta in thetas.items():
-        extra = PLANE_EXTRA.get(plane, {})
-        key = json.dumps(extra, sort_keys=True)
-        if key not in references:
-            references[key] = reference_theta(tiny_run_config(tmp_path, **extra), workers=2)
-        reference = references[key]
-        worst = max((theta[n] - reference[n]).abs().max().item() for n in reference)
-        assert worst == 0.0, f"{plane}: max |θ_deployment − θ_reference| = {worst}"
+    assert_match_the_reference(tmp_path, thetas)
+
+
+@pytest.mark.extended  # the CI lane runs the data plane's default transport (TLS) and its compressed payloads
+def test_deployment_inside_flowers_messages_and_the_relay_match_the_reference(tmp_path):
+    """The same deployment with the payloads inside Flower's messages (`data-plane=flower`), and the relay
+    over the data plane (DiLoCo, `topk2bit-relay`: round 2's state is each node's own blob, the other node's
+    reply without its own, which its ClientApp process kept in its node store): both end at the reference
+    trainer's θ, bit for bit."""
+    with Deployment(tmp_path, num_nodes=2) as dep:
+        thetas = run_planes(dep, tmp_path, ("flower", "grpc-relay"))
+        pids = dep.all_pids()
+    from harness.processes import alive
+
+    assert not alive(pids)
+    assert_match_the_reference(tmp_path, thetas)

@@ -205,6 +205,8 @@ def test_simulation_two_supernodes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the harness's `isolation="process"`: every CI-lane deployment test runs its default, and
+# test_reliability.py its node restart
 @pytest.mark.timeout(150)
 def test_deployment_superlink_and_two_supernodes(tmp_path):
     app = write_echo_app(tmp_path / "app")

@@ -4,13 +4,16 @@
 and three ECDSA node keys. The SuperLink serves HTTPS only and runs with
 `--enable-supernode-auth`; two node keys are registered with `flwr supernode register`, their
 SuperNodes connect with `--root-certificates` and `--auth-supernode-private-key`, and the app
-trains 2 rounds over TLS. Refused meanwhile: a SuperNode with the third (unregistered) key, a
-SuperNode without a key (it would self-register if authentication were off), a plain-HTTP
-SuperNode, a plain-HTTP client and a client that does not trust the CA.
+trains 2 rounds over TLS on the data plane, to the reference trainer's θ bit for bit. Refused
+meanwhile: a SuperNode with the third (unregistered) key, a SuperNode without a key (it would
+self-register if authentication were off), a plain-HTTP SuperNode, a plain-HTTP client and a
+client that does not trust the CA.
 
-The second test drives the same setup through the shell scripts (start_superlink.sh --tls
---node-auth, register_supernodes.sh, start_supernodes.sh --root-certificates --auth-keys,
-submit_run.sh --root-certificates, stop_all.sh) with a throwaway echo app.
+In the extended lane, `test_asynchronous_sessions_over_tls` runs asynchronous rounds over the
+same TLS data plane, and `test_scripts_secure_mode` drives the same setup through the shell
+scripts (start_superlink.sh --tls --node-auth, register_supernodes.sh, start_supernodes.sh
+--root-certificates --auth-keys, submit_run.sh --root-certificates, stop_all.sh) with a throwaway
+echo app.
 """
 
 import json
@@ -36,7 +39,8 @@ from harness.processes import (
     terminate,
     wait_for,
 )
-from tests.integration.test_flower_app import APP, server_records, tiny_run_config
+from lordo_fed.checkpoint import load_checkpoint
+from tests.integration.test_flower_app import APP, reference_theta, server_records, tiny_run_config
 
 SCRIPTS = APP / "scripts"
 GENERATE_CERTS = SCRIPTS / "generate_certs.py"
@@ -93,18 +97,15 @@ def test_tls_run_with_registered_supernodes_and_intruders_refused(tmp_path):
         assert [r["round"] for r in records] == [0, 1, 2]
         assert all(r["clients_ok"] == 2 and r["clients_missing"] == 0 for r in records[1:])
         assert records[-1]["val_loss"] < records[0]["val_loss"]
-
-        # Asynchronous rounds over the same TLS data plane: each node's rounds are one session there,
-        # opened by one Flower message, then uploads and start points on the data plane alone.
-        t_async = time.monotonic()
-        run = dep.run(APP, tiny_run_config(tmp_path, variant="heloco_lordo", **tls,
-                                           **{"output-dir": str(tmp_path / "out-async")}), timeout=240, check=True)
-        t_async = time.monotonic() - t_async
-        assert re.search(r"data plane: serving on 127\.0\.0\.1:\d+ \(TLS\)", run.stdout or "")
-        records = server_records(tmp_path / "out-async")
-        assert records[-1]["pushes"] == 4 and records[-1]["train_messages"] == 2, records[-1]
-        assert all(sum(r["pushes_by_worker"][p] for r in records[1:]) >= 1 for p in (0, 1)), records
-        assert records[-1]["val_loss"] < records[0]["val_loss"]
+        assert "upload_seconds" in records[1]  # the payloads went over the data plane
+        # round 2's tickets went out while round 1 ran
+        assert [r["phase_seconds"].get("announced", 0) < 0 for r in records[1:]] == [False, True], records
+        tensors, _ = load_checkpoint(tmp_path / "out" / "checkpoints")
+        theta = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
+        # θ0 is the seeded init both sides build: round 1 sends no θ, round 2 sends θ
+        theta_bytes = 4 * sum(t.numel() for t in theta.values())
+        assert records[1]["bytes_sent_per_client"] < theta_bytes <= records[2]["bytes_sent_per_client"], records
+        assert not list((tmp_path / "out" / "dataplane_spool").glob("*")), "spooled replies left behind"
 
         # A key the operator did not register: activation refused, the SuperNode exits.
         assert wait_exit(unregistered) != 0
@@ -138,8 +139,35 @@ def test_tls_run_with_registered_supernodes_and_intruders_refused(tmp_path):
             assert "Connection to the SuperLink is unavailable" in reply["error-message"]
         pids = dep.all_pids()
     assert not alive(pids)
+    # The run ends at the reference trainer's θ, bit for bit (the data plane's default transport: the
+    # plaintext one and Flower's messages are tests/integration/test_flower_app.py's).
+    reference = reference_theta(tiny_run_config(tmp_path), workers=2)
+    worst = max((theta[n] - reference[n]).abs().max().item() for n in reference)
+    assert worst == 0.0, f"max |θ_TLS deployment − θ_reference| = {worst}"
     print(f"secure deployment: startup {dep.timings['startup_s']:.1f} s (registration included), "
-          f"2-round run {t_run:.1f} s, asynchronous sessions {t_async:.1f} s, all {time.monotonic() - t0:.1f} s")
+          f"2-round run {t_run:.1f} s, all {time.monotonic() - t0:.1f} s")
+
+
+@pytest.mark.extended  # the CI lane runs asynchronous sessions on the plaintext data plane (test_async_flower.py)
+def test_asynchronous_sessions_over_tls(tmp_path):
+    """Asynchronous rounds over the TLS data plane: each node's rounds are one session there, opened by
+    one Flower message, then uploads and start points on the data plane alone."""
+    certs = tmp_path / "certs"
+    generate_certs(certs, nodes=2)
+    tls = {"data-plane-certfile": str(certs / "server.pem"), "data-plane-keyfile": str(certs / "server.key")}
+    with Deployment(tmp_path, num_nodes=2, tls_dir=certs) as dep:
+        t_async = time.monotonic()
+        run = dep.run(APP, tiny_run_config(tmp_path, variant="heloco_lordo", **tls,
+                                           **{"output-dir": str(tmp_path / "out-async")}), timeout=240, check=True)
+        t_async = time.monotonic() - t_async
+        pids = dep.all_pids()
+    assert not alive(pids)
+    assert re.search(r"data plane: serving on 127\.0\.0\.1:\d+ \(TLS\)", run.stdout or "")
+    records = server_records(tmp_path / "out-async")
+    assert records[-1]["pushes"] == 4 and records[-1]["train_messages"] == 2, records[-1]
+    assert all(sum(r["pushes_by_worker"][p] for r in records[1:]) >= 1 for p in (0, 1)), records
+    assert records[-1]["val_loss"] < records[0]["val_loss"]
+    print(f"asynchronous sessions over TLS: {t_async:.1f} s")
 
 
 def free_port_pair() -> int:
