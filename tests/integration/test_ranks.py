@@ -317,6 +317,8 @@ def test_bad_local_ranks_are_refused():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the CI lane runs one-rank node workers in a deployment with this kill and restart
+# (test_node_worker.py) and two-rank node workers under torchrun, killed and resumed, above
 def test_two_nodes_of_two_ranks_match_the_reference_with_the_doubled_batch(tmp_path):
     """A real deployment: two SuperNodes, each with a node worker of two ranks (torchrun, gloo)
     on the gRPC data plane, node 0's sharing gradients by DDP and node 1's sharded by FSDP2, over

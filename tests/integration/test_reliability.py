@@ -301,12 +301,20 @@ def test_server_killed_after_round_2_resumes_to_the_uninterrupted_state(tmp_path
           f"{seconds:.1f} s for the killed and the resumed run")
 
 
-def test_bad_resume_is_refused_before_round_1_and_loses_nothing(tmp_path, uninterrupted, deployment):
+BAD_RESUMES = ("another model preset", "a corrupt file")
+"""The CI lane's cases of the bad-resume test; the extended lane runs the others (`BAD_RESUMES_EXTENDED`)."""
+BAD_RESUMES_EXTENDED = ("a new run", "another method")
+
+
+@pytest.mark.parametrize("labels", [BAD_RESUMES, pytest.param(BAD_RESUMES_EXTENDED, marks=pytest.mark.extended)],
+                         ids=["preset-corrupt", "new-run-method"])
+def test_bad_resume_is_refused_before_round_1_and_loses_nothing(tmp_path, uninterrupted, deployment, labels):
     """Resuming from a checkpoint of another model preset, of another method, or from a corrupt
     file: the ServerApp fails before round 1 naming the round file and the mismatch; the output
     directory it shares with that checkpoint (checkpoints, metrics, client state) is unchanged. So
     does a new run into that output directory (scripts/simulate.sh tells it before Flower starts;
-    `flwr run` itself reaches the ServerApp)."""
+    `flwr run` itself reaches the ServerApp; tests/unit/test_run_identity.py has the ServerApp's refusals
+    in-process)."""
     out = tmp_path / "out"
     shutil.copytree(uninterrupted(), out)
     ckpt = out / "checkpoints"
@@ -325,6 +333,8 @@ def test_bad_resume_is_refused_before_round_1_and_loses_nothing(tmp_path, uninte
           f"recorded in {newest.name}; the file was cut off mid-write or modified"]),
     ]
     for label, overrides, resume, expected in cases:
+        if label not in labels:
+            continue
         if label == "a corrupt file":
             tensors = ckpt / f"{checkpoint_stem(ROUNDS)}.safetensors"
             data = bytearray(tensors.read_bytes())
