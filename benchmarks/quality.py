@@ -142,7 +142,7 @@ def compose(run: Run, quick: bool, out_dir: Path, base: tuple[str, ...] = (), co
 
 
 CHECKPOINT_EVERY = 8
-"""Rounds between the checkpoints of a benchmark's run (`checkpoint_every`; asynchronous methods: none): a run
+"""Rounds between the checkpoints of a benchmark's run (`checkpoint_every`; asynchronous methods: records): a run
 killed part-way continues from its newest one when the benchmark is started again, and ends as it would have
 (lordo_fed.trainer.checkpoints); they are deleted once the run's result is written."""
 
@@ -163,8 +163,7 @@ def execute(run: Run, quick: bool, work: Path, fresh: bool, base: tuple[str, ...
     if fresh:
         shutil.rmtree(checkpoints, ignore_errors=True)
     cfg = compose(run, quick, out_dir, base, config)
-    if METHODS[run.method].loop != "async":
-        cfg.checkpoint_every = CHECKPOINT_EVERY
+    cfg.checkpoint_every = CHECKPOINT_EVERY
     mine = checkpoints / run.method
     resumed = max((r for r, _ in list_checkpoints(mine)), default=0) if cfg.checkpoint_every and mine.is_dir() else 0
     method = resolve_method(run.method, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)

@@ -158,6 +158,15 @@ class VirtualClock:
     def __len__(self) -> int:
         return len(self._heap)
 
+    def state(self) -> list[list]:
+        """The scheduled arrivals as JSON values ([time, worker], in the heap's order): a checkpoint's."""
+        return [[t, w] for t, w in self._heap]
+
+    def load_state(self, state: list[list]) -> None:
+        """The arrivals `state()` returned, scheduled again in the same order."""
+        self._heap = [(float(t), int(w)) for t, w in state]
+        heapq.heapify(self._heap)
+
 
 @dataclass
 class Arrival:
@@ -392,6 +401,21 @@ class AsyncServer:
         self.since_refit = int(meta.get("since_refit", 0))
         self.accumulated = {k.removeprefix("async_acc/"): v.float().clone() for k, v in tensors.items()
                             if k.startswith("async_acc/")}
+
+    def pulls_state(self) -> tuple[dict[str, Tensor], dict]:
+        """The pulls not pushed yet (the reference trainer's checkpoints hold its rounds in flight, which the
+        Flower app's do not: its nodes pull again): the older bases they train in and how many hold each."""
+        tensors = {f"basis{b}/{n}": t for b, bases in self._bases.items() for n, t in bases.items()}
+        return tensors, {"held": {str(b): c for b, c in self._held.items()}, "bases": sorted(self._bases)}
+
+    def load_pulls_state(self, tensors: dict[str, Tensor], meta: dict) -> None:
+        self._held = {int(b): int(c) for b, c in meta["held"].items()}
+        self._bases = {}
+        for b in meta["bases"]:
+            prefix = f"basis{b}/"
+            saved = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            order = [*(n for n in self.lowrank.ranks if n in saved), *(n for n in saved if n not in self.lowrank.ranks)]
+            self._bases[int(b)] = {n: saved[n].clone() for n in order}  # in the ranks' order, as a fit makes them
 
 
 def async_record(window: list[tuple[Arrival, float | None]], workers: int, round_idx: int, tokens: int, step: int,

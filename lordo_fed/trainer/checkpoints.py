@@ -10,7 +10,8 @@ differ, before anything is written (docs/operations.md, "The reference trainer's
 
 What a checkpoint holds: the loop's tensors under prefixes of its own (synchronous rounds: the aggregator's
 `state_dict()` under `server/` and each worker's `flat_state()` under `worker<m>/`; DDP: θ, the one
-optimizer and the anchor of the server's bases), the RNG states, and in its metadata the run's settings,
+optimizer and the anchor of the server's bases; asynchronous rounds, whose records count as rounds: also the
+rounds in flight under `pending<w>/`, the older bases they train in and each worker's copy θ_c), the RNG states, and in its metadata the run's settings,
 the loop's counters, the wall-clock seconds trained so far and every record emitted so far, which the
 continued run emits again so that `<method>.jsonl` (and its TensorBoard log) holds the whole run once.
 """

@@ -25,7 +25,7 @@ class TrainConfig(CommonConfig):
     checkpoint_every: int = 0
     """Rounds between each method's checkpoints under out_dir/checkpoints/<method> (and one at its last round;
     0 = none): started again with the same settings, a killed run continues from its newest one
-    (lordo_fed.trainer.checkpoints; synchronous rounds and DDP)."""
+    (lordo_fed.trainer.checkpoints; an asynchronous method counts its records as rounds)."""
     diagnostics: bool = False
     """Log the stable rank of each round's averaged pseudo-gradient, its share in the shared subspace and
     the length it keeps of the replies' (`delta_retention`), and the workers' out-of-subspace share of the
@@ -45,11 +45,6 @@ class TrainConfig(CommonConfig):
         every = self.checkpoint_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"checkpoint_every={every!r}: expected an integer >= 0 (rounds between checkpoints; 0 = none)")
-        asynchronous = [m for m in self.methods if METHODS[m].loop == "async"]
-        if every and asynchronous:
-            raise ValueError(f"checkpoint_every={every} with the asynchronous methods {asynchronous}: the reference "
-                             "trainer checkpoints synchronous rounds and DDP only (the Flower app resumes asynchronous "
-                             "runs); expected checkpoint_every=0")
         self.async_rounds.validate(self.workers)
         if self.total_steps % self.rounds.local_steps and not self.rounds.late_local_steps:  # late: below
             raise ValueError(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from tqdm import tqdm
 
 from lordo_fed.data import Dataset
@@ -23,7 +23,7 @@ from lordo_fed.optim import LoRDO
 from lordo_fed.optim.config import resolved_proj_method
 from lordo_fed.optim.projection import get_projection_method
 from lordo_fed.rounds.bases import fit_projections, initial_projections
-from lordo_fed.rounds.async_rounds import AsyncServer, NodeCopies, VirtualClock, async_record
+from lordo_fed.rounds.async_rounds import Arrival, AsyncServer, NodeCopies, Pull, VirtualClock, async_record
 from lordo_fed.rounds.build import build_run
 from lordo_fed.rounds.methods import MethodSettings, make_worker
 from lordo_fed.rounds.relay import for_worker
@@ -190,7 +190,13 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     A worker's steps depend only on what it pulled and its own state, so they are computed when
     it pulls and its Δ is held until its arrival time: deterministic whatever the machine.
     A record every M pushes ("round" = pushes / M): tokens, virtual time, the staleness of the
-    pushes since the last record, replies dropped past `async_rounds.max_staleness`."""
+    pushes since the last record, replies dropped past `async_rounds.max_staleness`.
+
+    With `checkpoint_every=N` a checkpoint follows the grace window in which every N-th record (and the last)
+    was made: besides θ, the outer step and the workers' states, the rounds in flight (each worker's Δ as the
+    server will decode it, the version and basis it pulled, its arrival on the clock), the older bases those
+    rounds train in, each worker's copy θ_c and the loop's counters, so a continued run ends where the
+    uninterrupted one does, bit for bit (lordo_fed.trainer.checkpoints)."""
     cfg, data, acfg = ctx.cfg, ctx.cfg.data, ctx.cfg.async_rounds
     run = build_run(cfg, settings, ctx.dataset.vocab_size, ctx.device)
     model = run.model
@@ -199,7 +205,11 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
     workers = [run.worker(w, ctx.dataset.train_shards[w], cfg.total_steps, steps[w]) for w in range(M)]
     # θ, the outer step and (async LoRDO) the shared projections and averaged moments: the aggregator's
     aggregator = run.aggregator()
-    if aggregator.needs_gradient_init:
+    checkpoints = Checkpoints(ctx, settings.name)
+    resumed = checkpoints.load()  # a run started again: the server, the workers and the rounds in flight as saved
+    if resumed is not None:
+        aggregator.load_state_dict(part(resumed.tensors, "server/"))
+    elif aggregator.needs_gradient_init:
         request = aggregator.gradient_request()
         aggregator.init_projections([w.gradient(request, sorted(run.ranks)) for w in workers])
     server = AsyncServer(aggregator.params, aggregator.outer, settings.async_rule, acfg,
@@ -223,20 +233,43 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
                             opt_step=(r - 1) * steps[w] if pull.opt_step is None else pull.opt_step)
         state = copies.start_point(w, state, pull)  # a compressed downlink: the change from w's copy
         update = workers[w].train_round(state, progress=bar.worker_step)
-        pending[w] = (update, pull, tensor_bytes(state.tensors()))  # the update as sent: its bytes are counted
+        # the update as sent: its bytes are counted (up, and the state it was made from down)
+        pending[w] = (update, pull, tensor_bytes(update.tensors()), tensor_bytes(state.tensors()))
         clock.start(w, now, acfg.seconds(w, K))
 
-    ctx.emit({**_eval_record(ctx, model, settings, 0, 0, 0), "virtual_time": 0.0})  # θ0, before any training
-    for w in range(M):
-        start(w, 0.0)
     processed = tokens = 0
     window: list = []
     cum_sent = cum_received = 0  # over all workers: each push's reply (up) and the state it was made from (down)
+    if resumed is not None:
+        c = resumed.counters
+        server.load_state_dict(part(resumed.tensors, "async/"), c["server"])
+        if server.lowrank is not None:
+            server.load_pulls_state(part(resumed.tensors, "pulls/"), c["pulls"])
+        for w, meta in zip(workers, c["workers"]):
+            w.load_flat_state(part(resumed.tensors, f"worker{w.worker_id}/"), meta)
+        for w in c["copies"]:  # in θ's order, as a pull makes them
+            held = part(resumed.tensors, f"copy{w}/")
+            copies.copies[int(w)] = {n: held[n] for n in server.params}
+        for w, flight in c["pending"].items():
+            pending[int(w)] = (_update_of(part(resumed.tensors, f"pending{w}/"), flight["update"]),
+                               Pull({}, flight["version"], basis=flight["basis"]), flight["sent"], flight["received"])
+        clock.load_state(c["clock"])
+        committed, rounds_of, processed, tokens = c["committed"], list(c["rounds_of"]), c["processed"], c["tokens"]
+        cum_sent, cum_received = c["cum_sent"], c["cum_received"]
+        window = [(Arrival(**arrival), loss) for arrival, loss in c["window"]]
+        with torch.no_grad():  # θ as the last record left it (what a run resumed after its end returns)
+            for n, p in model.named_parameters():
+                p.copy_(server.params[n])
+        bar.skip(committed // (step_tokens * M))
+    else:
+        checkpoints.record({**_eval_record(ctx, model, settings, 0, 0, 0), "virtual_time": 0.0})  # θ0
+        for w in range(M):
+            start(w, 0.0)
     while pending:
         close, batch = clock.window(acfg.grace)
+        due = False
         for i, (t, w) in enumerate(batch):
-            update, pull, received = pending.pop(w)
-            sent = tensor_bytes(update.tensors())
+            update, pull, sent, received = pending.pop(w)
             update = as_received(update)
             cum_sent, cum_received = cum_sent + sent, cum_received + received
             arrival = server.push(update, pull, t)
@@ -264,9 +297,54 @@ def run_async(ctx: RunContext, settings: MethodSettings) -> nn.Module:
             window = []
             if r % cfg.eval_every == 0 or (last and not pending):
                 record.update(_eval_record(ctx, model, settings, r, record["step"], tokens))
-            ctx.emit(record)
+            checkpoints.record(record)
+            due = due or checkpoints.due(r, r if last and not pending else 0)
+        if due:  # after the window: its arrivals applied and its workers' next rounds in flight
+            _save_async(checkpoints, r, aggregator, server, workers, copies, pending, clock, window,
+                        {"committed": committed, "rounds_of": rounds_of, "processed": processed, "tokens": tokens,
+                         "cum_sent": cum_sent, "cum_received": cum_received})
     bar.close()
     return model
+
+
+def _save_async(checkpoints: Checkpoints, r: int, aggregator, server: AsyncServer, workers: list, copies: NodeCopies,
+                pending: dict, clock: VirtualClock, window: list, counters: dict) -> None:
+    """An asynchronous run's checkpoint after record `r` (`run_async`): each round in flight as the server will
+    decode it (`as_received`), under `pending<w>/`, with what it pulled and the bytes it counts."""
+    async_tensors, async_meta = server.state_dict()
+    parts = {"server/": aggregator.state_dict(), "async/": async_tensors}
+    pulls_meta = None
+    if server.lowrank is not None:
+        pulls_tensors, pulls_meta = server.pulls_state()
+        parts["pulls/"] = pulls_tensors
+    flat = [w.flat_state() for w in workers]
+    parts.update({f"worker{w.worker_id}/": tensors for w, (tensors, _) in zip(workers, flat)})
+    parts.update({f"copy{w}/": held for w, held in copies.copies.items()})
+    flights = {}
+    for w, (update, pull, sent, received) in pending.items():
+        update = as_received(update)
+        parts[f"pending{w}/"] = update.tensors()
+        flights[str(w)] = {"update": {"worker_id": update.worker_id, "round": update.round, "tokens": update.tokens,
+                                      "opt_step": update.opt_step, "metrics": update.metrics,
+                                      "keys": list(parts[f"pending{w}/"])},  # the order it was made in
+                           "version": pull.version, "basis": pull.basis, "sent": sent, "received": received}
+    checkpoints.save(r, parts, {**counters, "server": async_meta, "pulls": pulls_meta,
+                                "workers": [meta for _, meta in flat], "copies": sorted(copies.copies),
+                                "pending": flights, "clock": clock.state(),
+                                "window": [(dataclasses.asdict(a), loss) for a, loss in window]})
+
+
+def _update_of(tensors: dict[str, Tensor], meta: dict) -> WorkerUpdate:
+    """A round in flight as `_save_async` saved it (`WorkerUpdate.tensors()`' names, in the order it had)."""
+    ordered = {k: tensors[k] for k in meta["keys"]}
+
+    def group(prefix: str) -> dict[str, Tensor]:
+        return {k[len(prefix):]: v for k, v in ordered.items() if k.startswith(prefix)}
+
+    moments = {k: v for k, v in ordered.items() if not k.startswith(("delta/", "coords/"))}
+    return WorkerUpdate(worker_id=int(meta["worker_id"]), round=int(meta["round"]), delta=group("delta/"),
+                        moments=moments, tokens=int(meta["tokens"]), opt_step=int(meta["opt_step"]),
+                        metrics=dict(meta["metrics"]), coords=group("coords/"))
 
 
 def as_received(update: WorkerUpdate) -> WorkerUpdate:

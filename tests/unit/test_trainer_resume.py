@@ -11,7 +11,7 @@ from lordo_fed.checkpoint import CheckpointError, list_checkpoints
 from lordo_fed.data import DataConfig
 from lordo_fed.model import ModelConfig
 from lordo_fed.optim.config import InnerConfig
-from lordo_fed.rounds.config import RoundConfig
+from lordo_fed.rounds.config import AsyncConfig, RoundConfig
 from lordo_fed.rounds.methods import resolve_method
 from lordo_fed.trainer.cli import train
 from lordo_fed.trainer.config import TrainConfig
@@ -120,9 +120,35 @@ def test_checkpoint_every_bad_values(tmp_path, value, expected):
         config(tmp_path, "lordo_global", checkpoint_every=value)
 
 
-def test_asynchronous_methods_refuse_checkpoints(tmp_path):
-    with pytest.raises(ValueError, match=r"checkpoint_every=2 with the asynchronous methods \['heloco'\]"):
-        config(tmp_path, "heloco")
+UNEQUAL = dict(speeds=[1.0, 3.0], local_steps=[2, 3])
+"""Worker 1 three times slower, with its own local steps: its replies arrive stale, and records fall between the
+arrivals of a round in flight."""
+
+
+@pytest.mark.parametrize("method,extra", [
+    ("heloco", {"async_rounds": AsyncConfig(**UNEQUAL, grace=3.0, staleness_exponent=0.5)}),  # a window open at round 4
+    ("heloco_lordo", {"async_rounds": AsyncConfig(**UNEQUAL)}),
+    ("async_lordo", {"async_rounds": AsyncConfig(**UNEQUAL), "payload_dtype": "int8"}),
+    ("async_diloco", {"async_rounds": AsyncConfig(**UNEQUAL), "payload_dtype": "topk2bit-both-wide"}),
+], ids=["heloco-grace-staleness", "heloco_lordo", "async_lordo-int8", "async_diloco-topk2bit-both"])
+def test_a_killed_asynchronous_run_continued_ends_where_the_uninterrupted_run_ends(tmp_path, method, extra):
+    """On the virtual clock: the checkpoint holds the rounds in flight (the slow worker's Δ, made from an older θ
+    and, for async LoRDO, in an older basis), each worker's copy θ_c of a compressed downlink, the grace window's
+    arrivals; the continued run applies them as the uninterrupted one does."""
+    extra = {**extra, "total_steps": 16}  # 13 pushes or so: 7 records, checkpoints after the 2nd, 4th, ...
+    whole, whole_records = run(config(tmp_path / "whole", method, **extra))
+    assert max(r.get("staleness_max", 0) for r in whole_records) >= 1  # stale replies were in flight
+    cfg = config(tmp_path / "killed", method, **extra)
+    with pytest.raises(Killed):
+        run(cfg, kill_at_round=5)
+    saved = [r for r, _ in list_checkpoints(tmp_path / "killed" / "checkpoints" / method)]
+    assert saved and max(saved) < 5, saved
+    continued, records = run(cfg)
+    for name, p in whole.items():
+        assert torch.equal(continued[name], p), name
+    assert untimed(records) == untimed(whole_records)
+    again, records = run(cfg)  # started after its end: its last checkpoint loaded, nothing left to train
+    assert all(torch.equal(again[n], p) for n, p in whole.items()) and untimed(records) == untimed(whole_records)
 
 
 def test_a_continued_run_logs_each_step_to_tensorboard_once(tmp_path, monkeypatch):
