@@ -337,14 +337,10 @@ def _save_async(checkpoints: Checkpoints, r: int, aggregator, server: AsyncServe
 def _update_of(tensors: dict[str, Tensor], meta: dict) -> WorkerUpdate:
     """A round in flight as `_save_async` saved it (`WorkerUpdate.tensors()`' names, in the order it had)."""
     ordered = {k: tensors[k] for k in meta["keys"]}
-
-    def group(prefix: str) -> dict[str, Tensor]:
-        return {k[len(prefix):]: v for k, v in ordered.items() if k.startswith(prefix)}
-
     moments = {k: v for k, v in ordered.items() if not k.startswith(("delta/", "coords/"))}
-    return WorkerUpdate(worker_id=int(meta["worker_id"]), round=int(meta["round"]), delta=group("delta/"),
+    return WorkerUpdate(worker_id=int(meta["worker_id"]), round=int(meta["round"]), delta=part(ordered, "delta/"),
                         moments=moments, tokens=int(meta["tokens"]), opt_step=int(meta["opt_step"]),
-                        metrics=dict(meta["metrics"]), coords=group("coords/"))
+                        metrics=dict(meta["metrics"]), coords=part(ordered, "coords/"))
 
 
 def as_received(update: WorkerUpdate) -> WorkerUpdate:
