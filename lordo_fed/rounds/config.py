@@ -69,7 +69,8 @@ class RoundConfig:
     local_steps_ramp: List[int] = setting("local-steps-ramp", default_factory=list)
     """K of the first rounds, in order, before every later round runs K (e.g. 8,8,16 with K = 32: the
     first K steps in three rounds); their sum a multiple of K, so the later rounds keep K's grid
-    ([] = every round K; DDP ignores it: no rounds; docs/algorithm.md, "The first rounds")."""
+    ([] = every round K; a run may end inside it, where one of its rounds ends; DDP ignores it: no
+    rounds; docs/algorithm.md, "The first rounds")."""
 
     late_local_steps: int = setting("late-local-steps", 0)
     """K of every round that starts at or after global step `late_from_step` (e.g. 8 with K = 32 from the

@@ -46,20 +46,24 @@ class TrainConfig(CommonConfig):
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"checkpoint_every={every!r}: expected an integer >= 0 (rounds between checkpoints; 0 = none)")
         self.async_rounds.validate(self.workers)
-        if self.total_steps % self.rounds.local_steps and not self.rounds.late_local_steps:  # late: below
-            raise ValueError(
-                f"total_steps={self.total_steps} is not a multiple of rounds.local_steps={self.rounds.local_steps}: "
-                "every method must train on the same tokens in whole rounds"
-            )
-        ramp = list(self.rounds.local_steps_ramp)
-        if self.total_steps < sum(ramp):
-            raise ValueError(f"total_steps={self.total_steps} is shorter than rounds.local_steps_ramp={ramp!r} "
-                             f"(sum {sum(ramp)}): expected the ramp to fit in the run")
         rc = self.rounds
-        if rc.late_local_steps and rc.steps_before(rc.rounds_in(self.total_steps) + 1) != self.total_steps:
-            start = rc.steps_before(rc.first_late_round())
+        if rc.steps_before(rc.rounds_in(self.total_steps) + 1) == self.total_steps:
+            return self  # whole rounds: every method trains on the same tokens
+        ramp = list(rc.local_steps_ramp)
+        start = rc.steps_before(rc.first_late_round()) if rc.late_local_steps else None
+        if start is not None and self.total_steps > start:
             raise ValueError(f"total_steps={self.total_steps} with rounds.late_local_steps={rc.late_local_steps} from "
                              f"rounds.late_from_step={rc.late_from_step}: the late rounds start at step {start}, and the "
                              f"{self.total_steps - start} steps after it are not a whole number of them; expected every "
                              "method to train on the same tokens in whole rounds")
-        return self
+        if self.total_steps < sum(ramp):  # a run may end inside the ramp, at the end of one of its rounds
+            ends = [rc.steps_before(r + 1) for r in range(1, len(ramp) + 1)]
+            shown = ", ".join(map(str, ends[:8])) + (", ..." if len(ends) > 8 else "")
+            raise ValueError(f"total_steps={self.total_steps} ends inside round {rc.rounds_in(self.total_steps) + 1} of "
+                             f"rounds.local_steps_ramp={ramp!r}: expected a step its rounds end at ({shown}) or a "
+                             f"multiple of rounds.local_steps={rc.local_steps} from {sum(ramp)} on, so that every "
+                             "method trains on the same tokens in whole rounds")
+        raise ValueError(
+            f"total_steps={self.total_steps} is not a multiple of rounds.local_steps={rc.local_steps}: "
+            "every method must train on the same tokens in whole rounds"
+        )

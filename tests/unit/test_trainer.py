@@ -127,6 +127,25 @@ def test_a_ramp_with_one_worker_follows_the_plain_runs_path(tmp_path):
     assert all(r["delta_norm"] > 0 for r in ramp_records if r["round"])  # every round moved θ
 
 
+def test_a_run_that_ends_inside_the_ramp_is_the_run_with_the_ramp_cut_where_it_ends(tmp_path):
+    """A run may be shorter than `local_steps_ramp` if it ends where one of the ramp's rounds does (so a
+    ramp of 512 steps serves a run of 256): LoRDO-Global with M = 2 and int8 over 4 steps of the ramp
+    [1, 1, 2, 4] with K = 4 trains what the ramp [1, 1, 2] does, bit for bit (the same rounds, the same
+    schedule over T = 4)."""
+    def run(name: str, ramp: list[int]) -> dict:
+        cfg = tiny_config(tmp_path, out_dir=str(tmp_path / name), workers=2, total_steps=4, payload_dtype="int8",
+                          rounds=RoundConfig(local_steps=4, local_steps_ramp=ramp)).validate()
+        records: list = []
+        settings = resolve_method("lordo_global", cfg.inner, cfg.rounds, cfg.outer)
+        params = dict(run_rounds(context(cfg, records), settings).named_parameters())
+        assert [r["step"] for r in records if "val_loss" in r] == [0, 1, 2, 4], name
+        return params
+
+    cut, long = run("cut", [1, 1, 2]), run("long", [1, 1, 2, 4])
+    for name in cut:
+        torch.testing.assert_close(long[name], cut[name], rtol=0, atol=0, msg=name)
+
+
 def test_late_rounds_with_one_worker_follow_the_plain_runs_path(tmp_path):
     """As the ramp's test: rounds of 4, 4, then 2, 2, 2, 2 from step 8 (`late_local_steps`) must follow
     the plain run's path (K = 4 throughout) with one worker averaged every round."""
@@ -250,8 +269,9 @@ def test_summary_table_compares_bytes_with_ddp():
         (dict(rounds=RoundConfig(local_steps=2, local_steps_ramp=[1, 2])),
          r"rounds.local_steps_ramp=\[1, 2\]: expected integers > 0 whose sum is a multiple of rounds.local_steps=2"),
         (dict(rounds=RoundConfig(local_steps=2, local_steps_ramp=[0, 2])), r"local_steps_ramp=\[0, 2\]: expected integers > 0"),
-        (dict(rounds=RoundConfig(local_steps=2, local_steps_ramp=[2, 2, 2])),
-         r"total_steps=4 is shorter than rounds.local_steps_ramp=\[2, 2, 2\]"),
+        (dict(total_steps=2, rounds=RoundConfig(local_steps=2, local_steps_ramp=[1, 2, 1, 2])),
+         r"total_steps=2 ends inside round 2 of rounds.local_steps_ramp=\[1, 2, 1, 2\]: expected a step its rounds end "
+         r"at \(1, 3, 4, 6\) or a multiple of rounds.local_steps=2 from 6 on"),
         (dict(rounds=RoundConfig(local_steps=2, local_steps_ramp=[1, 1], overlap_delay=1)),
          r"rounds.overlap_delay=1 with rounds.local_steps_ramp=\[1, 1\]"),
         (dict(methods=["heloco"], rounds=RoundConfig(local_steps=2, local_steps_ramp=[1, 1])),
