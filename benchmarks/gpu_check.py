@@ -53,6 +53,11 @@ code-large's second seed at 64 rounds with spread validation windows, and LoRDO-
 after its switch; section 17, part twelve). Since (2026-12-02): the CPU ran that probe on the shipped corpora's
 two seeds at 16 rounds and on prose seed 0 at 64 (part thirteen). Since (2026-12-02, later): verse at 64 rounds, both seeds (part fourteen). Next on the GPU: the rest of 64 rounds,
 `--only corpora --corpora-args '--part exchanges --methods lordo_local --probes k8-int8,k8-int8-b0.9 --horizons 64'`.
+Since (2026-12-04): LoRDO-Global's `ramp2x256-int8` on every corpus and seed at both horizons (`--part exchanges
+--methods lordo_global --probes ramp2x256-int8 --seeds 0,1 --jobs 18`: the 18 runs of 64 rounds at once under MPS in
+368 s, the ramp's 340-350 s a run; section 17, part twenty). A call cut short leaves its runs' checkpoints in
+/tmp/gpu_check_corpora, and the next call on the same warm machine continues them (the 16-round ramp runs: cut at
+144 s, then done in 72 s); a fresh machine starts them again.
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH && python3 benchmarks/gpu_check.py --only tests,step16m,step125m
