@@ -171,7 +171,11 @@ declared with `setting` (lordo_fed.config). These, plus `preset`, are the keys o
 FLAT_KEYS: dict[str, str] = {k: f.dotted for k, f in FLAT.items()}
 """Flat key -> dotted field of AppConfig."""
 LIST_KEYS: dict[str, type] = {k: f.item_type for k, f in FLAT.items() if f.item_type is not None}
-"""Flat keys of list fields, written as comma-separated numbers ('1,1,4'; '' = []), and their item type."""
+"""Flat keys of list fields, written as comma-separated numbers ('1,1,4'; '' = []), and their item type;
+`value*count` repeats a value (`local-steps-ramp='2*256'`: 256 rounds of 2 steps)."""
+MAX_LIST_ITEMS = 100_000
+"""The most items a list key may expand to: a ramp of 100,000 rounds is past any run's, and a hostile
+`'2*10**12'`-sized count is refused before it is built."""
 
 
 def flat_defaults() -> dict[str, Any]:
@@ -182,16 +186,25 @@ def flat_defaults() -> dict[str, Any]:
 
 
 def _parse_list(key: str, value: str) -> list:
-    """'1, 1, 4' -> [1.0, 1.0, 4.0] (the item type of `LIST_KEYS[key]`); '' -> []."""
+    """'1, 1, 4' -> [1.0, 1.0, 4.0] (the item type of `LIST_KEYS[key]`); '2*3,4' -> [2, 2, 2, 4]; '' -> []."""
     kind = LIST_KEYS[key]
-    items = [v.strip() for v in value.split(",")] if value.strip() else []
-    try:
-        out = [kind(float(v)) if kind is float else int(v) for v in items]
-    except ValueError:
-        what = "integers" if kind is int else "numbers"
-        each = " (one per partition)" if key.startswith("async-") else ""
-        raise ValueError(f"run-config key {key!r}={value!r}: expected comma-separated {what} like '1,1,4'{each}, "
-                         "or '' for the default") from None
+    what = "integers" if kind is int else "numbers"
+    each = " (one per partition)" if key.startswith("async-") else ""
+    out: list = []
+    for item in ([v.strip() for v in value.split(",")] if value.strip() else []):
+        number, star, count = item.partition("*")
+        try:
+            times = int(count) if star else 1
+            parsed = kind(float(number)) if kind is float else int(number)
+        except ValueError:
+            raise ValueError(f"run-config key {key!r}={value!r}: expected comma-separated {what} like '1,1,4'{each} "
+                             f"(value*count repeats one: '2*256'), or '' for the default") from None
+        if times < 1:
+            raise ValueError(f"run-config key {key!r}={value!r}: {item!r} repeats {number.strip()} {times} times: "
+                             "expected a count >= 1")
+        if len(out) + times > MAX_LIST_ITEMS:
+            raise ValueError(f"run-config key {key!r}={value!r}: expected at most {MAX_LIST_ITEMS} items in all")
+        out.extend([parsed] * times)
     return out
 
 

@@ -33,7 +33,13 @@ RUN_CONFIG_CASES = [
     ("variant", "fedavg", f"run-config key 'variant': variant='fedavg': expected one of {VARIANTS}"),
     ("local-steps", 0, "run-config key 'local-steps': rounds.local_steps=0: expected an integer > 0"),
     ("local-steps-ramp", "8,x", "run-config key 'local-steps-ramp'='8,x': expected comma-separated integers like "
-                                "'1,1,4', or '' for the default"),
+                                "'1,1,4' (value*count repeats one: '2*256'), or '' for the default"),
+    ("local-steps-ramp", "8*x", "run-config key 'local-steps-ramp'='8*x': expected comma-separated integers like "
+                                "'1,1,4' (value*count repeats one: '2*256'), or '' for the default"),
+    ("local-steps-ramp", "8*0,32", "run-config key 'local-steps-ramp'='8*0,32': '8*0' repeats 8 0 times: expected a "
+                                   "count >= 1"),
+    ("local-steps-ramp", "32,1*100000", "run-config key 'local-steps-ramp'='32,1*100000': expected at most 100000 "
+                                        "items in all"),
     ("local-steps-ramp", "8,8", "run-config key 'local-steps-ramp': rounds.local_steps_ramp=[8, 8]: expected integers "
                                 "> 0 whose sum is a multiple of rounds.local_steps=32"),
     ("late-local-steps", 8, "run-config key 'late-local-steps': rounds.late_local_steps=8 with rounds.late_from_step=0: "
@@ -134,11 +140,12 @@ RUN_CONFIG_CASES = [
     ("async-max-staleness", -1, "run-config key 'async-max-staleness': async_rounds.max_staleness=-1: expected an "
                                 "integer >= 0 (0 = no bound)"),
     ("async-speeds", "1,x", "run-config key 'async-speeds'='1,x': expected comma-separated numbers like '1,1,4' (one "
-                            "per partition), or '' for the default"),
+                            "per partition) (value*count repeats one: '2*256'), or '' for the default"),
     ("async-speeds", "1,0", "run-config key 'async-speeds': async_rounds.speeds=[1.0, 0.0]: expected virtual seconds "
                             "per step > 0"),
     ("async-local-steps", "4,2.5", "run-config key 'async-local-steps'='4,2.5': expected comma-separated integers "
-                                   "like '1,1,4' (one per partition), or '' for the default"),
+                                   "like '1,1,4' (one per partition) (value*count repeats one: '2*256'), or '' for the "
+                                   "default"),
     ("async-local-steps", "4,0", "run-config key 'async-local-steps': async_rounds.local_steps=[4, 0]: expected "
                                  "integers > 0 (local steps per round of each worker)"),
 ]
@@ -198,6 +205,17 @@ def test_the_late_outer_lr_needs_rounds_to_be_late_in():
         resolve_method("heloco", InnerConfig(), rounds, OuterConfig(), OuterConfig(name="nesterov", late_lr=2.0))
     assert resolve_method("diloco", InnerConfig(), rounds, OuterConfig(),
                           OuterConfig(name="nesterov", late_lr=2.0)).outer.late_lr == 2.0
+
+
+def test_a_repeated_list_value_is_the_list_written_out():
+    """`value*count` in a list key is the same setting as the list written out in full: the K = 2 ramp of
+    docs/results.md (section 17, part twenty) as '2*256', against 256 twos; floats and a mix too."""
+    base = pyproject_config()
+    short = load_app_config({**base, "local-steps-ramp": "2*256", "payload-dtype": "int8"})
+    full = load_app_config({**base, "local-steps-ramp": ",".join(["2"] * 256), "payload-dtype": "int8"})
+    assert short == full and short.rounds.local_steps_ramp == [2] * 256
+    assert load_app_config({**base, "local-steps-ramp": "8*2, 16"}).rounds.local_steps_ramp == [8, 8, 16]
+    assert load_app_config({**base, "variant": "heloco", "async-speeds": "1*3,4"}).async_rounds.speeds == [1.0, 1.0, 1.0, 4.0]
 
 
 def test_good_edge_values_are_accepted():
