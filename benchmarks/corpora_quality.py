@@ -197,6 +197,8 @@ EXCHANGES: list[tuple[str, Trial]] = [
     derived("lordo_global", "ramp4x128-int8-m8", f"rounds.local_steps_ramp=[{','.join(['4'] * 128)}]", "payload_dtype=int8",
             "rounds.sync_exp_avg_every=8", "rounds.sync_exp_avg_sq_every=8"),
     derived("lordo_global", "ramp2x256-int8", f"rounds.local_steps_ramp=[{','.join(['2'] * 256)}]", "payload_dtype=int8"),
+    derived("lordo_global", "ramp2x256-4x128-int8", f"rounds.local_steps_ramp=[{','.join(['2'] * 256 + ['4'] * 128)}]",
+            "payload_dtype=int8"),
 ]
 """`--part exchanges`: the early-round gap against the bytes it is allowed, at today's defaults. Section 16
 closed it with more exchanges (K = 8: 4x the bytes); the int8 payload (within 1% of fp32, section 12)
@@ -223,7 +225,10 @@ with int8 for the first 512 steps only (`rounds.local_steps_ramp`: 128 rounds of
 rounds (docs/results.md, section 17, part eighteen); `-m8` also averages both moments every 8 rounds (32 steps in
 the ramp, as `k4-int8-m8`; 256 after it). `ramp2x256-int8` is the same ramp at K = 2 (256 rounds of 2, then K = 32
 with int8): whether twice the ramp's exchanges close the 16-round gap on the pairs K = 4 leaves above 3% (prose
-seed 0, verse seed 1; docs/results.md, section 17, part nineteen)."""
+seed 0, verse seed 1; docs/results.md, section 17, part nineteen). `ramp2x256-4x128-int8` adds 128 rounds of 4 after
+it (K = 32 from step 1,024): at 16 rounds it is `ramp2x256-int8`; at 64, whether K = 4 a while longer takes verse
+within 1% (K = 4 throughout did, part sixteen) without the overfitting on code that K = 4 throughout had (part
+twenty)."""
 
 def horizon_overrides(rounds: int, quick: bool) -> tuple[str, ...]:
     """`rounds` rounds of small_cpu's K = 32, eight evaluations (quick: rounds of QUICK_OVERRIDES' K = 4)."""
