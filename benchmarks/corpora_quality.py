@@ -31,6 +31,10 @@ continues where it stopped; --fresh reruns):
         --corpora code-large --horizons 64 --methods lordo_global,lordo_local --probes k8-int8,ef1-switch-lr0.5x
                                                           # a local corpus (here 30 MB of code, which 64 rounds
                                                           # read less than once), some probes only
+    python benchmarks/corpora_quality.py --part exchanges --horizons 64 --methods lordo_global \
+        --probes ramp2x256-4x128-int8 --reference benchmarks/results/cpu_corpora_exchanges_global_ramp4_r64.json
+                                                          # low-rank DDP and K = 32 read from a committed file
+                                                          # of this host type, only the probe trained
     python benchmarks/corpora_quality.py --quick          # tiny runs: two methods, two trials, every corpus
     python benchmarks/corpora_quality.py --part best-points --out benchmarks/results/cpu_corpora_best_points_r64.json
                                                           # no run: every 64-round run in the committed files,
@@ -51,10 +55,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 try:
-    from benchmarks.common import make_parser, new_figure, png_path, result_header, write_json
+    from benchmarks.common import machine_info, make_parser, new_figure, png_path, result_header, write_json
     from benchmarks.quality import QUICK_OVERRIDES, Run, execute
 except ImportError:  # run as `python benchmarks/corpora_quality.py`
-    from common import make_parser, new_figure, png_path, result_header, write_json
+    from common import machine_info, make_parser, new_figure, png_path, result_header, write_json
     from quality import QUICK_OVERRIDES, Run, execute
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -425,14 +429,15 @@ PROBES: dict[str, list[tuple[str, Trial]]] = {"early": EARLY, "late": LATE, "wor
 
 def early(train, rounds: int, out: str, quick: bool, part: str = "early", corpora: tuple[str, ...] = tuple(CORPORA),
           seeds: tuple[int, ...] = (0,), methods: tuple[str, ...] = tuple(METHODS), local: dict | None = None,
-          only: tuple[str, ...] = ()) -> None:
+          only: tuple[str, ...] = (), recorded: dict | None = None) -> None:
     """The `EARLY` (or `LATE`, `WORKERS`, `EXCHANGES`) probes of `methods` on every corpus and seed: validation
     perplexity and the gap to low-rank DDP (the probes' first run, always run) on the same corpus and seed, and the
     bytes against LoRDO-Global's own K = 32 run (the second; None when LoRDO-Global is not among `methods`);
     the figure beside the JSON plots every run of the lowest seed against tokens and bytes, and each row keeps its
     validation curve (`--part best-points` reads it).
     `local`: the local corpora's `local_corpora` entries, recorded with the result; `only`: the names of the
-    probes to run besides those two references (all when empty)."""
+    probes to run besides those two references (all when empty); `recorded`: more of the command's options for the
+    result's config (--device, --eval-windows, --reference)."""
     probes = PROBES[part]
     if quick:  # quick rounds are too short for K = 8
         probes = [EARLY[0], EARLY[1], EARLY[6]] if part == "early" else probes[:2]
@@ -452,6 +457,7 @@ def early(train, rounds: int, out: str, quick: bool, part: str = "early", corpor
               f"DDP {r['gap_lowrank_ddp']:+6.1%}  bytes {times}")
     result = result_header("corpora_quality", quick, {"part": part, "rounds": rounds, "seeds": list(seeds),
                                                       "corpora": list(corpora), "local_corpora": local or {},
+                                                      **(recorded or {}),
                                                       "probes": [{"method": m, "name": t.name, "overrides": list(t.overrides)}
                                                                  for m, t in probes]})
     result["rows"] = rows  # with their curves: `--part best-points` reads a probe part's file as it reads a table's
@@ -514,6 +520,63 @@ def best_points(files: list[Path], rounds: int, reference: str | None = None) ->
     return rows
 
 
+HOST_KEYS = ("cpu_model", "torch_cpu_capability", "torch")
+"""The fields of `machine_info` a committed run must share with this machine to stand in for one trained here: a
+run's figures depend on the CPU's kernels and torch's version bit for bit (benchmarks/common.py); the kernel's
+version in `platform` does not change them (docs/results.md, section 17, part twenty)."""
+
+
+def recorded_option(result: dict, key: str, flag: str, default: str) -> str:
+    """An option of the run that wrote `result`: its config's `key` where it records one, else the value of
+    `flag` in its command line (files written before the key was recorded), else `default`."""
+    if key in result.get("config", {}):
+        return str(result["config"][key])
+    found = re.search(rf"(?:^|\s){re.escape(flag)}[= ](\S+)", result.get("command", ""))
+    return found.group(1) if found else default
+
+
+def reference_rows(files: list[Path], machine: dict, quick: bool, device: str, windows: str) -> dict[tuple, dict]:
+    """`--reference`: the rows of committed result files of this benchmark by (corpus, method, trial, rounds,
+    seed), each with `reference` = its file and commit, and `overrides` = the trial's overrides as the file
+    records them (None where it does not) for `train` to compare with the trial it would run. A run found in
+    several files is taken from the last. Raises ValueError naming the file when one is not a corpora_quality
+    result, was --quick where this run is not (or the reverse), or ran on another host (`HOST_KEYS`), device or
+    eval windows than `machine`, `device` and `windows`: its runs would not be the runs this command trains."""
+    mine = {k: machine.get(k) for k in HOST_KEYS}
+    found: dict[tuple, dict] = {}
+    for path in files:
+        name = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"--reference {name}: not a readable JSON result ({err})") from None
+        if result.get("benchmark") != "corpora_quality":
+            raise ValueError(f"--reference {name}: a {result.get('benchmark')!r} result; expected a corpora_quality one")
+        if bool(result.get("quick")) != quick:
+            raise ValueError(f"--reference {name}: quick={bool(result.get('quick'))}, this run quick={quick}")
+        theirs = {k: result.get("machine", {}).get(k) for k in HOST_KEYS}
+        if theirs != mine:
+            raise ValueError(f"--reference {name}: measured on {theirs}; this machine is {mine}, and a run's figures "
+                             "depend on the host bit for bit: train the references here")
+        for key, flag, default, here in (("device", "--device", "auto", device),
+                                         ("eval_windows", "--eval-windows", "first", windows)):
+            there = recorded_option(result, key, flag, default)
+            if there != here:
+                raise ValueError(f"--reference {name}: ran with {flag} {there}; this run has {flag} {here}")
+        config = result.get("config", {})
+        overrides = {(p["method"], p["name"]): tuple(p["overrides"]) for p in config.get("probes", [])
+                     if "overrides" in p}
+        overrides |= {(m, t["name"]): tuple(t["overrides"]) for m, ts in config.get("trials", {}).items() for t in ts}
+        local = config.get("local_corpora", {})
+        commit = result.get("code", {}).get("commit")
+        for r in result.get("rows", []):
+            key = (r["corpus"], r["method"], r["trial"], r["rounds"], r["seed"])
+            found[key] = {**r, "reference": {"file": name, "commit": commit},
+                          "overrides": overrides.get((r["method"], r["trial"])),
+                          "local_corpus": local.get(r["corpus"])}
+    return found
+
+
 def main() -> None:
     parser = make_parser("corpora_quality", __doc__, "tiny runs: two methods, two trials each, every corpus (seconds)")
     parser.add_argument("--part", default="all", choices=("all", "tune", "table", *PROBES, "best-points"),
@@ -549,6 +612,11 @@ def main() -> None:
                         "committed figures were measured) or windows spread evenly over all of it (data.eval_windows; "
                         "on code-large the start is three files)")
     parser.add_argument("--fresh", action="store_true", help="rerun runs that already have a result in --work")
+    parser.add_argument("--reference", default="", help="comma-separated result files of this benchmark or glob "
+                        "patterns, relative to the repository root: a run they hold (the same corpus and its text, "
+                        "method, trial and its overrides, rounds and seed) is read from them instead of trained, when "
+                        "they ran on this host type, device and eval windows; its row names the file and commit "
+                        "(e.g. a probe's low-rank DDP reference from an earlier part)")
     parser.add_argument("--best", default="", help="the table's trial of each method, skipping the tuning, e.g. "
                         "'lowrank_ddp=ef0.9,lordo_global=ef0.9' (the best of an earlier tuning: a device session "
                         "that has time for the table only)")
@@ -622,14 +690,34 @@ def main() -> None:
     started = time.perf_counter()
 
     def train(runs: list[tuple[str, str, Trial, int, int]]) -> list[dict]:
-        specs = [(c, paths[c], m, t, h, s, args.quick, work, args.fresh, base) for c, m, t, h, s in runs]
-        if args.jobs == 1:
-            return [_train(spec) for spec in specs]
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
+        """The rows of `runs` in order: read from --reference where it holds the run, trained (or read from the
+        cache under --work) otherwise."""
+        rows: dict[int, dict] = {}
+        for i, (c, m, t, h, s) in enumerate(runs):
+            ref = references.get((c, m, t.name, h, s))
+            if ref is None:
+                continue
+            if ref["overrides"] != t.overrides:
+                parser.error(f"--reference {ref['reference']['file']}: its {m} trial {t.name!r} has overrides "
+                             f"{ref['overrides']}; this one has {t.overrides}")
+            if c in local and (ref["local_corpus"] or {}).get("sha256") != local[c].get("sha256"):
+                parser.error(f"--reference {ref['reference']['file']}: its corpus {c!r} is other text than "
+                             f"{paths[c]} (sha256 {(ref['local_corpus'] or {}).get('sha256')} against "
+                             f"{local[c].get('sha256')})")
+            rows[i] = {k: v for k, v in ref.items() if k not in ("overrides", "local_corpus")}
+            print(f"{c}_{m}_{t.name}_R{h}_s{s}: val ppl {ref['val_ppl']:.3f} (from {ref['reference']['file']})")
+        specs = [(c, paths[c], m, t, h, s, args.quick, work, args.fresh, base)
+                 for i, (c, m, t, h, s) in enumerate(runs) if i not in rows]
+        if args.jobs == 1 or len(specs) < 2:
+            trained = [_train(spec) for spec in specs]
+        else:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return list(pool.map(_train, specs))
+            with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+                trained = list(pool.map(_train, specs))
+        fresh = iter(trained)
+        return [rows[i] if i in rows else next(fresh) for i in range(len(runs))]
 
     paths = dict(CORPORA)
     for entry in args.corpus:
@@ -642,6 +730,17 @@ def main() -> None:
                          "a large code corpus)")
         paths[name] = Path(path).resolve()
     local = {c: local_corpus(paths[c]) for c in paths if c not in CORPORA}
+    reference_files = [Path(f) for pattern in args.reference.split(",") if pattern
+                       for f in (sorted(glob.glob(str(ROOT / pattern))) or [ROOT / pattern])]
+    absent = [str(f) for f in reference_files if not f.is_file()]
+    if absent:
+        parser.error(f"--reference {args.reference!r}: no result file at {absent}")
+    try:
+        references = reference_rows(reference_files, machine_info(), args.quick, args.device, args.eval_windows)
+    except ValueError as err:
+        parser.error(str(err))
+    recorded = {"device": args.device, "eval_windows": args.eval_windows,
+                "references": [str(f.relative_to(ROOT)) if f.is_relative_to(ROOT) else str(f) for f in reference_files]}
     corpora = tuple(c for c in args.corpora.split(",") if c)
     if not corpora or any(c not in paths for c in corpora):
         parser.error(f"--corpora {args.corpora!r}: expected some of {list(paths)}")
@@ -654,7 +753,8 @@ def main() -> None:
         if unknown:
             parser.error(f"--probes {args.probes!r}: no probe of --part {args.part} named {unknown}; its probes: "
                          f"{[t.name for _, t in PROBES[args.part]]}")
-        early(train, horizons[0], out, args.quick, args.part, corpora, tuple(seeds), tuple(methods), local, only)
+        early(train, horizons[0], out, args.quick, args.part, corpora, tuple(seeds), tuple(methods), local, only,
+              recorded)
         return
     given = parse_best(args.best, methods, trials) if args.best else None
     if isinstance(given, str):
@@ -665,7 +765,7 @@ def main() -> None:
         "base": f"examples/reference/{CONFIG}.yaml" + (" + " + " ".join(QUICK_OVERRIDES) if args.quick else ""),
         "corpora": {k: str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
                     for k, p in paths.items() if k in corpora or (not given and k in CORPORA)},
-        "local_corpora": local,
+        "local_corpora": local, **recorded,
         "methods": methods,
         "horizons": list(horizons), "seeds": seeds,
         "trials": {m: [{"name": t.name, "overrides": list(t.overrides)} for t in trials[m]] for m in methods}})

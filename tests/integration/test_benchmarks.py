@@ -195,6 +195,48 @@ def test_corpora_quality_quick(tmp_path):
         assert bad.returncode == 2 and expected in bad.stderr, bad.stderr
 
 
+def test_corpora_quality_reads_committed_runs_instead_of_training_them(tmp_path):
+    """--reference: a second probe part over seeds 0 and 1 reads seed 0 from the first part's result file, row for
+    row as that part trained it, and trains seed 1 only; a file from another host, another trial or other eval
+    windows is refused by name."""
+    first = run_quick("corpora_quality.py", tmp_path, "--part", "early", "--corpora", "verse",
+                      "--work", str(tmp_path / "w1"))
+    (tmp_path / "first.json").write_text(json.dumps(first))
+    second = run_quick("corpora_quality.py", tmp_path, "--part", "early", "--corpora", "verse", "--seeds", "0,1",
+                       "--reference", str(tmp_path / "first.json"), "--work", str(tmp_path / "w2"))
+    assert second["config"]["references"] == [str(tmp_path / "first.json")]
+    assert second["config"]["device"] == "auto" and second["config"]["eval_windows"] == "first"
+    read = [r for r in second["rows"] if r["seed"] == 0]
+    assert len(read) == len(first["rows"]) == 3
+    for r, o in zip(read, first["rows"]):
+        assert r["reference"] == {"file": str(tmp_path / "first.json"), "commit": first["code"]["commit"]}
+        assert {k: v for k, v in r.items() if k != "reference"} == o  # the same run, curve and gaps included
+    trained = sorted(p.name for p in (tmp_path / "w2").iterdir())
+    assert len(trained) == 3 and all(name.endswith("_s1") for name in trained)
+    assert all("reference" not in r and r["seed"] == 1 for r in second["rows"][3:])
+
+    def refused(result: dict, *args: str) -> str:
+        (tmp_path / "bad.json").write_text(json.dumps(result))
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "corpora_quality.py"), "--quick", "--part",
+                               "early", "--corpora", "verse", "--reference", str(tmp_path / "bad.json"),
+                               "--work", str(tmp_path / "w3"), "--out", str(tmp_path / "bad_out.json"), *args],
+                              capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT,
+                              timeout=120)
+        assert proc.returncode == 2 and not (tmp_path / "w3").exists(), proc.stderr
+        return proc.stderr
+
+    assert "measured on {'cpu_model': 'Other CPU'" in refused(
+        {**first, "machine": {**first["machine"], "cpu_model": "Other CPU"}})
+    changed = json.loads(json.dumps(first))
+    changed["config"]["probes"][1]["overrides"] = ["inner.ef_decay=0.5"]
+    assert f"its lordo_global trial {first['rows'][1]['trial']!r} has overrides ('inner.ef_decay=0.5',)" in refused(
+        changed)
+    assert "ran with --eval-windows first; this run has --eval-windows spread" in refused(
+        first, "--eval-windows", "spread")
+    assert "quick=False, this run quick=True" in refused({**first, "quick": False})
+    assert "expected a corpora_quality one" in refused({**first, "benchmark": "quality"})
+
+
 def test_corpora_quality_trials_and_goal():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from corpora_quality import PROBES, TRIALS, Trial, gaps, goal, parse_best
