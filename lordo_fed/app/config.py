@@ -189,7 +189,7 @@ def _parse_list(key: str, value: str) -> list:
     """'1, 1, 4' -> [1.0, 1.0, 4.0] (the item type of `LIST_KEYS[key]`); '2*3,4' -> [2, 2, 2, 4]; '' -> []."""
     kind = LIST_KEYS[key]
     what = "integers" if kind is int else "numbers"
-    each = " (one per partition)" if key.startswith("async-") else ""
+    each = ", one per partition," if key.startswith("async-") else ""
     out: list = []
     for item in ([v.strip() for v in value.split(",")] if value.strip() else []):
         number, star, count = item.partition("*")
@@ -197,7 +197,7 @@ def _parse_list(key: str, value: str) -> list:
             times = int(count) if star else 1
             parsed = kind(float(number)) if kind is float else int(number)
         except ValueError:
-            raise ValueError(f"run-config key {key!r}={value!r}: expected comma-separated {what} like '1,1,4'{each} "
+            raise ValueError(f"run-config key {key!r}={value!r}: expected comma-separated {what}{each} like '1,1,4' "
                              f"(value*count repeats one: '2*256'), or '' for the default") from None
         if times < 1:
             raise ValueError(f"run-config key {key!r}={value!r}: {item!r} repeats {number.strip()} {times} times: "

@@ -139,12 +139,12 @@ RUN_CONFIG_CASES = [
     ("async-match-speed", "yes", "run-config key 'async-match-speed'='yes': expected true or false like the default False"),
     ("async-max-staleness", -1, "run-config key 'async-max-staleness': async_rounds.max_staleness=-1: expected an "
                                 "integer >= 0 (0 = no bound)"),
-    ("async-speeds", "1,x", "run-config key 'async-speeds'='1,x': expected comma-separated numbers like '1,1,4' (one "
-                            "per partition) (value*count repeats one: '2*256'), or '' for the default"),
+    ("async-speeds", "1,x", "run-config key 'async-speeds'='1,x': expected comma-separated numbers, one per "
+                            "partition, like '1,1,4' (value*count repeats one: '2*256'), or '' for the default"),
     ("async-speeds", "1,0", "run-config key 'async-speeds': async_rounds.speeds=[1.0, 0.0]: expected virtual seconds "
                             "per step > 0"),
-    ("async-local-steps", "4,2.5", "run-config key 'async-local-steps'='4,2.5': expected comma-separated integers "
-                                   "like '1,1,4' (one per partition) (value*count repeats one: '2*256'), or '' for the "
+    ("async-local-steps", "4,2.5", "run-config key 'async-local-steps'='4,2.5': expected comma-separated integers, "
+                                   "one per partition, like '1,1,4' (value*count repeats one: '2*256'), or '' for the "
                                    "default"),
     ("async-local-steps", "4,0", "run-config key 'async-local-steps': async_rounds.local_steps=[4, 0]: expected "
                                  "integers > 0 (local steps per round of each worker)"),
