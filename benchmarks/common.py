@@ -75,6 +75,17 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+HOST_KEYS = ("cpu_model", "torch_cpu_capability", "torch")
+"""The fields of `machine_info` that two runs must share to compare bit for bit: the CPU's kernels and torch's
+version change a run's roundings (see `machine_info`); the kernel's version in `platform` does not
+(docs/results.md, section 17, part twenty)."""
+
+
+def host_of(machine: dict[str, Any]) -> dict[str, Any]:
+    """The `HOST_KEYS` of a `machine_info` record (None where it lacks one)."""
+    return {k: machine.get(k) for k in HOST_KEYS}
+
+
 def make_parser(name: str, doc: str | None, quick_help: str) -> argparse.ArgumentParser:
     """An ArgumentParser with `--quick` and `--out` (default benchmarks/results/<name>.json)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -55,10 +55,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 try:
-    from benchmarks.common import machine_info, make_parser, new_figure, png_path, result_header, write_json
+    from benchmarks.common import host_of, machine_info, make_parser, new_figure, png_path, result_header, write_json
     from benchmarks.quality import QUICK_OVERRIDES, Run, execute
 except ImportError:  # run as `python benchmarks/corpora_quality.py`
-    from common import machine_info, make_parser, new_figure, png_path, result_header, write_json
+    from common import host_of, machine_info, make_parser, new_figure, png_path, result_header, write_json
     from quality import QUICK_OVERRIDES, Run, execute
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -345,7 +345,8 @@ def row_of(result: dict, corpus: str, trial: str, rounds: int, seed: int) -> dic
     best = {"best_val_ppl": best_ppl, "best_tokens": best_tokens} if math.isfinite(best_ppl) else {}
     return {"corpus": corpus, "method": result["method"], "trial": trial, "rounds": rounds, "seed": seed,
             "val_loss": result["val_loss"], "val_ppl": result["val_ppl"], "bytes_per_worker": result["curve"]["bytes"][-1],
-            "tokens": result["curve"]["tokens"][-1], **best, "wall_seconds": result["wall_seconds"], "curve": result["curve"]}
+            "tokens": result["curve"]["tokens"][-1], **best, "wall_seconds": result["wall_seconds"],
+            **({"commit": result["code"]["commit"]} if "code" in result else {}), "curve": result["curve"]}
 
 
 def _train(spec: tuple) -> dict:
@@ -520,12 +521,6 @@ def best_points(files: list[Path], rounds: int, reference: str | None = None) ->
     return rows
 
 
-HOST_KEYS = ("cpu_model", "torch_cpu_capability", "torch")
-"""The fields of `machine_info` a committed run must share with this machine to stand in for one trained here: a
-run's figures depend on the CPU's kernels and torch's version bit for bit (benchmarks/common.py); the kernel's
-version in `platform` does not change them (docs/results.md, section 17, part twenty)."""
-
-
 def recorded_option(result: dict, key: str, flag: str, default: str) -> str:
     """An option of the run that wrote `result`: its config's `key` where it records one, else the value of
     `flag` in its command line (files written before the key was recorded), else `default`."""
@@ -540,9 +535,10 @@ def reference_rows(files: list[Path], machine: dict, quick: bool, device: str, w
     seed), each with `reference` = its file and commit, and `overrides` = the trial's overrides as the file
     records them (None where it does not) for `train` to compare with the trial it would run. A run found in
     several files is taken from the last. Raises ValueError naming the file when one is not a corpora_quality
-    result, was --quick where this run is not (or the reverse), or ran on another host (`HOST_KEYS`), device or
-    eval windows than `machine`, `device` and `windows`: its runs would not be the runs this command trains."""
-    mine = {k: machine.get(k) for k in HOST_KEYS}
+    result, was --quick where this run is not (or the reverse), or ran on another host, device or
+    eval windows than `machine` (`host_of`), `device` and `windows`: its runs would not be the runs this command
+    trains."""
+    mine = host_of(machine)
     found: dict[tuple, dict] = {}
     for path in files:
         name = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
@@ -554,7 +550,7 @@ def reference_rows(files: list[Path], machine: dict, quick: bool, device: str, w
             raise ValueError(f"--reference {name}: a {result.get('benchmark')!r} result; expected a corpora_quality one")
         if bool(result.get("quick")) != quick:
             raise ValueError(f"--reference {name}: quick={bool(result.get('quick'))}, this run quick={quick}")
-        theirs = {k: result.get("machine", {}).get(k) for k in HOST_KEYS}
+        theirs = host_of(result.get("machine", {}))
         if theirs != mine:
             raise ValueError(f"--reference {name}: measured on {theirs}; this machine is {mine}, and a run's figures "
                              "depend on the host bit for bit: train the references here")

@@ -87,7 +87,8 @@ STEPS = ("tests", "step16m", "step125m", "memory", "round125m", "dataplane", "ov
 CORPORA_RUNS = RESULTS / "gpu_corpora_runs.tar.gz"
 """Every corpora run a GPU session finished (each run's result.json): the `corpora` step starts from
 it as corpora_quality's cache and writes it back with the new runs added, so each session trains
-only what is missing (docs/results.md, section 17)."""
+only what is missing (docs/results.md, section 17). Each run records the commit it trained at and its host
+(CPU, torch, GPU); one from another host trains anew (`unpack_corpora_runs`)."""
 CORPORA_WORK = Path(tempfile.gettempdir()) / "gpu_check_corpora"
 
 
@@ -130,15 +131,23 @@ def commands(step: str, device: str, quick: bool, out_dir: Path, corpora_args: t
     raise ValueError(f"unknown step {step!r}: expected one of {STEPS}")
 
 
-def unpack_corpora_runs(archive: Path, work: Path) -> int:
-    """Extract the finished runs (`CORPORA_RUNS`) into corpora_quality's --work folder; how many."""
+def unpack_corpora_runs(archive: Path, work: Path, host: dict | None = None) -> int:
+    """Extract the finished runs (`CORPORA_RUNS`) into corpora_quality's --work folder; how many. With `host`
+    (what a run trained here records: benchmarks/quality.py `execute`), a run that records another host is left
+    out, printed, and trains anew: its figures would not be this machine's (runs from before the record stay)."""
     work.mkdir(parents=True, exist_ok=True)
     if not archive.is_file():
         return 0
     with tarfile.open(archive) as tar:
         members = [m for m in tar.getmembers() if m.isfile() and m.name.endswith("/result.json")]
         tar.extractall(work, members=members, filter="data")  # plain files inside `work` only
-    return len(members)
+    other = [m.name for m in members if host is not None and json.loads((work / m.name).read_text()).get("host", host) != host]
+    for name in other:
+        (work / name).unlink()
+    if other:
+        print(f"[gpu_check] corpora: {len(other)} cached runs trained on another host than {host} train anew, e.g. "
+              f"{other[0]}", flush=True)
+    return len(members) - len(other)
 
 
 def pack_corpora_runs(work: Path, archive: Path) -> int:
@@ -187,6 +196,17 @@ def pytest_counts(output: str) -> dict[str, int]:
     return {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", output)}
 
 
+def run_host(device: str) -> dict:
+    """The host a corpora run trained here records (benchmarks/quality.py `execute`)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.common import host_of, machine_info
+    from benchmarks.quality import torch_device_name
+    from lordo_fed.device import pick_device
+
+    return {**host_of(machine_info()), "device": torch_device_name(pick_device(device))}
+
+
 def machine() -> dict:
     """`benchmarks.common.machine_info` with the CUDA version and the GPU."""
     import torch
@@ -231,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         argv_, out, timeout = commands(step, args.device, args.quick, args.out_dir, tuple(args.corpora_args.split()))
         step_env = env
         if step == "corpora" and not args.quick:
-            print(f"[gpu_check] corpora: {unpack_corpora_runs(CORPORA_RUNS, CORPORA_WORK)} finished runs from "
+            print(f"[gpu_check] corpora: {unpack_corpora_runs(CORPORA_RUNS, CORPORA_WORK, run_host(args.device))} "
+                  f"finished runs from "
                   f"{CORPORA_RUNS.name}", flush=True)
             step_env = start_mps(env) if args.device == "cuda" else env
         if deadline is not None:

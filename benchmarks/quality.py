@@ -39,9 +39,9 @@ from lordo_fed.checkpoint import list_checkpoints
 from lordo_fed.rounds.methods import METHODS, resolve_method
 
 try:
-    from benchmarks.common import make_parser, new_figure, png_path, result_header, write_json
+    from benchmarks.common import code_info, host_of, machine_info, make_parser, new_figure, png_path, result_header, write_json
 except ImportError:  # run as `python benchmarks/quality.py`
-    from common import make_parser, new_figure, png_path, result_header, write_json
+    from common import code_info, host_of, machine_info, make_parser, new_figure, png_path, result_header, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "examples" / "reference"
@@ -141,6 +141,13 @@ def compose(run: Run, quick: bool, out_dir: Path, base: tuple[str, ...] = (), co
     return OmegaConf.to_object(raw)
 
 
+def torch_device_name(device) -> str:
+    """"cpu", or a CUDA device's name (a run's roundings depend on the GPU model as on the CPU's kernels)."""
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
 CHECKPOINT_EVERY = 8
 """Rounds between the checkpoints of a benchmark's run (`checkpoint_every`; asynchronous methods: records): a run
 killed part-way continues from its newest one when the benchmark is started again, and ends as it would have
@@ -152,17 +159,27 @@ def execute(run: Run, quick: bool, work: Path, fresh: bool, base: tuple[str, ...
     """Train one run (or load its cached result, or continue it from its checkpoint); returns its summary and
     curves (validation loss against rounds, tokens and the bytes a worker sent and received so far).
     `resumed_from_round`: the round a killed run continued from (0: trained in one go); `wall_seconds`: the
-    method's training, a killed run's part before its kill included (the trainer's summary `seconds`)."""
+    method's training, a killed run's part before its kill included (the trainer's summary `seconds`).
+    Each result records the commit it was trained at (`code`) and its host (`host_of` and the device it trained
+    on: "cpu" or the GPU's name); a cached result trained
+    on another host is refused, naming both, since its figures would not be this machine's (results that predate
+    the record are read as they are)."""
     from lordo_fed.trainer.cli import train
 
     out_dir = work / run.label
     done = out_dir / "result.json"
+    cfg = compose(run, quick, out_dir, base, config)
+    device = pick_device(cfg.device)
+    host = {**host_of(machine_info()), "device": torch_device_name(device)}
     if done.exists() and not fresh:
-        return json.loads(done.read_text())
+        cached = json.loads(done.read_text())
+        if cached.get("host", host) != host:
+            raise ValueError(f"{done}: trained on {cached['host']}; this machine is {host}, and a run's figures "
+                             "depend on the host bit for bit: train it here (--fresh, or another --work)")
+        return cached
     checkpoints = out_dir / "checkpoints"
     if fresh:
         shutil.rmtree(checkpoints, ignore_errors=True)
-    cfg = compose(run, quick, out_dir, base, config)
     cfg.checkpoint_every = CHECKPOINT_EVERY
     mine = checkpoints / run.method
     resumed = max((r for r, _ in list_checkpoints(mine)), default=0) if cfg.checkpoint_every and mine.is_dir() else 0
@@ -175,9 +192,10 @@ def execute(run: Run, quick: bool, work: Path, fresh: bool, base: tuple[str, ...
         "label": run.label, "group": run.group, "method": run.method, "overrides": list(run.overrides),
         "rank": cfg.inner.rank, "omega": cfg.inner.omega, "K": cfg.rounds.local_steps, "M": cfg.workers,
         **{k: getattr(method.inner, k) for k in ("lr", "ef_decay")},  # the method's own where the run left them
-        "B": cfg.data.batch_size, "proj_method": resolved_proj_method(cfg.inner, pick_device(cfg.device)),
+        "B": cfg.data.batch_size, "proj_method": resolved_proj_method(cfg.inner, device),
         "seed": cfg.seed, **summary,
         "wall_seconds": summary["seconds"], "resumed_from_round": resumed,
+        "code": {k: v for k, v in code_info().items() if k != "package"}, "host": host,
         "curve": {"round": [r["round"] for r in evals], "tokens": [r["tokens"] for r in evals],
                   "val_loss": [r["val_loss"] for r in evals],
                   "bytes": [r.get("cum_bytes_sent_per_worker", 0) + r.get("cum_bytes_received_per_worker", 0)

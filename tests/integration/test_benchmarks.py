@@ -202,6 +202,7 @@ def test_corpora_quality_reads_committed_runs_instead_of_training_them(tmp_path)
     first = run_quick("corpora_quality.py", tmp_path, "--part", "early", "--corpora", "verse",
                       "--work", str(tmp_path / "w1"))
     (tmp_path / "first.json").write_text(json.dumps(first))
+    assert {r["commit"] for r in first["rows"]} == {first["code"]["commit"]}  # each run names its code
     second = run_quick("corpora_quality.py", tmp_path, "--part", "early", "--corpora", "verse", "--seeds", "0,1",
                        "--reference", str(tmp_path / "first.json"), "--work", str(tmp_path / "w2"))
     assert second["config"]["references"] == [str(tmp_path / "first.json")]
@@ -573,6 +574,14 @@ def test_gpu_check_carries_the_corpora_runs_between_sessions(tmp_path):
     with pytest.raises(tarfile.OutsideDestinationError):
         unpack_corpora_runs(hostile, tmp_path / "w2")
     assert not (tmp_path / "escaped").exists()
+    # a run that records its host stays where it is this machine's and trains anew where it is not
+    here = {"cpu_model": "This CPU", "torch_cpu_capability": "AVX512", "torch": "2.13.0", "device": "NVIDIA H200"}
+    for name, host in (("same", here), ("other", {**here, "device": "NVIDIA A100"})):
+        (work / name).mkdir()
+        (work / name / "result.json").write_text(json.dumps({"val_ppl": 4.2, "host": host}))
+    pack_corpora_runs(work, tmp_path / "hosts.tar.gz")
+    assert unpack_corpora_runs(tmp_path / "hosts.tar.gz", tmp_path / "w3", here) == len(committed) + 2
+    assert (tmp_path / "w3" / "same" / "result.json").exists() and not (tmp_path / "w3" / "other" / "result.json").exists()
 
 
 @pytest.mark.extended

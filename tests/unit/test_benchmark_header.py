@@ -3,12 +3,14 @@ commit, and where `lordo_fed` came from, with a warning when that is another tre
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.common import ROOT, code_info, result_header
 
@@ -36,3 +38,25 @@ def test_a_package_from_another_tree_is_warned_about_and_recorded(tmp_path, monk
     err = capsys.readouterr().err
     assert f"lordo_fed is imported from {elsewhere.resolve()}, not from this tree ({ROOT})" in err
     assert f"PYTHONPATH={ROOT}" in err
+
+
+def test_a_cached_run_trained_on_another_host_is_refused_by_name(tmp_path):
+    """quality.execute (every quality benchmark's runs) reads a cached result only where it was trained on this
+    host type, or where it predates the record; another host's is refused naming both hosts."""
+    from benchmarks.common import host_of, machine_info
+    from benchmarks.quality import Run, execute
+
+    run = Run("cached", "test", "lordo_global", ("total_steps=8",))
+    (tmp_path / run.label).mkdir()
+    here = {**host_of(machine_info()), "device": "cpu"}  # the quick runs' device on a machine without CUDA
+    if torch.cuda.is_available():
+        pytest.skip("the quick run would train on CUDA: its host record names the GPU")
+    for host in (here, None):  # this host's, and one from before results recorded theirs
+        cached = {"val_loss": 1.5, **({"host": host} if host else {})}
+        (tmp_path / run.label / "result.json").write_text(json.dumps(cached))
+        assert execute(run, True, tmp_path, False) == cached
+    other = {**here, "cpu_model": "Other CPU"}
+    (tmp_path / run.label / "result.json").write_text(json.dumps({"val_loss": 1.5, "host": other}))
+    with pytest.raises(ValueError, match=r"result\.json: trained on \{'cpu_model': 'Other CPU'.*this machine is "
+                                         r"\{'cpu_model': .*train it here \(--fresh, or another --work\)"):
+        execute(run, True, tmp_path, False)
