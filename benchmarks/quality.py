@@ -131,8 +131,10 @@ def compose(run: Run, quick: bool, out_dir: Path, base: tuple[str, ...] = (), co
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
+    from lordo_fed.config import register_resolvers
     from lordo_fed.trainer.config import TrainConfig
 
+    register_resolvers()
     ConfigStore.instance().store(name="reference", node=TrainConfig)
     overrides = [f"methods=[{run.method}]", f"out_dir={out_dir}", "progress=false", *base,
                  *(QUICK_OVERRIDES if quick else ()), *run.overrides]

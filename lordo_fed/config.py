@@ -29,6 +29,67 @@ SECTION = "lordo_fed.section"
 """Field metadata: a nested dataclass whose settings have flat keys of their own."""
 
 
+MAX_LIST_ITEMS = 100_000
+"""The most items a list setting written with `value*count` may expand to (a typo such as '2*2560000' is refused
+before anything is allocated)."""
+
+
+class ListSyntaxError(ValueError):
+    """An item of a written-out list that is neither a value nor `value*count`."""
+
+
+def expand_repeats(value: str, parse: Callable[[str], Any]) -> list:
+    """A list setting as written, comma-separated, where `value*count` repeats a value: '2*3,4' -> [2, 2, 2, 4]
+    with `parse` = int; '' -> []. The Flower app's list keys (`local-steps-ramp='2*256'`) and the reference
+    trainer's `${repeat:...}` (`rounds.local_steps_ramp='${repeat:2*256}'`) both read this grammar. Raises
+    ListSyntaxError naming the item `parse` or the count does not read, and ValueError for a count below 1 or more
+    than `MAX_LIST_ITEMS` items in all."""
+    out: list = []
+    for item in ([v.strip() for v in value.split(",")] if value.strip() else []):
+        number, star, count = item.partition("*")
+        try:
+            times = int(count) if star else 1
+            parsed = parse(number)
+        except ValueError:
+            raise ListSyntaxError(item) from None
+        if times < 1:
+            raise ValueError(f"{item!r} repeats {number.strip()} {times} times: expected a count >= 1")
+        if len(out) + times > MAX_LIST_ITEMS:
+            raise ValueError(f"expected at most {MAX_LIST_ITEMS} items in all")
+        out.extend([parsed] * times)
+    return out
+
+
+def _number(text: str) -> int | float:
+    """'2' -> 2, '2.5' -> 2.5 (ValueError otherwise)."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def _repeat(*items: Any) -> list:
+    """The `${repeat:...}` resolver: its comma-separated arguments, `value*count` expanded (`expand_repeats`)."""
+    text = ",".join(str(i) for i in items)
+    try:
+        return expand_repeats(text, _number)
+    except ListSyntaxError as err:
+        raise ValueError(f"${{repeat:{text}}}: {str(err)!r} is neither a number nor value*count; expected e.g. "
+                         "${repeat:2*256,4*128}") from None
+    except ValueError as err:
+        raise ValueError(f"${{repeat:{text}}}: {err}") from None
+
+
+def register_resolvers() -> None:
+    """Register `${repeat:...}` with OmegaConf, for the Hydra configs (the reference trainer's and the app's
+    presets): `rounds.local_steps_ramp='${repeat:2*256,4*128}'` is 256 twos then 128 fours, the grammar of the
+    Flower app's list keys (`local-steps-ramp='2*256,4*128'`). Registering twice is a no-op."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("repeat"):
+        OmegaConf.register_new_resolver("repeat", _repeat)
+
+
 def setting(key: str, default: Any = MISSING, *, default_factory: Callable[[], Any] | Any = MISSING) -> Any:
     """A dataclass field that users may also set per run with the flat run-config key `key`."""
     return dataclasses.field(default=default, default_factory=default_factory, metadata={FLAT_KEY: key})

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from lordo_fed.config import FlatKey, flat_keys, get_dotted, section, setting
+from lordo_fed.config import (FlatKey, ListSyntaxError, expand_repeats, flat_keys, get_dotted, register_resolvers, section,
+                              setting)
 from lordo_fed.app import CHECKSUMS
 from lordo_fed.rounds.config import CommonConfig
 from lordo_fed.rounds.methods import METHODS, resolve_method
@@ -173,9 +174,6 @@ FLAT_KEYS: dict[str, str] = {k: f.dotted for k, f in FLAT.items()}
 LIST_KEYS: dict[str, type] = {k: f.item_type for k, f in FLAT.items() if f.item_type is not None}
 """Flat keys of list fields, written as comma-separated numbers ('1,1,4'; '' = []), and their item type;
 `value*count` repeats a value (`local-steps-ramp='2*256'`: 256 rounds of 2 steps)."""
-MAX_LIST_ITEMS = 100_000
-"""The most items a list key may expand to: a ramp of 100,000 rounds is past any run's, and a hostile
-`'2*10**12'`-sized count is refused before it is built."""
 
 
 def flat_defaults() -> dict[str, Any]:
@@ -186,26 +184,18 @@ def flat_defaults() -> dict[str, Any]:
 
 
 def _parse_list(key: str, value: str) -> list:
-    """'1, 1, 4' -> [1.0, 1.0, 4.0] (the item type of `LIST_KEYS[key]`); '2*3,4' -> [2, 2, 2, 4]; '' -> []."""
+    """'1, 1, 4' -> [1.0, 1.0, 4.0] (the item type of `LIST_KEYS[key]`); '2*3,4' -> [2, 2, 2, 4]; '' -> []
+    (`lordo_fed.config.expand_repeats`)."""
     kind = LIST_KEYS[key]
     what = "integers" if kind is int else "numbers"
     each = ", one per partition," if key.startswith("async-") else ""
-    out: list = []
-    for item in ([v.strip() for v in value.split(",")] if value.strip() else []):
-        number, star, count = item.partition("*")
-        try:
-            times = int(count) if star else 1
-            parsed = kind(float(number)) if kind is float else int(number)
-        except ValueError:
-            raise ValueError(f"run-config key {key!r}={value!r}: expected comma-separated {what}{each} like '1,1,4' "
-                             f"(value*count repeats one: '2*256'), or '' for the default") from None
-        if times < 1:
-            raise ValueError(f"run-config key {key!r}={value!r}: {item!r} repeats {number.strip()} {times} times: "
-                             "expected a count >= 1")
-        if len(out) + times > MAX_LIST_ITEMS:
-            raise ValueError(f"run-config key {key!r}={value!r}: expected at most {MAX_LIST_ITEMS} items in all")
-        out.extend([parsed] * times)
-    return out
+    try:
+        return expand_repeats(value, float if kind is float else int)
+    except ListSyntaxError:
+        raise ValueError(f"run-config key {key!r}={value!r}: expected comma-separated {what}{each} like '1,1,4' "
+                         f"(value*count repeats one: '2*256'), or '' for the default") from None
+    except ValueError as err:
+        raise ValueError(f"run-config key {key!r}={value!r}: {err}") from None
 
 
 def load_app_config(run_config: Mapping[str, Any], preset_dir: Path = PRESET_DIR,
@@ -263,6 +253,7 @@ def compose_app_config(preset: str, overrides: Mapping[str, Any], preset_dir: Pa
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    register_resolvers()  # a preset may write a long list as ${repeat:2*256}
     ConfigStore.instance().store(name="app", node=AppConfig)
     GlobalHydra.instance().clear()
     try:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from lordo_fed.config import describe
+from lordo_fed.config import describe, register_resolvers
 from lordo_fed.data import load_dataset
 from lordo_fed.device import pick_device
 from lordo_fed.rounds.methods import resolve_method
@@ -131,6 +131,7 @@ def _hydra_main() -> None:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
+    register_resolvers()  # ${repeat:2*256} in a list override
     cs = ConfigStore.instance()
     cs.store(name="reference", node=TrainConfig)
     options = "\n".join("  " + line for line in describe(TrainConfig()))

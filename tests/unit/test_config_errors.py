@@ -218,6 +218,33 @@ def test_a_repeated_list_value_is_the_list_written_out():
     assert load_app_config({**base, "variant": "heloco", "async-speeds": "1*3,4"}).async_rounds.speeds == [1.0, 1.0, 1.0, 4.0]
 
 
+def test_repeat_in_a_hydra_config_is_the_list_written_out(tmp_path):
+    """`${repeat:...}` reads the app's `value*count` grammar in the Hydra configs: in a reference-trainer override
+    it composes the same TrainConfig as the list written out, and in a preset the same AppConfig as the app's
+    key; a bad item or count is refused naming it."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from quality import Run, compose
+
+    def trainer(ramp: str):
+        return compose(Run("r", "t", "lordo_global", ("total_steps=24", f"rounds.local_steps_ramp={ramp}")), True,
+                       tmp_path / "out")
+
+    short, full = trainer("'${repeat:2*4,4}'"), trainer("[2,2,2,2,4]")
+    assert short == full and short.rounds.local_steps_ramp == [2, 2, 2, 2, 4]
+    for ramp, message in (("'${repeat:2*0}'", "${repeat:2*0}: '2*0' repeats 2 0 times: expected a count >= 1"),
+                          ("'${repeat:2*x}'", "${repeat:2*x}: '2*x' is neither a number nor value*count; "
+                                              "expected e.g. ${repeat:2*256,4*128}"),
+                          ("'${repeat:2*200000}'", "${repeat:2*200000}: expected at most 100000 items in all")):
+        with pytest.raises(Exception, match=re.escape(message)):
+            trainer(ramp)
+    (tmp_path / "ramp.yaml").write_text("defaults:\n  - app\n  - _self_\nrounds:\n  local_steps_ramp: ${repeat:2*256}\n")
+    base = pyproject_config()
+    assert (load_app_config({**base, "preset": "ramp"}, tmp_path).rounds.local_steps_ramp
+            == load_app_config({**base, "local-steps-ramp": "2*256"}).rounds.local_steps_ramp == [2] * 256)
+
+
 def test_good_edge_values_are_accepted():
     cfg = load_app_config({**pyproject_config(), "outlier-factor": 1.0, "omega": 1, "outer-lr": 1, "device": "cuda:1",
                            "seq-len": 128, "eval-batches": 0, "threads": 0, "error-feedback": False})
