@@ -185,7 +185,7 @@ def execute(run: Run, quick: bool, work: Path, fresh: bool, base: tuple[str, ...
     cfg.checkpoint_every = CHECKPOINT_EVERY
     mine = checkpoints / run.method
     resumed = max((r for r, _ in list_checkpoints(mine)), default=0) if cfg.checkpoint_every and mine.is_dir() else 0
-    method = resolve_method(run.method, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
+    method = resolve_method(run.method, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer, cfg.total_steps)
     summary = train(cfg)[run.method]
     history = [json.loads(line) for line in (out_dir / f"{run.method}.jsonl").read_text().splitlines()]
     evals = [r for r in history if "val_loss" in r]

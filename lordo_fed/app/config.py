@@ -156,7 +156,8 @@ class AppConfig(CommonConfig):
                              f"{getattr(self, outer_name).name!r} (variant {self.variant!r}): every client replays the "
                              f"server's outer step from the relayed replies, which needs {outer_name}.name='average' "
                              "(the `diloco-sparse` preset's)")
-        resolve_method(self.variant, self.inner, self.rounds, self.outer, self.diloco_outer)  # the method's own checks
+        resolve_method(self.variant, self.inner, self.rounds, self.outer, self.diloco_outer,
+                       self.total_steps)  # the method's own checks
         return self
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -85,6 +86,9 @@ class InnerConfig:
     """Final learning rate as a fraction of the peak (wsd, cosine)."""
     switch_step: int = setting("switch-step", 0)
     """The authors' two-phase recipe: the global step where phase 2 starts (0 = one phase)."""
+    switch_fraction: float = setting("switch-fraction", 0.0)
+    """The switch at this share of the run's steps instead (0 = `switch_step` rules): 0.5 is LoRDO-Local's tuned
+    best trial at every run length (docs/algorithm.md, "Defaults per method")."""
     switch_betas: tuple[float, float] = (0.999, 0.999)
     """(β1, β2) from `switch_step` on (the authors' 720M runs: 0.999, 0.999)."""
     switch_omega: float = 0.98
@@ -133,6 +137,11 @@ class InnerConfig:
             bad("ef_decay", "a number in [0, 1] (1 = the paper)")
         if self.switch_step < 0:
             bad("switch_step", "an integer >= 0 (0 = one phase)")
+        if not 0 <= self.switch_fraction < 1:
+            bad("switch_fraction", "a number in [0, 1) (0 = switch_step rules)")
+        if self.switch_fraction and self.switch_step:
+            raise ValueError(f"inner.switch_fraction={self.switch_fraction!r} with inner.switch_step={self.switch_step}: "
+                             "expected one of the two (the other 0)")
         if len(self.switch_betas) != 2 or not all(0 <= b < 1 for b in self.switch_betas):
             bad("switch_betas", "two numbers in [0, 1)")
         if not 0 <= self.switch_omega <= 1:
@@ -198,6 +207,14 @@ def resolved_proj_method(cfg: InnerConfig, device: torch.device) -> str:
     if cfg.proj_method != "auto":
         return cfg.proj_method
     return "rsvd" if cfg.projection == "local" and device.type == "cuda" else "svd"
+
+
+def switch_at(cfg: InnerConfig, total_steps: int) -> InnerConfig:
+    """`cfg` with `switch_fraction` turned into the global step it names in a run of `total_steps` (rounded down,
+    at least 1), so that every consumer of the recipe reads `switch_step` alone; unchanged without a fraction."""
+    if not cfg.switch_fraction:
+        return cfg
+    return dataclasses.replace(cfg, switch_step=max(1, int(cfg.switch_fraction * total_steps)), switch_fraction=0.0)
 
 
 def in_phase_two(step: int, cfg: InnerConfig) -> bool:

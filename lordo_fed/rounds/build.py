@@ -84,8 +84,9 @@ def build_run(cfg: CommonConfig, method: str | MethodSettings, vocab_size: int |
     against `cfg` (`resolve_method`), or its settings already resolved (the reference trainer runs
     settings of its own). `vocab_size`: the dataset's, when the caller has loaded it (else the
     tokenizer's, `cfg.data.tokenizer`); `device`: the caller's, when it chose one (else `cfg.device`'s)."""
-    settings = (resolve_method(method, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer) if isinstance(method, str)
-                else method)
+    total = getattr(cfg, "total_steps", None)  # AppConfig's and TrainConfig's: inner.switch_fraction needs it
+    settings = (resolve_method(method, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer, total)
+                if isinstance(method, str) else method)
     payload = resolve_payload(cfg.payload_dtype)
     device = pick_device(cfg.device) if device is None else device
     vocab = load_tokenizer(cfg.data.tokenizer).vocab_size if vocab_size is None else vocab_size

@@ -33,7 +33,7 @@ from lordo_fed.rounds.aggregator import Aggregator
 from lordo_fed.rounds.async_rounds import AsyncRule
 from lordo_fed.data import TokenShard
 from lordo_fed.model import lowrank_parameter_names
-from lordo_fed.optim.config import InnerConfig, build_inner_optimizer, resolved_proj_method
+from lordo_fed.optim.config import InnerConfig, build_inner_optimizer, resolved_proj_method, switch_at
 from lordo_fed.rounds.outer import OuterConfig, build_outer_optimizer
 from lordo_fed.optim.projection import get_projection_method
 from lordo_fed.rounds.config import EVERY_ROUND, RoundConfig
@@ -123,13 +123,19 @@ def _sync_periods(name: str, spec: MethodSpec, rounds: RoundConfig) -> dict[str,
 
 
 def resolve_method(name: str, inner: InnerConfig, rounds: RoundConfig, outer: OuterConfig,
-                   diloco_outer: OuterConfig | None = None) -> MethodSettings:
-    """Apply method `name`'s overrides to the shared settings and validate the result."""
+                   diloco_outer: OuterConfig | None = None, total_steps: int | None = None) -> MethodSettings:
+    """Apply method `name`'s overrides to the shared settings and validate the result. `total_steps`: the run's
+    length, which `inner.switch_fraction` needs (`switch_at`: the settings then name the step)."""
     if name not in METHODS:
         raise ValueError(f"method {name!r}: expected one of {sorted(METHODS)}")
     spec = METHODS[name]
     own = {k: v for k, v in METHOD_DEFAULTS[name].items() if getattr(inner, k) is None}
     inner = dataclasses.replace(inner, **own, **spec.inner).validate()
+    if inner.switch_fraction:
+        if total_steps is None:
+            raise ValueError(f"inner.switch_fraction={inner.switch_fraction!r} needs the run's total_steps "
+                             "(resolve_method(..., total_steps=...))")
+        inner = switch_at(inner, total_steps)
     rounds = dataclasses.replace(rounds, **_sync_periods(name, spec, rounds.validate())).validate()
     if rounds.sync_ef and inner.name == "lordo" and inner.error_feedback and inner.ef_density < 1.0:
         raise ValueError(f"rounds.sync_ef=True with inner.ef_density={inner.ef_density!r}: averaging E across "

@@ -45,7 +45,7 @@ def train(cfg: TrainConfig) -> dict[str, dict]:
     histories: dict[str, list[dict]] = {}
     summary: dict[str, dict] = {}
     for method in cfg.methods:
-        settings = resolve_method(method, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
+        settings = resolve_method(method, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer, cfg.total_steps)
         history: list[dict] = []
         # A fresh log of this method: a run continued from its checkpoint emits its earlier records again.
         (out / f"{method}.jsonl").unlink(missing_ok=True)

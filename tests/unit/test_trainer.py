@@ -146,6 +146,33 @@ def test_a_run_that_ends_inside_the_ramp_is_the_run_with_the_ramp_cut_where_it_e
         torch.testing.assert_close(long[name], cut[name], rtol=0, atol=0, msg=name)
 
 
+def test_a_switch_at_a_fraction_of_the_run_is_the_switch_at_that_step(tmp_path):
+    """inner.switch_fraction = 0.5 over 8 steps is the two-phase switch at step 4: LoRDO-Local with M = 2 trains
+    the same curve bit for bit (the settings `resolve_method` gives the trainer name step 4); at 16 steps it is
+    step 8. A fraction beside a step, one out of [0, 1), or one with no run length is refused by name."""
+    def curve(name: str, **inner) -> list:
+        cfg = tiny_config(tmp_path, out_dir=str(tmp_path / name), workers=2, total_steps=8, eval_every=1,
+                          inner=InnerConfig(rank=4, warmup_steps=2, lr=5e-3, omega=0.9, **inner),
+                          rounds=RoundConfig(local_steps=2)).validate()
+        records: list = []
+        run_rounds(context(cfg, records), resolve_method("lordo_local", cfg.inner, cfg.rounds, cfg.outer,
+                                                         total_steps=cfg.total_steps))
+        return [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+
+    by_fraction, by_step, one_phase = curve("fraction", switch_fraction=0.5), curve("step", switch_step=4), curve("one")
+    assert by_fraction == by_step and len(by_step) == 5
+    assert by_step[:3] == one_phase[:3] and by_step[3:] != one_phase[3:]  # the switch at step 4 changed the rest
+    settings = resolve_method("lordo_local", InnerConfig(switch_fraction=0.5), RoundConfig(), OuterConfig(),
+                              total_steps=16)
+    assert (settings.inner.switch_step, settings.inner.switch_fraction) == (8, 0.0)
+    with pytest.raises(ValueError, match=r"inner.switch_fraction=0.5 needs the run's total_steps"):
+        resolve_method("lordo_local", InnerConfig(switch_fraction=0.5), RoundConfig(), OuterConfig())
+    with pytest.raises(ValueError, match=r"inner.switch_fraction=0.5 with inner.switch_step=6: expected one of the two"):
+        InnerConfig(switch_fraction=0.5, switch_step=6).validate()
+    with pytest.raises(ValueError, match=r"inner.switch_fraction=1.0: expected a number in \[0, 1\)"):
+        InnerConfig(switch_fraction=1.0).validate()
+
+
 def test_late_rounds_with_one_worker_follow_the_plain_runs_path(tmp_path):
     """As the ramp's test: rounds of 4, 4, then 2, 2, 2, 2 from step 8 (`late_local_steps`) must follow
     the plain run's path (K = 4 throughout) with one worker averaged every round."""
