@@ -74,7 +74,9 @@ def wrapper_overhead(preset: str, batch: int, steps: int, repeats: int, device: 
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"file://{tmp}/rdv", rank=0,
                                 world_size=1)
         try:
-            s = resolve_method("lordo_local", InnerConfig(rank=16), RoundConfig(local_steps=steps), OuterConfig())
+            # one phase, as its figures were measured (LoRDO-Local's own switch needs a run length)
+            s = resolve_method("lordo_local", InnerConfig(rank=16, switch_fraction=0.0), RoundConfig(local_steps=steps),
+                               OuterConfig())
             shard = TokenShard(np.random.default_rng(0).integers(0, 256, size=1 << 18), shard_id=0)
             workers = {}
             for name, ranks in (("bare", None), ("ddp", LocalRanks(0, 1)), ("fsdp", LocalRanks(0, 1, "fsdp"))):
@@ -122,7 +124,7 @@ def _held_main(rank: int, rendezvous: str, preset: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     held = {}
-    s = resolve_method("lordo_local", InnerConfig(rank=16), RoundConfig(local_steps=2), OuterConfig())
+    s = resolve_method("lordo_local", InnerConfig(rank=16, switch_fraction=0.0), RoundConfig(local_steps=2), OuterConfig())
     shard = TokenShard(np.random.default_rng(0).integers(0, 256, size=1 << 16), shard_id=0)
     for wrapper in WRAPPERS:
         torch.manual_seed(0)

@@ -86,9 +86,10 @@ class InnerConfig:
     """Final learning rate as a fraction of the peak (wsd, cosine)."""
     switch_step: int = setting("switch-step", 0)
     """The authors' two-phase recipe: the global step where phase 2 starts (0 = one phase)."""
-    switch_fraction: float = setting("switch-fraction", 0.0)
-    """The switch at this share of the run's steps instead (0 = `switch_step` rules): 0.5 is LoRDO-Local's tuned
-    best trial at every run length (docs/algorithm.md, "Defaults per method")."""
+    switch_fraction: Optional[float] = setting("switch-fraction", None)
+    """The switch at this share of the run's steps instead (0 = `switch_step` rules; None: the method's own,
+    `lordo_fed.rounds.methods.METHOD_DEFAULTS`: half the run for LoRDO-Local, its tuned best, 0 for the others
+    and wherever `switch_step` is set; docs/algorithm.md, "Defaults per method")."""
     switch_betas: tuple[float, float] = (0.999, 0.999)
     """(β1, β2) from `switch_step` on (the authors' 720M runs: 0.999, 0.999)."""
     switch_omega: float = 0.98
@@ -137,8 +138,8 @@ class InnerConfig:
             bad("ef_decay", "a number in [0, 1] (1 = the paper)")
         if self.switch_step < 0:
             bad("switch_step", "an integer >= 0 (0 = one phase)")
-        if not 0 <= self.switch_fraction < 1:
-            bad("switch_fraction", "a number in [0, 1) (0 = switch_step rules)")
+        if self.switch_fraction is not None and not 0 <= self.switch_fraction < 1:
+            bad("switch_fraction", "a number in [0, 1) (0 = switch_step rules; None: the method's own)")
         if self.switch_fraction and self.switch_step:
             raise ValueError(f"inner.switch_fraction={self.switch_fraction!r} with inner.switch_step={self.switch_step}: "
                              "expected one of the two (the other 0)")
@@ -190,7 +191,7 @@ def build_inner_optimizer(model: nn.Module, cfg: InnerConfig, lowrank_names: lis
     )
 
 
-METHOD_FIELDS = ("lr", "ef_decay")
+METHOD_FIELDS = ("lr", "ef_decay", "switch_fraction")
 """The fields whose None means "the method's own" (`lordo_fed.rounds.methods.METHOD_DEFAULTS`)."""
 
 

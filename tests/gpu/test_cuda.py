@@ -93,7 +93,7 @@ def test_lordo_step_on_the_gpu_equals_the_cpu_step(options):
 
 def _worker_and_aggregator(device: str, method: str = "lordo_global", ranks=None):
     inner = InnerConfig(rank=RANK)
-    settings = resolve_method(method, inner, RoundConfig(local_steps=8), OuterConfig())
+    settings = resolve_method(method, inner, RoundConfig(local_steps=8), OuterConfig(), total_steps=64)
     model = tiny_model(0).to(device)
     lowrank = lowrank_parameter_names(model)
     node_ranks, ranks = ranks, lowrank_ranks(model, DEFAULT_LOWRANK_PATTERN, RANK, settings.inner.name)

@@ -49,7 +49,8 @@ def reference_async(run_config: dict, workers: int) -> tuple[dict[str, torch.Ten
     try:
         dataset = load_dataset(cfg.data, workers)
         ctx = RunContext(cfg, dataset, pick_device("cpu"), dataset.val_batches(cfg.eval_batches), records.append)
-        model = run_async(ctx, resolve_method(app.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer))
+        model = run_async(ctx, resolve_method(app.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer,
+                                                cfg.total_steps))
     finally:
         torch.set_num_threads(threads)
     return {n: p.detach().clone() for n, p in model.named_parameters()}, records

@@ -87,7 +87,8 @@ def test_a_benchmark_run_killed_part_way_continues_from_its_checkpoint(tmp_path)
     dataset = load_dataset(cfg.data, cfg.workers)
     ctx = RunContext(cfg, dataset, pick_device(cfg.device), dataset.val_batches(cfg.eval_batches), emit)
     with pytest.raises(Killed):
-        run_method(ctx, resolve_method(run.method, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer))
+        run_method(ctx, resolve_method(run.method, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer,
+                                            cfg.total_steps))
     assert (out / "checkpoints" / run.method / "latest.json").exists()
     continued = execute(run, True, tmp_path / "killed", False)
     assert (whole["resumed_from_round"], continued["resumed_from_round"]) == (0, CHECKPOINT_EVERY)

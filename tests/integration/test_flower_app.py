@@ -50,7 +50,8 @@ def reference_theta(run_config: dict, workers: int) -> dict[str, torch.Tensor]:
     try:
         dataset = load_dataset(cfg.data, workers)
         ctx = RunContext(cfg, dataset, pick_device("cpu"), dataset.val_batches(cfg.eval_batches), lambda r: None)
-        model = run_rounds(ctx, resolve_method(app.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer))
+        model = run_rounds(ctx, resolve_method(app.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer,
+                                                cfg.total_steps))
     finally:
         torch.set_num_threads(threads)
     return {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -30,7 +30,7 @@ rc = {**flat_defaults(), "preset": "quickstart", "variant": "lordo_local", "loca
 cfg = ca.app_config(rc, (), PRESET_DIR)
 assert cfg == load_app_config(rc, PRESET_DIR)
 assert ca.app_config(rc, (), PRESET_DIR) == cfg  # from the cache
-settings = resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
+settings = resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer, cfg.total_steps)
 model = build_model(cfg.model, 256)
 worker = make_worker(0, model, settings, TokenShard(np.arange(10_000) % 256), lowrank_parameter_names(model),
                      4, 2, 16, seed=0)

@@ -82,7 +82,8 @@ def node_rounds(method: str, ranks: LocalRanks | None, batch: int, resume: bool 
     as the node gets it, its own reply left out (`relay.for_worker`), and after the last round each rank
     replays the server's θ from one more state (`theta_c`)."""
     torch.set_num_threads(1)
-    s = resolve_method(method, InnerConfig(rank=RANK), RoundConfig(local_steps=K), OuterConfig())
+    s = resolve_method(method, InnerConfig(rank=RANK), RoundConfig(local_steps=K), OuterConfig(),
+                       total_steps=rounds * K)
     model = tiny_model(0)
     lowrank = lowrank_parameter_names(model) if s.inner.name == "lordo" else []
     ranks_of = lowrank_ranks(model, DEFAULT_LOWRANK_PATTERN, RANK, s.inner.name)

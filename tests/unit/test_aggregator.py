@@ -636,7 +636,7 @@ def test_make_aggregator_owns_projections_only_under_lordo_global():
     assert torch.equal(agg.params["0.weight"], model[0].weight.detach())
     agg.params["0.weight"].add_(1.0)  # a copy: the server's θ is not the model's tensor
     assert not torch.equal(agg.params["0.weight"], model[0].weight.detach())
-    local = resolve_method("lordo_local", InnerConfig(), RoundConfig(), OuterConfig())
+    local = resolve_method("lordo_local", InnerConfig(), RoundConfig(), OuterConfig(), total_steps=64)
     assert make_aggregator(model, local, {"0.weight": 2}, seed=3).projections == {}
     diloco = resolve_method("diloco", InnerConfig(), RoundConfig(), OuterConfig(),
                             diloco_outer=OuterConfig(name="nesterov", lr=0.7, momentum=0.9))

@@ -91,7 +91,7 @@ def test_lr_and_ef_decay_left_empty_take_each_methods_own(monkeypatch):
 
     def resolved(run_config, explicit=()):
         cfg = load_app_config(run_config, explicit=explicit)
-        return methods.resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer).inner
+        return methods.resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer, cfg.total_steps).inner
 
     cfg = load_app_config({**base, "variant": "lordo_local"})
     assert (cfg.inner.lr, cfg.inner.ef_decay) == (None, None)
@@ -117,7 +117,7 @@ def test_moment_sync_periods_left_empty_take_each_methods_own():
 
     def resolved(run_config):
         cfg = load_app_config(run_config)
-        return methods.resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer).rounds
+        return methods.resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer, cfg.total_steps).rounds
 
     def periods(rounds):
         return rounds.sync_exp_avg_every, rounds.sync_exp_avg_sq_every

@@ -74,7 +74,7 @@ RUN_CONFIG_CASES = [
                               "('server', 'downlink')"),
     ("switch-step", -1, "run-config key 'switch-step': inner.switch_step=-1: expected an integer >= 0 (0 = one phase)"),
     ("switch-fraction", 1.5, "run-config key 'switch-fraction': inner.switch_fraction=1.5: expected a number in [0, 1) "
-                             "(0 = switch_step rules)"),
+                             "(0 = switch_step rules; None: the method's own)"),
     ("model-preset", "7b", f"run-config key 'model-preset': ModelConfig.preset='7b': unknown preset; expected one of {MODEL_PRESETS}"),
     ("outer", "adam", "run-config key 'outer': outer.name='adam': expected one of ['average', 'qhm', 'nesterov', 'mla'] (the outer optimizer)"),
     ("outer-lr", 0.0, "run-config key 'outer-lr': outer.lr=0.0: the outer learning rate must be a finite number > 0"),

@@ -159,12 +159,21 @@ def test_a_switch_at_a_fraction_of_the_run_is_the_switch_at_that_step(tmp_path):
                                                          total_steps=cfg.total_steps))
         return [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
 
-    by_fraction, by_step, one_phase = curve("fraction", switch_fraction=0.5), curve("step", switch_step=4), curve("one")
+    by_fraction, by_step, one_phase = (curve("fraction", switch_fraction=0.5), curve("step", switch_step=4),
+                                       curve("one", switch_fraction=0.0))
     assert by_fraction == by_step and len(by_step) == 5
     assert by_step[:3] == one_phase[:3] and by_step[3:] != one_phase[3:]  # the switch at step 4 changed the rest
     settings = resolve_method("lordo_local", InnerConfig(switch_fraction=0.5), RoundConfig(), OuterConfig(),
                               total_steps=16)
     assert (settings.inner.switch_step, settings.inner.switch_fraction) == (8, 0.0)
+    # LoRDO-Local's own (its tuned best trial: the switch at half the run); the others' one phase; a step the run
+    # names wins over the method's own fraction
+    own = {m: resolve_method(m, InnerConfig(), RoundConfig(), OuterConfig(), total_steps=16).inner.switch_step
+           for m in ("lordo_local", "lordo_global", "diloco")}
+    assert own == {"lordo_local": 8, "lordo_global": 0, "diloco": 0}
+    assert resolve_method("lordo_local", InnerConfig(switch_step=5), RoundConfig(), OuterConfig(),
+                          total_steps=16).inner.switch_step == 5
+    assert by_fraction == curve("own")  # LoRDO-Local left at None: the switch at half its 8 steps
     with pytest.raises(ValueError, match=r"inner.switch_fraction=0.5 needs the run's total_steps"):
         resolve_method("lordo_local", InnerConfig(switch_fraction=0.5), RoundConfig(), OuterConfig())
     with pytest.raises(ValueError, match=r"inner.switch_fraction=0.5 with inner.switch_step=6: expected one of the two"):
@@ -265,7 +274,7 @@ def test_the_progress_bar_counts_total_steps_not_worker_steps(tmp_path, monkeypa
     RecordingBar.made = []
     cfg = tiny_config(tmp_path, workers=2, total_steps=4, progress=True, rounds=RoundConfig(local_steps=2))
     records: list = []
-    loop(context(cfg, records), resolve_method(method, cfg.inner, cfg.rounds, cfg.outer))
+    loop(context(cfg, records), resolve_method(method, cfg.inner, cfg.rounds, cfg.outer, total_steps=cfg.total_steps))
     (bar,) = RecordingBar.made
     assert (bar.total, bar.n, bar.disable) == (4, 4, False)
     assert max(r["step"] for r in records) == 4  # the records' step counter: the same count

@@ -49,7 +49,7 @@ def run(cfg: TrainConfig, kill_at_round: int | None = None, seconds_before: floa
 
     dataset = load_dataset(cfg.data, cfg.workers)
     ctx = RunContext(cfg, dataset, pick_device("cpu"), dataset.val_batches(cfg.eval_batches), emit, seconds_before)
-    settings = resolve_method(cfg.methods[0], cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
+    settings = resolve_method(cfg.methods[0], cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer, cfg.total_steps)
     model = run_method(ctx, settings)
     return {n: p.detach().clone() for n, p in model.named_parameters()}, records
 

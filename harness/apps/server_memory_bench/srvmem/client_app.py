@@ -33,7 +33,7 @@ def query(msg: Message, context: Context) -> Message:
 def _reply(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
     cfg = app_config(dict(context.run_config), explicit_keys(msg))
-    settings = resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer)
+    settings = resolve_method(cfg.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer, cfg.total_steps)
     with torch.device("meta"):
         model = build_model(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
