@@ -56,8 +56,8 @@ def topk(x: Tensor, chunk: int, k: int) -> tuple[Tensor, Tensor]:
 def chunk_offsets(numel: int, chunk: int, k: int) -> Tensor:
     """The flat offset of the chunk each kept entry belongs to (as `topk` lays them out)."""
     full, k, tail, k_tail = chunk_layout(numel, chunk, k)
-    return torch.cat([torch.arange(full, dtype=torch.int64).repeat_interleave(k) * chunk,
-                      torch.full((k_tail,), full * chunk, dtype=torch.int64)])
+    body = (torch.arange(full, dtype=torch.int64) * chunk).view(-1, 1).expand(full, k).reshape(-1)
+    return torch.cat([body, torch.full((k_tail,), full * chunk, dtype=torch.int64)]) if k_tail else body
 
 
 def densify(positions: Tensor, values: Tensor, numel: int, chunk: int, k: int) -> Tensor:

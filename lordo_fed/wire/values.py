@@ -15,6 +15,7 @@ tests/unit/test_codec_roundtrip.py (decode(encode(x)) against x).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -94,11 +95,10 @@ def unpack(data: bytes, bits: int, count: int) -> Tensor:
         return _unpack_serial(data, bits, count)
     if bits == 8:  # the bytes are the codes
         return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    if bits in (2, 4):  # each byte's codes looked up in one row of a 256-row table: no shifts over int64
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+        return _byte_codes(bits).index_select(0, raw.to(torch.int32)).reshape(-1)[:count]
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64) if data else torch.zeros(0, dtype=torch.int64)
-    if bits in (2, 4):
-        per = 8 // bits
-        shifts = torch.arange(per, dtype=torch.int64) * bits
-        return ((raw.view(-1, 1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:count]
     if bits == 12:
         t = raw.view(-1, 3)
         a = t[:, 0] | ((t[:, 1] & 0xF) << 8)
@@ -111,6 +111,13 @@ def unpack(data: bytes, bits: int, count: int) -> Tensor:
         t = raw.view(-1, 4)
         return (t[:, 0] | (t[:, 1] << 8) | (t[:, 2] << 16) | (t[:, 3] << 24))[:count]
     raise ValueError(f"unpack: bits={bits}: expected 2, 4, 8, 12, 16 or 32")
+
+
+@functools.cache
+def _byte_codes(bits: int) -> Tensor:
+    """(256, 8 // bits) int64: the `bits`-bit codes `pack` puts in each byte value, lowest bits first."""
+    shifts = torch.arange(8 // bits, dtype=torch.int64) * bits
+    return (torch.arange(256, dtype=torch.int64).view(-1, 1) >> shifts) & ((1 << bits) - 1)
 
 
 def _word(bits: int) -> np.dtype:
@@ -288,8 +295,8 @@ def sign_quantize(values: Tensor) -> tuple[Tensor, Tensor]:
     return codes.reshape(-1), torch.cat([low_mag, high_mag], dim=1)
 
 
-def sign_dequantize(codes: Tensor, mags: Tensor, chunk_of: Tensor) -> Tensor:
-    """Values of `sign_quantize`'s codes: ±mags[chunk, high] (`chunk_of` names each code's chunk)."""
-    c = codes.long()
-    magnitude = mags[chunk_of.to(c.device), c >> 1]
-    return torch.where((c & 1).bool(), -magnitude, magnitude)
+def sign_dequantize(codes: Tensor, mags: Tensor) -> Tensor:
+    """Values of `sign_quantize`'s 2-D (chunks, k) codes: ±mags[chunk, high], looked up in each chunk's
+    row of four (+low, −low, +high, −high: the code 2·high + negative indexes it), one gather."""
+    low, high = mags[:, 0], mags[:, 1]
+    return torch.gather(torch.stack([low, -low, high, -high], dim=1), 1, codes.long().to(mags.device))

@@ -126,3 +126,17 @@ def test_a_two_bit_grid_is_refused():
         CodecSpec("topk", bits=2, levels="grid").validate()
     with pytest.raises(ValueError, match="expected one of \\(8, 4\\)"):
         CodecSpec("quant", bits=2).validate()
+
+
+def test_sign_codes_decode_to_their_chunks_signed_magnitude():
+    """`sign_dequantize`'s one lookup per code against its definition, code by code: the chunk's low or high
+    magnitude (bit 1), negated where bit 0 is set; a chunk's magnitudes reach only its own codes."""
+    from lordo_fed.wire.values import sign_dequantize
+
+    g = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 4, (5, 9), generator=g)
+    mags = torch.rand(5, 2, generator=g) + torch.arange(5.0).view(-1, 1) * 10  # chunk c's magnitudes in [10c, 10c + 1)
+    got = sign_dequantize(codes, mags)
+    want = [[-float(mags[c, int(code) >> 1]) if int(code) & 1 else float(mags[c, int(code) >> 1]) for code in row]
+            for c, row in enumerate(codes)]
+    assert got.tolist() == want
