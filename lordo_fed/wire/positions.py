@@ -107,7 +107,8 @@ def unpack_positions(data: bytes, numel: int, chunk: int, k: int, coding: str, l
         if k_tail:
             parts.append(steps[full * k:].cumsum(dim=0))
         positions = (torch.cat(parts) if parts else steps) - 1
-    check_positions(positions, numel, chunk, k, label)
+    # Rice-coded gaps are >= 0, so their positions increase within a chunk by construction: only the bound is left
+    check_positions(positions, numel, chunk, k, label, increasing=coding != "fixed")
     return positions
 
 
@@ -140,18 +141,19 @@ def expected_position_bytes(numel: int, chunk: int, k: int, coding: str) -> int:
     return min(hi, packed_size(count, b) + math.ceil(unary / 8))
 
 
-def check_positions(positions: Tensor, numel: int, chunk: int, k: int, label: str) -> None:
-    """Every position inside its chunk, strictly increasing within it (so none repeats)."""
+def check_positions(positions: Tensor, numel: int, chunk: int, k: int, label: str, increasing: bool = False) -> None:
+    """Every position inside its chunk, strictly increasing within it (so none repeats). With `increasing`
+    (the caller built them so) only each chunk's last, its largest, is checked against the bound."""
     full, k, tail, k_tail = chunk_layout(numel, chunk, k)
     if full:
         body = positions[:full * k].view(full, k)
-        if bool((body >= chunk).any()):
+        if bool(((body[:, -1:] if increasing and k else body) >= chunk).any()):
             raise CompressionError(f"{label}: a top-k index >= chunk size {chunk}")
-        if k > 1 and not bool((body[:, 1:] > body[:, :-1]).all()):
+        if k > 1 and not increasing and not bool((body[:, 1:] > body[:, :-1]).all()):
             raise CompressionError(f"{label}: top-k indices repeated or out of order within a chunk")
     if tail:
         rest = positions[full * k:]
-        if bool((rest >= tail).any()):
+        if bool(((rest[-1:] if increasing else rest) >= tail).any()):
             raise CompressionError(f"{label}: a top-k index >= the last chunk's {tail} values")
-        if k_tail > 1 and not bool((rest[1:] > rest[:-1]).all()):
+        if k_tail > 1 and not increasing and not bool((rest[1:] > rest[:-1]).all()):
             raise CompressionError(f"{label}: top-k indices repeated or out of order in the last chunk")

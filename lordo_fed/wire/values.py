@@ -171,6 +171,7 @@ RICE_MAX_PARAMETER = 16
 """Largest Rice parameter `rice_parameter` picks (chunks are at most 65536 values)."""
 
 
+@functools.cache  # a pure function of two ints, asked once per top-k tensor of every reply
 def rice_parameter(chunk: int, k: int) -> int:
     """The Rice parameter b for the gaps between k sorted positions of `chunk`: the b in
     0..`RICE_MAX_PARAMETER` with the fewest expected bits per gap, b + 1 + E[g >> b], the gaps taken

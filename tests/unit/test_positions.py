@@ -214,3 +214,22 @@ def test_position_fields_on_other_codecs_are_refused():
     msg.moments[0].index_coding = pb.RICE
     with pytest.raises(PayloadError, match="index_coding RICE / tile 0 with codec QUANT"):
         decode_update(msg.SerializeToString(), "mid", codecs=[spec, quant])
+
+
+@pytest.mark.parametrize("where,reason", [(-1, "a top-k index >= the last chunk's 100 values"),
+                                          (31, "a top-k index >= chunk size 1024")])
+def test_rice_gaps_that_run_past_their_chunk_are_refused(where, reason):
+    """Rice-coded positions increase within a chunk by construction, so the decoder checks only each chunk's
+    last against its bound: a gap re-encoded to run past the tail chunk, or past a full chunk's end."""
+    from lordo_fed.wire.positions import chunk_layout
+    from lordo_fed.wire.values import rice_decode, rice_encode, rice_parameter
+
+    x = torch.randn(1024 + 100, generator=torch.Generator().manual_seed(5))
+    enc = encode(x, CodecSpec("topk", chunk=1024, topk=32, index_coding="rice"))
+    full, k, _, k_tail = chunk_layout(enc.numel, 1024, enc.spec.k)
+    b = rice_parameter(1024, enc.spec.k)
+    gaps = rice_decode(enc.indices, b, full * k + k_tail)
+    gaps[where] += 1000
+    enc.indices = rice_encode(gaps, b)
+    with pytest.raises(CompressionError, match=reason):
+        decode(enc, "w")
