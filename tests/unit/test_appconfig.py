@@ -21,10 +21,14 @@ def test_pyproject_keys_and_defaults_match_the_app_config():
 def test_every_preset_composes_and_validates():
     presets = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
     assert {"quickstart", "paper-16m", "paper-125m", "paper-360m", "paper-720m", "diloco", "local-adam",
-            "desloc", "lordo-local", "sparseloco", "lordo-sparse", "diloco-sparse"} <= set(presets)
+            "desloc", "lordo-local", "sparseloco", "lordo-sparse", "diloco-sparse", "lordo-ramp"} <= set(presets)
     for name in presets:
         cfg = load_app_config({**pyproject_config(), "preset": name})
         assert cfg.num_rounds > 0, name
+    ramp = load_app_config({**pyproject_config(), "preset": "lordo-ramp"})
+    # the measured recipe: 256 rounds of 2 steps, then K = 32, int8, 2,048 steps (64 rounds of K = 32's tokens)
+    assert (ramp.variant, ramp.rounds.local_steps_ramp, ramp.payload_dtype) == ("lordo_global", [2] * 256, "int8")
+    assert (ramp.num_rounds, ramp.total_steps) == (304, 2048)
 
 
 def test_precedence_defaults_then_preset_then_run_config():

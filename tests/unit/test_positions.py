@@ -233,3 +233,15 @@ def test_rice_gaps_that_run_past_their_chunk_are_refused(where, reason):
     enc.indices = rice_encode(gaps, b)
     with pytest.raises(CompressionError, match=reason):
         decode(enc, "w")
+
+
+@pytest.mark.parametrize("rows,width,k", [(1, 7, 7), (5, 4096, 491), (300, 64, 1), (0, 16, 3)])
+def test_increasing_rows_is_the_sort_of_each_row(rows, width, k):
+    """The CPU's mask-and-read-back against the sort it replaces (the path a GPU takes)."""
+    from lordo_fed.wire.positions import increasing_rows
+
+    g = torch.Generator().manual_seed(rows)
+    idx = torch.stack([torch.randperm(width, generator=g)[:k] for _ in range(rows)]) if rows else \
+        torch.zeros(0, k, dtype=torch.int64)
+    got = increasing_rows(idx, width)
+    assert got.dtype == torch.int64 and torch.equal(got, idx.sort(dim=1).values)
