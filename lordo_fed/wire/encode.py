@@ -106,14 +106,24 @@ class _TensorPiece:
         self.head, self.tensor, self.wire, self.nbytes = head, tensor, wire, nbytes
 
 
+class _BytesPiece:
+    """One compressed tensor's element: its protobuf bytes up to the data, then the data as the codec made
+    it, in parts (data, scales, indices) that the writer copies once each, straight into the output."""
+
+    __slots__ = ("head", "parts", "nbytes")
+
+    def __init__(self, head: bytes, parts: tuple[bytes, ...]) -> None:
+        self.head, self.parts, self.nbytes = head, parts, sum(len(p) for p in parts)
+
+
 class _Plan:
-    """What an encoder writes, in order: small `bytes` and `_TensorPiece`s; `size` in total."""
+    """What an encoder writes, in order: small `bytes`, `_TensorPiece`s and `_BytesPiece`s; `size` in total."""
 
     def __init__(self) -> None:
-        self.pieces: list[bytes | _TensorPiece] = []
+        self.pieces: list[bytes | _TensorPiece | _BytesPiece] = []
         self.size = 0
 
-    def add(self, piece: bytes | _TensorPiece) -> None:
+    def add(self, piece: bytes | _TensorPiece | _BytesPiece) -> None:
         self.pieces.append(piece)
         self.size += len(piece) if isinstance(piece, bytes) else len(piece.head) + piece.nbytes
 
@@ -124,8 +134,8 @@ def _plan_encoded(plan: _Plan, field: int, name: str, enc: Encoded, where: str) 
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}: tensor name {name!r} must be a non-empty string")
     codec, fields = _codec_fields(enc)
-    data = enc.payload()
-    nbytes = len(data)
+    parts = tuple(p for p in (enc.data, enc.scales, enc.indices) if len(p))  # `enc.payload()`, not joined
+    nbytes = sum(len(p) for p in parts)
     body = bytearray(string_field(1, name))
     if enc.shape:
         dims = b"".join(varint(int(d)) for d in enc.shape)
@@ -135,8 +145,7 @@ def _plan_encoded(plan: _Plan, field: int, name: str, enc: Encoded, where: str) 
         body += key(5, WT_VARINT) + varint(nbytes) + key(6, WT_LEN) + varint(nbytes)
     trailer = b"".join(key(number, WT_VARINT) + varint(value) for number, value in sorted(fields.items()) if value)
     head = key(field, WT_LEN) + varint(len(body) + nbytes + len(trailer)) + bytes(body)
-    words = torch.frombuffer(bytearray(data), dtype=torch.uint8) if nbytes else torch.zeros(0, dtype=torch.uint8)
-    plan.add(_TensorPiece(head, words, torch.uint8, nbytes))
+    plan.add(_BytesPiece(head, parts))
     if trailer:
         plan.add(trailer)
 
@@ -262,6 +271,13 @@ def _write_plan_into(plan: _Plan, out, progress: Callable[[int], None] | None = 
                 pos += len(head)
                 if isinstance(piece, bytes) or not piece.nbytes:
                     continue
+                if isinstance(piece, _BytesPiece):
+                    for part in piece.parts:
+                        view[pos:pos + len(part)] = part
+                        pos += len(part)
+                    if progress is not None:
+                        progress(pos)
+                    continue
                 dst = torch.frombuffer(view, dtype=piece.wire, count=piece.tensor.numel(), offset=pos)
                 dst.view(piece.tensor.shape).copy_(piece.tensor)
                 _swap_to_little_endian(dst)
@@ -312,6 +328,10 @@ def _write_plan_to_file(plan: _Plan, f: BinaryIO) -> int:
                 _write_all(f, piece)
                 continue
             _write_all(f, piece.head)
+            if isinstance(piece, _BytesPiece):
+                for part in piece.parts:
+                    _write_all(f, part)
+                continue
             t = piece.tensor
             if not piece.nbytes:
                 continue
