@@ -111,7 +111,8 @@ def replay(theta_c: dict[str, Tensor], state: GlobalState, rounds: RoundConfig,
     replica = Aggregator(theta_c, {}, rounds, Average(state.outer_lr), None,
                          payload=dataclasses.replace(codecs, relay=False, down=None))
     replica.round = state.round - 1
-    replies = [dataclasses.replace(u, delta=decoded(u.delta)) for u in state.relay]
+    # each top-k Δ kept sparse, as the server's sums read it (the same additions, bit for bit)
+    replies = [dataclasses.replace(u, delta=decoded(u.delta, sparse=True)) for u in state.relay]
     replica.aggregate(replies, screened=True)
     return replica.params
 

@@ -132,7 +132,7 @@ def run_rounds(ctx: RunContext, settings: MethodSettings) -> nn.Module:
         updates = [w.train_round(s, progress=bar.worker_step) for w, s in zip(workers, states)]
         sent = max(tensor_bytes(u.tensors()) for u in updates)  # compressed tensors by their encoded bytes
         relay = {u.worker_id: u for u in updates}  # as received: what a relaying payload sends on
-        updates = [as_received(u) for u in updates]
+        updates = [as_received(u, sparse=True) for u in updates]
         aggregation_started = time.perf_counter()
         result = aggregator.aggregate(updates, relay=relay)
         elapsed = time.perf_counter() - started
@@ -343,10 +343,12 @@ def _update_of(tensors: dict[str, Tensor], meta: dict) -> WorkerUpdate:
                         metrics=dict(meta["metrics"]), coords=part(ordered, "coords/"))
 
 
-def as_received(update: WorkerUpdate) -> WorkerUpdate:
+def as_received(update: WorkerUpdate, sparse: bool = False) -> WorkerUpdate:
     """`update` as the server decodes it: compressed tensors (a compressed `payload_dtype`)
-    replaced by their decoded values, exactly what a Flower server aggregates."""
-    return dataclasses.replace(update, delta=decoded(update.delta), moments=decoded(update.moments),
+    replaced by their decoded values, exactly what a Flower server aggregates; with `sparse` an untiled
+    top-k Δ kept sparse, as a synchronous round's server keeps it (server/courier.py: its norm, which the
+    median clipping reads, is its values')."""
+    return dataclasses.replace(update, delta=decoded(update.delta, sparse=sparse), moments=decoded(update.moments),
                                coords=decoded(update.coords))
 
 

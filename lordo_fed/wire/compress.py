@@ -386,9 +386,13 @@ def plus_decoded(x: Tensor, enc: Encoded, label: str = "tensor") -> Tensor:
     return out
 
 
-def decoded(tensors: Mapping[str, Tensor | Encoded]) -> dict[str, Tensor]:
+def decoded(tensors: Mapping[str, Tensor | Encoded], sparse: bool = False) -> dict[str, Tensor | SparseValues]:
     """`tensors` with every `Encoded` replaced by what its receiver decodes (shaped as sent):
-    what the reference trainer aggregates, the same values a Flower server decodes."""
+    what the reference trainer aggregates, the same values a Flower server decodes. With `sparse`, an
+    untiled top-k comes back as `SparseValues` (`decode_sparse`), which every sum adds bit for bit as its
+    dense decode."""
+    if sparse:
+        return {k: decode_sparse(v, k) if isinstance(v, Encoded) else v for k, v in tensors.items()}
     return {k: decode(v, k).view(v.shape) if isinstance(v, Encoded) else v for k, v in tensors.items()}
 
 

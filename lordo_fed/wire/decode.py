@@ -346,7 +346,8 @@ def _relayed(msg: pb.GlobalState, expected_model_id: str | None, payloads: list,
     for i, payload in enumerate(payloads):
         where = f"{kind}.relay[{i}]"
         try:
-            reply = decode_update(payload, expected_model_id, codecs=codecs)
+            # each top-k Δ kept sparse, as the server kept it: the replay sums it (and reads its norm) as the server did
+            reply = decode_update(payload, expected_model_id, codecs=codecs, sparse=True)
         except PayloadError as err:
             raise PayloadError(f"{where}: {err}") from None
         problem = relayed_reply_problem(reply, msg.round, out[-1] if out else None)

@@ -17,7 +17,7 @@ from lordo_fed.rounds.config import RoundConfig
 from lordo_fed.rounds.downlink import Downlink, ResyncNeeded
 from lordo_fed.rounds.outer import Average, Nesterov
 from lordo_fed.trainer.run import as_received
-from lordo_fed.wire.compress import ErrorFeedback
+from lordo_fed.wire.compress import ErrorFeedback, SparseValues
 from lordo_fed.wire.decode import decode_global_state
 from lordo_fed.wire.encode import encode_global_state, encode_update
 from lordo_fed.metrics import tensor_bytes
@@ -81,7 +81,7 @@ def test_every_worker_replays_the_servers_theta_bit_for_bit(mean, clip, late_lr)
             continue
         sent = replies(r, feedback)
         before = {n: p.clone() for n, p in agg.params.items()}
-        agg.aggregate([as_received(u) for u in sent], relay={u.worker_id: u for u in sent})
+        agg.aggregate([as_received(u, sparse=True) for u in sent], relay={u.worker_id: u for u in sent})
         assert any(not torch.equal(before[n], agg.params[n]) for n in NAMES)  # θ moved
     assert agg.round == 6
 
@@ -125,7 +125,7 @@ def test_each_node_gets_the_state_without_its_own_reply_and_replays_the_servers_
         sent = replies(r, feedback)
         for w, u in zip(workers, sent):
             w.keep_reply(u)
-        agg.aggregate([as_received(u) for u in sent], relay={u.worker_id: u for u in sent})
+        agg.aggregate([as_received(u, sparse=True) for u in sent], relay={u.worker_id: u for u in sent})
 
 
 def test_a_worker_without_the_reply_left_out_needs_theta_whole():
@@ -227,7 +227,7 @@ def after_one_round() -> tuple[Aggregator, Downlink]:
     w = Downlink(RELAY, rc)
     w.theta(agg.global_state(), NAMES)
     sent = replies(1, [ErrorFeedback() for _ in range(3)])
-    agg.aggregate([as_received(u) for u in sent], relay={u.worker_id: u for u in sent})
+    agg.aggregate([as_received(u, sparse=True) for u in sent], relay={u.worker_id: u for u in sent})
     return agg, w
 
 
@@ -304,7 +304,7 @@ def test_a_checkpoint_without_relayed_replies_sends_theta_whole_once_and_a_bad_o
     for r in (1, 2):
         agg.global_state()
         sent = replies(r, fb)
-        agg.aggregate([as_received(u) for u in sent], relay={u.worker_id: u for u in sent})
+        agg.aggregate([as_received(u, sparse=True) for u in sent], relay={u.worker_id: u for u in sent})
     sd = agg.state_dict()
     old = {k: v for k, v in sd.items() if not k.startswith("relay/") and k != "counter/relayed"}
     resumed = Aggregator({n: torch.zeros(s) for n, s in NAMES.items()}, {}, rc, Average(), None, payload=RELAY)
@@ -315,7 +315,7 @@ def test_a_checkpoint_without_relayed_replies_sends_theta_whole_once_and_a_bad_o
     w = Downlink(RELAY, rc)
     w.theta(state, NAMES)
     sent = replies(3, fb)
-    resumed.aggregate([as_received(u) for u in sent], relay={u.worker_id: u for u in sent})
+    resumed.aggregate([as_received(u, sparse=True) for u in sent], relay={u.worker_id: u for u in sent})
     state = resumed.global_state()
     assert state.params_delta and len(state.relay) == 3
     theta = w.theta(state, NAMES)
@@ -339,7 +339,7 @@ def test_a_relay_needs_every_applied_reply_and_the_plain_average():
     sent = replies(1, [ErrorFeedback() for _ in range(3)])
     with pytest.raises(ValueError, match=r"round 1: a relaying payload needs every applied reply as received; "
                                          r"none given for worker\(s\) \[2\]"):
-        agg.aggregate([as_received(u) for u in sent], relay={u.worker_id: u for u in sent[:2]})
+        agg.aggregate([as_received(u, sparse=True) for u in sent], relay={u.worker_id: u for u in sent[:2]})
     assert agg.round == 1 and all(not p.any() for p in agg.params.values())  # nothing applied
     with pytest.raises(ValueError, match="relaying a round's replies needs synchronous rounds"):
         resolve_payload("topk2bit-relay").check_method(False, asynchronous=True)
@@ -440,8 +440,13 @@ def relayed_state():
     for u in sent:
         u.moments["exp_avg/embed.weight"] = torch.ones(2)  # what the server received; the relay leaves it out
         u.metrics["train_loss"] = 3.0
-    agg.aggregate([as_received(u) for u in sent], screened=True, relay={u.worker_id: u for u in sent})
+    agg.aggregate([as_received(u, sparse=True) for u in sent], screened=True, relay={u.worker_id: u for u in sent})
     return agg, w, rc
+
+
+def dense(t: torch.Tensor | SparseValues) -> torch.Tensor:
+    """A decoded Δ as a tensor (a top-k one kept sparse by the server and the product's decoder: its dense form)."""
+    return t.dense() if isinstance(t, SparseValues) else t
 
 
 def test_a_relayed_state_crosses_the_wire_and_the_worker_replays_it_exactly():
@@ -462,7 +467,7 @@ def test_a_relayed_state_crosses_the_wire_and_the_worker_replays_it_exactly():
         assert [(u.worker_id, u.round, u.tokens, u.moments, u.metrics) for u in got.relay] == [
             (m, 1, n, {}, {}) for m, n in enumerate((300, 100, 200))]
         for u, sent in zip(got.relay, state.relay):
-            assert all(torch.equal(u.delta[n], as_received(sent).delta[n]) for n in NAMES)
+            assert all(torch.equal(dense(u.delta[n]), dense(as_received(sent, sparse=True).delta[n])) for n in NAMES)
         theta = Downlink(RELAY, w.rounds)
         theta.params, theta.round = {n: t.clone() for n, t in w.params.items()}, 1
         replayed = theta.theta(got, NAMES)
