@@ -375,9 +375,10 @@ def _time_once(preset: str, payload: str) -> dict:
     down_bytes = len(down) + RELAY_M * len(forwarded)
     t3 = time.perf_counter()
     state = decode_global_state(down, ms.model_id, codecs=resolve_payload(payload).downlink_specs)
-    if relay:  # the worker decodes the M replies and replays the round's mean and outer step
-        replies = [dataclasses.replace(decode_update(forwarded, ms.model_id, codecs=resolve_payload(payload).receiver_specs),
-                                       worker_id=m) for m in range(RELAY_M)]
+    if relay:  # the worker decodes the M replies (top-k Δ kept sparse, as decode_global_state keeps a relayed
+        # reply's) and replays the round's mean and outer step
+        replies = [dataclasses.replace(decode_update(forwarded, ms.model_id, codecs=resolve_payload(payload).receiver_specs,
+                                                     sparse=True), worker_id=m) for m in range(RELAY_M)]
         replay(params, dataclasses.replace(state, round=3, relay=replies, outer_lr=1.0), RoundConfig(local_steps=32), codecs)
     t4 = time.perf_counter()
     # what a compressed preset adds to a worker's state (saved with it, held between rounds): Δ's
