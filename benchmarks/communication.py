@@ -202,7 +202,8 @@ class Encoder:
 def measure_variant(enc: Encoder, variant: Variant, k: int) -> dict:
     """Bytes up/down per round of one method at K = k (steady state, averaged over a sync cycle)."""
     ms, dtype = enc.ms, enc.payload_dtype
-    inner = InnerConfig(rank=ms.rank, proj_method=variant.proj_method)
+    # one phase (bytes do not depend on the two-phase switch; LoRDO-Local's own switch would need the run's length)
+    inner = InnerConfig(rank=ms.rank, proj_method=variant.proj_method, switch_fraction=0.0)
     settings = resolve_method(variant.method, inner, RoundConfig(local_steps=k, dense_sync_factor=variant.dense_sync_factor),
                               OuterConfig())
     lordo = settings.inner.name == "lordo"

@@ -137,8 +137,10 @@ def resolve_method(name: str, inner: InnerConfig, rounds: RoundConfig, outer: Ou
     inner = dataclasses.replace(inner, **own, **spec.inner).validate()
     if inner.switch_fraction:
         if total_steps is None:
-            raise ValueError(f"inner.switch_fraction={inner.switch_fraction!r} needs the run's total_steps "
-                             "(resolve_method(..., total_steps=...))")
+            whose = f"{name}'s own " if "switch_fraction" in own else ""
+            raise ValueError(f"inner.switch_fraction={inner.switch_fraction!r} ({whose}two-phase switch at that share of "
+                             "the run) needs the run's total_steps (resolve_method(..., total_steps=...)), or "
+                             "inner.switch_fraction=0.0 for one phase")
         inner = switch_at(inner, total_steps)
     rounds = dataclasses.replace(rounds, **_sync_periods(name, spec, rounds.validate())).validate()
     if rounds.sync_ef and inner.name == "lordo" and inner.error_feedback and inner.ef_density < 1.0:

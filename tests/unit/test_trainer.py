@@ -174,8 +174,12 @@ def test_a_switch_at_a_fraction_of_the_run_is_the_switch_at_that_step(tmp_path):
     assert resolve_method("lordo_local", InnerConfig(switch_step=5), RoundConfig(), OuterConfig(),
                           total_steps=16).inner.switch_step == 5
     assert by_fraction == curve("own")  # LoRDO-Local left at None: the switch at half its 8 steps
-    with pytest.raises(ValueError, match=r"inner.switch_fraction=0.5 needs the run's total_steps"):
+    with pytest.raises(ValueError, match=r"inner.switch_fraction=0.5 \(two-phase switch at that share of the run\) "
+                                         r"needs the run's total_steps"):
         resolve_method("lordo_local", InnerConfig(switch_fraction=0.5), RoundConfig(), OuterConfig())
+    with pytest.raises(ValueError, match=r"\(lordo_local's own two-phase switch .* or inner.switch_fraction=0.0 "
+                                         r"for one phase"):
+        resolve_method("lordo_local", InnerConfig(), RoundConfig(), OuterConfig())
     with pytest.raises(ValueError, match=r"inner.switch_fraction=0.5 with inner.switch_step=6: expected one of the two"):
         InnerConfig(switch_fraction=0.5, switch_step=6).validate()
     with pytest.raises(ValueError, match=r"inner.switch_fraction=1.0: expected a number in \[0, 1\)"):
