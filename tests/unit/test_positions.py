@@ -235,13 +235,21 @@ def test_rice_gaps_that_run_past_their_chunk_are_refused(where, reason):
         decode(enc, "w")
 
 
-@pytest.mark.parametrize("rows,width,k", [(1, 7, 7), (5, 4096, 491), (300, 64, 1), (0, 16, 3)])
-def test_increasing_rows_is_the_sort_of_each_row(rows, width, k):
-    """The CPU's mask-and-read-back against the sort it replaces (the path a GPU takes)."""
-    from lordo_fed.wire.positions import increasing_rows
+@pytest.mark.parametrize("rows,width,k", [(1, 7, 7), (5, 4096, 491), (300, 64, 1), (0, 16, 3), (40, 64, 0)])
+@pytest.mark.parametrize("values", ["gaussian", "ties", "nan"])
+def test_top_rows_is_topk_sorted(rows, width, k, values):
+    """The CPU's select-and-read-back against the simple path it replaces (topk, each row sorted: a
+    GPU's path), also where rows tie at their k-th magnitude, are all zero, or hold NaN."""
+    from lordo_fed.wire.positions import top_rows
 
-    g = torch.Generator().manual_seed(rows)
-    idx = torch.stack([torch.randperm(width, generator=g)[:k] for _ in range(rows)]) if rows else \
-        torch.zeros(0, k, dtype=torch.int64)
-    got = increasing_rows(idx, width)
-    assert got.dtype == torch.int64 and torch.equal(got, idx.sort(dim=1).values)
+    g = torch.Generator().manual_seed(rows + width + k)
+    x = torch.randn(rows, width, generator=g)
+    if values == "ties" and rows:
+        x = torch.round(x * 2) / 2  # a few distinct magnitudes: most rows tie at their k-th
+        x[0] = 0.0
+    if values == "nan" and rows:
+        x[0, :2] = float("nan")
+        x[-1, 0] = float("nan")
+    got = top_rows(x, k)
+    simple = x.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+    assert got.dtype == torch.int64 and torch.equal(got, simple)
