@@ -235,21 +235,33 @@ def test_rice_gaps_that_run_past_their_chunk_are_refused(where, reason):
         decode(enc, "w")
 
 
-@pytest.mark.parametrize("rows,width,k", [(1, 7, 7), (5, 4096, 491), (300, 64, 1), (0, 16, 3), (40, 64, 0)])
-@pytest.mark.parametrize("values", ["gaussian", "ties", "nan"])
-def test_top_rows_is_topk_sorted(rows, width, k, values):
-    """The CPU's select-and-read-back against the simple path it replaces (topk, each row sorted: a
-    GPU's path), also where rows tie at their k-th magnitude, are all zero, or hold NaN."""
+@pytest.mark.parametrize("rows,width,k", [(1, 7, 7), (5, 4096, 491), (300, 64, 1), (0, 16, 3), (40, 64, 0), (6, 512, 61)])
+@pytest.mark.parametrize("values", ["gaussian", "ties", "sparse", "signs", "nan"])
+def test_top_rows_against_the_row_loop_and_topk(rows, width, k, values):
+    """The CPU's select-and-read-back against the per-row loop (sorted by magnitude, the leftmost first
+    among ties), and against the simple path (topk, sorted: a GPU's path) wherever no two magnitudes
+    tie at a row's k-th; a row with a NaN as the simple path chooses it (the NaN kept)."""
     from lordo_fed.wire.positions import top_rows
 
     g = torch.Generator().manual_seed(rows + width + k)
     x = torch.randn(rows, width, generator=g)
-    if values == "ties" and rows:
+    if values == "ties":
         x = torch.round(x * 2) / 2  # a few distinct magnitudes: most rows tie at their k-th
-        x[0] = 0.0
+    if values == "sparse":  # most of each row zero (a sum of sparse replies), some rows all zero
+        x = x * (torch.rand(rows, width, generator=g) < 0.06)
+        x[::3] = 0.0
+    if values == "signs":  # most of each row tied at its largest magnitude (numpy's select at its slowest)
+        x = torch.sign(x) * (torch.rand(rows, width, generator=g) < 0.9)
     if values == "nan" and rows:
-        x[0, :2] = float("nan")
-        x[-1, 0] = float("nan")
+        x[0, 1] = float("nan")
+        x[-1, -1] = float("nan")
     got = top_rows(x, k)
     simple = x.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
-    assert got.dtype == torch.int64 and torch.equal(got, simple)
+    assert got.dtype == torch.int64 and got.shape == (rows, k)
+    if values == "nan":
+        assert torch.equal(got, simple)
+        return
+    loop = [sorted(sorted(range(width), key=lambda i: -abs(float(r[i])))[:k]) for r in x]
+    assert got.tolist() == loop
+    if values == "gaussian":
+        assert torch.equal(got, simple)
