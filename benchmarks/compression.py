@@ -286,9 +286,9 @@ def _server_round(agg, deltas: list[dict[str, Encoded]], model_id: str, specs, p
         refs.append(ReplyRef.of(update, load=load, norm=norm, relayed=relayed))
         del update
     t1 = time.perf_counter()
+    # θ_c after the last round's change is committed inside (`_commit_downlink`), once a round as in the
+    # product; a relaying server keeps no θ_c (its replays give θ itself)
     agg.aggregate_refs(refs)
-    if agg.client_params is not None:  # a relaying server keeps no θ_c: its replays give θ itself
-        agg.client_copy()  # what the next round's resync and commit need: θ_c after this round's change
     t2 = time.perf_counter()
     shared = agg.global_state()
     state = encode_global_state(shared, model_id, wire_dtype)
