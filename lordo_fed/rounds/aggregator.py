@@ -43,7 +43,7 @@ from lordo_fed.rounds.relay import relay_checkpoint, relayed_form, relayed_from_
 from lordo_fed.rounds.sparse import add_sent, add_weighted, contributor_mean, support_overlap
 from lordo_fed.rounds.screening import ReplyRef
 from lordo_fed.wire import lowrank
-from lordo_fed.wire.compress import Encoded, SparseValues, encode, plus_decoded
+from lordo_fed.wire.compress import Encoded, SparseValues, encode, add_decoded, plus_decoded
 from lordo_fed.wire.messages import (
     DIAGNOSTIC_METRICS, GlobalState, WorkerUpdate, split_moment_key)
 from lordo_fed.wire.payload import PayloadCodecs
@@ -130,7 +130,8 @@ class Aggregator:
         """A compressed downlink: every worker holds θ_c, and the state carries its change (or, with
         `relay`, the replies that change it)."""
         self.client_params: dict[str, Tensor] | None = (
-            {n: p.clone() for n, p in self.params.items()} if self.tracks_copy and not payload.relay else None)
+            {n: p.clone(memory_format=torch.contiguous_format) for n, p in self.params.items()}
+            if self.tracks_copy and not payload.relay else None)
         """θ_c, what every worker that applied every round's state holds (θ0 at first): the server
         keeps it exactly, so that both sides add the same decoded change to the same tensors. Not with a
         relay: each worker's replay gives θ itself, so θ is θ_c once the state is applied."""
@@ -185,7 +186,7 @@ class Aggregator:
         if not self.tracks_copy:
             return self.params
         if not self.downlink_due() or self.payload.relay:  # a relay's replay gives θ itself
-            return {n: p.clone() for n, p in self.params.items()}
+            return {n: p.clone(memory_format=torch.contiguous_format) for n, p in self.params.items()}
         change = self.global_state().params
         return {n: plus_decoded(self.client_params[n], e, n) for n, e in change.items()}
 
@@ -202,9 +203,14 @@ class Aggregator:
         return {n: encode(self.params[n] - self.client_params[n], self.payload.down) for n in self.params}
 
     def _commit_downlink(self) -> None:
-        """The round's state went out: θ_c becomes what the workers hold now (with a relay, θ itself)."""
+        """The round's state went out: θ_c becomes what the workers hold now (with a relay, θ itself).
+        A compressed change is added into θ_c in place, the same additions as `client_copy`'s, without a
+        fresh θ-sized copy each round (at 125m its page faults were most of option A's commit)."""
         if self.tracks_copy:
-            if self.client_params is not None:
+            if self.client_params is not None and self.downlink_due() and not self.payload.relay:
+                for n, e in self.global_state().params.items():
+                    add_decoded(self.client_params[n], e, n)
+            elif self.client_params is not None:
                 self.client_params = self.client_copy()
             self._resync_all = False
 
@@ -563,9 +569,9 @@ class Aggregator:
         if self.client_params is not None:
             client = part("client/")
             if set(client) == set(self.params):
-                self.client_params = {n: t.float().clone() for n, t in client.items()}
+                self.client_params = {n: t.float().clone(memory_format=torch.contiguous_format) for n, t in client.items()}
             else:  # a checkpoint of a run without the compressed downlink: every worker gets θ whole once
-                self.client_params = {n: p.clone() for n, p in self.params.items()}
+                self.client_params = {n: p.clone(memory_format=torch.contiguous_format) for n, p in self.params.items()}
                 self._resync_all = True
         if self.tracks_copy and self.payload.relay:  # without them (an older checkpoint) θ goes whole once
             self._relayed = relayed_from_checkpoint(sd, self.round, self.payload)

@@ -378,12 +378,17 @@ def decode_sparse(enc: Encoded, label: str = "tensor") -> Tensor | SparseValues:
 def plus_decoded(x: Tensor, enc: Encoded, label: str = "tensor") -> Tensor:
     """x + decode(enc) as a new tensor, bit for bit; an untiled top-k adds on its positions only
     (`SparseValues.add_to`), without building its dense decode."""
+    return add_decoded(x.clone(memory_format=torch.contiguous_format), enc, label)
+
+
+def add_decoded(x: Tensor, enc: Encoded, label: str = "tensor") -> Tensor:
+    """x += decode(enc) in place (`x` contiguous), bit for bit `plus_decoded`'s sum; returns `x`."""
     change = decode_sparse(enc, label)
-    if not isinstance(change, SparseValues):
-        return x + change.view(x.shape)
-    out = x.clone(memory_format=torch.contiguous_format)
-    change.add_to(out, 1.0)
-    return out
+    if isinstance(change, SparseValues):
+        change.add_to(x, 1.0)
+    else:
+        x.add_(change.view(x.shape))
+    return x
 
 
 def decoded(tensors: Mapping[str, Tensor | Encoded], sparse: bool = False) -> dict[str, Tensor | SparseValues]:

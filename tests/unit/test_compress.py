@@ -202,8 +202,9 @@ def test_sparse_values_stand_for_the_dense_decode_bit_for_bit(spec):
     """What the server does with a top-k reply kept sparse, against the same with its dense decode:
     `dense()` is `decode` and `add_to` is `acc.add_(decode, alpha=w)`, bit for bit, with a zero among the
     kept values, a tail chunk, and a sum that already holds values; it keeps the bytes it was decoded from
-    (`encoded`); a tiled top-k and a dense codec come back decoded."""
-    from lordo_fed.wire.compress import SparseValues, decode_sparse, plus_decoded
+    (`encoded`); a tiled top-k and a dense codec come back decoded; x + decode, new or in place, as the
+    dense sum."""
+    from lordo_fed.wire.compress import SparseValues, add_decoded, decode_sparse, plus_decoded
 
     g = torch.Generator().manual_seed(3)
     shape = (128, 192) if spec.tile else (150, 77)  # 64x64 tiles; otherwise a tail chunk
@@ -225,6 +226,8 @@ def test_sparse_values_stand_for_the_dense_decode_bit_for_bit(spec):
             want.add_(dense, alpha=w)
             assert torch.equal(acc, want), w
     assert torch.equal(plus_decoded(base, enc), base + dense)
+    in_place = base.clone()
+    assert add_decoded(in_place, enc) is in_place and torch.equal(in_place, base + dense)  # θ_c's commit
 
 
 def test_error_feedback_sends_everything_eventually():
