@@ -43,7 +43,7 @@ from lordo_fed.rounds.relay import relay_checkpoint, relayed_form, relayed_from_
 from lordo_fed.rounds.sparse import add_sent, add_weighted, contributor_mean, support_overlap
 from lordo_fed.rounds.screening import ReplyRef
 from lordo_fed.wire import lowrank
-from lordo_fed.wire.compress import Encoded, SparseValues, encode, add_decoded, plus_decoded
+from lordo_fed.wire.compress import Encoded, SparseValues, add_decoded, encode, plus_decoded
 from lordo_fed.wire.messages import (
     DIAGNOSTIC_METRICS, GlobalState, WorkerUpdate, split_moment_key)
 from lordo_fed.wire.payload import PayloadCodecs
@@ -207,10 +207,10 @@ class Aggregator:
         A compressed change is added into θ_c in place, the same additions as `client_copy`'s, without a
         fresh θ-sized copy each round (at 125m its page faults were most of option A's commit)."""
         if self.tracks_copy:
-            if self.client_params is not None and self.downlink_due() and not self.payload.relay:
+            if self.client_params is not None and self.downlink_due():  # (a relay keeps no θ_c)
                 for n, e in self.global_state().params.items():
                     add_decoded(self.client_params[n], e, n)
-            elif self.client_params is not None:
+            elif self.client_params is not None:  # θ went whole: θ_c is θ
                 self.client_params = self.client_copy()
             self._resync_all = False
 
