@@ -63,11 +63,48 @@ def checkout_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[st
     return env
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on `host` a moment ago (bind to port 0, read, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+_PORTS_GIVEN: set[int] = set()
+"""The ports `free_port` handed out in this process (each once)."""
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral ports (net.ipv4.ip_local_port_range; Linux's default when unreadable)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
+    """A TCP port P on `host` with P .. P + span − 1 free now, below the kernel's ephemeral range.
+
+    A port picked inside that range (bind to port 0, read, close) can be taken before the child process
+    that was told to serve on it binds it: the kernel hands the same range to every outgoing connection's
+    local end (seen in CI: a SuperNode's HTTP port already in use, taken by another node's connection to
+    the SuperLink). Below the range nothing is assigned unasked, so a port checked free here stays free
+    for the child unless some process binds it by number. Drawn at random from 20000 up (Ray's workers
+    bind ports 10002-19999 by default, Flower's defaults sit at 9091-9095), checked by binding, each handed
+    out once per process."""
+    import random
+
+    low, high = _ephemeral_range()
+    first, last = (20000, low - span) if low - span > 20000 else (high + 1, 65536 - span)
+    for _ in range(1000):
+        port = random.randrange(first, last)
+        ports = range(port, port + span)
+        if _PORTS_GIVEN.intersection(ports):
+            continue
+        try:
+            with contextlib.ExitStack() as stack:
+                for p in ports:
+                    sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    sock.bind((host, p))
+        except OSError:
+            continue
+        _PORTS_GIVEN.update(ports)
+        return port
+    raise RuntimeError(f"no {span} free consecutive TCP port(s) on {host} in [{first}, {last + span})")
 
 
 def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.3) -> bool:
