@@ -502,4 +502,29 @@ def run_simulation(
     finally:
         if not keep_superlink:
             stop_local_superlink(env)
+    if run_failure(result):
+        # Ray's own logs go with the short RAY_TMPDIR at exit: keep their tails with the run's output,
+        # so a failure inside Ray (a raylet that never registered) names its cause.
+        result.stdout = (result.stdout or "") + ray_log_tails(env.get("RAY_TMPDIR"))
+        if log_path:
+            Path(log_path).write_text(result.stdout)
     return check_run(result) if check else result
+
+
+RAY_LOGS = ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err", "runtime_env_agent.log")
+
+
+def ray_log_tails(ray_tmpdir: str | None, lines: int = 15) -> str:
+    """The last `lines` lines of each Ray log in RAY_LOGS, for every Ray session under `ray_tmpdir`
+    (the sessions of one environment's runs), or "" when there are none."""
+    if not ray_tmpdir:
+        return ""
+    out = []
+    for session in sorted(Path(ray_tmpdir).glob("ray/session_2*")):
+        for name in RAY_LOGS:
+            log = session / "logs" / name
+            with contextlib.suppress(OSError):
+                tail = log.read_text(errors="replace").splitlines()[-lines:]
+                if tail:
+                    out.append(f"--- {session.name}/{name} (tail) ---\n" + "\n".join(tail))
+    return "\n" + "\n".join(out) + "\n" if out else ""

@@ -248,10 +248,13 @@ class DataPlaneHandlers:
             if received != declared:
                 raise self._refuse(node, round_idx, UPLOAD, f"stream ended after {received} of the {declared} "
                                    "declared bytes (truncated)", grpc.StatusCode.INVALID_ARGUMENT)
+            if not declared_digest:  # e.g. a node killed between its last data chunk and its digest
+                raise self._refuse(node, round_idx, UPLOAD, f"stream ended after all {declared} declared bytes "
+                                   f"without their {self.checksum} digest", grpc.StatusCode.DATA_LOSS)
             digest = sink.digest.hexdigest()
             if digest != declared_digest:
                 raise self._refuse(node, round_idx, UPLOAD, f"{self.checksum} digest mismatch: received bytes hash to "
-                                   f"{digest[:16]}..., the node declared {declared_digest[:16] or 'none'}...",
+                                   f"{digest[:16]}..., the node declared {declared_digest[:16]}...",
                                    grpc.StatusCode.DATA_LOSS)
             if not self.issuer.spend(claims):
                 raise self._refuse(node, round_idx, UPLOAD, "upload token already used (replayed)")

@@ -222,8 +222,8 @@ def test_deployment_with_a_slowed_node(tmp_path):
 @pytest.mark.extended  # the CI lane kills the ServerApp (above) and a synchronous node worker (test_node_worker.py)
 def test_a_node_worker_killed_mid_run_comes_back_from_its_state(tmp_path):
     """Asynchronous rounds (HeLoCo, arrival order) on two node workers, each node's rounds one
-    session on the gRPC data plane: node worker 1 is SIGKILLed once its partition has answered a
-    round and saved its state, and restarted. Its session's message fails; the server sends the
+    session on the gRPC data plane: node worker 1 is SIGKILLed once the server has applied its
+    partition's first push and the worker has saved its state, and restarted. Its session's message fails; the server sends the
     round again in a new session; the restarted worker continues from its disk state (no node
     starts afresh) and the run ends with its whole budget of tokens, the loss down."""
     from tests.integration.test_node_worker import wait_for_round_1_saved
@@ -238,7 +238,7 @@ def test_a_node_worker_killed_mid_run_comes_back_from_its_state(tmp_path):
     try:
         with Deployment(tmp_path, num_nodes=2, node_configs=[{"node-worker": f"unix://{s}"} for s in socks]) as dep:
             run = Background(dep.run, APP, run_config, timeout=300, log_path=tmp_path / "run.log")
-            wait_for_round_1_saved(out, run, tmp_path / "run.log")
+            wait_for_round_1_saved(out, run, tmp_path / "run.log", pushed=True)
             os.killpg(workers[1].pid, signal.SIGKILL)
             workers[1].wait(timeout=10)
             workers[1] = start_node_worker(socks[1], logs[1])

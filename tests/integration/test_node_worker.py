@@ -12,6 +12,7 @@ the payloads on the gRPC data plane.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -31,13 +32,33 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def wait_for_round_1_saved(out: Path, run, log_path: Path, partition: int = 1, timeout: float = 240) -> None:
+def written_records(out: Path) -> list[dict]:
+    """The server's records written so far, read while it runs: the complete lines only (a line
+    being appended is left for the next read)."""
+    path = out / "server.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
+
+
+def wait_for_round_1_saved(out: Path, run, log_path: Path, partition: int = 1, timeout: float = 240,
+                           pushed: bool = False) -> None:
     """Block until the server has aggregated round 1 of the run writing to `out` (`run` a
     test_reliability.Background, whose log `log_path` a failure shows) and `partition`'s worker
-    state of round 1 is on disk: the moment to kill a node worker between rounds."""
+    state of round 1 is on disk: the moment to kill a node worker between rounds. With `pushed`
+    (asynchronous rounds, where round 1's record may hold another partition's pushes only), also
+    until a record counts a push of `partition`: the worker saves its round before its upload
+    ends, so a kill before its push is applied can land mid-upload, and the ClientApp then runs
+    the same job again on the restarted worker (lordo_fed/node/channel.py) instead of failing."""
     state = out / "client_state" / f"partition_{partition}"
     deadline = time.monotonic() + timeout
-    while not (len(server_records(out)) >= 2 if (out / "server.jsonl").exists() else False):
+
+    def ready() -> bool:
+        records = written_records(out)
+        if len(records) < 2:
+            return False
+        return not pushed or sum(r["pushes_by_worker"][partition] for r in records[1:]) >= 1
+
+    while not ready():
         assert run.running() and time.monotonic() < deadline, log_path.read_text()[-3000:]
         time.sleep(0.05)
     while not list(state.glob("*0001*.json")):

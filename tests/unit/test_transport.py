@@ -494,6 +494,7 @@ def test_a_session_upload_is_checked_as_a_rounds(plane, caplog):
     refused([header(t, 2000, body), pb.UploadChunk(digest=digest)],
             "stream ended after 1000 of the 2000 declared bytes (truncated)")
     refused([header(t, 1000, bytes([body[0] ^ 1]) + body[1:]), pb.UploadChunk(digest=digest)], "xxh3 digest mismatch")
+    refused([header(t, 1000, body)], "stream ended after all 1000 declared bytes without their xxh3 digest")
 
     def stalling():
         yield header(t, 1000, body[:10])
@@ -508,7 +509,7 @@ def test_a_session_upload_is_checked_as_a_rounds(plane, caplog):
     (got,) = plane.session_uploads(1.0)
     assert (got.node_id, got.round, bytes(got.buffer())) == (NODE, 2, body)
     got.discard()
-    assert len(plane.take_refusals()) == 5
+    assert len(plane.take_refusals()) == 6
 
 
 class SlowEncoding:
