@@ -562,13 +562,17 @@ def reference_rows(files: list[Path], machine: dict, quick: bool, device: str, w
         config = result.get("config", {})
         overrides = {(p["method"], p["name"]): tuple(p["overrides"]) for p in config.get("probes", [])
                      if "overrides" in p}
-        overrides |= {(m, t["name"]): tuple(t["overrides"]) for m, ts in config.get("trials", {}).items() for t in ts}
+        # A table's config lists each method's trials; an early table file names only the trial it ran (a string),
+        # and its rows carry their own overrides.
+        overrides |= {(m, t["name"]): tuple(t["overrides"]) for m, ts in config.get("trials", {}).items()
+                      if not isinstance(ts, str) for t in ts}
         local = config.get("local_corpora", {})
         commit = result.get("code", {}).get("commit")
         for r in result.get("rows", []):
             key = (r["corpus"], r["method"], r["trial"], r["rounds"], r["seed"])
             found[key] = {**r, "reference": {"file": name, "commit": commit},
-                          "overrides": overrides.get((r["method"], r["trial"])),
+                          "overrides": overrides.get((r["method"], r["trial"]),
+                                                     tuple(r["overrides"]) if "overrides" in r else None),
                           "local_corpus": local.get(r["corpus"])}
     return found
 

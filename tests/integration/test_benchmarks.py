@@ -233,6 +233,15 @@ def test_corpora_quality_reads_committed_runs_instead_of_training_them(tmp_path)
     changed["config"]["probes"][1]["overrides"] = ["inner.ef_decay=0.5"]
     assert f"its lordo_global trial {first['rows'][1]['trial']!r} has overrides ('inner.ef_decay=0.5',)" in refused(
         changed)
+    # An early table file: its config names each method's one trial, its rows carry their own overrides.
+    early = json.loads(json.dumps(first))
+    probes = {(q["method"], q["name"]): q["overrides"] for q in first["config"]["probes"] if "overrides" in q}
+    early["config"] = {"part": "table", "trials": {r["method"]: r["trial"] for r in first["rows"]}}
+    for r in early["rows"]:
+        r["overrides"] = probes.get((r["method"], r["trial"]), [])
+    early["rows"][1]["overrides"] = ["inner.ef_decay=0.5"]
+    assert f"its lordo_global trial {first['rows'][1]['trial']!r} has overrides ('inner.ef_decay=0.5',)" in refused(
+        early)
     assert "ran with --eval-windows first; this run has --eval-windows spread" in refused(
         first, "--eval-windows", "spread")
     assert "quick=False, this run quick=True" in refused({**first, "quick": False})
