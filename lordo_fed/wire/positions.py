@@ -136,11 +136,13 @@ def unpack_positions(data: bytes, numel: int, chunk: int, k: int, coding: str, l
     if coding == "fixed":
         positions = unpack(data, index_bits(chunk), count)
     else:
-        steps = rice_decode(data, rice_parameter(chunk, k), count) + 1  # p_i - p_(i-1)
-        parts = [steps[:full * k].view(full, k).cumsum(dim=1).reshape(-1)] if full else []
+        # In place, one fresh tensor: the gaps g_i = p_i - p_(i-1) - 1 become each chunk's positions.
+        positions = rice_decode(data, rice_parameter(chunk, k), count).add_(1)
+        if full:
+            positions[:full * k].view(full, k).cumsum_(dim=1)
         if k_tail:
-            parts.append(steps[full * k:].cumsum(dim=0))
-        positions = (torch.cat(parts) if parts else steps) - 1
+            positions[full * k:].cumsum_(dim=0)
+        positions.sub_(1)
     # Rice-coded gaps are >= 0, so their positions increase within a chunk by construction: only the bound is left
     check_positions(positions, numel, chunk, k, label, increasing=coding != "fixed")
     return positions

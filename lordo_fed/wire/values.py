@@ -217,15 +217,21 @@ def rice_decode(data: bytes, b: int, count: int) -> Tensor:
         if tail.size:
             raise CompressionError(f"{tail.size} bytes of unary codes after 0 indices")
         return torch.zeros(0, dtype=torch.int64)
-    stream = np.unpackbits(tail, bitorder="little")
-    zeros = np.flatnonzero(stream == 0)
+    # The unary stream's zero bits end the codes: unpacking the inverted bytes marks them with ones, read as
+    # bools (numpy's nonzero is several times faster on bools than on bytes) with no comparison pass.
+    ends = np.unpackbits(np.invert(tail), bitorder="little").view(np.bool_)
+    zeros = np.flatnonzero(ends)
     if zeros.size < count:
         raise CompressionError(f"the unary codes of Rice-coded indices end after {zeros.size} of {count}")
     last = int(zeros[count - 1])
-    if tail.size != last // 8 + 1 or stream[last + 1:].any():
+    # every bit after the last code's terminator is padding, so zero: each one of them is in `zeros`
+    if tail.size != last // 8 + 1 or zeros.size - count != ends.size - last - 1:
         raise CompressionError(f"{tail.size} bytes of unary codes, expected {last // 8 + 1} ending in zero bits")
-    quotients = torch.from_numpy(np.diff(zeros[:count], prepend=-1) - 1)
-    return (quotients << b) | remainders
+    quotients = np.empty(count, dtype=np.int64)  # the ones before each terminator, since the one before it
+    quotients[0] = zeros[0]
+    np.subtract(zeros[1:count], zeros[:count - 1], out=quotients[1:])
+    quotients[1:] -= 1
+    return torch.from_numpy(quotients).bitwise_left_shift_(b).bitwise_or_(remainders)
 
 
 def row_index_bits(nrows: int) -> int:

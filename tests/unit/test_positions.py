@@ -153,6 +153,30 @@ def test_hostile_rice_positions_are_refused_with_a_reason(edit, reason):
         decode(hostile_rice(edit), "w")
 
 
+@pytest.mark.parametrize("b", [0, 3, 4])
+def test_the_rice_decoder_accepts_only_what_the_encoder_writes(b):
+    """Any bytes: the decoder refuses them with CompressionError, or returns gaps that encode back to
+    exactly those bytes (one encoding per gap list, so no two payloads decode alike). Random byte
+    strings and one-byte edits of real encodings."""
+    g = torch.Generator().manual_seed(b)
+    count = 40
+    real = rice_encode(torch.randint(0, 70, (count,), generator=g), b)
+    tries = [bytes(torch.randint(0, 256, (n,), generator=g).to(torch.uint8).tolist()) for n in range(0, 60)]
+    for i in range(len(real)):
+        for flip in (0x01, 0x10, 0x80, 0xFF):
+            tries.append(real[:i] + bytes([real[i] ^ flip]) + real[i + 1:])
+    accepted = 0
+    for data in tries:
+        try:
+            gaps = rice_decode(data, b, count)
+        except CompressionError:
+            continue
+        accepted += 1
+        assert gaps.dtype == torch.int64 and gaps.shape == (count,) and bool((gaps >= 0).all())
+        assert rice_encode(gaps, b) == data
+    assert accepted > 0  # some edits (a remainder bit) still decode: they are other gaps, encoded canonically
+
+
 def rice_update():
     from lordo_fed.wire.messages import WorkerUpdate
 
