@@ -44,6 +44,7 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+from harness.machine import Machine, machine_report
 from harness.processes import OWNER_VAR, child_preexec, descendants, find_pids, free_port, port_open, terminate
 from lordo_fed.wan.emulate import tool_path
 
@@ -348,12 +349,20 @@ _RUN_ID = re.compile(r"Successfully started run (\d+)")
 _EXIT_CODE = re.compile(r"Exit Code: (\d+)")
 
 
+#: Separates a failed simulation's own output from what `run_simulation` appends to it.
+DIAGNOSIS_MARK = "\n=== diagnosis: Ray's logs and sessions, the machine during the run ===\n"
+
+
 class FlowerRunError(subprocess.CalledProcessError):
     """`flwr run` failed: non-zero exit, or the streamed log reports a failed ServerApp/simulation
     (`flwr run --stream` itself exits 0 even then)."""
 
     def __str__(self) -> str:
-        return f"{super().__str__()}\n--- output (tail) ---\n{(self.output or '')[-4000:]}"
+        # The run's own output and the diagnosis `run_simulation` appends each keep their ends: the
+        # Ray log tails alone could push the error that stopped the run out of a single tail.
+        output, mark, diagnosis = (self.output or "").partition(DIAGNOSIS_MARK)
+        text = f"{super().__str__()}\n--- output (tail) ---\n{output[-4000:]}"
+        return text + (f"\n{mark}{diagnosis[-4000:]}" if mark else "")
 
 
 def run_failure(result: subprocess.CompletedProcess) -> str | None:
@@ -497,6 +506,7 @@ def run_simulation(
     owner = _sim_owner(env)
     if owner:
         child_env[OWNER_VAR] = owner
+    before = Machine.now()
     try:
         result = run_cli(cmd, child_env, timeout, log_path)
     finally:
@@ -504,8 +514,12 @@ def run_simulation(
             stop_local_superlink(env)
     if run_failure(result):
         # Ray's own logs go with the short RAY_TMPDIR at exit: keep their tails with the run's output,
-        # so a failure inside Ray (a raylet that never registered) names its cause.
-        result.stdout = (result.stdout or "") + ray_log_tails(env.get("RAY_TMPDIR"))
+        # so a failure inside Ray (a raylet that never registered) names its cause, and what the
+        # machine did meanwhile last, where the end of a failure's message is what a CI log shows.
+        ray_tmpdir = env.get("RAY_TMPDIR")
+        result.stdout = ((result.stdout or "") + DIAGNOSIS_MARK + ray_log_tails(ray_tmpdir, lines=8)
+                         + ray_sessions(ray_tmpdir)
+                         + machine_report(before, tuple(filter(None, ("/tmp", ray_tmpdir)))) + "\n")
         if log_path:
             Path(log_path).write_text(result.stdout)
     return check_run(result) if check else result
@@ -528,3 +542,26 @@ def ray_log_tails(ray_tmpdir: str | None, lines: int = 15) -> str:
                 if tail:
                     out.append(f"--- {session.name}/{name} (tail) ---\n" + "\n".join(tail))
     return "\n" + "\n".join(out) + "\n" if out else ""
+
+
+_PORT_FILE = re.compile(r"^(.+)_port_[0-9a-f]+$")
+
+
+def ray_sessions(ray_tmpdir: str | None) -> str:
+    """One line per Ray session under `ray_tmpdir`: how many lines each log in RAY_LOGS holds (0
+    when Ray created it and its process wrote nothing; 'absent' when its process never started)
+    and the port files written, i.e. how far start-up got (a GCS that never wrote its port file
+    leaves 'gcs_server' out)."""
+    if not ray_tmpdir:
+        return ""
+    out = []
+    for session in sorted(Path(ray_tmpdir).glob("ray/session_2*")):
+        counts = []
+        for name in RAY_LOGS:
+            try:
+                counts.append(f"{name} {len((session / 'logs' / name).read_text(errors='replace').splitlines())}")
+            except OSError:
+                counts.append(f"{name} absent")
+        ports = sorted(m.group(1) for p in session.iterdir() if (m := _PORT_FILE.match(p.name)))
+        out.append(f"ray {session.name}: {', '.join(counts)}; port files: {', '.join(ports) or 'none'}")
+    return "\n".join(out) + "\n" if out else ""
