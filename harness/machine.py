@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +67,47 @@ def _uptime() -> float | None:
     return float(text.split()[0]) if text else None
 
 
+class Watchdog:
+    """A daemon thread that wakes every `period` seconds and keeps each gap between two wake-ups longer
+    than `threshold`: a gap of seconds where the period is 0.1 s means this process, or the whole VM,
+    was not run (a paused and resumed VM moves both clocks on together, so no clock step shows it;
+    CPU contention alone delays a wake-up by milliseconds)."""
+
+    def __init__(self, period: float = 0.1, threshold: float = 1.0):
+        self.period, self.threshold = period, threshold
+        self._gaps: list[tuple[float, float]] = []  # (monotonic at the late wake-up, gap)
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, name="machine-watchdog", daemon=True).start()
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while True:
+            time.sleep(self.period)
+            now = time.monotonic()
+            if now - last > self.threshold:
+                with self._lock:
+                    self._gaps.append((now, now - last))
+            last = now
+
+    def gaps_since(self, since: float) -> list[tuple[float, float]]:
+        """The gaps over the threshold that ended after monotonic time `since`: (end, length)."""
+        with self._lock:
+            return [g for g in self._gaps if g[0] >= since]
+
+
+_watchdog: Watchdog | None = None
+_watchdog_lock = threading.Lock()
+
+
+def watchdog() -> Watchdog:
+    """This process's watchdog, started on first use."""
+    global _watchdog
+    with _watchdog_lock:
+        if _watchdog is None:
+            _watchdog = Watchdog()
+        return _watchdog
+
+
 @dataclass(frozen=True)
 class Machine:
     """One reading of the counters that `machine_report` compares."""
@@ -85,6 +127,7 @@ class Machine:
 
     @classmethod
     def now(cls) -> "Machine":
+        watchdog()  # from the first reading on, gaps in this process's schedule are kept
         return cls(time.monotonic(), time.time(), _uptime(), _steal_seconds(), _psi_totals(),
                    _vmstat(("oom_kill", "pgmajfault")))
 
@@ -116,6 +159,10 @@ def machine_report(before: Machine, paths: tuple[str, ...] = ("/tmp",)) -> str:
     after = Machine.now()
     elapsed = after.monotonic - before.monotonic
     parts = [f"wall clock stepped {(after.wall - before.wall) - elapsed:+.1f} s against the monotonic clock"]
+    gaps = watchdog().gaps_since(before.monotonic)
+    parts.append(f"gaps over {watchdog().threshold:.0f} s in this process's {watchdog().period} s schedule: " + (
+        ", ".join(f"{gap:.1f} s ({end - gap - before.monotonic:.1f} s into the run)" for end, gap in gaps[-5:])
+        if gaps else "none"))
     if before.steal is not None and after.steal is not None:
         parts.append(f"CPU stolen by the hypervisor {after.steal - before.steal:.1f} s")
     stalls = [f"{k} {after.psi[k] - before.psi[k]:.1f} s" for k in after.psi if k in before.psi]

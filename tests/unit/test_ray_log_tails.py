@@ -1,9 +1,11 @@
-"""harness.flower.ray_log_tails: a failed simulation's error carries the tails of Ray's own logs
-(they are removed with the short RAY_TMPDIR at exit), so a raylet that never registered names why."""
+"""A failed simulation's diagnosis: the tails of Ray's own logs (harness.flower.ray_log_tails; they are
+removed with the short RAY_TMPDIR at exit), how far each Ray session started (ray_sessions), and what the
+machine did during the run (harness.machine), so a Ray node that never started names why."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from harness.flower import ray_log_tails
 
@@ -88,3 +90,34 @@ def test_the_machine_report_reads_what_changed_since_the_reading_before(monkeypa
     monkeypatch.setattr(machine.subprocess, "run",
                         lambda *a, **k: subprocess.CompletedProcess(a, 1, stdout="", stderr="denied"))
     assert "kernel log during the run: not readable here" in machine.machine_report(now)
+
+
+def test_the_watchdog_sees_a_process_that_was_not_run(tmp_path):
+    """A process stopped for 2.5 s (SIGSTOP, SIGCONT: what a paused VM is to everything in it) finds one gap
+    of about that length in its watchdog's schedule, and none before the stop."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import json, sys, time\n"
+            "from harness.machine import Watchdog\n"
+            "w = Watchdog(period=0.05, threshold=1.0)\n"
+            "time.sleep(0.3); print(json.dumps(w.gaps_since(0.0)), flush=True)\n"
+            "sys.stdin.readline()\n"
+            "time.sleep(0.2); print(json.dumps(w.gaps_since(0.0)), flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    try:
+        assert json.loads(proc.stdout.readline()) == []
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(2.5)
+        proc.send_signal(signal.SIGCONT)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        gaps = json.loads(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert len(gaps) == 1 and 2.3 < gaps[0][1] < 6.0, gaps
