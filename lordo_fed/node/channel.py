@@ -15,7 +15,12 @@ import grpc
 from lordo_fed.v1 import node_pb2 as pb
 from lordo_fed.v1 import node_pb2_grpc as pb_grpc
 
-OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1),
+           # Each channel its own connection: gRPC shares connections between channels to one address by
+           # default, so the retry after a worker died mid-job could be sent on the dead worker's connection
+           # before it was marked broken ('Stream removed (sendmsg: Broken pipe)', UNAVAILABLE at once, and
+           # the round lost) instead of waiting for the restarted worker (tests/integration/test_node_channel.py).
+           ("grpc.use_local_subchannel_pool", 1)]
 
 
 class NodeWorkerError(RuntimeError):
