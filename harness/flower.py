@@ -517,8 +517,9 @@ def run_simulation(
         # so a failure inside Ray (a raylet that never registered) names its cause, and what the
         # machine did meanwhile last, where the end of a failure's message is what a CI log shows.
         ray_tmpdir = env.get("RAY_TMPDIR")
-        result.stdout = ((result.stdout or "") + DIAGNOSIS_MARK + ray_log_tails(ray_tmpdir, lines=8)
-                         + ray_sessions(ray_tmpdir)
+        sessions = _ray_session_logs(ray_tmpdir)  # each log read once, for its tail and its line count
+        result.stdout = ((result.stdout or "") + DIAGNOSIS_MARK + ray_log_tails(ray_tmpdir, 8, sessions)
+                         + ray_sessions(ray_tmpdir, sessions)
                          + machine_report(before, tuple(filter(None, ("/tmp", ray_tmpdir)))) + "\n")
         if log_path:
             Path(log_path).write_text(result.stdout)
@@ -528,40 +529,43 @@ def run_simulation(
 RAY_LOGS = ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err", "runtime_env_agent.log")
 
 
-def ray_log_tails(ray_tmpdir: str | None, lines: int = 15) -> str:
-    """The last `lines` lines of each Ray log in RAY_LOGS, for every Ray session under `ray_tmpdir`
-    (the sessions of one environment's runs), or "" when there are none."""
-    if not ray_tmpdir:
-        return ""
-    out = []
-    for session in sorted(Path(ray_tmpdir).glob("ray/session_2*")):
+def _ray_session_logs(ray_tmpdir: str | None) -> list[tuple[Path, dict[str, list[str] | None]]]:
+    """Every Ray session under `ray_tmpdir` (the sessions of one environment's runs), in order, with the
+    lines of each log in RAY_LOGS (None where the log is absent)."""
+    found = []
+    for session in sorted(Path(ray_tmpdir).glob("ray/session_2*")) if ray_tmpdir else ():
+        logs: dict[str, list[str] | None] = {}
         for name in RAY_LOGS:
-            log = session / "logs" / name
-            with contextlib.suppress(OSError):
-                tail = log.read_text(errors="replace").splitlines()[-lines:]
-                if tail:
-                    out.append(f"--- {session.name}/{name} (tail) ---\n" + "\n".join(tail))
+            try:
+                logs[name] = (session / "logs" / name).read_text(errors="replace").splitlines()
+            except OSError:
+                logs[name] = None
+        found.append((session, logs))
+    return found
+
+
+def ray_log_tails(ray_tmpdir: str | None, lines: int = 15,
+                  sessions: list[tuple[Path, dict[str, list[str] | None]]] | None = None) -> str:
+    """The last `lines` lines of each Ray log in RAY_LOGS, for every Ray session under `ray_tmpdir`
+    (or of `sessions`, as `_ray_session_logs` read them), or "" when there are none."""
+    out = [f"--- {session.name}/{name} (tail) ---\n" + "\n".join(text[-lines:])
+           for session, logs in (_ray_session_logs(ray_tmpdir) if sessions is None else sessions)
+           for name, text in logs.items() if text]
     return "\n" + "\n".join(out) + "\n" if out else ""
 
 
 _PORT_FILE = re.compile(r"^(.+)_port_[0-9a-f]+$")
 
 
-def ray_sessions(ray_tmpdir: str | None) -> str:
-    """One line per Ray session under `ray_tmpdir`: how many lines each log in RAY_LOGS holds (0
-    when Ray created it and its process wrote nothing; 'absent' when its process never started)
-    and the port files written, i.e. how far start-up got (a GCS that never wrote its port file
-    leaves 'gcs_server' out)."""
-    if not ray_tmpdir:
-        return ""
+def ray_sessions(ray_tmpdir: str | None,
+                 sessions: list[tuple[Path, dict[str, list[str] | None]]] | None = None) -> str:
+    """One line per Ray session under `ray_tmpdir` (or of `sessions`): how many lines each log in RAY_LOGS
+    holds (0 when Ray created it and its process wrote nothing; 'absent' when its process never started)
+    and the port files written, i.e. how far start-up got (a GCS that never wrote its port file leaves
+    'gcs_server' out)."""
     out = []
-    for session in sorted(Path(ray_tmpdir).glob("ray/session_2*")):
-        counts = []
-        for name in RAY_LOGS:
-            try:
-                counts.append(f"{name} {len((session / 'logs' / name).read_text(errors='replace').splitlines())}")
-            except OSError:
-                counts.append(f"{name} absent")
+    for session, logs in _ray_session_logs(ray_tmpdir) if sessions is None else sessions:
+        counts = [f"{name} {'absent' if text is None else len(text)}" for name, text in logs.items()]
         ports = sorted(m.group(1) for p in session.iterdir() if (m := _PORT_FILE.match(p.name)))
         out.append(f"ray {session.name}: {', '.join(counts)}; port files: {', '.join(ports) or 'none'}")
     return "\n".join(out) + "\n" if out else ""

@@ -159,8 +159,9 @@ def machine_report(before: Machine, paths: tuple[str, ...] = ("/tmp",)) -> str:
     after = Machine.now()
     elapsed = after.monotonic - before.monotonic
     parts = [f"wall clock stepped {(after.wall - before.wall) - elapsed:+.1f} s against the monotonic clock"]
-    gaps = watchdog().gaps_since(before.monotonic)
-    parts.append(f"gaps over {watchdog().threshold:.0f} s in this process's {watchdog().period} s schedule: " + (
+    dog = watchdog()
+    gaps = dog.gaps_since(before.monotonic)
+    parts.append(f"gaps over {dog.threshold:.0f} s in this process's {dog.period} s schedule: " + (
         ", ".join(f"{gap:.1f} s ({end - gap - before.monotonic:.1f} s into the run)" for end, gap in gaps[-5:])
         if gaps else "none"))
     if before.steal is not None and after.steal is not None:
