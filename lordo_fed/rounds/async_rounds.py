@@ -29,6 +29,16 @@ per round, arrivals are processed in (virtual time, worker id) order. The refere
 uses it (`lordo_fed.trainer.run.run_async`) so that a Flower run on the same schedule can be
 compared with it.
 
+With a cache (`AsyncConfig.cache`, off by default) the server keeps each worker's latest Δ, h_w (zero
+until w's first reply), and an arrival's outer step acts on a direction made from all of them, so that a
+slow worker's data weighs in every step and not only in the few it arrives at (the "heterogeneity
+amplification" of non-IID data under asynchrony):
+- `mifa`: v = (1/M) Σ_j h_j after h_w ← Δ, the mean of every worker's latest Δ (MIFA, Gu et al., arXiv
+  2106.04159, Algorithm 1);
+- `ca2fl`: v = (1/M) Σ_j h_j + (Δ − h_w) with the cache as it stood, then h_w ← Δ: that mean calibrated by the
+  arrival's change (CA²FL, Wang et al., ICLR 2024, arXiv 2405.10153, Algorithm 1 with one arrival a step).
+v then takes Δ's place: ρ, HeLoCo's correction and the outer step apply to it as to Δ.
+
 With a compressed payload preset the downlink is compressed too (`NodeCopies`): the server keeps,
 per worker, the copy θ_c[w] of θ that worker holds and sends each pull as the compressed change
 from it, as synchronous rounds do with the one copy all workers share.
@@ -281,6 +291,9 @@ class AsyncServer:
         self.since_refit = 0
         self._bases: dict[int, dict[str, Tensor]] = {}  # older bases a pending pull still trains in
         self._held: dict[int, int] = {}  # basis -> pulls not pushed (or released) yet
+        self.cache: dict[int, dict[str, Tensor]] = {}
+        """`cfg.cache`: each worker's latest applied Δ (fp32), h_w."""
+        self._cache_sum: dict[str, Tensor] = {}  # Σ_w h_w, kept so that an arrival costs O(1) adds, not O(M)
 
     def _momentum(self) -> dict[str, Tensor] | None:
         return self.outer.momentum_buffers() if isinstance(self.outer, MomentumLookAhead) else None
@@ -342,10 +355,11 @@ class AsyncServer:
                 return Arrival(update.worker_id, time, staleness, False,
                                f"staleness {staleness} > max_staleness {bound}")
             rho = arrival_weight(self.cfg, staleness)
+            delta = self._cached(update.worker_id, update.delta) if self.cfg.cache != "none" else update.delta
             if self.rule.correct:
-                g = correct(update.delta, self._momentum(), self.cfg.heloco, rho)
+                g = correct(delta, self._momentum(), self.cfg.heloco, rho)
             else:
-                g = update.delta if rho == 1.0 else {n: d * rho for n, d in update.delta.items()}
+                g = delta if rho == 1.0 else {n: d * rho for n, d in delta.items()}
             with torch.no_grad():
                 self.outer.step(self.params, g)
                 if self.lowrank is not None:
@@ -354,6 +368,34 @@ class AsyncServer:
             return Arrival(update.worker_id, time, staleness, True)
         finally:
             self.release(pull)
+
+    def _cached(self, worker: int, delta: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The direction of an arrival from `worker` under `cfg.cache` (module docstring: MIFA's mean of the
+        latest Δ of every worker, or CA²FL's mean calibrated by this arrival), in Δ's dtypes; the cache
+        then holds this Δ for the worker."""
+        m = self.workers
+        old = self.cache.get(worker)
+        new = {n: d.detach().float().clone() for n, d in delta.items()}
+        out = {}
+        with torch.no_grad():
+            for n, d in new.items():
+                total = self._cache_sum.get(n)
+                prior = old[n] if old is not None else None
+                if self.cfg.cache == "ca2fl":  # the mean as it stood + (Δ − h_w)
+                    v = d.clone() if prior is None else d - prior
+                    if total is not None:
+                        v.add_(total, alpha=1.0 / m)
+                if total is None:
+                    total = self._cache_sum[n] = d.clone()
+                else:
+                    total.add_(d)
+                    if prior is not None:
+                        total.sub_(prior)
+                if self.cfg.cache == "mifa":  # the mean of the latest Δ of every worker, this one's included
+                    v = total / m
+                out[n] = v.to(delta[n].dtype)
+        self.cache[worker] = new
+        return out
 
     def _merge_lowrank(self, update: WorkerUpdate, pull: Pull, g: dict[str, Tensor]) -> None:
         agg = self.lowrank
@@ -392,7 +434,9 @@ class AsyncServer:
     def state_dict(self) -> tuple[dict[str, Tensor], dict]:
         """What a checkpoint needs beyond the aggregator's (θ, outer state, projections, moments,
         step count): the async LoRDO accumulator as tensors, the counters as JSON values."""
-        return ({f"async_acc/{n}": t.clone() for n, t in self.accumulated.items()},
+        cached = {f"async_cache/{w}/{n}": t.clone() for w, h in self.cache.items() for n, t in h.items()}
+        cached.update({f"async_cache_sum/{n}": t.clone() for n, t in self._cache_sum.items()})
+        return ({**{f"async_acc/{n}": t.clone() for n, t in self.accumulated.items()}, **cached},
                 {"version": self.version, "basis": self.basis, "since_refit": self.since_refit})
 
     def load_state_dict(self, tensors: dict[str, Tensor], meta: dict) -> None:
@@ -401,6 +445,14 @@ class AsyncServer:
         self.since_refit = int(meta.get("since_refit", 0))
         self.accumulated = {k.removeprefix("async_acc/"): v.float().clone() for k, v in tensors.items()
                             if k.startswith("async_acc/")}
+        self.cache = {}
+        for key, value in tensors.items():
+            if key.startswith("async_cache/"):
+                worker, name = key.removeprefix("async_cache/").split("/", 1)
+                self.cache.setdefault(int(worker), {})[name] = value.float().clone()
+        # the running sum as saved: summed again it would differ from the run's in the last bits
+        self._cache_sum = {k.removeprefix("async_cache_sum/"): v.float().clone() for k, v in tensors.items()
+                           if k.startswith("async_cache_sum/")}
 
     def pulls_state(self) -> tuple[dict[str, Tensor], dict]:
         """The pulls not pushed yet (the reference trainer's checkpoints hold its rounds in flight, which the

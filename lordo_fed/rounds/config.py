@@ -195,6 +195,7 @@ class RoundConfig:
 
 
 ASYNC_ORDERS = ("arrival", "virtual")
+ASYNC_CACHES = ("none", "mifa", "ca2fl")
 
 
 @dataclass
@@ -214,6 +215,8 @@ class AsyncConfig:
     """a: a reply s outer steps stale is scaled by ρ·(1+s)^−a instead of ρ (FedAsync's polynomial weight; 0 = constant ρ)."""
     grace: float = setting("async-grace", 0.0)
     """Seconds the server waits after an arrival for more (virtual seconds in virtual order): each is applied, one outer step, and all get the same next start point (HeLoCo's grace window; 0 = off)."""
+    cache: str = setting("async-cache", "none")
+    """Each node's latest Δ kept by the server: 'mifa' steps on their mean, 'ca2fl' on it plus the arrival's change against its kept Δ ('none': on the arrival's Δ)."""
     max_staleness: int = setting("async-max-staleness", 0)
     """Drop a reply made from a model more than this many outer steps old (0 = no bound, as HeLoCo's code)."""
     order: str = setting("async-order", "arrival")
@@ -244,6 +247,8 @@ class AsyncConfig:
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ValueError(f"async_rounds.max_staleness={self.max_staleness!r}: expected an integer >= 0 "
                              "(0 = no bound)")
+        if self.cache not in ASYNC_CACHES:
+            raise ValueError(f"async_rounds.cache={self.cache!r}: expected one of {ASYNC_CACHES}")
         if self.order not in ASYNC_ORDERS:
             raise ValueError(f"async_rounds.order={self.order!r}: expected one of {ASYNC_ORDERS}")
         if not isinstance(self.match_speed, bool):

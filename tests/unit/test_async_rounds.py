@@ -72,6 +72,49 @@ def test_a_stale_reply_is_weighted_down_by_the_staleness_exponent():
     assert arrival_weight(AsyncConfig(weight=0.5), 7) == 0.5
 
 
+def test_the_cache_steps_on_every_workers_latest_delta():
+    """M = 2, ρ = 1, a plain average step (lr 1): θ moves by −v. Arrivals: worker 0 with 4, worker 0
+    with 2, worker 1 with 6, worker 0 with 0. MIFA (v = mean of the latest Δ, zero for a worker not yet
+    heard): 2, 1, 4, 3. CA²FL (v = the mean as it stood + Δ − h_w): 0 + 4, 2 + (2 − 4), 1 + 6, 4 + (0 − 2)."""
+    arrivals = [(0, 4.0), (0, 2.0), (1, 6.0), (0, 0.0)]
+    for cache, steps in (("mifa", [2.0, 1.0, 4.0, 3.0]), ("ca2fl", [4.0, 0.0, 7.0, 2.0])):
+        server = AsyncServer({"w": torch.zeros(1)}, Average(lr=1.0), AsyncRule(False, False),
+                             AsyncConfig(cache=cache), workers=2)
+        theta = 0.0
+        for (worker, delta), step in zip(arrivals, steps):
+            server.push(reply(worker, w=torch.tensor([delta])), server.pull(), 1.0)
+            theta -= step
+            assert server.params["w"].item() == theta, (cache, worker, delta)
+        assert {w: h["w"].item() for w, h in server.cache.items()} == {0: 0.0, 1: 6.0}
+
+
+def test_the_cache_composes_with_rho_and_survives_a_checkpoint():
+    """v takes Δ's place before ρ (here 0.5); a server restored from `state_dict` continues exactly as
+    the one it was saved from (the cache and its running sum)."""
+    def server(cache):
+        return AsyncServer({"w": torch.zeros(3)}, Average(lr=1.0), AsyncRule(False, False),
+                           AsyncConfig(cache=cache, weight=0.5), workers=3)
+    torch.manual_seed(0)
+    replies = [(w % 3, torch.randn(3)) for w in range(7)]
+    for cache in ("mifa", "ca2fl"):
+        a = server(cache)
+        for worker, delta in replies[:4]:
+            a.push(reply(worker, w=delta), a.pull(), 1.0)
+        tensors, meta = a.state_dict()
+        b = server(cache)
+        b.params["w"].copy_(a.params["w"])
+        b.load_state_dict(tensors, meta)
+        for worker, delta in replies[4:]:
+            for s in (a, b):
+                s.push(reply(worker, w=delta), s.pull(), 1.0)
+        assert torch.equal(a.params["w"], b.params["w"]) and b.version == 7
+    plain, mifa = server("none"), server("mifa")
+    for s in (plain, mifa):
+        s.push(reply(0, w=torch.tensor([3.0, 0.0, 0.0])), s.pull(), 1.0)
+    assert torch.equal(plain.params["w"], torch.tensor([-1.5, 0.0, 0.0]))  # −ρΔ
+    assert torch.equal(mifa.params["w"], torch.tensor([-0.5, 0.0, 0.0]))  # −ρ·Δ/3
+
+
 def test_a_grace_window_takes_every_arrival_within_it():
     """Arrivals at 2, 3, 3.5 and 6: a window of 1.5 s opened at 2 closes at 3.5 with the first three
     (3.5 is within it); the next one opens at 6. No window: one arrival at a time."""
@@ -109,6 +152,7 @@ def test_look_ahead_pulls_need_the_look_ahead_step():
     (dict(local_steps=[4]), r"local_steps=\[4\]: expected 2 values"),
     (dict(local_steps=[4, 0]), "expected integers > 0"),
     (dict(order="lifo"), "order='lifo': expected one of"),
+    (dict(cache="saga"), "cache='saga': expected one of"),
 ])
 def test_bad_async_settings_are_named(bad, message):
     with pytest.raises(ValueError, match=message):
