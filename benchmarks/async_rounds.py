@@ -20,6 +20,10 @@ machine's speed.
     python benchmarks/async_rounds.py --settings non_iid --methods async_lookahead,async_lordo,heloco_lordo \
         --set async_rounds.staleness_exponent=0.5 --out benchmarks/results/async_rounds_staleness0.5.json
 Writes benchmarks/results/async_rounds.json and async_rounds.png (or --out).
+
+    python benchmarks/async_rounds.py --merge A.json B.json ... --out benchmarks/results/X.json
+                                                 # no run: several results in one file, every
+                                                 # run's curves against tokens in one figure
 """
 
 from __future__ import annotations
@@ -119,13 +123,42 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path)
 
 
+def merge(paths: list[str], out: str) -> Path:
+    """`--merge`: results of several invocations (each with its own command and overrides) in one file
+    keyed by file stem, and one figure: each data setting's validation loss against tokens, a panel per
+    file, every method of that file in it."""
+    runs = {Path(p).stem: json.loads(Path(p).read_text(encoding="utf-8")) for p in paths}
+    result = {**result_header("async_rounds", False, {"merged": list(runs)}), "runs": runs}
+    written = write_json(result, out)
+    panels = [(stem, name, summary) for stem, r in runs.items() for name, summary in r["settings"].items()]
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig = new_figure(5.5 * cols, 4.0 * rows)
+    for i, (stem, name, summary) in enumerate(panels):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        for m, s in summary["methods"].items():
+            ys = [min(p["val_loss"], 8.0) for p in s["curve"]]
+            ax.plot([p["tokens"] / 1e6 for p in s["curve"]], ys, "--" if m in SYNC else "-", marker=".",
+                    label=f"{m} {s['final_val_loss']:.3f}")
+        ax.set(xlabel="tokens (M)", ylabel="validation loss (clipped at 8)", title=f"{stem}: {name}", ylim=(2.0, 4.0))
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path(written))
+    return written
+
+
 def main() -> None:
     parser = make_parser("async_rounds", __doc__, "tiny preset, a few pushes (seconds)")
+    parser.add_argument("--merge", nargs="+", default=[], metavar="RESULT",
+                        help="no run: merge these result files into --out, with one figure of every run's curves")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated, of " + ", ".join(METHODS))
     parser.add_argument("--settings", default="iid,non_iid", help="comma-separated data settings: iid, non_iid")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a trainer override for every method, e.g. async_rounds.staleness_exponent=0.5 (repeatable)")
     args = parser.parse_args()
+    if args.merge:
+        print(f"wrote {merge(args.merge, args.out)}")
+        return
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     names = [n.strip() for n in args.settings.split(",") if n.strip()]
     bad = sorted(set(methods) - set(METHODS)) + sorted(set(names) - {"iid", "non_iid"})

@@ -34,6 +34,7 @@ Needs root (network namespaces).
     sudo .venv/bin/python benchmarks/wan_rounds.py            # ~25 min on 2 cores
     sudo .venv/bin/python benchmarks/wan_rounds.py --overlap --out benchmarks/results/wan_overlap.json  # ~10 min
     sudo .venv/bin/python benchmarks/wan_rounds.py --hetero --scenario link --out benchmarks/results/wan_hetero_link.json  # ~20 min
+    python benchmarks/wan_rounds.py --hetero --virtual 2.3,1,1,1 --cases synchronous,async --out ...  # its virtual twin, minutes
     sudo .venv/bin/python benchmarks/wan_rounds.py --compression --rounds 3 --out benchmarks/results/wan_compression.json  # ~10 min
     sudo .venv/bin/python benchmarks/wan_rounds.py --presets --rounds 3 --out benchmarks/results/wan_presets.json
     sudo .venv/bin/python benchmarks/wan_rounds.py --relay --rounds 3 --out benchmarks/results/wan_relay.json  # ~15 min
@@ -44,6 +45,7 @@ Writes benchmarks/results/wan_rounds.json and .png.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
@@ -101,6 +103,11 @@ HETERO_CASES = {  # name -> run config on top of HETERO_MODEL; asynchronous ones
     "async-grace-staleness": {"variant": "async_lordo", "async-grace": 1.0, "async-staleness-exponent": 0.5},
     "heloco-lordo-grace-staleness": {"variant": "heloco_lordo", "async-grace": 1.0, "async-staleness-exponent": 0.5},
     "heloco-lordo-match": {"variant": "heloco_lordo", "async-match-speed": True},  # steps from measured speed
+    # the server keeps every node's latest Δ: steps on their mean (MIFA) or on it calibrated by the arrival (CA²FL)
+    "async-grace-staleness-mifa": {"variant": "async_lordo", "async-grace": 1.0, "async-staleness-exponent": 0.5,
+                                   "async-cache": "mifa"},
+    "async-grace-staleness-ca2fl": {"variant": "async_lordo", "async-grace": 1.0, "async-staleness-exponent": 0.5,
+                                    "async-cache": "ca2fl"},
     # int8 both ways (the slow link's transfers 3.3x shorter; asynchronous: each pull the change from the node's copy)
     "synchronous-int8": {"variant": "lordo_global", "payload-dtype": "int8"},
     "heloco-lordo-grace-int8": {"variant": "heloco_lordo", "async-grace": 2.0, "payload-dtype": "int8"},
@@ -247,6 +254,55 @@ def run_hetero(name: str, scenario: dict[str, Any], run_config: dict[str, Any], 
             "wall_seconds": time.perf_counter() - started}
 
 
+def run_virtual_twin(name: str, run_config: dict[str, Any], speeds: str) -> dict[str, Any]:
+    """`--virtual SPEEDS`: a --hetero case without the deployment. The reference trainer on the case's own
+    run config (the app's settings, as the deployment gets them), asynchronous replies applied in the
+    virtual clock's order with `speeds` virtual seconds per local step of each node (`async-order=virtual`:
+    tests/integration/test_async_flower.py holds a Flower run in that order equal to the trainer), the
+    synchronous cases in rounds that wait for the slowest node. One torch thread, as a deployment's
+    processes. Deterministic: what differs from the deployment's run is its timing alone."""
+    import torch
+
+    from lordo_fed.app.config import flat_defaults, load_app_config
+    from lordo_fed.data import load_dataset
+    from lordo_fed.device import pick_device
+    from lordo_fed.rounds.methods import resolve_method
+    from lordo_fed.trainer.config import TrainConfig
+    from lordo_fed.trainer.run import RunContext, run_method
+
+    run_config = {**run_config, "async-order": "virtual", "async-speeds": speeds}
+    app = load_app_config({**flat_defaults(), **run_config}, explicit=run_config)
+    common = {f.name: getattr(app, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(app, f.name)}
+    workers = int(run_config["min-clients"])
+    cfg = TrainConfig(**{**common, "methods": [app.variant], "workers": workers, "total_steps": app.total_steps,
+                         "progress": False}).validate()
+    records: list[dict] = []
+    started = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dataset = load_dataset(cfg.data, workers)
+        ctx = RunContext(cfg, dataset, pick_device("cpu"), dataset.val_batches(cfg.eval_batches), records.append)
+        run_method(ctx, resolve_method(app.variant, cfg.inner, cfg.rounds, cfg.outer, cfg.diloco_outer, cfg.total_steps))
+    finally:
+        torch.set_num_threads(threads)
+    # the virtual seconds stand in for the wall-clock, so the deployment's summary and figure read them alike
+    curve = [{"elapsed_seconds": r["virtual_time"], "tokens": r["tokens"], "val_loss": r["val_loss"]}
+             for r in records if "val_loss" in r]
+    staleness: dict[str, int] = {}
+    pushes: dict[str, int] = {}
+    for r in records:
+        for k, v in (r.get("staleness") or {}).items():
+            staleness[k] = staleness.get(k, 0) + v
+        for k, v in enumerate(r.get("pushes_by_worker") or []):
+            pushes[str(k)] = pushes.get(str(k), 0) + v
+    last = records[-1]
+    return {"name": name, "run_config": run_config, "curve": curve, "tokens": last["tokens"],
+            "elapsed_seconds": curve[-1]["elapsed_seconds"], "virtual_seconds": True,
+            "tokens_per_second": last["tokens"] / curve[-1]["elapsed_seconds"], "final_val_loss": curve[-1]["val_loss"],
+            "staleness": staleness, "pushes_by_worker": pushes, "wall_seconds": time.perf_counter() - started}
+
+
 def loss_at(curve: list[dict[str, float]], value: float, key: str = "elapsed_seconds") -> float:
     """The validation loss of the last evaluation at or before `value` of `key` (wall-clock seconds, or
     "tokens")."""
@@ -345,7 +401,8 @@ def main_hetero(args) -> int:
     result = result_header("wan_hetero", False, {"model": HETERO_MODEL, "scenario": scenario_name, **scenario,
                                                  "rounds": rounds, "async_rounds": args.async_rounds or rounds,
                                                  "threads_per_process": 1,
-                                                 "data": "iid" if args.iid else "by_source", "seed": args.seed})
+                                                 "data": "iid" if args.iid else "by_source", "seed": args.seed,
+                                                 "virtual_speeds": args.virtual or None})
     result["cases"] = {}
     with tempfile.TemporaryDirectory(prefix="wan_hetero_") as tmp:
         work = Path(args.work or tmp)
@@ -354,6 +411,10 @@ def main_hetero(args) -> int:
         data["seed"] = args.seed
         for name in names:
             cfg = hetero_config(name, scenario, rounds, data, args.async_rounds)
+            if args.virtual:
+                result["cases"][name] = run_virtual_twin(name, cfg, args.virtual)
+                write_json(result, args.out)
+                continue
             try:
                 case = run_hetero(name, scenario, cfg, work / name, 1200.0)
             except RuntimeError as err:  # one failed deployment: recorded, the other cases still run
@@ -407,7 +468,8 @@ def plot_hetero(result: dict[str, Any], out: Path) -> None:
     for n, c in result["cases"].items():
         ax.plot([p["elapsed_seconds"] for p in c["curve"]], [p["val_loss"] for p in c["curve"]], marker=".",
                 label=n, linestyle="-" if c["run_config"]["variant"] in ASYNC_VARIANTS else "--")
-    ax.set(xlabel="wall-clock seconds", ylabel="validation loss")
+    virtual = any(c.get("virtual_seconds") for c in result["cases"].values())
+    ax.set(xlabel="virtual seconds" if virtual else "wall-clock seconds", ylabel="validation loss")
     extra = f", {' '.join(cfg['node_config'])}" if cfg.get("node_config") else ""
     ax.set_title(f"{cfg['nodes']} nodes over {cfg['link']}{extra} ({cfg.get('data', 'iid')} data)", fontsize=9)
     ax.legend(fontsize=7)
@@ -479,6 +541,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="--hetero: the asynchronous cases train this many rounds' tokens (default --rounds): "
                              "more tokens than the synchronous run, to read the wall-clock to its final loss")
     parser.add_argument("--seed", type=int, default=0, help="--hetero: the run's seed (θ0, data order; default 0)")
+    parser.add_argument("--virtual", default="", metavar="SPEEDS",
+                        help="--hetero without a deployment (no root): each case's run config in the reference trainer, "
+                             "replies in the virtual clock's order at these seconds per step of each node, e.g. "
+                             "'2.3,1,1,1' (run_virtual_twin)")
     parser.add_argument("--work", default="", help="keep each case's logs and outputs here (default: a temporary folder)")
     parser.add_argument("--predict", nargs="+", default=[], metavar="RESULT",
                         help="no run: add the virtual clock's prediction from the scenario's nominal speeds "

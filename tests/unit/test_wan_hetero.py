@@ -86,3 +86,23 @@ def test_a_longer_run_is_read_at_the_reference_tokens():
     assert long["val_loss_at_reference_tokens"] == 2.4  # 9 tokens: the last evaluation within 10
     assert long["time_ratio_to_reference"] == pytest.approx(0.6)  # 1.9 <= 2.0 first at 60 s
     assert result["cases"]["synchronous"]["val_loss_at_reference_tokens"] == 2.0
+
+
+def test_the_virtual_twin_runs_the_cases_own_settings_in_virtual_order():
+    """`--virtual`: the app's settings reach the trainer (tokens = rounds x K x batch x seq x nodes), a
+    synchronous case does not depend on the speeds (it waits for the slowest node: only its virtual
+    seconds stretch), and with node 0 three times slower node 1 pushes three rounds to node 0's one. By
+    hand, K = 2, a budget of four rounds: node 1 at t = 2 and 4 (staleness 0 each); at t = 6 node 0 (pulled
+    version 0, now 2) before node 1 (same time, higher id; pulled version 2, now 3)."""
+    from benchmarks.wan_rounds import run_virtual_twin
+
+    base = {"preset": "quickstart", "local-steps": 2, "batch-size": 2, "seq-len": 16, "eval-batches": 1,
+            "num-server-rounds": 2, "min-clients": 2, "warmup-steps": 1}
+    sync_even = run_virtual_twin("s", {**base, "variant": "lordo_global"}, "1,1")
+    sync_slow = run_virtual_twin("s", {**base, "variant": "lordo_global"}, "3,1")
+    assert sync_even["tokens"] == sync_slow["tokens"] == 2 * 2 * 2 * 16 * 2
+    assert sync_even["final_val_loss"] == sync_slow["final_val_loss"]
+    assert sync_slow["elapsed_seconds"] == 3 * sync_even["elapsed_seconds"] == 3 * 4
+    slow = run_virtual_twin("a", {**base, "variant": "async_lordo", "async-weight": 0.7}, "3,1")
+    assert slow["tokens"] == sync_even["tokens"] and slow["pushes_by_worker"] == {"0": 1, "1": 3}
+    assert slow["staleness"] == {"0": 2, "2": 1, "1": 1} and slow["elapsed_seconds"] == 6
