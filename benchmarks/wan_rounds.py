@@ -103,9 +103,7 @@ HETERO_CASES = {  # name -> run config on top of HETERO_MODEL; asynchronous ones
     "async-grace-staleness": {"variant": "async_lordo", "async-grace": 1.0, "async-staleness-exponent": 0.5},
     "heloco-lordo-grace-staleness": {"variant": "heloco_lordo", "async-grace": 1.0, "async-staleness-exponent": 0.5},
     "heloco-lordo-match": {"variant": "heloco_lordo", "async-match-speed": True},  # steps from measured speed
-    # the server keeps every node's latest Δ: steps on their mean (MIFA) or on it calibrated by the arrival (CA²FL)
-    "async-grace-staleness-mifa": {"variant": "async_lordo", "async-grace": 1.0, "async-staleness-exponent": 0.5,
-                                   "async-cache": "mifa"},
+    # the server keeps every node's latest Δ and steps on their mean calibrated by the arrival (CA²FL)
     "async-grace-staleness-ca2fl": {"variant": "async_lordo", "async-grace": 1.0, "async-staleness-exponent": 0.5,
                                     "async-cache": "ca2fl"},
     # int8 both ways (the slow link's transfers 3.3x shorter; asynchronous: each pull the change from the node's copy)

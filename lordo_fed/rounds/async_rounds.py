@@ -29,15 +29,14 @@ per round, arrivals are processed in (virtual time, worker id) order. The refere
 uses it (`lordo_fed.trainer.run.run_async`) so that a Flower run on the same schedule can be
 compared with it.
 
-With a cache (`AsyncConfig.cache`, off by default) the server keeps each worker's latest Δ, h_w (zero
-until w's first reply), and an arrival's outer step acts on a direction made from all of them, so that a
-slow worker's data weighs in every step and not only in the few it arrives at (the "heterogeneity
-amplification" of non-IID data under asynchrony):
-- `mifa`: v = (1/M) Σ_j h_j after h_w ← Δ, the mean of every worker's latest Δ (MIFA, Gu et al., arXiv
-  2106.04159, Algorithm 1);
-- `ca2fl`: v = (1/M) Σ_j h_j + (Δ − h_w) with the cache as it stood, then h_w ← Δ: that mean calibrated by the
-  arrival's change (CA²FL, Wang et al., ICLR 2024, arXiv 2405.10153, Algorithm 1 with one arrival a step).
-v then takes Δ's place: ρ, HeLoCo's correction and the outer step apply to it as to Δ.
+With the cache (`AsyncConfig.cache='ca2fl'`, off by default) the server keeps each worker's latest Δ, h_w
+(zero until w's first reply), and an arrival's outer step acts on v = (1/M) Σ_j h_j + (Δ − h_w), with the
+cache as it stood, then h_w ← Δ: the mean of every worker's latest Δ calibrated by the arrival's change
+(CA²FL, Wang et al., ICLR 2024, arXiv 2405.10153, Algorithm 1 with one arrival a step), so that a slow
+worker's data weighs in every step and not only in the few it arrives at (the "heterogeneity amplification"
+of non-IID data under asynchrony). v takes Δ's place: ρ, HeLoCo's correction and the outer step apply to it
+as to Δ. (The plain mean of the latest Δs, MIFA's, was measured worse and is not kept: docs/results.md,
+section 19, part seven.)
 
 With a compressed payload preset the downlink is compressed too (`NodeCopies`): the server keeps,
 per worker, the copy θ_c[w] of θ that worker holds and sends each pull as the compressed change
@@ -370,9 +369,9 @@ class AsyncServer:
             self.release(pull)
 
     def _cached(self, worker: int, delta: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The direction of an arrival from `worker` under `cfg.cache` (module docstring: MIFA's mean of the
-        latest Δ of every worker, or CA²FL's mean calibrated by this arrival), in Δ's dtypes; the cache
-        then holds this Δ for the worker."""
+        """The direction of an arrival from `worker` under `cfg.cache` (module docstring: CA²FL's mean of the
+        latest Δ of every worker calibrated by this arrival), in Δ's dtypes; the cache then holds this Δ for
+        the worker."""
         m = self.workers
         old = self.cache.get(worker)
         new = {n: d.detach().float().clone() for n, d in delta.items()}
@@ -381,18 +380,15 @@ class AsyncServer:
             for n, d in new.items():
                 total = self._cache_sum.get(n)
                 prior = old[n] if old is not None else None
-                if self.cfg.cache == "ca2fl":  # the mean as it stood + (Δ − h_w)
-                    v = d.clone() if prior is None else d - prior
-                    if total is not None:
-                        v.add_(total, alpha=1.0 / m)
+                v = d.clone() if prior is None else d - prior  # the mean as it stood + (Δ − h_w)
+                if total is not None:
+                    v.add_(total, alpha=1.0 / m)
                 if total is None:
                     total = self._cache_sum[n] = d.clone()
                 else:
                     total.add_(d)
                     if prior is not None:
                         total.sub_(prior)
-                if self.cfg.cache == "mifa":  # the mean of the latest Δ of every worker, this one's included
-                    v = total / m
                 out[n] = v.to(delta[n].dtype)
         self.cache[worker] = new
         return out

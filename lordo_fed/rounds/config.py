@@ -195,7 +195,7 @@ class RoundConfig:
 
 
 ASYNC_ORDERS = ("arrival", "virtual")
-ASYNC_CACHES = ("none", "mifa", "ca2fl")
+ASYNC_CACHES = ("none", "ca2fl")
 
 
 @dataclass
@@ -216,7 +216,7 @@ class AsyncConfig:
     grace: float = setting("async-grace", 0.0)
     """Seconds the server waits after an arrival for more (virtual seconds in virtual order): each is applied, one outer step, and all get the same next start point (HeLoCo's grace window; 0 = off)."""
     cache: str = setting("async-cache", "none")
-    """Each node's latest Δ kept by the server: 'mifa' steps on their mean, 'ca2fl' on it plus the arrival's change against its kept Δ ('none': on the arrival's Δ)."""
+    """'ca2fl': the server keeps each node's latest Δ and steps on their mean plus the arrival's change against its kept Δ (CA²FL; 'none': on the arrival's Δ)."""
     max_staleness: int = setting("async-max-staleness", 0)
     """Drop a reply made from a model more than this many outer steps old (0 = no bound, as HeLoCo's code)."""
     order: str = setting("async-order", "arrival")

@@ -120,9 +120,10 @@ def test_virtual_order_deployment_matches_the_reference_trainer(tmp_path):
     """The same parity in a real deployment: a SuperLink and three SuperNodes on 127.0.0.1, async
     LoRDO with HeLoCo's correction in `PARITY`'s schedule, each node's rounds one session on the gRPC
     data plane (its in-process ClientApp keeps the model for the session), compressed both ways
-    (int8: Δ and moments up; the moments and each pull's change from the node's own copy down)."""
+    (int8: Δ and moments up; the moments and each pull's change from the node's own copy down), and the
+    server stepping on each node's latest Δ calibrated by the arrival (`async-cache=ca2fl`)."""
     run_config = tiny_run_config(tmp_path, variant="heloco_lordo", **{**PARITY, **ON_THE_DATA_PLANE,
-                                                                       "payload-dtype": "int8"})
+                                                                       "payload-dtype": "int8", "async-cache": "ca2fl"})
     with Deployment(tmp_path, num_nodes=3) as dep:
         proc = dep.run(APP, run_config, timeout=300, check=True)
     assert "lordo-fed: metrics" in proc.stdout

@@ -74,10 +74,10 @@ def test_a_stale_reply_is_weighted_down_by_the_staleness_exponent():
 
 def test_the_cache_steps_on_every_workers_latest_delta():
     """M = 2, ρ = 1, a plain average step (lr 1): θ moves by −v. Arrivals: worker 0 with 4, worker 0
-    with 2, worker 1 with 6, worker 0 with 0. MIFA (v = mean of the latest Δ, zero for a worker not yet
-    heard): 2, 1, 4, 3. CA²FL (v = the mean as it stood + Δ − h_w): 0 + 4, 2 + (2 − 4), 1 + 6, 4 + (0 − 2)."""
+    with 2, worker 1 with 6, worker 0 with 0. CA²FL (v = the mean of the latest Δs as it stood, zero for a
+    worker not yet heard, + Δ − h_w): 0 + 4, 2 + (2 − 4), 1 + 6, 4 + (0 − 2)."""
     arrivals = [(0, 4.0), (0, 2.0), (1, 6.0), (0, 0.0)]
-    for cache, steps in (("mifa", [2.0, 1.0, 4.0, 3.0]), ("ca2fl", [4.0, 0.0, 7.0, 2.0])):
+    for cache, steps in (("ca2fl", [4.0, 0.0, 7.0, 2.0]),):
         server = AsyncServer({"w": torch.zeros(1)}, Average(lr=1.0), AsyncRule(False, False),
                              AsyncConfig(cache=cache), workers=2)
         theta = 0.0
@@ -89,14 +89,16 @@ def test_the_cache_steps_on_every_workers_latest_delta():
 
 
 def test_the_cache_composes_with_rho_and_survives_a_checkpoint():
-    """v takes Δ's place before ρ (here 0.5); a server restored from `state_dict` continues exactly as
-    the one it was saved from (the cache and its running sum)."""
+    """v takes Δ's place before ρ (here 0.5): worker 0's [3, 0, 0] then worker 1's [0, 3, 0] move θ by
+    −0.5·[3, 0, 0] and −0.5·([3, 0, 0]/3 + [0, 3, 0]) where without the cache the second moves it by −0.5·[0, 3, 0];
+    a server restored from `state_dict` continues exactly as the one it was saved from (the cache and its
+    running sum)."""
     def server(cache):
         return AsyncServer({"w": torch.zeros(3)}, Average(lr=1.0), AsyncRule(False, False),
                            AsyncConfig(cache=cache, weight=0.5), workers=3)
     torch.manual_seed(0)
     replies = [(w % 3, torch.randn(3)) for w in range(7)]
-    for cache in ("mifa", "ca2fl"):
+    for cache in ("ca2fl",):
         a = server(cache)
         for worker, delta in replies[:4]:
             a.push(reply(worker, w=delta), a.pull(), 1.0)
@@ -108,11 +110,12 @@ def test_the_cache_composes_with_rho_and_survives_a_checkpoint():
             for s in (a, b):
                 s.push(reply(worker, w=delta), s.pull(), 1.0)
         assert torch.equal(a.params["w"], b.params["w"]) and b.version == 7
-    plain, mifa = server("none"), server("mifa")
-    for s in (plain, mifa):
+    plain, cached = server("none"), server("ca2fl")
+    for s in (plain, cached):
         s.push(reply(0, w=torch.tensor([3.0, 0.0, 0.0])), s.pull(), 1.0)
-    assert torch.equal(plain.params["w"], torch.tensor([-1.5, 0.0, 0.0]))  # −ρΔ
-    assert torch.equal(mifa.params["w"], torch.tensor([-0.5, 0.0, 0.0]))  # −ρ·Δ/3
+        s.push(reply(1, w=torch.tensor([0.0, 3.0, 0.0])), s.pull(), 1.0)
+    assert torch.equal(plain.params["w"], torch.tensor([-1.5, -1.5, 0.0]))  # −ρΔ each
+    assert torch.equal(cached.params["w"], torch.tensor([-2.0, -1.5, 0.0]))  # −ρ·[3, 0, 0], −ρ·[1, 3, 0]
 
 
 def test_a_grace_window_takes_every_arrival_within_it():

@@ -134,7 +134,7 @@ RUN_CONFIG_CASES = [
      "'by_source', 'dirichlet')"),
     ("async-order", "fifo", "run-config key 'async-order': async_rounds.order='fifo': expected one of ('arrival', 'virtual')"),
     ("async-weight", 0.0, "run-config key 'async-weight': async_rounds.weight=0.0: expected a weight > 0"),
-    ("async-cache", "saga", "run-config key 'async-cache': async_rounds.cache='saga': expected one of ('none', 'mifa', "
+    ("async-cache", "mifa", "run-config key 'async-cache': async_rounds.cache='mifa': expected one of ('none', "
      "'ca2fl')"),
     ("async-grace", -1.0, "run-config key 'async-grace': async_rounds.grace=-1.0: expected seconds >= 0 "
      "(0 = no grace window)"),

@@ -130,7 +130,8 @@ arrivals of a round in flight."""
     ("heloco_lordo", {"async_rounds": AsyncConfig(**UNEQUAL)}),
     ("async_lordo", {"async_rounds": AsyncConfig(**UNEQUAL), "payload_dtype": "int8"}),
     ("async_diloco", {"async_rounds": AsyncConfig(**UNEQUAL), "payload_dtype": "topk2bit-both-wide"}),
-], ids=["heloco-grace-staleness", "heloco_lordo", "async_lordo-int8", "async_diloco-topk2bit-both"])
+    ("async_lordo", {"async_rounds": AsyncConfig(**UNEQUAL, grace=3.0, cache="ca2fl")}),  # each worker's latest Δ kept
+], ids=["heloco-grace-staleness", "heloco_lordo", "async_lordo-int8", "async_diloco-topk2bit-both", "async_lordo-ca2fl"])
 def test_a_killed_asynchronous_run_continued_ends_where_the_uninterrupted_run_ends(tmp_path, method, extra):
     """On the virtual clock: the checkpoint holds the rounds in flight (the slow worker's Δ, made from an older θ
     and, for async LoRDO, in an older basis), each worker's copy θ_c of a compressed downlink, the grace window's
