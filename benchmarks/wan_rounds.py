@@ -45,7 +45,6 @@ Writes benchmarks/results/wan_rounds.json and .png.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 import sys
@@ -224,6 +223,18 @@ def hetero_config(name: str, scenario: dict[str, Any], rounds: int, data: dict[s
     return cfg
 
 
+def summed_pushes(records: list[dict]) -> tuple[dict[str, int], dict[str, int]]:
+    """The staleness histogram and the pushes per node over a run's records (each record's, summed)."""
+    staleness: dict[str, int] = {}
+    pushes: dict[str, int] = {}
+    for r in records:
+        for k, v in (r.get("staleness") or {}).items():
+            staleness[k] = staleness.get(k, 0) + v
+        for k, v in enumerate(r.get("pushes_by_worker") or []):  # a list: node index -> its pushes
+            pushes[str(k)] = pushes.get(str(k), 0) + v
+    return staleness, pushes
+
+
 def run_hetero(name: str, scenario: dict[str, Any], run_config: dict[str, Any], work: Path,
                timeout: float) -> dict[str, Any]:
     """One heterogeneous deployment: the validation loss against wall-clock and tokens (every
@@ -236,13 +247,7 @@ def run_hetero(name: str, scenario: dict[str, Any], run_config: dict[str, Any], 
     curve = [{"elapsed_seconds": r.get("elapsed_seconds", 0.0), "tokens": r["tokens"], "val_loss": r["val_loss"]}
              for r in records if "val_loss" in r]
     last = records[-1]
-    staleness: dict[str, int] = {}
-    pushes: dict[str, int] = {}
-    for r in records:
-        for k, v in (r.get("staleness") or {}).items():
-            staleness[k] = staleness.get(k, 0) + v
-        for k, v in enumerate(r.get("pushes_by_worker") or []):  # a list: node index -> its pushes
-            pushes[str(k)] = pushes.get(str(k), 0) + v
+    staleness, pushes = summed_pushes(records)
     return {"name": name, "run_config": run_config, "curve": curve, "tokens": last["tokens"],
             "elapsed_seconds": last["elapsed_seconds"], "tokens_per_second": last["tokens"] / last["elapsed_seconds"],
             "final_val_loss": curve[-1]["val_loss"], "staleness": staleness, "pushes_by_worker": pushes,
@@ -270,10 +275,8 @@ def run_virtual_twin(name: str, run_config: dict[str, Any], speeds: str) -> dict
 
     run_config = {**run_config, "async-order": "virtual", "async-speeds": speeds}
     app = load_app_config({**flat_defaults(), **run_config}, explicit=run_config)
-    common = {f.name: getattr(app, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(app, f.name)}
     workers = int(run_config["min-clients"])
-    cfg = TrainConfig(**{**common, "methods": [app.variant], "workers": workers, "total_steps": app.total_steps,
-                         "progress": False}).validate()
+    cfg = TrainConfig.of_app(app, workers)
     records: list[dict] = []
     started = time.perf_counter()
     threads = torch.get_num_threads()
@@ -287,13 +290,7 @@ def run_virtual_twin(name: str, run_config: dict[str, Any], speeds: str) -> dict
     # the virtual seconds stand in for the wall-clock, so the deployment's summary and figure read them alike
     curve = [{"elapsed_seconds": r["virtual_time"], "tokens": r["tokens"], "val_loss": r["val_loss"]}
              for r in records if "val_loss" in r]
-    staleness: dict[str, int] = {}
-    pushes: dict[str, int] = {}
-    for r in records:
-        for k, v in (r.get("staleness") or {}).items():
-            staleness[k] = staleness.get(k, 0) + v
-        for k, v in enumerate(r.get("pushes_by_worker") or []):
-            pushes[str(k)] = pushes.get(str(k), 0) + v
+    staleness, pushes = summed_pushes(records)
     last = records[-1]
     return {"name": name, "run_config": run_config, "curve": curve, "tokens": last["tokens"],
             "elapsed_seconds": curve[-1]["elapsed_seconds"], "virtual_seconds": True,

@@ -379,13 +379,12 @@ class AsyncServer:
         with torch.no_grad():
             for n, d in new.items():
                 total = self._cache_sum.get(n)
-                prior = old[n] if old is not None else None
+                prior = old[n] if old is not None else None  # h_w: zero before w's first reply
                 v = d.clone() if prior is None else d - prior  # the mean as it stood + (Δ − h_w)
-                if total is not None:
-                    v.add_(total, alpha=1.0 / m)
-                if total is None:
-                    total = self._cache_sum[n] = d.clone()
+                if total is None:  # the first reply of any worker: the mean was zero
+                    self._cache_sum[n] = d.clone()
                 else:
+                    v.add_(total, alpha=1.0 / m)
                     total.add_(d)
                     if prior is not None:
                         total.sub_(prior)

@@ -31,6 +31,17 @@ class TrainConfig(CommonConfig):
     the length it keeps of the replies' (`delta_retention`), and the workers' out-of-subspace share of the
     update and error-feedback norm (lordo_fed.wire.messages.DIAGNOSTIC_METRICS)."""
 
+    @classmethod
+    def of_app(cls, app, workers: int, **overrides) -> "TrainConfig":
+        """The reference trainer on a Flower run's settings (a lordo_fed.app.config.AppConfig): its common
+        fields, its variant as the one method, its steps, `workers` partitions, no progress bar; what a Flower
+        run must reproduce (tests/integration/test_flower_app.py, test_async_flower.py)."""
+        import dataclasses
+
+        common = {f.name: getattr(app, f.name) for f in dataclasses.fields(cls) if hasattr(app, f.name)}
+        return cls(**{**common, "methods": [app.variant], "workers": workers, "total_steps": app.total_steps,
+                      "progress": False, **overrides}).validate()
+
     def validate(self) -> "TrainConfig":
         """Raise ValueError naming the key, the value and what is allowed."""
         if not self.methods:

@@ -11,7 +11,6 @@ reference trainer's virtual clock, and a deployment on 127.0.0.1 with one really
   the budget of tokens is kept and the loss goes down.
 """
 
-import dataclasses
 import os
 import signal
 from pathlib import Path
@@ -40,9 +39,7 @@ pytestmark = pytest.mark.slow
 def reference_async(run_config: dict, workers: int) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """`run_async` on the Flower run's settings: its final θ and its records."""
     app = load_app_config({**pyproject_config(), **run_config})
-    common = {f.name: getattr(app, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(app, f.name)}
-    cfg = TrainConfig(**{**common, "methods": [app.variant], "workers": workers, "total_steps": app.total_steps,
-                         "progress": False}).validate()
+    cfg = TrainConfig.of_app(app, workers)
     records: list[dict] = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

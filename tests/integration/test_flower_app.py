@@ -6,7 +6,6 @@
   process started is stopped. A bad config value stops a run before round 1 with a message.
 """
 
-import dataclasses
 import json
 import re
 from pathlib import Path
@@ -42,9 +41,7 @@ def tiny_run_config(tmp_path: Path, **kw) -> dict:
 def reference_theta(run_config: dict, workers: int) -> dict[str, torch.Tensor]:
     """The reference trainer on the same settings (what the Flower run must reproduce)."""
     app = load_app_config({**pyproject_config(), **run_config})
-    common = {f.name: getattr(app, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(app, f.name)}
-    cfg = TrainConfig(**{**common, "methods": [app.variant], "workers": workers, "total_steps": app.total_steps,
-                         "progress": False})
+    cfg = TrainConfig.of_app(app, workers)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
