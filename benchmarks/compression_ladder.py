@@ -93,6 +93,8 @@ DILOCO_RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "avg-wide-d64": ("topk2bit-both-wide-d64", AVERAGE),
     "avg-up": ("topk2bit-all", AVERAGE),
     "avg-relay": ("topk2bit-relay", AVERAGE),
+    "avg-relay-1bit": ("topk1bit-relay", AVERAGE),
+    "avg-relay-1bit-lrs": ("topk1bit-relay", (*AVERAGE, "rounds.wire_ef_lr_scale=true")),
     "avg-sign": ("topk2bit", AVERAGE),
     "avg-lut": ("topk2bit-lut", AVERAGE),
 }
@@ -103,7 +105,8 @@ Nesterov outer step kept; every tensor top-k up and θ down int8; every tensor t
 top-k at 4x the density (room for the union of the 4 workers' supports); fp32 with SparseLoCo's outer
 step (plain averaging at lr 1) in place of DiLoCo's Nesterov; SparseLoCo's with median clipping (its
 production server); `AVERAGE` (the mean over all workers, β 0.9) with the wide downlink (also at outer lr 1.3), at 1/64,
-and with θ down int8, and relayed (`avg-relay`: every worker replays the round, θ exact); the 2-bit values as sign x chunk scale against SparseLoCo's bin-mean table (`lut`), the
+and with θ down int8, and relayed (`avg-relay`: every worker replays the round, θ exact; `avg-relay-1bit` with 1-bit values,
+`avg-relay-1bit-lrs` also with the residual scaled by the lr's fall, `rounds.wire_ef_lr_scale`); the 2-bit values as sign x chunk scale against SparseLoCo's bin-mean table (`lut`), the
 blocks' matrices top-k (the embedding and norms int8, θ down int8)."""
 LOCAL_RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "wide": ("topk2bit-both-wide", ("rounds.wire_ef_decay=0.95",)),

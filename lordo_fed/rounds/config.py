@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from lordo_fed.config import section, setting
 from lordo_fed.data import DataConfig
@@ -52,6 +52,10 @@ class RoundConfig:
     wire_ef_decay: float = setting("wire-ef-decay", 1.0)
     """β of a compressed payload's error feedback on the worker, e ← β·e + Δ (SparseLoCo: 0.95, in
     place of outer momentum; 1 = nothing a round leaves out is ever dropped)."""
+    wire_ef_lr_scale: bool = setting("wire-ef-lr-scale", False)
+    """Also scale the residual by the inner lr's fall since the last round, e ← β·min(1, η_r/η_{r−1})·e + Δ
+    (η the mean lr over a round's steps): what the wire held back is applied at the lr of the round that
+    sends it, so the schedule's decay reaches it too."""
     sparse_mean: str = setting("sparse-mean", "all")
     """How the server averages a top-k Δ: 'all' (Σ_m w_m Δ_m, an index one worker sent gets its w_m)
     or 'contributors' (at each index, the token-weighted mean over the workers that sent it; SparseLoCo)."""
@@ -107,6 +111,8 @@ class RoundConfig:
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
             raise ValueError(f"rounds.wire_ef_decay={beta!r}: expected a number in [0, 1] (β of the compressed "
                              "payload's error feedback; 1 keeps all of it)")
+        if not isinstance(self.wire_ef_lr_scale, bool):
+            raise ValueError(f"rounds.wire_ef_lr_scale={self.wire_ef_lr_scale!r}: expected true or false")
         if not isinstance(self.clip_median, bool):
             raise ValueError(f"rounds.clip_median={self.clip_median!r}: expected true or false")
         if self.sparse_mean not in SPARSE_MEANS:
@@ -138,6 +144,19 @@ class RoundConfig:
             return self.late_local_steps
         ramp = self.local_steps_ramp
         return int(ramp[round_idx - 1]) if round_idx <= len(ramp) else self.local_steps
+
+    def lr_fall(self, round_idx: int, lr: Callable[[int], float]) -> float:
+        """min(1, η_r / η_{r−1}), η_r the mean of `lr` (the inner lr of a 0-based global step) over round
+        `round_idx`'s steps: how far the lr fell since the round before (1 for the first round and where
+        it rose, in the warm-up: a residual is never scaled up). `wire_ef_lr_scale`'s factor; a function
+        of the round alone, so a resumed worker scales as the uninterrupted one."""
+        def mean_lr(r: int) -> float:
+            first, k = self.steps_before(r), self.steps_of(r)
+            return sum(lr(first + i) for i in range(k)) / k
+        if round_idx <= 1:
+            return 1.0
+        before = mean_lr(round_idx - 1)
+        return min(1.0, mean_lr(round_idx) / before) if before > 0 else 1.0
 
     def steps_before(self, round_idx: int) -> int:
         """The local steps of the rounds before 1-based round `round_idx`: the global step its first

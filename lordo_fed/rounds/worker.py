@@ -155,6 +155,8 @@ class Worker:
             d.neg_().add_(theta_ref[n])
         due = self.due_moments(state.round)
         self.overlap.keep(state.round, theta_send, due, self.optimizer, self.params)
+        if self.rounds.wire_ef_lr_scale:
+            self.uplink.ef.scale = self.rounds.lr_fall(state.round, lambda step: lr_at(step, self.total_steps, self.inner))
         delta, due, coords = self.uplink.encode(delta, due, state.projections,
                                                 lambda name: self.optimizer.basis(self.params[name]))
         update = WorkerUpdate(

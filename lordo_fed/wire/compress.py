@@ -23,6 +23,10 @@ composition, and the error feedback that carries each compression's residual int
   and one of two magnitudes per chunk, each the mean of its side of a split fitted to the chunk's
   kept magnitudes (8 bytes per chunk). A bin mean never
   overshoots: the decoded value is the mean of the originals that share its code.
+- **1-bit top-k values** (`bits=1`, `levels='sign'`): the sign and the chunk's mean kept magnitude
+  (4 bytes per chunk), the least-squares scale of the signs: a 3% top-k keeps the chunk's largest
+  values, whose magnitudes differ little, and a kept value's bytes are mostly its position (about
+  6.6 of 9 bits at 3% with 2-bit values; docs/results.md section 12, part seven).
 - **Row-sparse** (`kind='rows'`, for an embedding): of a 2-D tensor, only the rows whose L2 norm
   is at least `threshold` x the largest row's, their values fp32 or int8 / int4 with one scale
   per row, their row indices packed in 16 bits (32 past 65536 rows). With error feedback the rows
@@ -58,10 +62,11 @@ from lordo_fed.wire.values import (LUT_BINS, CompressionError, all_finite, dequa
 
 QUANT_BITS = (8, 4)
 """Dense blockwise quantisation."""
-TOPK_BITS = (0, 8, 4, 2)
-"""Top-k values: fp32 (0), 8 or 4 bits on a grid, 2 bits as bin means."""
+TOPK_BITS = (0, 8, 4, 2, 1)
+"""Top-k values: fp32 (0), 8 or 4 bits on a grid, 2 bits as bin means, 1 bit as the sign."""
 LEVELS = ("grid", "lut", "sign")
-"""How quantised top-k values decode: 'grid' (8, 4 bits), 'lut' or 'sign' (2 bits)."""
+"""How quantised top-k values decode: 'grid' (8, 4 bits), 'lut' (2 bits) or 'sign' (2 bits, or 1: the
+sign and the chunk's mean magnitude)."""
 ROW_BITS = (0, 8, 4)
 """Values of a row-sparse tensor: fp32 (0), int8 or int4, one scale per row."""
 INDEX_CODINGS = ("fixed", "rice")
@@ -121,9 +126,12 @@ class CodecSpec:
         if self.kind == "topk" and self.bits == 2 and self.levels == "grid":
             raise ValueError("codec 'topk' bits=2 levels='grid': 2-bit values decode to bin means, expected "
                              "levels 'lut' or 'sign' (a 2-bit grid inflates heavy-tailed values)")
-        if self.levels != "grid" and (self.kind != "topk" or self.bits != 2):
+        if self.levels != "grid" and (self.kind != "topk" or self.bits not in ((2, 1) if self.levels == "sign" else (2,))):
             raise ValueError(f"codec levels={self.levels!r} with kind={self.kind!r} bits={self.bits}: "
-                             "'lut' and 'sign' are for 2-bit top-k values")
+                             "'lut' is for 2-bit top-k values, 'sign' for 2- and 1-bit ones")
+        if self.kind == "topk" and self.bits == 1 and self.levels != "sign":
+            raise ValueError(f"codec 'topk' bits=1 levels={self.levels!r}: 1-bit values are signs, expected "
+                             "levels 'sign'")
         if not (isinstance(self.block, int) and self.block >= 1):
             raise ValueError(f"codec block={self.block!r}: expected an integer >= 1")
         if not (isinstance(self.chunk, int) and 1 <= self.chunk <= 65536):
@@ -202,7 +210,7 @@ def part_sizes(spec: CodecSpec, numel: int, shape: tuple[int, ...] = ()) -> tupl
     if not spec.bits:
         return 4 * count, 0, indices
     groups = full + (1 if k_tail else 0)
-    per = {"grid": 4 * groups, "lut": 4 * LUT_BINS, "sign": 8 * groups}[spec.levels]
+    per = {"grid": 4 * groups, "lut": 4 * LUT_BINS, "sign": 4 * _sign_magnitudes(spec) * groups}[spec.levels]
     return packed_size(count, spec.bits), per, indices
 
 
@@ -473,6 +481,11 @@ def _finite(t: Tensor, label: str) -> Tensor:
     return t
 
 
+def _sign_magnitudes(spec: CodecSpec) -> int:
+    """Magnitudes per chunk of 'sign' levels: two with 2-bit codes, one (the mean) with 1-bit codes."""
+    return 2 if spec.bits == 2 else 1
+
+
 def _value_groups(numel: int, spec: CodecSpec) -> tuple[int, int, int]:
     """Top-k values share one scale per chunk: (full chunks, k of each, k of the tail)."""
     full, k, _, k_tail = chunk_layout(numel, spec.chunk, spec.k)
@@ -495,7 +508,7 @@ def _quantize_groups(values: Tensor, spec: CodecSpec, groups: tuple[int, int, in
         return torch.zeros(0, dtype=torch.uint8), torch.zeros(LUT_BINS if spec.levels == "lut" else 0)
     if spec.levels == "lut":
         return lut_quantize(values)
-    parts = [quantize(p, spec.bits, p.shape[1]) if spec.levels == "grid" else sign_quantize(p)
+    parts = [quantize(p, spec.bits, p.shape[1]) if spec.levels == "grid" else sign_quantize(p, _sign_magnitudes(spec))
              for p in _groups_of(values, groups)]
     return torch.cat([c for c, _ in parts]), torch.cat([s.reshape(-1) for _, s in parts])
 
@@ -511,12 +524,13 @@ def _dequantize_groups(codes: Tensor, data: bytes, spec: CodecSpec, groups: tupl
             raise CompressionError("a 2-bit lookup table holds NaN or Inf")
         return table[codes.long()]
     if spec.levels == "sign":
-        mags = _floats(data, 2 * nchunks, "2-bit magnitudes")
+        per = _sign_magnitudes(spec)
+        mags = _floats(data, per * nchunks, f"{spec.bits}-bit magnitudes")
         if not all_finite(mags) or bool((mags < 0).any()):
-            raise CompressionError("a NaN, infinite or negative magnitude of 2-bit sign codes")
+            raise CompressionError(f"a NaN, infinite or negative magnitude of {spec.bits}-bit sign codes")
         if not nchunks:
             return torch.zeros(0)
-        mags = mags.view(-1, 2)
+        mags = mags.view(-1, per)
         return torch.cat([sign_dequantize(c, m).reshape(-1)
                           for c, m in zip(_groups_of(codes, groups), (mags[:full], mags[full:]) if full else (mags,))])
     scales = _scales(data, nchunks)
@@ -539,6 +553,9 @@ class ErrorFeedback:
         self.decay = decay
         """β: the residual is decayed before each new x is added, e ← β·e + x (SparseLoCo's 0.95,
         Sarfi et al. 2025, where the decaying buffer replaces outer momentum; 1 = classic error feedback)."""
+        self.scale = 1.0
+        """A factor of this round's on top of β, e ← β·scale·e + x (the lr's change since the last
+        round, `RoundConfig.wire_ef_lr_scale`; 1 = none)."""
 
     def compress(self, name: str, x: Tensor, spec: CodecSpec) -> tuple[Encoded, Tensor]:
         """(the encoding of x + e, what the receiver decodes from it, shaped like x)."""
@@ -559,7 +576,8 @@ class ErrorFeedback:
         e = self.residual.get(name)
         if e is None:
             return x.detach().float(), False
-        return (e.mul_(self.decay) if self.decay != 1.0 else e).add_(x.detach().float()), True
+        factor = self.decay * self.scale
+        return (e.mul_(factor) if factor != 1.0 else e).add_(x.detach().float()), True
 
     def _send(self, name: str, target: Tensor, spec: CodecSpec, owned: bool) -> tuple[Encoded, Tensor]:
         """Encode `target`, keep target − decoded as the residual (in place when `owned`)."""

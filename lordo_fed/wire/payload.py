@@ -9,6 +9,7 @@
 | topk2bit-both | every tensor (embedding and norms too) as topk2bit | int8 / 64 | topk2bit change: the server re-sparsifies θ − θ_c, what it leaves stays in θ − θ_c |
 | topk2bit-all | every tensor as topk2bit | int8 / 64 | int8 / 64 change |
 | topk2bit-relay | every tensor as topk2bit | int8 / 64 | the round's accepted replies, relayed, each node's own left out (it kept it): each worker replays the mean and outer step (θ_c = θ exactly; M − 1 x the uplink) |
+| topk1bit-relay | every tensor top-k 3% of each 4096, 1-bit values (the sign and the chunk's mean magnitude), positions Rice-coded | int8 / 64 | as topk2bit-relay |
 | topk2bit-both-wide | every tensor as topk2bit | int8 / 64 | as topk2bit at 12% of each chunk: room for the union of 4 workers' 3% |
 | topk2bit-both-wide-d64 | every tensor top-k 1/64 (SparseLoCo's production density) | int8 / 64 | top-k 4/64 |
 | topk2bit-both-wide-tiles | as topk2bit-both-wide, a 2-D tensor cut into 64×64 tiles (SparseLoCo's cut) | int8 / 64 | as topk2bit-both-wide, tiled |
@@ -120,6 +121,7 @@ PRESETS: dict[str, PayloadCodecs] = {
     "topk2bit-both": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8, down=_TOPK2BIT),
     "topk2bit-all": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8, down=_INT8),
     "topk2bit-relay": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8, relay=True),
+    "topk1bit-relay": PayloadCodecs(delta=dataclasses.replace(_TOPK2BIT, bits=1), moments=_INT8, relay=True),
     "topk2bit-both-wide": PayloadCodecs(delta=_TOPK2BIT, moments=_INT8,
                                         down=dataclasses.replace(_TOPK2BIT, density=0.12)),
     "topk2bit-both-wide-d64": PayloadCodecs(delta=dataclasses.replace(_TOPK2BIT, density=1 / 64), moments=_INT8,

@@ -1,11 +1,12 @@
 """Value codes of the compressed wire tensors (lordo_fed.wire.compress): bit packing, blockwise
-quantisation on a grid, and the two 2-bit bin-mean quantisers of top-k values.
+quantisation on a grid, and the bin-mean quantisers of top-k values (2-bit, and the 1-bit sign).
 
 - `quantize` / `dequantize`: blocks of `block` values, one scale s = absmax / L each, codes
   q ∈ [−L, L] (int8 L = 127, int4 L = 7) decoding to q·s.
 - `lut_quantize`: SparseLoCo's 4-entry table per tensor (Sarfi et al. 2025, "Communication-Efficient
   Language Model Training Scales Reliably and Robustly", its code).
-- `sign_quantize` / `sign_dequantize`: the sign and one of two magnitudes per chunk.
+- `sign_quantize` / `sign_dequantize`: the sign and one of two magnitudes per chunk, or the sign and
+  the chunk's mean magnitude.
 - `pack` / `unpack`: codes of any width up to 32 bits, little-endian.
 - `rice_encode` / `rice_decode`: the gaps between sorted top-k positions as Rice codes.
 
@@ -55,16 +56,16 @@ def all_finite(t: Tensor) -> bool:
 
 # ----------------------------------------------------------------------------- bit packing
 def pack(codes: Tensor, bits: int) -> bytes:
-    """Non-negative integer codes (< 2**bits) packed little-endian, 8 / bits per byte for 2, 4 and
+    """Non-negative integer codes (< 2**bits) packed little-endian, 8 / bits per byte for 1, 2, 4 and
     8 bits, two per three bytes for 12, two bytes each for 16. Every width is the same bit stream
     (code i's bit j at bit i·bits + j, least significant first); widths 0-31 other than those go
     through the bit-serial path (a Rice code's remainders, `rice_encode`), 0 bits in no bytes."""
-    if bits not in (2, 4, 8, 12, 16, 32):
+    if bits not in (1, 2, 4, 8, 12, 16, 32):
         return _pack_serial(codes, bits)
     if bits == 8:  # one code per byte: no shifts
         return codes.reshape(-1).to("cpu", torch.uint8).numpy().tobytes()
     c = codes.reshape(-1).to("cpu", torch.int32)
-    if bits in (2, 4):
+    if bits in (1, 2, 4):
         per = 8 // bits
         pad = (-c.numel()) % per
         if pad:
@@ -91,11 +92,11 @@ def unpack(data: bytes, bits: int, count: int) -> Tensor:
     expected = packed_size(count, bits)
     if len(data) != expected:
         raise CompressionError(f"{len(data)} bytes of {bits}-bit codes, expected {expected} for {count} codes")
-    if bits not in (2, 4, 8, 12, 16, 32):
+    if bits not in (1, 2, 4, 8, 12, 16, 32):
         return _unpack_serial(data, bits, count)
     if bits == 8:  # the bytes are the codes
         return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
-    if bits in (2, 4):  # each byte's codes looked up in one row of a 256-row table: no shifts over int64
+    if bits in (1, 2, 4):  # each byte's codes looked up in one row of a 256-row table: no shifts over int64
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
         return _byte_codes(bits).index_select(0, raw.to(torch.int32)).reshape(-1)[:count]
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64) if data else torch.zeros(0, dtype=torch.int64)
@@ -283,13 +284,24 @@ def lut_quantize(values: Tensor) -> tuple[Tensor, Tensor]:
     return codes.to(torch.uint8), sums / counts.clamp_min(1)
 
 
-def sign_quantize(values: Tensor) -> tuple[Tensor, Tensor]:
-    """(2-bit codes, (chunks, 2) magnitudes) of 2-D (chunks, k) kept values: bit 0 the sign
-    (1 = negative), bit 1 whether |v| is above the chunk's split, each magnitude the mean |v| of its
-    side (low, high; the low one's when a side is empty). The split starts at √(min |v| · max |v|)
-    and takes `_SIGN_REFINE` Lloyd steps (the midpoint of the two means): on Student-t(3) values
-    the gain rises from 0.86-0.93 to 0.92-0.94 (Gaussian: 0.99 either way)."""
+def sign_quantize(values: Tensor, magnitudes: int = 2) -> tuple[Tensor, Tensor]:
+    """(codes, (chunks, `magnitudes`) magnitudes) of 2-D (chunks, k) kept values.
+
+    Two magnitudes (2-bit codes): bit 0 the sign (1 = negative), bit 1 whether |v| is above the
+    chunk's split, each magnitude the mean |v| of its side (low, high; the low one's when a side is
+    empty). The split starts at √(min |v| · max |v|) and takes `_SIGN_REFINE` Lloyd steps (the
+    midpoint of the two means): on Student-t(3) values the gain rises from 0.86-0.93 to 0.92-0.94
+    (Gaussian: 0.99 either way).
+
+    One magnitude (1-bit codes, the sign alone): the chunk's mean |v|, the least-squares scale of
+    its signs (signSGD with the mean magnitude, Bernstein et al. 2018; the top-k values of a chunk
+    are the largest, so their magnitudes are close: gain ⟨x̂, x⟩/⟨x, x⟩ 0.98 on Gaussian values, 0.67-0.74
+    on Student-t(3), tests/unit/test_codec_roundtrip.py)."""
+    if magnitudes not in (1, 2):
+        raise ValueError(f"sign_quantize: magnitudes={magnitudes!r}: expected 1 or 2")
     a = values.detach().float().abs()
+    if magnitudes == 1:
+        return (values < 0).to(torch.uint8).reshape(-1), a.mean(dim=1, keepdim=True)
     split = a.amin(dim=1, keepdim=True).sqrt() * a.amax(dim=1, keepdim=True).sqrt()  # no overflow of min·max
     for step in range(_SIGN_REFINE + 1):
         high = a > split
@@ -304,6 +316,7 @@ def sign_quantize(values: Tensor) -> tuple[Tensor, Tensor]:
 
 def sign_dequantize(codes: Tensor, mags: Tensor) -> Tensor:
     """Values of `sign_quantize`'s 2-D (chunks, k) codes: ±mags[chunk, high], looked up in each chunk's
-    row of four (+low, −low, +high, −high: the code 2·high + negative indexes it), one gather."""
-    low, high = mags[:, 0], mags[:, 1]
-    return torch.gather(torch.stack([low, -low, high, -high], dim=1), 1, codes.long().to(mags.device))
+    row of (+low, −low, +high, −high), or (+m, −m) with one magnitude: the code (2·high +) negative
+    indexes it, one gather."""
+    table = torch.stack([v for m in mags.unbind(dim=1) for v in (m, -m)], dim=1)
+    return torch.gather(table, 1, codes.long().to(mags.device))

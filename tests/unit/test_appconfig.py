@@ -58,7 +58,7 @@ def test_a_key_the_user_set_wins_over_the_preset_even_at_its_default():
     [
         ("omega", 1.5, "run-config key 'omega': inner.omega=1.5: expected a number in [0, 1]"),
         ("seq-len", 0, "run-config key 'seq-len': DataConfig.seq_len=0"),
-        ("payload-dtype", "fp8", "run-config key 'payload-dtype': payload_dtype='fp8': expected one of ('fp32', 'bf16', 'int8', 'int4', 'topk2bit', 'topk2bit-both', 'topk2bit-all', 'topk2bit-relay', 'topk2bit-both-wide', 'topk2bit-both-wide-d64', 'topk2bit-both-wide-tiles', 'topk2bit-lut', 'lowrank+topk2bit', 'lowrank+topk2bit-wide', 'lowrank+topk2bit+rows')"),
+        ("payload-dtype", "fp8", "run-config key 'payload-dtype': payload_dtype='fp8': expected one of ('fp32', 'bf16', 'int8', 'int4', 'topk2bit', 'topk2bit-both', 'topk2bit-all', 'topk2bit-relay', 'topk1bit-relay', 'topk2bit-both-wide', 'topk2bit-both-wide-d64', 'topk2bit-both-wide-tiles', 'topk2bit-lut', 'lowrank+topk2bit', 'lowrank+topk2bit-wide', 'lowrank+topk2bit+rows')"),
         ("variant", "ddp", "run-config key 'variant': variant='ddp': expected one of"),
         ("rank", "x", "run-config key 'rank'='x': expected a number"),
         ("preset", "nope", "run-config key 'preset'='nope': no nope.yaml"),

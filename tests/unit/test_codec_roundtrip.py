@@ -140,3 +140,62 @@ def test_sign_codes_decode_to_their_chunks_signed_magnitude():
     want = [[-float(mags[c, int(code) >> 1]) if int(code) & 1 else float(mags[c, int(code) >> 1]) for code in row]
             for c, row in enumerate(codes)]
     assert got.tolist() == want
+
+
+@pytest.mark.parametrize("kind,low", [("gauss", 0.97), ("t3", 0.6)])
+def test_one_bit_values_are_the_sign_times_the_chunks_mean_magnitude(kind, low):
+    """1-bit kept values come back as sign(x) times the mean |x| of their chunk's kept values: every sign
+    exact, each chunk's Σ|x| kept, the gain a projection's (≤ 1) and near 1 where the kept magnitudes
+    are close (Gaussian tails); on Student-t(3) the few largest values pull the mean up, and the gain
+    is lower (0.6-0.8: what error feedback carries to the next round)."""
+    x = sample(kind, 16 * 4096, seed=1)
+    y = decode(encode(x, CodecSpec("topk", bits=1, chunk=4096, density=0.03, levels="sign")))
+    kept = support(x)
+    assert not bool(y[~kept].any())
+    xs, ys = x[kept].view(16, 123), y[kept].view(16, 123)
+    assert torch.equal(torch.sign(ys), torch.sign(xs))
+    for c in range(16):
+        assert len(ys[c].abs().unique()) == 1
+        assert float(ys[c].abs()[0]) == pytest.approx(float(xs[c].abs().mean()), rel=1e-5)
+    assert low <= gain(x[kept], y[kept]) <= 1.0 + 1e-6
+
+
+@pytest.mark.parametrize("x", [torch.zeros(300), torch.full((300,), -2.5), torch.tensor([1.5])])
+def test_one_bit_edge_cases_come_back_exactly(x):
+    """All-zero, all-equal, one value (tail chunk included): one magnitude holds them exactly."""
+    y = decode(encode(x, CodecSpec("topk", bits=1, chunk=128, density=1.0, levels="sign")))
+    assert torch.equal(y, x)
+
+
+@pytest.mark.parametrize("mag", [-1.0, float("nan"), float("inf")])
+def test_a_one_bit_magnitude_that_cannot_have_come_from_encode_is_refused(mag):
+    import dataclasses
+    import struct
+
+    from lordo_fed.wire.values import CompressionError
+
+    enc = encode(sample("gauss", 2 * 4096), CodecSpec("topk", bits=1, chunk=4096, density=0.03, levels="sign"))
+    assert len(enc.scales) == 2 * 4  # one fp32 magnitude a chunk
+    bad = dataclasses.replace(enc, scales=struct.pack("<f", mag) + enc.scales[4:])
+    with pytest.raises(CompressionError, match="w: a NaN, infinite or negative magnitude of 1-bit sign codes"):
+        decode(bad, "w")
+
+
+def test_one_bit_needs_sign_levels():
+    with pytest.raises(ValueError, match="1-bit values are signs"):
+        CodecSpec("topk", bits=1, levels="grid").validate()
+    with pytest.raises(ValueError, match="'lut' is for 2-bit"):
+        CodecSpec("topk", bits=1, levels="lut").validate()
+    with pytest.raises(ValueError, match="expected one of \\(8, 4\\)"):
+        CodecSpec("quant", bits=1).validate()
+
+
+def test_one_magnitude_sign_codes_decode_to_their_chunks_signed_magnitude():
+    """`sign_dequantize` with one magnitude a chunk: +m for code 0, −m for code 1, chunk by chunk."""
+    from lordo_fed.wire.values import sign_dequantize
+
+    g = torch.Generator().manual_seed(8)
+    codes = torch.randint(0, 2, (4, 7), generator=g)
+    mags = torch.rand(4, 1, generator=g) + torch.arange(4.0).view(-1, 1) * 10
+    want = [[-float(mags[c, 0]) if int(code) else float(mags[c, 0]) for code in row] for c, row in enumerate(codes)]
+    assert sign_dequantize(codes, mags).tolist() == want

@@ -75,7 +75,7 @@ def test_topk_equals_the_per_chunk_loop(numel, chunk, k):
     assert positions.tolist() == ref_positions and values.tolist() == ref_values
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8, 12, 16])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8, 12, 16])
 @pytest.mark.parametrize("count", [0, 1, 7, 100])
 def test_pack_unpack_round_trip(bits, count):
     codes = torch.randint(0, 1 << bits, (count,))
@@ -334,6 +334,9 @@ def _repeat_first_index(msg) -> None:
     (lambda msg: setattr(msg.delta[0], "levels", 7), "WorkerUpdate.delta['w']: unknown levels enum value 7"),
     (lambda msg: setattr(msg.delta[0], "levels", 0), "2-bit values decode to bin means, expected levels 'lut' or 'sign'"),
     (lambda msg: setattr(msg.delta[0], "levels", 2), "codec top-k 31/1024 2-bit sign is not one this receiver configured"),
+    (lambda msg: setattr(msg.delta[0], "bits", 1), "'lut' is for 2-bit top-k values, 'sign' for 2- and 1-bit ones"),
+    (lambda msg: (setattr(msg.delta[0], "bits", 1), setattr(msg.delta[0], "levels", 2)),
+     "codec top-k 31/1024 1-bit sign is not one this receiver configured"),
     (lambda msg: setattr(msg.moments[0], "levels", 1), "levels LUT with codec QUANT"),
     (lambda msg: setattr(msg.delta[1], "levels", 1), "codec RAW with compression fields set"),
     (lambda msg: setattr(msg.delta[0], "data", msg.delta[0].data[:28] + b"\0\0\xc0\x7f" + msg.delta[0].data[32:]),

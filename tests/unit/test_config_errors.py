@@ -70,6 +70,7 @@ RUN_CONFIG_CASES = [
     ("sparse-mean", "median", "run-config key 'sparse-mean': rounds.sparse_mean='median': expected one of "
                               "('all', 'contributors')"),
     ("clip-median", 1, "run-config key 'clip-median'=1: expected true or false like the default False"),
+    ("wire-ef-lr-scale", 1, "run-config key 'wire-ef-lr-scale'=1: expected true or false like the default False"),
     ("bases-from", "clients", "run-config key 'bases-from': rounds.bases_from='clients': expected one of "
                               "('server', 'downlink')"),
     ("switch-step", -1, "run-config key 'switch-step': inner.switch_step=-1: expected an integer >= 0 (0 = one phase)"),
@@ -84,7 +85,7 @@ RUN_CONFIG_CASES = [
     ("outer-late-lr", 2.0, "run-config key 'outer-late-lr': outer.late_lr=2.0: the late rounds start at "
                            "rounds.late_from_step=0, that is never; expected the global step they start at"),
     ("payload-dtype", "fp16", "run-config key 'payload-dtype': payload_dtype='fp16': expected one of ('fp32', 'bf16', "
-                              "'int8', 'int4', 'topk2bit', 'topk2bit-both', 'topk2bit-all', 'topk2bit-relay', 'topk2bit-both-wide', 'topk2bit-both-wide-d64', 'topk2bit-both-wide-tiles', 'topk2bit-lut', 'lowrank+topk2bit', 'lowrank+topk2bit-wide', 'lowrank+topk2bit+rows')"),
+                              "'int8', 'int4', 'topk2bit', 'topk2bit-both', 'topk2bit-all', 'topk2bit-relay', 'topk1bit-relay', 'topk2bit-both-wide', 'topk2bit-both-wide-d64', 'topk2bit-both-wide-tiles', 'topk2bit-lut', 'lowrank+topk2bit', 'lowrank+topk2bit-wide', 'lowrank+topk2bit+rows')"),
     ("data-path", 3, "run-config key 'data-path'=3: expected a string like the default ''"),
     ("val-path", 3, "run-config key 'val-path'=3: expected a string like the default ''"),
     ("text-field", "", "run-config key 'text-field': DataConfig.text_field='': expected the name of the field or column "

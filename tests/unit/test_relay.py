@@ -32,30 +32,35 @@ def rounds_config(**kw) -> RoundConfig:
     return RoundConfig(local_steps=1, sync_exp_avg_every=0, sync_exp_avg_sq_every=0, **kw)
 
 
-def replies(round_idx: int, feedback: list[ErrorFeedback], tokens=(300, 100, 200), gen=None) -> list[WorkerUpdate]:
-    """One round of compressed replies as workers send them: heavy-tailed Δ, top-k 2-bit with each
-    worker's error feedback (what `Uplink` does), one reply per worker."""
+def replies(round_idx: int, feedback: list[ErrorFeedback], tokens=(300, 100, 200), gen=None,
+            codecs=RELAY) -> list[WorkerUpdate]:
+    """One round of compressed replies as workers send them: heavy-tailed Δ, top-k 2-bit (per `codecs`)
+    with each worker's error feedback (what `Uplink` does), one reply per worker."""
     out = []
     for m, n in enumerate(tokens):
         delta = {name: torch.distributions.StudentT(3.0).sample(shape) * 1e-2 for name, shape in NAMES.items()}
-        sent = {name: feedback[m].compress(name, d, RELAY.delta_spec(name, d.shape))[0] for name, d in delta.items()}
+        sent = {name: feedback[m].compress(name, d, codecs.delta_spec(name, d.shape))[0] for name, d in delta.items()}
         out.append(WorkerUpdate(worker_id=m, round=round_idx, delta=sent, moments={}, tokens=n, opt_step=round_idx))
     return out
 
 
-@pytest.mark.parametrize("mean,clip,late_lr", [("all", False, 0.0), ("contributors", False, 0.0),
-                                               ("contributors", True, 0.0), ("all", False, 2.0)])
-def test_every_worker_replays_the_servers_theta_bit_for_bit(mean, clip, late_lr):
+@pytest.mark.parametrize("mean,clip,late_lr,preset", [("all", False, 0.0, "topk2bit-relay"),
+                                                      ("contributors", False, 0.0, "topk2bit-relay"),
+                                                      ("contributors", True, 0.0, "topk2bit-relay"),
+                                                      ("all", False, 2.0, "topk2bit-relay"),
+                                                      ("all", False, 0.0, "topk1bit-relay")])
+def test_every_worker_replays_the_servers_theta_bit_for_bit(mean, clip, late_lr, preset):
     """Four rounds of mocked compressed replies through the real aggregator (outer average, lr 1.3):
     from round 2 each state carries the last round's replies, not θ, and a worker's copy after the
     replay equals the server's θ exactly; a worker that missed a round is refused the relay and
     gets θ whole (`resync_state`); a skipped round relays nothing and θ stays. With a late outer lr
     from round 3 on (`outer.late_lr`), the state relaying round 3 carries it and the replay follows."""
     torch.manual_seed(0)
+    codecs = resolve_payload(preset).codecs
     rc = rounds_config(sparse_mean=mean, clip_median=clip, late_from_step=2 if late_lr else 0)
     theta0 = {name: torch.randn(shape) for name, shape in NAMES.items()}
-    agg = Aggregator(theta0, {}, rc, Average(lr=1.3), None, payload=RELAY, late_lr=late_lr)
-    workers = [Downlink(RELAY, rc) for _ in range(3)]
+    agg = Aggregator(theta0, {}, rc, Average(lr=1.3), None, payload=codecs, late_lr=late_lr)
+    workers = [Downlink(codecs, rc) for _ in range(3)]
     feedback = [ErrorFeedback(decay=0.9) for _ in range(3)]
     for r in range(1, 6):
         state = agg.global_state()
@@ -79,7 +84,7 @@ def test_every_worker_replays_the_servers_theta_bit_for_bit(mean, clip, late_lr)
         if r == 4:
             agg.skip_round()
             continue
-        sent = replies(r, feedback)
+        sent = replies(r, feedback, codecs=codecs)
         before = {n: p.clone() for n, p in agg.params.items()}
         agg.aggregate([as_received(u, sparse=True) for u in sent], relay={u.worker_id: u for u in sent})
         assert any(not torch.equal(before[n], agg.params[n]) for n in NAMES)  # θ moved

@@ -279,3 +279,26 @@ def test_a_top_k_reply_kept_sparse_counts_its_senders_as_its_dense_decode():
     shared = int((count > 1).sum()) / int((count > 0).sum())
     assert 0.1 < shared < 0.9  # the case tests overlap, not disjoint or equal supports
     assert support_overlap(got["senders"]) == {"sparse_support_shared": pytest.approx(shared, abs=0)}
+
+
+def test_error_feedback_scaled_by_the_lrs_fall_by_hand():
+    """`rounds.wire_ef_lr_scale`: e ← β·s·e + Δ, s = min(1, η_r/η_{r−1}) of the rounds' mean lr.
+
+    WSD over 8 steps, K = 2, no warm-up, the last half decaying to 0: the steps' lr are 1, 1, 1, 1,
+    0.75, 0.5, 0.25, 0; round 2 against 1: s = 1; round 3 (mean 0.625) against 2 (mean 1): 0.625;
+    round 4 (0.125) against 3: 0.2. A warm-up's rise is not followed (s = 1, never above)."""
+    from lordo_fed.optim.config import InnerConfig, lr_at
+
+    inner = InnerConfig(lr=1.0, warmup_steps=0, decay_fraction=0.5, min_lr_ratio=0.0)
+    rc = RoundConfig(local_steps=2)
+    fall = [rc.lr_fall(r, lambda step: lr_at(step, 8, inner)) for r in (1, 2, 3, 4)]
+    assert fall == pytest.approx([1.0, 1.0, 0.625, 0.2])
+    warm = InnerConfig(lr=1.0, warmup_steps=4, decay_fraction=0.0)
+    assert rc.lr_fall(2, lambda step: lr_at(step, 8, warm)) == 1.0  # mean 0.875 against 0.375: not scaled up
+    ef = ErrorFeedback(decay=0.5)
+    spec = CodecSpec("topk", chunk=4, density=0.25)
+    ef.compress("w", torch.tensor([1.0, 2.0, 3.0, 4.0]), spec)  # sends 4, keeps [1, 2, 3, 0]
+    ef.scale = 0.625
+    sent, _ = ef.compress("w", torch.ones(4), spec)  # e = 0.5·0.625·[1, 2, 3, 0] + 1 = [1.3125, 1.625, 1.9375, 1]
+    assert decode(sent).tolist() == [0.0, 0.0, 1.9375, 0.0]
+    assert ef.residual["w"].tolist() == [1.3125, 1.625, 0.0, 1.0]
