@@ -34,7 +34,7 @@ def rounds_config(**kw) -> RoundConfig:
 
 def replies(round_idx: int, feedback: list[ErrorFeedback], tokens=(300, 100, 200), gen=None,
             codecs=RELAY) -> list[WorkerUpdate]:
-    """One round of compressed replies as workers send them: heavy-tailed Δ, top-k 2-bit (per `codecs`)
+    """One round of compressed replies as workers send them: heavy-tailed Δ, top-k as `codecs` sends it (2-bit by default)
     with each worker's error feedback (what `Uplink` does), one reply per worker."""
     out = []
     for m, n in enumerate(tokens):
