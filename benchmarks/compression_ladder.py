@@ -166,7 +166,8 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="folder of the runs, kept: a ladder stopped part way continues "
                         "from its finished runs when given the same folder (default: a temporary one)")
     parser.add_argument("--reference", default="", help="an earlier result of the same method, horizon and M: its "
-                        "fp32 rows stand in for this run's (the runs are deterministic), no fp32 rerun")
+                        "fp32 rows (with --baseline, its rows of that rung) stand in for this run's (the runs are "
+                        "deterministic), no rerun")
     args = parser.parse_args()
     table, base = {"lordo_global": (RUNGS, BASE), "diloco": (DILOCO_RUNGS, ()),
                    "lordo_local": (LOCAL_RUNGS, BASE)}[args.method]
@@ -176,8 +177,6 @@ def main() -> None:
         parser.error(f"--rungs: unknown {unknown} for --method {args.method}; expected some of {list(table)}")
     if args.baseline and args.baseline not in table:
         parser.error(f"--baseline {args.baseline!r}: expected a rung of --method {args.method}: {list(table)}")
-    if args.baseline and args.reference:
-        parser.error("--baseline with --reference: the reference's fp32 rows would not be the baseline; give one")
     if args.baseline:
         rungs = [args.baseline, *(r for r in rungs if r != args.baseline)]
     if min(args.rounds, args.local_steps, args.workers) < 1:
@@ -199,7 +198,7 @@ def main() -> None:
         write_json({**result, "seconds": time.perf_counter() - started}, args.out)
         return
     rows = []
-    earlier = _references(args.reference, result["config"]) if args.reference else {}
+    earlier = _references(args.reference, result["config"], args.baseline or "fp32") if args.reference else {}
     if args.work:
         Path(args.work).mkdir(parents=True, exist_ok=True)
     with contextlib.nullcontext(args.work) if args.work else tempfile.TemporaryDirectory() as tmp:
@@ -212,9 +211,17 @@ def main() -> None:
             for rung in rungs:
                 payload, extra = table[rung]
                 # the baseline is run as it is defined, without --set
-                row = quality_run(payload, 1, seed, args.quick, Path(tmp),
-                                  (*base, *extra, *(() if rung == args.baseline else added)), tag=f"_{rung}",
-                                  method=args.method, horizon=horizon)
+                overrides = (*base, *extra, *(() if rung == args.baseline else added))
+                if rung == args.baseline and seed in earlier:
+                    row = earlier[seed]
+                    if row["payload"] != payload or row["overrides"] != list(overrides):
+                        raise SystemExit(f"--reference {args.reference}: its {rung} row of seed {seed} ran "
+                                         f"{row['payload']} with {row['overrides']}, expected {payload} with "
+                                         f"{list(overrides)}")
+                    row = {**row, "cached": True}
+                else:
+                    row = quality_run(payload, 1, seed, args.quick, Path(tmp), overrides, tag=f"_{rung}",
+                                      method=args.method, horizon=horizon)
                 ref = ref or row
                 row.update(rung=rung, ppl_vs_fp32=row["val_ppl"] / ref["val_ppl"] - 1.0,
                            bytes_vs_fp32=ref["bytes_per_worker"] / row["bytes_per_worker"])
@@ -230,8 +237,8 @@ def main() -> None:
     print(f"wrote {out} and {png_path(out)}")
 
 
-def _references(path: str, config: dict) -> dict[int, dict]:
-    """seed -> the fp32 row of an earlier result whose method, base overrides, horizon and M are `config`'s."""
+def _references(path: str, config: dict, rung: str = "fp32") -> dict[int, dict]:
+    """seed -> the `rung` row of an earlier result whose method, base overrides, horizon and M are `config`'s."""
     import json
 
     earlier = json.loads(Path(path).read_text())
@@ -239,7 +246,7 @@ def _references(path: str, config: dict) -> dict[int, dict]:
     mismatch = [k for k in keys if earlier["config"].get(k, {"workers": 4, "method": "lordo_global"}.get(k)) != config[k]]
     if mismatch:
         raise SystemExit(f"--reference {path}: its {', '.join(mismatch)} differ from this run's")
-    return {r["seed"]: r for r in earlier["rows"] if r["rung"] == "fp32"}
+    return {r["seed"]: r for r in earlier["rows"] if r["rung"] == rung}
 
 
 def plot(rows: list[dict], path: Path) -> None:
