@@ -443,7 +443,10 @@ class AsyncServer:
         self.cache = {}
         for key, value in tensors.items():
             if key.startswith("async_cache/"):
-                worker, name = key.removeprefix("async_cache/").split("/", 1)
+                worker, _, name = key.removeprefix("async_cache/").partition("/")
+                if not worker.isdigit() or not 0 <= int(worker) < self.workers or not name:
+                    raise ValueError(f"checkpoint key {key!r}: expected async_cache/<worker 0..{self.workers - 1}>/"
+                                     "<parameter name> (CA²FL's cache of one worker's last Δ)")
                 self.cache.setdefault(int(worker), {})[name] = value.float().clone()
         # the running sum as saved: summed again it would differ from the run's in the last bits
         self._cache_sum = {k.removeprefix("async_cache_sum/"): v.float().clone() for k, v in tensors.items()

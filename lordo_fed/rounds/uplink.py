@@ -39,11 +39,13 @@ class Uplink:
         self._support: dict[str, Tensor] = {}  # each top-k tensor's positions sent last round (int32)
 
     def encode(self, delta: dict[str, Tensor], moments: dict[str, Tensor], shared: Iterable[str],
-               basis: Callable[[str], Tensor]) -> tuple[dict, dict, dict[str, Encoded]]:
-        """(Δ, moments, coordinates) as the preset sends them: Δ with error feedback (`compress_delta`),
-        the moments quantised; unchanged, without coordinates, when nothing is compressed."""
+               basis: Callable[[str], Tensor], ef_scale: float = 1.0) -> tuple[dict, dict, dict[str, Encoded]]:
+        """(Δ, moments, coordinates) as the preset sends them: Δ with error feedback (`compress_delta`;
+        the residual decayed by β·`ef_scale`, the lr's fall with `RoundConfig.wire_ef_lr_scale`), the
+        moments quantised; unchanged, without coordinates, when nothing is compressed."""
         if self.codecs is None:
             return delta, moments, {}
+        self.ef.scale = ef_scale
         delta, coords = self.compress_delta(delta, list(shared), basis)
         return delta, self.codecs.encode_moments(moments), coords
 

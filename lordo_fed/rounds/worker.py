@@ -155,10 +155,10 @@ class Worker:
             d.neg_().add_(theta_ref[n])
         due = self.due_moments(state.round)
         self.overlap.keep(state.round, theta_send, due, self.optimizer, self.params)
-        if self.rounds.wire_ef_lr_scale:
-            self.uplink.ef.scale = self.rounds.lr_fall(state.round, lambda step: lr_at(step, self.total_steps, self.inner))
+        ef_scale = (self.rounds.lr_fall(state.round, lambda step: lr_at(step, self.total_steps, self.inner))
+                    if self.rounds.wire_ef_lr_scale else 1.0)
         delta, due, coords = self.uplink.encode(delta, due, state.projections,
-                                                lambda name: self.optimizer.basis(self.params[name]))
+                                                lambda name: self.optimizer.basis(self.params[name]), ef_scale)
         update = WorkerUpdate(
             worker_id=self.worker_id,
             round=state.round,

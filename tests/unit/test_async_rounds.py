@@ -5,6 +5,7 @@ synchronous DiLoCo, HeLoCo learning and reproducible."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -116,6 +117,21 @@ def test_the_cache_composes_with_rho_and_survives_a_checkpoint():
         s.push(reply(1, w=torch.tensor([0.0, 3.0, 0.0])), s.pull(), 1.0)
     assert torch.equal(plain.params["w"], torch.tensor([-1.5, -1.5, 0.0]))  # −ρΔ each
     assert torch.equal(cached.params["w"], torch.tensor([-2.0, -1.5, 0.0]))  # −ρ·[3, 0, 0], −ρ·[1, 3, 0]
+
+
+def test_a_malformed_cache_key_in_a_checkpoint_is_refused_with_the_key_named():
+    """A cache entry whose worker is not a number, is out of range or has no parameter name is refused
+    naming the key, not with a bare int() error; the well-formed entry loads."""
+    server = AsyncServer({"w": torch.zeros(3)}, Average(lr=1.0), AsyncRule(False, False),
+                         AsyncConfig(cache="ca2fl"), workers=2)
+    server.push(reply(0, w=torch.ones(3)), server.pull(), 1.0)
+    tensors, meta = server.state_dict()
+    for bad in ("async_cache/x/w", "async_cache/2/w", "async_cache/0", "async_cache/-1/w"):
+        broken = {**tensors, bad: torch.zeros(3)}
+        with pytest.raises(ValueError, match=re.escape(repr(bad))):
+            server.load_state_dict(broken, meta)
+    server.load_state_dict(tensors, meta)
+    assert torch.equal(server.cache[0]["w"], torch.ones(3))
 
 
 def test_a_grace_window_takes_every_arrival_within_it():
