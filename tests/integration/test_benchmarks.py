@@ -789,6 +789,33 @@ def test_compression_ladder_quick(tmp_path):
 
 
 @pytest.mark.extended
+def test_compression_ladder_reference_stands_in_for_the_baseline(tmp_path):
+    """`--reference` with `--baseline`: the reference's baseline rows are taken as they are (nothing trained
+    for them) and the other rung is compared with them as in the run that made them; a reference from
+    another kernel set (its torch_cpu_capability edited) or with other baseline overrides is refused."""
+    args = ("--method", "diloco", "--baseline", "fp32-average", "--rungs", "avg-relay-1bit")
+    first = run_quick("compression_ladder.py", tmp_path, *args)
+    ref = tmp_path / "reference.json"
+    ref.write_text(json.dumps(first))
+    (tmp_path / "compression_ladder.json").unlink()
+    again = run_quick("compression_ladder.py", tmp_path, *args, "--reference", str(ref))
+    rows = {r["rung"]: r for r in again["rows"]}
+    assert rows["fp32-average"].pop("cached") is True
+    assert [rows["fp32-average"], rows["avg-relay-1bit"]["ppl_vs_fp32"]] == [
+        first["rows"][0], first["rows"][1]["ppl_vs_fp32"]]
+    for edit, expected in ((lambda d: d["machine"].update(torch_cpu_capability="NO_AVX"), "ATEN_CPU_CAPABILITY"),
+                           (lambda d: d["rows"][0]["overrides"].append("diloco_outer.lr=2.0"), "fp32-average row")):
+        other = json.loads(json.dumps(first))
+        edit(other)
+        ref.write_text(json.dumps(other))
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compression_ladder.py"), "--quick", "--out",
+                               str(tmp_path / "refused.json"), *args, "--reference", str(ref)],
+                              capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT,
+                              timeout=300)
+        assert proc.returncode != 0 and expected in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.extended
 def test_node_ranks_quick(tmp_path):
     """benchmarks/node_ranks.py --quick: local steps through DDP and FSDP2 (gloo, one rank) against
     the bare model; the bytes two ranks of one node hold under each (FSDP2: about half each)."""
