@@ -250,8 +250,8 @@ def _references(path: str, config: dict, rung: str = "fp32") -> dict[int, dict]:
     if theirs != mine:  # another kernel set rounds otherwise, and a top-k run drifts by the seeds' spread
         raise SystemExit(f"--reference {path}: measured on {theirs}; this machine is {mine}, and a run's figures "
                          "depend on the host bit for bit: run the baseline here, or give torch the reference's "
-                         "kernels where this CPU has them (ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 "
-                         "ONEDNN_MAX_CPU_ISA=AVX2 for an AVX2 reference on an AVX512 machine)")
+                         "kernels where this CPU has them (ATEN_CPU_CAPABILITY=avx2 for an AVX2 reference on an "
+                         "AVX512 machine; docs/results.md section 12, part twenty-six)")
     return {r["seed"]: r for r in earlier["rows"] if r["rung"] == rung}
 
 
