@@ -39,7 +39,9 @@ def machine_info() -> dict[str, Any]:
     The CPU is named because a run's figures depend on it bit for bit: the same commit and seed give
     other floating-point roundings under another kernel set, and over a training run those grow into
     differences of the order of the seeds' (docs/results.md section 12, part six). Results are
-    compared side by side on one machine; these fields say when two were not."""
+    compared side by side on one machine; these fields say when two were not. An AVX512 machine gives
+    an AVX2 one's runs bit for bit with `ATEN_CPU_CAPABILITY=avx2` (same CPU model; section 12, part
+    twenty-six), and then records AVX2 here."""
     import torch  # here, not at the top: scripts that only need the other helpers start fast
 
     cpu = ""
