@@ -88,6 +88,21 @@ def host_of(machine: dict[str, Any]) -> dict[str, Any]:
     return {k: machine.get(k) for k in HOST_KEYS}
 
 
+def require_host(theirs: dict[str, Any], mine: dict[str, Any], what: str, remedy: str, verb: str = "measured") -> None:
+    """Raise ValueError naming both hosts (`host_of` records) when `theirs` is not `mine`: `what` was `verb` on
+    another host, so its figures are not this machine's; `remedy` says what to do. Where only torch's kernel set
+    differs, the message adds the variable that gives torch `theirs` (docs/results.md section 12, part twenty-six)."""
+    if theirs == mine:
+        return
+    kernels = ""
+    if {k: v for k, v in theirs.items() if k != "torch_cpu_capability"} == \
+            {k: v for k, v in mine.items() if k != "torch_cpu_capability"} and theirs.get("torch_cpu_capability"):
+        kernels = (f", or give torch their kernels where this CPU has them "
+                   f"(ATEN_CPU_CAPABILITY={str(theirs['torch_cpu_capability']).lower()})")
+    raise ValueError(f"{what}: {verb} on {theirs}; this machine is {mine}, and a run's figures depend on the host bit "
+                     f"for bit: {remedy}{kernels}")
+
+
 def make_parser(name: str, doc: str | None, quick_help: str) -> argparse.ArgumentParser:
     """An ArgumentParser with `--quick` and `--out` (default benchmarks/results/<name>.json)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -41,10 +41,12 @@ import time
 from pathlib import Path
 
 try:
-    from benchmarks.common import host_of, machine_info, make_parser, new_figure, png_path, result_header, write_json
+    from benchmarks.common import (host_of, machine_info, make_parser, new_figure, png_path, require_host,
+                                   result_header, write_json)
     from benchmarks.compression import quality_run
 except ImportError:  # run as `python benchmarks/compression_ladder.py`
-    from common import host_of, machine_info, make_parser, new_figure, png_path, result_header, write_json
+    from common import (host_of, machine_info, make_parser, new_figure, png_path, require_host, result_header,
+                        write_json)
     from compression import quality_run
 
 BASE = ("inner.ef_decay=0.9",)
@@ -246,12 +248,11 @@ def _references(path: str, config: dict, rung: str = "fp32") -> dict[int, dict]:
     mismatch = [k for k in keys if earlier["config"].get(k, {"workers": 4, "method": "lordo_global"}.get(k)) != config[k]]
     if mismatch:
         raise SystemExit(f"--reference {path}: its {', '.join(mismatch)} differ from this run's")
-    theirs, mine = host_of(earlier.get("machine", {})), host_of(machine_info())
-    if theirs != mine:  # another kernel set rounds otherwise, and a top-k run drifts by the seeds' spread
-        raise SystemExit(f"--reference {path}: measured on {theirs}; this machine is {mine}, and a run's figures "
-                         "depend on the host bit for bit: run the baseline here, or give torch the reference's "
-                         "kernels where this CPU has them (ATEN_CPU_CAPABILITY=avx2 for an AVX2 reference on an "
-                         "AVX512 machine; docs/results.md section 12, part twenty-six)")
+    try:  # another kernel set rounds otherwise, and a top-k run drifts by the seeds' spread
+        require_host(host_of(earlier.get("machine", {})), host_of(machine_info()), f"--reference {path}",
+                     "run the baseline here")
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     return {r["seed"]: r for r in earlier["rows"] if r["rung"] == rung}
 
 

@@ -55,10 +55,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 try:
-    from benchmarks.common import host_of, machine_info, make_parser, new_figure, png_path, result_header, write_json
+    from benchmarks.common import (host_of, machine_info, make_parser, new_figure, png_path, require_host,
+                                   result_header, write_json)
     from benchmarks.quality import QUICK_OVERRIDES, Run, execute
 except ImportError:  # run as `python benchmarks/corpora_quality.py`
-    from common import host_of, machine_info, make_parser, new_figure, png_path, result_header, write_json
+    from common import (host_of, machine_info, make_parser, new_figure, png_path, require_host, result_header,
+                        write_json)
     from quality import QUICK_OVERRIDES, Run, execute
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -550,10 +552,7 @@ def reference_rows(files: list[Path], machine: dict, quick: bool, device: str, w
             raise ValueError(f"--reference {name}: a {result.get('benchmark')!r} result; expected a corpora_quality one")
         if bool(result.get("quick")) != quick:
             raise ValueError(f"--reference {name}: quick={bool(result.get('quick'))}, this run quick={quick}")
-        theirs = host_of(result.get("machine", {}))
-        if theirs != mine:
-            raise ValueError(f"--reference {name}: measured on {theirs}; this machine is {mine}, and a run's figures "
-                             "depend on the host bit for bit: train the references here")
+        require_host(host_of(result.get("machine", {})), mine, f"--reference {name}", "train the references here")
         for key, flag, default, here in (("device", "--device", "auto", device),
                                          ("eval_windows", "--eval-windows", "first", windows)):
             there = recorded_option(result, key, flag, default)

@@ -39,9 +39,11 @@ from lordo_fed.checkpoint import list_checkpoints
 from lordo_fed.rounds.methods import METHODS, resolve_method
 
 try:
-    from benchmarks.common import code_info, host_of, machine_info, make_parser, new_figure, png_path, result_header, write_json
+    from benchmarks.common import (code_info, host_of, machine_info, make_parser, new_figure, png_path, require_host,
+                                   result_header, write_json)
 except ImportError:  # run as `python benchmarks/quality.py`
-    from common import code_info, host_of, machine_info, make_parser, new_figure, png_path, result_header, write_json
+    from common import (code_info, host_of, machine_info, make_parser, new_figure, png_path, require_host,
+                        result_header, write_json)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "examples" / "reference"
@@ -175,9 +177,8 @@ def execute(run: Run, quick: bool, work: Path, fresh: bool, base: tuple[str, ...
     host = {**host_of(machine_info()), "device": torch_device_name(device)}
     if done.exists() and not fresh:
         cached = json.loads(done.read_text())
-        if cached.get("host", host) != host:
-            raise ValueError(f"{done}: trained on {cached['host']}; this machine is {host}, and a run's figures "
-                             "depend on the host bit for bit: train it here (--fresh, or another --work)")
+        require_host(cached.get("host", host), host, str(done), "train it here (--fresh, or another --work)",
+                     verb="trained")
         return cached
     checkpoints = out_dir / "checkpoints"
     if fresh:

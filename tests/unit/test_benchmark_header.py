@@ -60,3 +60,19 @@ def test_a_cached_run_trained_on_another_host_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"result\.json: trained on \{'cpu_model': 'Other CPU'.*this machine is "
                                          r"\{'cpu_model': .*train it here \(--fresh, or another --work\)"):
         execute(run, True, tmp_path, False)
+
+
+def test_another_host_is_refused_naming_the_kernels_that_would_give_its_runs():
+    """`require_host`: the same host passes; another CPU model is refused naming both hosts and the remedy; where
+    only torch's kernel set differs, the refusal also names the variable that gives torch the other's kernels."""
+    from benchmarks.common import require_host
+
+    mine = {"cpu_model": "AMD EPYC", "torch_cpu_capability": "AVX512", "torch": "2.13.0+cpu"}
+    require_host(dict(mine), mine, "--reference r.json", "run it here")
+    with pytest.raises(ValueError, match=r"^--reference r\.json: measured on \{'cpu_model': 'AMD EPYC', "
+                                         r"'torch_cpu_capability': 'AVX2'.*run it here, or give torch their kernels "
+                                         r"where this CPU has them \(ATEN_CPU_CAPABILITY=avx2\)$"):
+        require_host({**mine, "torch_cpu_capability": "AVX2"}, mine, "--reference r.json", "run it here")
+    with pytest.raises(ValueError, match=r"trained on \{'cpu_model': 'Other CPU'.*run it here$"):
+        require_host({**mine, "cpu_model": "Other CPU", "torch_cpu_capability": "AVX2"}, mine, "x", "run it here",
+                     verb="trained")
