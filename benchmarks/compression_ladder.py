@@ -18,6 +18,8 @@ error feedback `inner.ef_decay=0.9`).
 | wide-mean | + contributor mean | |
 | wide-nomoments, wide-dct, wide-lean | wide + no moments / DCT bases / both | which part of the lean state costs quality |
 | wide-clientfit | wide-nomoments, the bases fitted by each worker to the downlink's change (`bases-from=downlink`) | SVD-quality bases with nothing on the wire |
+| relay-clientfit | topk2bit-relay, β 0.95, no moments, bases from the downlink | the M replies down: θ exact on every worker |
+| relay-1bit-lrs-clientfit | the same with topk1bit-relay and `wire-ef-lr-scale` | issue 30's recipe (results.md section 12, part twenty-five) |
 | wide-d64, wide-tiles | wide at 1/64 up (4/64 down); wide with 64×64 tiles | density and the cut |
 | lowrank-wide(-nomoments) | lowrank+topk2bit-wide, β 0.95 (no moments) | low-rank Δ with nothing dense but the coordinates and the bases |
 
@@ -69,6 +71,8 @@ RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "wide-lean": ("topk2bit-both-wide", ("rounds.wire_ef_decay=0.95", *LEAN)),
     "wide-clientfit": ("topk2bit-both-wide", ("rounds.wire_ef_decay=0.95", *LEAN[1:], "rounds.bases_from=downlink")),
     "relay-clientfit": ("topk2bit-relay", ("rounds.wire_ef_decay=0.95", *LEAN[1:], "rounds.bases_from=downlink")),
+    "relay-1bit-lrs-clientfit": ("topk1bit-relay", ("rounds.wire_ef_decay=0.95", *LEAN[1:], "rounds.bases_from=downlink",
+                                                    "rounds.wire_ef_lr_scale=true")),
     "wide-d64": ("topk2bit-both-wide-d64", ("rounds.wire_ef_decay=0.95",)),
     "wide-tiles": ("topk2bit-both-wide-tiles", ("rounds.wire_ef_decay=0.95",)),
     "lowrank-wide": ("lowrank+topk2bit-wide", ("rounds.wire_ef_decay=0.95",)),
@@ -114,10 +118,11 @@ LOCAL_RUNGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "wide": ("topk2bit-both-wide", ("rounds.wire_ef_decay=0.95",)),
     "wide-d64": ("topk2bit-both-wide-d64", ("rounds.wire_ef_decay=0.95",)),
     "relay": ("topk2bit-relay", ("rounds.wire_ef_decay=0.95",)),
+    "relay-1bit-lrs": ("topk1bit-relay", ("rounds.wire_ef_decay=0.95", "rounds.wire_ef_lr_scale=true")),
 }
 """`--method lordo_local`: LoRDO with each worker's own bases and moments is lean by construction (no
 bases, no moments on the wire): the wide downlink at 3% and 1/64 up, and the relay (the M replies down,
-θ exact)."""
+θ exact), and the relay with issue 30's recipe (1-bit values, the residual scaled by the lr's fall)."""
 
 
 def decoder_gains(seeds: int = 10) -> list[dict]:

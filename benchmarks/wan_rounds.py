@@ -39,6 +39,7 @@ Needs root (network namespaces).
     sudo .venv/bin/python benchmarks/wan_rounds.py --presets --rounds 3 --out benchmarks/results/wan_presets.json
     sudo .venv/bin/python benchmarks/wan_rounds.py --relay --rounds 3 --out benchmarks/results/wan_relay.json  # ~15 min
     sudo .venv/bin/python benchmarks/wan_rounds.py --relay --pick 2,4 --rounds 3 ...  # two of them: relay, option A at 10 Mb/s
+    sudo .venv/bin/python benchmarks/wan_rounds.py --recipe --rounds 3 --out benchmarks/results/wan_recipe.json  # ~20 min
     sudo .venv/bin/python benchmarks/wan_rounds.py --quick    # tiny model, 2 nodes at 8 Mbit/s, overlapped, seconds
 Writes benchmarks/results/wan_rounds.json and .png.
 """
@@ -138,6 +139,15 @@ RELAY_CASES = [(2, "100mbit", "grpc", 4, 0, RELAY), (2, "100mbit", "grpc", 4, 3,
                (2, "10mbit", "grpc", 4, 0, {"preset": "diloco-sparse"})]
 """--relay: the relay on the 125m-size model (FULL_MODEL, K = 4) at 100 and 10 Mb/s, synchronous and
 overlapped (τ = 3), and `diloco-sparse` (option A, the server's re-sparsified change) at 10 Mb/s beside it."""
+RECIPE = {"preset": "diloco-sparse", "payload-dtype": "topk1bit-relay", "wire-ef-lr-scale": True}
+"""--recipe: issue 30's recipe, the relay with 1-bit values and the residual scaled by the lr's fall
+(docs/results.md section 12, part twenty-five)."""
+RECIPE_CASES = [(2, "100mbit", "grpc", 4, 0, RECIPE), (2, "100mbit", "grpc", 4, 3, RECIPE),
+                (2, "10mbit", "grpc", 4, 0, RECIPE), (2, "10mbit", "grpc", 4, 3, RECIPE),
+                (2, "10mbit", "grpc", 4, 0, RELAY), (2, "100mbit", "grpc", 4, 0, {})]
+"""--recipe: the recipe on the 125m-size model (FULL_MODEL, K = 4) at 100 and 10 Mb/s, synchronous and
+overlapped (τ = 3), the 2-bit relay at 10 Mb/s and fp32 at 100 Mb/s beside it (fp32 at 10 Mb/s takes
+~10 minutes a round: section 12, part sixteen)."""
 QUICK_CASES = [(2, "8mbit", "grpc", 3, 2)]
 """--quick: one overlapped case (the synchronous path is tests/integration/test_wan.py's deployment)."""
 
@@ -527,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
                         "and 10 Mb/s (PRESET_CASES)")
     parser.add_argument("--relay", action="store_true", help="the relay downlink (topk2bit-relay) at 100 and 10 Mb/s, "
                         "synchronous and overlapped, and diloco-sparse at 10 Mb/s (RELAY_CASES)")
+    parser.add_argument("--recipe", action="store_true", help="issue 30's recipe (topk1bit-relay, wire-ef-lr-scale) "
+                        "at 100 and 10 Mb/s, synchronous and overlapped, the 2-bit relay and fp32 beside it (RECIPE_CASES)")
     parser.add_argument("--hetero", action="store_true", help="unequal nodes (--scenario): synchronous, overlapped and "
                         "asynchronous rounds (HETERO_CASES), non-IID data by source")
     parser.add_argument("--scenario", default="", help="--hetero: 'link' (4 nodes, one on 10 Mbit/s; default), "
@@ -550,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.hetero:
         return main_hetero(args)
     cases = (QUICK_CASES if args.quick else OVERLAP_CASES if args.overlap else COMPRESSION_CASES if args.compression
-             else PRESET_CASES if args.presets else RELAY_CASES if args.relay else FULL_CASES)
+             else PRESET_CASES if args.presets else RELAY_CASES if args.relay else RECIPE_CASES if args.recipe
+             else FULL_CASES)
     if args.cases:
         cases = [(int(n), link, plane, *map(int, rest)) for n, link, plane, *rest in (c.split(":") for c in args.cases.split(","))]
     if args.pick:
@@ -567,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
                        else "125m-size DiLoCo, fp32 and top-k 2-bit both ways: rounds vs their bounds" if args.compression
                        else "125m-size model, the presets diloco-sparse and lordo-sparse: rounds vs their bounds" if args.presets
                        else "125m-size DiLoCo, the relay downlink against diloco-sparse's: rounds vs their bounds" if args.relay
+                       else "125m-size DiLoCo, the 1-bit relay (issue 30's recipe) against the 2-bit relay and fp32: "
+                            "rounds vs their bounds" if args.recipe
                        else f"{'tiny' if args.quick else '125m-size'} {model['preset']}: rounds over shaped links "
                        "vs their link-bound ideal")
     result["cases"] = []

@@ -45,15 +45,15 @@ class Uplink:
         moments quantised; unchanged, without coordinates, when nothing is compressed."""
         if self.codecs is None:
             return delta, moments, {}
-        self.ef.scale = ef_scale
-        delta, coords = self.compress_delta(delta, list(shared), basis)
+        delta, coords = self.compress_delta(delta, list(shared), basis, ef_scale)
         return delta, self.codecs.encode_moments(moments), coords
 
     def compress_delta(self, delta: dict[str, Tensor], shared: list[str],
-                       basis: Callable[[str], Tensor]) -> tuple[dict[str, Encoded], dict[str, Encoded]]:
-        """(Δ, coordinates) with error feedback: with a `lowrank+` preset, each matrix of `shared`
-        (the round's shared bases; `basis(name)` the one it trained in) as its coordinates in that
-        basis plus the compressed residual, the rest compressed whole."""
+                       basis: Callable[[str], Tensor],
+                       ef_scale: float = 1.0) -> tuple[dict[str, Encoded], dict[str, Encoded]]:
+        """(Δ, coordinates) with error feedback (the residual decayed by β·`ef_scale`): with a `lowrank+`
+        preset, each matrix of `shared` (the round's shared bases; `basis(name)` the one it trained in) as
+        its coordinates in that basis plus the compressed residual, the rest compressed whole."""
         codecs = self.codecs
         out, coords = {}, {}
         delta_sq = sum(float(d.float().square().sum()) for d in delta.values())  # before the residual takes d's memory
@@ -62,9 +62,9 @@ class Uplink:
                 b = basis(name).detach().to("cpu", torch.float32)
                 side = projection_side(d.shape)
                 out[name], coords[name] = self.ef.compress_split(
-                    name, d, codecs.delta, lambda t, b=b, s=side: lowrank.split(t, b, s, codecs.lowrank))
+                    name, d, codecs.delta, lambda t, b=b, s=side: lowrank.split(t, b, s, codecs.lowrank), ef_scale)
             else:
-                out[name] = self.ef.compress(name, d, codecs.delta_spec(name, tuple(d.shape)))[0]
+                out[name] = self.ef.compress(name, d, codecs.delta_spec(name, tuple(d.shape)), ef_scale)[0]
         left = sum(float(self.ef.residual[n].square().sum()) for n in delta if n in self.ef.residual)
         self.ef_ratio = (left / delta_sq) ** 0.5 if delta_sq > 0 else 0.0
         self._track_support(out)

@@ -553,30 +553,29 @@ class ErrorFeedback:
         self.decay = decay
         """β: the residual is decayed before each new x is added, e ← β·e + x (SparseLoCo's 0.95,
         Sarfi et al. 2025, where the decaying buffer replaces outer momentum; 1 = classic error feedback)."""
-        self.scale = 1.0
-        """A factor of this round's on top of β, e ← β·scale·e + x (the lr's change since the last
-        round, `RoundConfig.wire_ef_lr_scale`; 1 = none)."""
 
-    def compress(self, name: str, x: Tensor, spec: CodecSpec) -> tuple[Encoded, Tensor]:
-        """(the encoding of x + e, what the receiver decodes from it, shaped like x)."""
-        target, owned = self._plus_residual(name, x)
+    def compress(self, name: str, x: Tensor, spec: CodecSpec, scale: float = 1.0) -> tuple[Encoded, Tensor]:
+        """(the encoding of x + β·scale·e, what the receiver decodes from it, shaped like x); `scale`: this
+        round's factor on top of β (the lr's fall since the last round, `RoundConfig.wire_ef_lr_scale`)."""
+        target, owned = self._plus_residual(name, x, scale)
         return self._send(name, target, spec, owned)
 
     def compress_split(self, name: str, x: Tensor, spec: CodecSpec,
-                       split: Callable[[Tensor], tuple[Encoded, Tensor]]) -> tuple[Encoded, Encoded]:
-        """(the residual's encoding, the coordinates' encoding) of x + e cut by `split` into
+                       split: Callable[[Tensor], tuple[Encoded, Tensor]],
+                       scale: float = 1.0) -> tuple[Encoded, Encoded]:
+        """(the residual's encoding, the coordinates' encoding) of x + β·scale·e cut by `split` into
         coordinates and a residual R (`lordo_fed.wire.lowrank.split`, which already folds the
         coordinates' rounding into R); R is encoded per `spec` and e ← R − decode(...)."""
-        target, _ = self._plus_residual(name, x)
+        target, _ = self._plus_residual(name, x, scale)
         coords, residual = split(target)  # a new tensor: kept as the next residual
         return self._send(name, residual, spec, owned=True)[0], coords
 
-    def _plus_residual(self, name: str, x: Tensor) -> tuple[Tensor, bool]:
-        """(x + e in e's own buffer, True), or at first use (x as fp32, False: it may be x itself)."""
+    def _plus_residual(self, name: str, x: Tensor, scale: float) -> tuple[Tensor, bool]:
+        """(x + β·scale·e in e's own buffer, True), or at first use (x as fp32, False: it may be x itself)."""
         e = self.residual.get(name)
         if e is None:
             return x.detach().float(), False
-        factor = self.decay * self.scale
+        factor = self.decay * scale
         return (e.mul_(factor) if factor != 1.0 else e).add_(x.detach().float()), True
 
     def _send(self, name: str, target: Tensor, spec: CodecSpec, owned: bool) -> tuple[Encoded, Tensor]:

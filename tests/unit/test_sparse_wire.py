@@ -298,7 +298,6 @@ def test_error_feedback_scaled_by_the_lrs_fall_by_hand():
     ef = ErrorFeedback(decay=0.5)
     spec = CodecSpec("topk", chunk=4, density=0.25)
     ef.compress("w", torch.tensor([1.0, 2.0, 3.0, 4.0]), spec)  # sends 4, keeps [1, 2, 3, 0]
-    ef.scale = 0.625
-    sent, _ = ef.compress("w", torch.ones(4), spec)  # e = 0.5·0.625·[1, 2, 3, 0] + 1 = [1.3125, 1.625, 1.9375, 1]
+    sent, _ = ef.compress("w", torch.ones(4), spec, scale=0.625)  # e = 0.5·0.625·[1, 2, 3, 0] + 1 = [1.3125, 1.625, 1.9375, 1]
     assert decode(sent).tolist() == [0.0, 0.0, 1.9375, 0.0]
     assert ef.residual["w"].tolist() == [1.3125, 1.625, 0.0, 1.0]
