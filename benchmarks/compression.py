@@ -29,6 +29,7 @@ pay for their encoding time.
 
     python benchmarks/compression.py                 # all of them (~40 min on 2 cores)
     python benchmarks/compression.py --parts bytes,time
+    python benchmarks/compression.py --parts bytes --states lean --payloads fp32,topk1bit-relay --relay-m 8  # the relay at M = 8
     python benchmarks/compression.py --parts server --server-presets relay --server-threads 1,2
     python benchmarks/compression.py --quick         # 16m bytes at K = 32, tiny time and quality
 Writes benchmarks/results/compression.json and compression.png.
@@ -147,9 +148,10 @@ def message_bytes(msg, ms: ModelShapes, payload: str) -> tuple[int, bool]:
 
 
 def bytes_table(presets: list[str], ks: list[int], factors: list[int], payloads: list[str],
-                states: tuple[str, ...] = ("synced",)) -> list[dict]:
+                states: tuple[str, ...] = ("synced",), relay_m: int = 0) -> list[dict]:
     """Bytes per step of each preset x K x F x payload x state ('synced': SVD bases and the moments
-    as the method syncs them; the others: `STATES`)."""
+    as the method syncs them; the others: `STATES`); `relay_m`: a relaying preset's workers (0: `RELAY_M`)."""
+    relay_m = relay_m or RELAY_M
     rows = []
     for preset in presets:
         ms = ModelShapes(preset, GPT2_VOCAB, RANKS[preset])
@@ -170,7 +172,7 @@ def bytes_table(presets: list[str], ks: list[int], factors: list[int], payloads:
                     update, state = round_messages(ms, payload, k, factor, t, state_kind)
                     n_up, e_up = message_bytes(update, ms, payload)
                     if codecs is not None and codecs.relay:  # the state a node gets: the other workers' replies
-                        state = node_state(state, update)
+                        state = node_state(state, update, relay_m)
                     n_down, e_down = message_bytes(state, ms, payload)
                     up, down, estimated = up + n_up, down + n_down, estimated or e_up or e_down
                 up, down = up / cycle, down / cycle
@@ -180,7 +182,7 @@ def bytes_table(presets: list[str], ks: list[int], factors: list[int], payloads:
                              "bytes_per_step": per_step, "ddp_fp32_bytes_per_step": ddp,
                              "reduction_vs_ddp_fp32": ddp / per_step, "tensor_bytes_only": estimated,
                              **({"row_share": ROW_SHARE} if "rows" in payload else {}),
-                             **({"M": RELAY_M} if codecs is not None and codecs.relay else {})})
+                             **({"M": relay_m} if codecs is not None and codecs.relay else {})})
         del ms
     return rows
 
@@ -193,9 +195,9 @@ no moments, no metrics), and the two fields naming the one left out (`node_state
 12, part nine, counted M = 8 with every reply in one state for all.)"""
 
 
-def node_state(state: GlobalState, update: WorkerUpdate) -> GlobalState:
-    """The relaying `state` as worker 0's node gets it, RELAY_M workers having sent `update` (Δ only)."""
-    replies = [dataclasses.replace(relayed_form(update), worker_id=m) for m in range(RELAY_M)]
+def node_state(state: GlobalState, update: WorkerUpdate, workers: int = RELAY_M) -> GlobalState:
+    """The relaying `state` as worker 0's node gets it, `workers` workers having sent `update` (Δ only)."""
+    replies = [dataclasses.replace(relayed_form(update), worker_id=m) for m in range(workers)]
     return for_worker(dataclasses.replace(state, relay=replies, outer_lr=1.0), 0)
 
 
@@ -565,6 +567,8 @@ def main() -> None:
                         + " (`STATES`)")
     parser.add_argument("--presets", default="", help="bytes part: comma-separated model presets (default "
                         "16m,125m,720m; --quick 16m)")
+    parser.add_argument("--relay-m", type=int, default=RELAY_M, help="bytes part: the workers whose replies a relaying "
+                        "preset's state carries (M; each node's own left out)")
     parser.add_argument("--row-share", type=float, default=ROW_SHARE,
                         help="row-sparse presets, bytes part: the share of the embedding's rows sent per round")
     parser.add_argument("--server-presets", default=",".join(SERVER_PRESETS),
@@ -584,12 +588,15 @@ def main() -> None:
     ROW_SHARE = args.row_share
     result = {**result_header("compression", args.quick, {"payloads": payloads, "parts": sorted(parts),
                                                           "row_share": ROW_SHARE, "overrides": args.overrides,
+                                                          "relay_m": args.relay_m,
                                                           "server_presets": args.server_presets,
                                                           "server_threads": args.server_threads})}
     if "bytes" in parts:
         presets, ks, factors = (["16m"], [32], [1]) if args.quick else (["16m", "125m", "720m"], [8, 32, 128], [1, 4])
         presets = args.presets.split(",") if args.presets else presets
-        result["bytes"] = bytes_table(presets, ks, factors, payloads, tuple(args.states.split(",")))
+        if args.relay_m < 1:
+            parser.error(f"--relay-m {args.relay_m}: expected an integer >= 1")
+        result["bytes"] = bytes_table(presets, ks, factors, payloads, tuple(args.states.split(",")), args.relay_m)
         write_json({**result, "seconds": time.perf_counter() - started}, args.out)  # each part kept as it ends
     if "time" in parts:
         result["time"] = time_round("tiny" if args.quick else "125m", payloads)
