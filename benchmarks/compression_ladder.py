@@ -245,7 +245,8 @@ def main() -> None:
 
 
 def _references(path: str, config: dict, rung: str = "fp32") -> dict[int, dict]:
-    """seed -> the `rung` row of an earlier result whose method, base overrides, horizon and M are `config`'s."""
+    """seed -> the `rung` row of an earlier result whose method, base overrides, horizon and M are `config`'s,
+    measured on this host (`require_host`) with this process's torch thread count."""
     import json
 
     earlier = json.loads(Path(path).read_text())
@@ -258,6 +259,13 @@ def _references(path: str, config: dict, rung: str = "fp32") -> dict[int, dict]:
                      "run the baseline here")
     except ValueError as err:
         raise SystemExit(str(err)) from None
+    # the trainer runs with this process's thread count (quality_run sets none), and LAPACK's SVD and QR round
+    # differently on another one: LoRDO's bases, so its runs (docs/results.md section 12, part twenty-seven)
+    theirs, mine = earlier.get("machine", {}).get("torch_threads"), machine_info()["torch_threads"]
+    if theirs != mine:
+        raise SystemExit(f"--reference {path}: its runs had {theirs} torch threads, this one has {mine}, and "
+                         f"another thread count rounds SVD and QR differently: run with OMP_NUM_THREADS={theirs}, "
+                         "or run the baseline here")
     return {r["seed"]: r for r in earlier["rows"] if r["rung"] == rung}
 
 

@@ -792,7 +792,8 @@ def test_compression_ladder_quick(tmp_path):
 def test_compression_ladder_reference_stands_in_for_the_baseline(tmp_path):
     """`--reference` with `--baseline`: the reference's baseline rows are taken as they are (nothing trained
     for them) and the other rung is compared with them as in the run that made them; a reference from
-    another kernel set (its torch_cpu_capability edited) or with other baseline overrides is refused."""
+    another kernel set (its torch_cpu_capability edited), another torch thread count (SVD and QR round otherwise)
+    or with other baseline overrides is refused."""
     args = ("--method", "diloco", "--baseline", "fp32-average", "--rungs", "avg-relay-1bit")
     first = run_quick("compression_ladder.py", tmp_path, *args)
     ref = tmp_path / "reference.json"
@@ -804,6 +805,8 @@ def test_compression_ladder_reference_stands_in_for_the_baseline(tmp_path):
     assert [rows["fp32-average"], rows["avg-relay-1bit"]["ppl_vs_fp32"]] == [
         first["rows"][0], first["rows"][1]["ppl_vs_fp32"]]
     for edit, expected in ((lambda d: d["machine"].update(torch_cpu_capability="NO_AVX"), "ATEN_CPU_CAPABILITY"),
+                           (lambda d: d["machine"].update(torch_threads=d["machine"]["torch_threads"] + 1),
+                            f"OMP_NUM_THREADS={first['machine']['torch_threads'] + 1}"),
                            (lambda d: d["rows"][0]["overrides"].append("diloco_outer.lr=2.0"), "fp32-average row")):
         other = json.loads(json.dumps(first))
         edit(other)
