@@ -21,7 +21,8 @@ def test_pyproject_keys_and_defaults_match_the_app_config():
 def test_every_preset_composes_and_validates():
     presets = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
     assert {"quickstart", "paper-16m", "paper-125m", "paper-360m", "paper-720m", "diloco", "local-adam",
-            "desloc", "lordo-local", "sparseloco", "lordo-sparse", "diloco-sparse", "lordo-ramp"} <= set(presets)
+            "desloc", "lordo-local", "sparseloco", "lordo-sparse", "diloco-sparse", "diloco-relay",
+            "lordo-ramp"} <= set(presets)
     for name in presets:
         cfg = load_app_config({**pyproject_config(), "preset": name})
         assert cfg.num_rounds > 0, name
@@ -29,6 +30,11 @@ def test_every_preset_composes_and_validates():
     # the measured recipe: 256 rounds of 2 steps, then K = 32, int8, 2,048 steps (64 rounds of K = 32's tokens)
     assert (ramp.variant, ramp.rounds.local_steps_ramp, ramp.payload_dtype) == ("lordo_global", [2] * 256, "int8")
     assert (ramp.num_rounds, ramp.total_steps) == (304, 2048)
+    # issue 30's recipe as measured (the ladder's avg-relay-1bit-lrs at outer lr 1.3)
+    relay = load_app_config({**pyproject_config(), "preset": "diloco-relay"})
+    assert (relay.variant, relay.payload_dtype, relay.rounds.wire_ef_decay, relay.rounds.wire_ef_lr_scale,
+            relay.rounds.sparse_mean, relay.diloco_outer.name, relay.diloco_outer.lr) == (
+        "diloco", "topk1bit-relay", 0.9, True, "all", "average", 1.3)
 
 
 def test_precedence_defaults_then_preset_then_run_config():
