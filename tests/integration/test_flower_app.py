@@ -77,8 +77,7 @@ EXTENDED = pytest.mark.extended  # in the extended lane: the CI lane runs the ot
                                            pytest.param("lordo_global", {"preset": "lordo-sparse", "model-preset": "tiny",
                                                                          "rank": 4}, marks=EXTENDED),
                                            ("diloco", {"preset": "diloco-sparse", "payload-dtype": "topk2bit-relay"}),
-                                           pytest.param("diloco", {"preset": "diloco-sparse", "payload-dtype": "topk1bit-relay",
-                                                                   "wire-ef-lr-scale": True}, marks=EXTENDED)])
+                                           pytest.param("diloco", {"preset": "diloco-relay"}, marks=EXTENDED)])
 def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     """Baselines run through the same app by config: DiLoCo (AdamW, Nesterov outer, no state
     sync; here with SparseLoCo's wire: every tensor top-k 2-bit both ways, the server re-sparsifying
@@ -96,8 +95,8 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
     2-bit both ways, moments kept on the clients and the bases fitted by each client to the downlink's
     change (round 2's state carries no bases). The relay (`topk2bit-relay`, on `diloco-sparse`'s plain average):
     round 2's state carries round 1's top-k reply of the other client (each kept its own), and each client
-    replays the round to the server's θ; with 1-bit values (`topk1bit-relay`) and the residual scaled by the lr's
-    fall (`wire-ef-lr-scale`) too.
+    replays the round to the server's θ; the `diloco-relay` preset too: 1-bit values (`topk1bit-relay`) and the
+    residual scaled by the lr's fall (`wire-ef-lr-scale`).
     Plain LoRDO-Global on the data plane is the TLS deployment's (tests/integration/test_secure_deployment.py), and
     the `lowrank+topk2bit+rows` payload the deployment test's below, bit for bit."""
     run_config = tiny_run_config(tmp_path, variant=variant, **extra)
@@ -134,7 +133,8 @@ def test_simulation_matches_the_reference_trainer(tmp_path, variant, extra):
         plain = 4 * sum(t.numel() for t in reference.values())
         assert all(r["bytes_received_per_client"] < plain / 8 for r in records[1:]), records
         assert records[2]["bytes_sent_per_client"] < plain / 8, records
-    if extra.get("payload-dtype") in ("topk2bit-relay", "topk1bit-relay"):  # round 2: the other's reply, ~3% x (2 + 7) bits
+    if extra.get("payload-dtype") == "topk2bit-relay" or extra.get("preset") == "diloco-relay":
+        # round 2: the other's reply, ~3% x (2 + 7) bits
         plain = 4 * sum(t.numel() for t in reference.values())
         assert records[2]["bytes_sent_per_client"] < plain / 8 and records[1]["bytes_received_per_client"] < plain / 8
         # one reply down, not both (each client kept its own): about the largest reply of round 1, not twice it
