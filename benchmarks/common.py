@@ -14,6 +14,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -191,6 +192,13 @@ def print_rows(head: str, lines: Iterable[str]) -> None:
     print("-" * len(head))
     for line in lines:
         print(line)
+
+
+def stop_children_on_sigterm() -> None:
+    """Make SIGTERM (`kill`, `pkill`, a job's time limit) stop a benchmark the way Ctrl-C does: it raises
+    SystemExit in the main thread, so a `subprocess.run` waiting on a trainer kills and reaps it on the way
+    out. Without this the benchmark died at once and its trainer ran on, orphaned, taking a core."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def run_child(script: str | Path, spec: dict[str, Any], what: str, timeout: float,

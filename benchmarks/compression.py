@@ -68,10 +68,12 @@ from lordo_fed.wire.positions import expected_position_bytes
 from lordo_fed.wire.payload import PAYLOADS, resolve_payload
 
 try:
-    from benchmarks.common import GPT2_VOCAB, RANKS, make_parser, new_figure, png_path, result_header, write_json
+    from benchmarks.common import (GPT2_VOCAB, RANKS, make_parser, new_figure, png_path, result_header,
+                                   stop_children_on_sigterm, write_json)
     from benchmarks.communication import ModelShapes, _sync_period
 except ImportError:  # run as `python benchmarks/compression.py`
-    from common import GPT2_VOCAB, RANKS, make_parser, new_figure, png_path, result_header, write_json
+    from common import (GPT2_VOCAB, RANKS, make_parser, new_figure, png_path, result_header, stop_children_on_sigterm,
+                        write_json)
     from communication import ModelShapes, _sync_period
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -578,6 +580,7 @@ def main() -> None:
     parser.add_argument("--plot", default="", metavar="JSON", help="measure nothing: redraw the figure of a "
                         "result file next to it")
     args = parser.parse_args()
+    stop_children_on_sigterm()  # a killed run stops its trainer too
     if args.plot:
         plot(json.loads(Path(args.plot).read_text()), png_path(args.plot))
         print(f"wrote {png_path(args.plot)}")

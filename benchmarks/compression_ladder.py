@@ -44,11 +44,11 @@ from pathlib import Path
 
 try:
     from benchmarks.common import (host_of, machine_info, make_parser, new_figure, png_path, require_host,
-                                   result_header, write_json)
+                                   result_header, stop_children_on_sigterm, write_json)
     from benchmarks.compression import quality_run
 except ImportError:  # run as `python benchmarks/compression_ladder.py`
     from common import (host_of, machine_info, make_parser, new_figure, png_path, require_host, result_header,
-                        write_json)
+                        stop_children_on_sigterm, write_json)
     from compression import quality_run
 
 BASE = ("inner.ef_decay=0.9",)
@@ -176,6 +176,7 @@ def main() -> None:
                         "fp32 rows (with --baseline, its rows of that rung) stand in for this run's (the runs are "
                         "deterministic), no rerun")
     args = parser.parse_args()
+    stop_children_on_sigterm()  # a killed run stops its trainer too
     table, base = {"lordo_global": (RUNGS, BASE), "diloco": (DILOCO_RUNGS, ()),
                    "lordo_local": (LOCAL_RUNGS, BASE)}[args.method]
     rungs = args.rungs.split(",") if args.rungs else list(table)

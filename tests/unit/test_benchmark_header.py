@@ -76,3 +76,41 @@ def test_another_host_is_refused_naming_the_kernels_that_would_give_its_runs():
     with pytest.raises(ValueError, match=r"trained on \{'cpu_model': 'Other CPU'.*run it here$"):
         require_host({**mine, "cpu_model": "Other CPU", "torch_cpu_capability": "AVX2"}, mine, "x", "run it here",
                      verb="trained")
+
+
+@pytest.mark.parametrize("handled", [True, False])
+def test_a_benchmark_killed_by_sigterm_stops_the_trainer_it_waits_on(tmp_path, handled):
+    """`stop_children_on_sigterm`: a process waiting in `subprocess.run` on a child (as compression.quality_run
+    waits on the trainer) and killed with SIGTERM takes its child with it; without the handler the child runs on
+    (the control: the test can tell the two apart)."""
+    import os
+    import signal
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    parent = ("import subprocess, sys\n"
+              + ("from benchmarks.common import stop_children_on_sigterm\nstop_children_on_sigterm()\n" if handled else "")
+              + f"subprocess.run([sys.executable, '-c', {child!r}])\n")
+    proc = subprocess.Popen([sys.executable, "-c", parent], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert time.monotonic() < deadline and proc.poll() is None, "the child did not start"
+        time.sleep(0.05)
+    pid = int(pid_file.read_text())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == (128 + signal.SIGTERM if handled else -signal.SIGTERM)
+
+    def alive() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    try:
+        assert alive() is not handled
+    finally:
+        if alive():
+            os.kill(pid, signal.SIGKILL)
