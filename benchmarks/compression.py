@@ -149,11 +149,18 @@ def message_bytes(msg, ms: ModelShapes, payload: str) -> tuple[int, bool]:
     return len(data), False
 
 
+RELAY_M = 4
+"""Workers whose replies a relaying preset's state carries (`topk2bit-relay`, issue 30's option B: each
+worker replays the round, lordo_fed.rounds.relay). The state a node gets leaves out its own reply, which the
+node kept (`relay.for_worker`): the other M − 1 replies, each as the state's `relay` field carries it (Δ only:
+no moments, no metrics), and the two fields naming the one left out (`node_state`). (docs/results.md, section
+12, part nine, counted M = 8 with every reply in one state for all.)"""
+
+
 def bytes_table(presets: list[str], ks: list[int], factors: list[int], payloads: list[str],
-                states: tuple[str, ...] = ("synced",), relay_m: int = 0) -> list[dict]:
+                states: tuple[str, ...] = ("synced",), relay_m: int = RELAY_M) -> list[dict]:
     """Bytes per step of each preset x K x F x payload x state ('synced': SVD bases and the moments
-    as the method syncs them; the others: `STATES`); `relay_m`: a relaying preset's workers (0: `RELAY_M`)."""
-    relay_m = relay_m or RELAY_M
+    as the method syncs them; the others: `STATES`); `relay_m`: a relaying preset's workers (M)."""
     rows = []
     for preset in presets:
         ms = ModelShapes(preset, GPT2_VOCAB, RANKS[preset])
@@ -187,14 +194,6 @@ def bytes_table(presets: list[str], ks: list[int], factors: list[int], payloads:
                              **({"M": relay_m} if codecs is not None and codecs.relay else {})})
         del ms
     return rows
-
-
-RELAY_M = 4
-"""Workers whose replies a relaying preset's state carries (`topk2bit-relay`, issue 30's option B: each
-worker replays the round, lordo_fed.rounds.relay). The state a node gets leaves out its own reply, which the
-node kept (`relay.for_worker`): the other M − 1 replies, each as the state's `relay` field carries it (Δ only:
-no moments, no metrics), and the two fields naming the one left out (`node_state`). (docs/results.md, section
-12, part nine, counted M = 8 with every reply in one state for all.)"""
 
 
 def node_state(state: GlobalState, update: WorkerUpdate, workers: int = RELAY_M) -> GlobalState:

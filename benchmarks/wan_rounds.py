@@ -39,7 +39,7 @@ Needs root (network namespaces).
     sudo .venv/bin/python benchmarks/wan_rounds.py --presets --rounds 3 --out benchmarks/results/wan_presets.json
     sudo .venv/bin/python benchmarks/wan_rounds.py --relay --rounds 3 --out benchmarks/results/wan_relay.json  # ~15 min
     sudo .venv/bin/python benchmarks/wan_rounds.py --relay --pick 2,4 --rounds 3 ...  # two of them: relay, option A at 10 Mb/s
-    sudo .venv/bin/python benchmarks/wan_rounds.py --recipe --rounds 3 --out benchmarks/results/wan_recipe.json  # ~20 min
+    sudo .venv/bin/python benchmarks/wan_rounds.py --recipe --rounds 3 --out benchmarks/results/wan_recipe.json  # ~10 min
     sudo .venv/bin/python benchmarks/wan_rounds.py --quick    # tiny model, 2 nodes at 8 Mbit/s, overlapped, seconds
 Writes benchmarks/results/wan_rounds.json and .png.
 """
@@ -139,9 +139,10 @@ RELAY_CASES = [(2, "100mbit", "grpc", 4, 0, RELAY), (2, "100mbit", "grpc", 4, 3,
                (2, "10mbit", "grpc", 4, 0, {"preset": "diloco-sparse"})]
 """--relay: the relay on the 125m-size model (FULL_MODEL, K = 4) at 100 and 10 Mb/s, synchronous and
 overlapped (τ = 3), and `diloco-sparse` (option A, the server's re-sparsified change) at 10 Mb/s beside it."""
-RECIPE = {"preset": "diloco-sparse", "payload-dtype": "topk1bit-relay", "wire-ef-lr-scale": True}
+RECIPE = {"preset": "diloco-relay"}
 """--recipe: issue 30's recipe, the relay with 1-bit values and the residual scaled by the lr's fall
-(docs/results.md section 12, part twenty-five)."""
+(docs/results.md section 12, part twenty-five): `diloco-sparse` with payload-dtype=topk1bit-relay and
+wire-ef-lr-scale=true, as the preset carries it."""
 RECIPE_CASES = [(2, "100mbit", "grpc", 4, 0, RECIPE), (2, "100mbit", "grpc", 4, 3, RECIPE),
                 (2, "10mbit", "grpc", 4, 0, RECIPE), (2, "10mbit", "grpc", 4, 3, RECIPE),
                 (2, "10mbit", "grpc", 4, 0, RELAY), (2, "100mbit", "grpc", 4, 0, {})]
